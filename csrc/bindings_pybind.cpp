@@ -1,0 +1,165 @@
+// kvcache._native: the Python face of the native core. Takes raw addresses and integer
+// stream handles, never torch objects, so the module is independent of torch's C++ ABI.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "kvc.h"
+#include "kvc_cuda.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+kvc::TransferSpec make_spec(const IdArray& block_ids, const std::vector<uint64_t>& chunk_ptrs,
+                            int64_t blocks_per_chunk, int64_t last_chunk_blocks,
+                            int64_t skip_blocks, bool to_chunks) {
+  if (block_ids.ndim() != 1) throw std::invalid_argument("block_ids must be one-dimensional");
+  kvc::TransferSpec spec;
+  spec.block_ids = block_ids.data();
+  spec.n_blocks = block_ids.shape(0);
+  spec.chunk_ptrs = chunk_ptrs.data();
+  spec.n_chunks = static_cast<int64_t>(chunk_ptrs.size());
+  spec.blocks_per_chunk = blocks_per_chunk;
+  spec.last_chunk_blocks = last_chunk_blocks;
+  spec.skip_blocks = skip_blocks;
+  spec.to_chunks = to_chunks;
+  return spec;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvcache native core: layout table, CPU twin and CUDA block-copy kernels";
+
+  static py::exception<kvc::CudaUnavailable> cuda_unavailable(m, "CudaUnavailable",
+                                                              PyExc_RuntimeError);
+  static py::exception<kvc::BlockIdOutOfRange> block_out_of_range(m, "BlockIdOutOfRange",
+                                                                  PyExc_IndexError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const kvc::BlockIdOutOfRange& e) {
+      py::object err =
+          py::reinterpret_borrow<py::object>(block_out_of_range.ptr())(py::str(e.what()));
+      err.attr("position") = e.position;
+      err.attr("block_id") = e.block_id;
+      PyErr_SetObject(block_out_of_range.ptr(), err.ptr());
+    } catch (const kvc::CudaUnavailable& e) {
+      cuda_unavailable(e.what());
+    }
+  });
+
+  m.def(
+      "layout_table",
+      []() {
+        py::list rows;
+        for (const auto& r : kvc::layout_table()) {
+          py::dict d;
+          d["name"] = r.name;
+          d["id"] = r.id;
+          d["kv"] = r.kv;
+          d["depth"] = r.depth;
+          d["rank"] = r.rank;
+          rows.append(d);
+        }
+        return rows;
+      },
+      "Rows of csrc/layouts.def: name, id, kv, depth (list nesting), rank.");
+
+  m.def(
+      "page_placements",
+      [](int fmt, int64_t num_layers, int64_t num_blocks) {
+        int64_t stride = 0;
+        auto places = kvc::page_placements(fmt, num_layers, num_blocks, &stride);
+        py::list out;
+        for (const auto& p : places) out.append(py::make_tuple(p.tensor, p.offset_pages));
+        return py::make_tuple(out, stride);
+      },
+      py::arg("fmt"), py::arg("num_layers"), py::arg("num_blocks"),
+      "([(tensor index, page offset) per layer*kv + k], block stride in pages).");
+
+  m.def("expected_num_tensors", &kvc::expected_num_tensors, py::arg("fmt"),
+        py::arg("num_layers"));
+
+  py::class_<kvc::PageTable>(m, "PageTable")
+      .def(py::init(&kvc::make_page_table), py::arg("fmt"), py::arg("num_layers"),
+           py::arg("num_blocks"), py::arg("page_bytes"), py::arg("tensor_ptrs"))
+      .def_readonly("fmt", &kvc::PageTable::fmt)
+      .def_readonly("num_layers", &kvc::PageTable::num_layers)
+      .def_readonly("kv", &kvc::PageTable::kv)
+      .def_readonly("num_blocks", &kvc::PageTable::num_blocks)
+      .def_readonly("page_bytes", &kvc::PageTable::page_bytes)
+      .def_readonly("block_stride_bytes", &kvc::PageTable::block_stride_bytes)
+      .def_readonly("base", &kvc::PageTable::base);
+
+  m.def(
+      "validate",
+      [](const kvc::PageTable& table, const IdArray& block_ids,
+         const std::vector<uint64_t>& chunk_ptrs, int64_t blocks_per_chunk,
+         int64_t last_chunk_blocks, int64_t skip_blocks) {
+        kvc::validate(table, make_spec(block_ids, chunk_ptrs, blocks_per_chunk,
+                                       last_chunk_blocks, skip_blocks, true));
+      },
+      py::arg("table"), py::arg("block_ids"), py::arg("chunk_ptrs"),
+      py::arg("blocks_per_chunk"), py::arg("last_chunk_blocks"), py::arg("skip_blocks"));
+
+  m.def(
+      "cpu_copy",
+      [](const kvc::PageTable& table, const IdArray& block_ids,
+         const std::vector<uint64_t>& chunk_ptrs, int64_t blocks_per_chunk,
+         int64_t last_chunk_blocks, int64_t skip_blocks, bool to_chunks, int num_threads) {
+        auto spec = make_spec(block_ids, chunk_ptrs, blocks_per_chunk, last_chunk_blocks,
+                              skip_blocks, to_chunks);
+        py::gil_scoped_release release;
+        kvc::cpu_copy(table, spec, num_threads);
+      },
+      py::arg("table"), py::arg("block_ids"), py::arg("chunk_ptrs"),
+      py::arg("blocks_per_chunk"), py::arg("last_chunk_blocks"), py::arg("skip_blocks"),
+      py::arg("to_chunks"), py::arg("num_threads") = 0,
+      "Copy pages between engine blocks and chunks on the CPU; releases the GIL.");
+
+  m.def(
+      "parallel_memcpy",
+      [](uint64_t dst, uint64_t src, int64_t nbytes, int num_threads) {
+        py::gil_scoped_release release;
+        kvc::parallel_memcpy(dst, src, nbytes, num_threads);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads") = 0,
+      "The CPU ceiling for benchmarks: memcpy of the same bytes with the same threads.");
+
+  m.def("copy_unit_bytes", [](const kvc::PageTable& t, const std::vector<uint64_t>& chunks) {
+    return kvc::copy_unit_bytes(t, chunks.data(), static_cast<int64_t>(chunks.size()));
+  });
+  m.def("monotonic_ns", &kvc::monotonic_ns, "CLOCK_MONOTONIC in ns (the stream-event clock).");
+  m.def("cuda_compiled", &kvc::cuda_compiled, "True when the CUDA kernels were built.");
+  m.def("cuda_device_count", &kvc::cuda_device_count,
+        "Visible CUDA devices; 0 without a driver. Never raises.");
+
+  py::class_<kvc::CudaTransfer>(m, "CudaTransfer")
+      .def(py::init<const kvc::PageTable&, int, int64_t, int64_t>(), py::arg("table"),
+           py::arg("device"), py::arg("max_block_ids"), py::arg("max_chunks"))
+      .def(
+          "copy",
+          [](kvc::CudaTransfer& self, const IdArray& block_ids,
+             const std::vector<uint64_t>& chunk_ptrs, int64_t blocks_per_chunk,
+             int64_t last_chunk_blocks, int64_t skip_blocks, bool to_chunks, uint64_t stream) {
+            auto spec = make_spec(block_ids, chunk_ptrs, blocks_per_chunk, last_chunk_blocks,
+                                  skip_blocks, to_chunks);
+            py::gil_scoped_release release;
+            self.copy(spec, stream);
+          },
+          py::arg("block_ids"), py::arg("chunk_ptrs"), py::arg("blocks_per_chunk"),
+          py::arg("last_chunk_blocks"), py::arg("skip_blocks"), py::arg("to_chunks"),
+          py::arg("stream"))
+      .def_property_readonly("max_block_ids", &kvc::CudaTransfer::max_block_ids)
+      .def_property_readonly("last_copy_unit", &kvc::CudaTransfer::last_copy_unit);
+
+  py::class_<kvc::HostEventQueue>(m, "HostEventQueue")
+      .def(py::init<>())
+      .def("record", &kvc::HostEventQueue::record, py::arg("stream"), py::arg("token"),
+           "Enqueue a host function on the stream that stamps (token, monotonic ns).")
+      .def("drain", &kvc::HostEventQueue::drain, "Take every (token, ns) recorded so far.");
+}

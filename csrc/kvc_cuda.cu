@@ -1,0 +1,249 @@
+// CUDA kernels that copy engine KV pages to kvcache chunks and back, by block id.
+//
+// One launch moves every page of every chunk: grid.x walks the block list (after the
+// skipped prefix), grid.y walks (layer, kv). The kernels move bytes and never look at
+// dtype; the launcher picks the widest unit (16, 4, 2, 1 bytes) that divides the page,
+// the block stride and every address.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include "kvc_cuda.h"
+
+namespace kvc {
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::ostringstream msg;
+    msg << what << ": " << cudaGetErrorString(err);
+    throw std::runtime_error(msg.str());
+  }
+}
+
+// Streaming loads/stores (evict-first): chunk traffic is touched once, so keep it out
+// of L2 where the engine's working set lives.
+template <typename T>
+__device__ __forceinline__ T load_stream(const T* p) { return __ldcs(p); }
+template <typename T>
+__device__ __forceinline__ void store_stream(T* p, T v) { __stcs(p, v); }
+
+// grid: (n_blocks - skip_blocks, num_layers * kv); block: up to 256 threads, one page.
+template <typename VecT, bool kToChunks>
+__global__ void copy_pages_kernel(
+    const uint64_t* __restrict__ page_base,   // [num_layers * kv] block 0 page of (l, k)
+    const int64_t* __restrict__ block_ids,    // [n_blocks]
+    const uint64_t* __restrict__ chunk_ptrs,  // [n_chunks] chunk [kv, NL, T, NH*HS]
+    int64_t skip_blocks, int64_t blocks_per_chunk, int64_t last_chunk_blocks,
+    int64_t n_chunks, int64_t num_layers, int64_t kv, int64_t block_stride_bytes,
+    int64_t page_bytes) {
+  const int64_t j = skip_blocks + static_cast<int64_t>(blockIdx.x);
+  const int64_t lk = blockIdx.y;
+  const int64_t l = lk / kv;
+  const int64_t k = lk % kv;
+  const int64_t c = j / blocks_per_chunk;
+  const int64_t in_chunk = j % blocks_per_chunk;
+  const int64_t chunk_blocks = (c == n_chunks - 1) ? last_chunk_blocks : blocks_per_chunk;
+
+  char* engine = reinterpret_cast<char*>(page_base[lk]) + block_ids[j] * block_stride_bytes;
+  char* chunk = reinterpret_cast<char*>(chunk_ptrs[c]) +
+                ((k * num_layers + l) * chunk_blocks + in_chunk) * page_bytes;
+  const VecT* src = reinterpret_cast<const VecT*>(kToChunks ? engine : chunk);
+  VecT* dst = reinterpret_cast<VecT*>(kToChunks ? chunk : engine);
+  const int64_t n = page_bytes / static_cast<int64_t>(sizeof(VecT));
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    store_stream(dst + i, load_stream(src + i));
+  }
+}
+
+template <typename VecT>
+void launch(bool to_chunks, dim3 grid, dim3 block, cudaStream_t stream, const uint64_t* base,
+            const int64_t* ids, const uint64_t* chunks, const TransferSpec& s,
+            const PageTable& t) {
+  if (to_chunks) {
+    copy_pages_kernel<VecT, true><<<grid, block, 0, stream>>>(
+        base, ids, chunks, s.skip_blocks, s.blocks_per_chunk, s.last_chunk_blocks, s.n_chunks,
+        t.num_layers, t.kv, t.block_stride_bytes, t.page_bytes);
+  } else {
+    copy_pages_kernel<VecT, false><<<grid, block, 0, stream>>>(
+        base, ids, chunks, s.skip_blocks, s.blocks_per_chunk, s.last_chunk_blocks, s.n_chunks,
+        t.num_layers, t.kv, t.block_stride_bytes, t.page_bytes);
+  }
+}
+
+}  // namespace
+
+bool cuda_compiled() { return true; }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+struct CudaTransfer::Impl {
+  uint64_t* d_base = nullptr;
+  int64_t* d_ids = nullptr;
+  uint64_t* d_chunks = nullptr;
+  char* h_staging = nullptr;           // pinned: [max ids int64][max chunks uint64]
+  cudaEvent_t staging_free = nullptr;  // the last H2D copy out of h_staging has finished
+  cudaEvent_t kernel_done = nullptr;   // the last kernel reading d_ids/d_chunks has finished
+  std::mutex mu;                       // one copy at a time owns the staging buffers
+};
+
+CudaTransfer::CudaTransfer(const PageTable& table, int device, int64_t max_block_ids,
+                           int64_t max_chunks)
+    : table_(table), device_(device), max_block_ids_(max_block_ids), max_chunks_(max_chunks) {
+  if (cuda_device_count() <= device) {
+    throw CudaUnavailable("no CUDA device " + std::to_string(device) + " is visible");
+  }
+  check(cudaSetDevice(device), "cudaSetDevice");
+  impl_ = new Impl();
+  const size_t base_bytes = table.base.size() * sizeof(uint64_t);
+  const size_t id_bytes = static_cast<size_t>(max_block_ids) * sizeof(int64_t);
+  const size_t chunk_bytes = static_cast<size_t>(max_chunks) * sizeof(uint64_t);
+  check(cudaMalloc(&impl_->d_base, base_bytes), "cudaMalloc(page table)");
+  check(cudaMemcpy(impl_->d_base, table.base.data(), base_bytes, cudaMemcpyHostToDevice),
+        "cudaMemcpy(page table)");
+  check(cudaMalloc(&impl_->d_ids, id_bytes), "cudaMalloc(block ids)");
+  check(cudaMalloc(&impl_->d_chunks, chunk_bytes), "cudaMalloc(chunk pointers)");
+  check(cudaHostAlloc(reinterpret_cast<void**>(&impl_->h_staging), id_bytes + chunk_bytes,
+                      cudaHostAllocDefault),
+        "cudaHostAlloc(staging)");
+  check(cudaEventCreateWithFlags(&impl_->staging_free, cudaEventDisableTiming),
+        "cudaEventCreate");
+  check(cudaEventCreateWithFlags(&impl_->kernel_done, cudaEventDisableTiming),
+        "cudaEventCreate");
+}
+
+CudaTransfer::~CudaTransfer() {
+  if (impl_ == nullptr) return;
+  cudaSetDevice(device_);
+  cudaEventSynchronize(impl_->kernel_done);
+  cudaFree(impl_->d_base);
+  cudaFree(impl_->d_ids);
+  cudaFree(impl_->d_chunks);
+  cudaFreeHost(impl_->h_staging);
+  cudaEventDestroy(impl_->staging_free);
+  cudaEventDestroy(impl_->kernel_done);
+  delete impl_;
+}
+
+void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
+  validate(table_, spec);
+  if (spec.n_blocks > max_block_ids_) {
+    throw std::invalid_argument("more block ids than the context's max_block_ids (" +
+                                std::to_string(max_block_ids_) + ")");
+  }
+  if (spec.n_chunks > max_chunks_) {
+    throw std::invalid_argument("more chunks than the context's staging holds (" +
+                                std::to_string(max_chunks_) + ")");
+  }
+  const int64_t todo = spec.n_blocks - spec.skip_blocks;
+  if (todo == 0) return;
+  if (table_.num_layers * table_.kv > 65535) {
+    throw std::invalid_argument("num_layers * kv exceeds the grid's y limit (65535)");
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  std::lock_guard<std::mutex> guard(impl_->mu);
+  check(cudaSetDevice(device_), "cudaSetDevice");
+
+  // The host may only rewrite the pinned staging once the previous upload left it; the
+  // device buffers may only be overwritten once the previous kernel stopped reading them.
+  check(cudaEventSynchronize(impl_->staging_free), "cudaEventSynchronize(staging)");
+  const size_t id_bytes = static_cast<size_t>(spec.n_blocks) * sizeof(int64_t);
+  const size_t chunk_bytes = static_cast<size_t>(spec.n_chunks) * sizeof(uint64_t);
+  char* h_ids = impl_->h_staging;
+  char* h_chunks = impl_->h_staging + static_cast<size_t>(max_block_ids_) * sizeof(int64_t);
+  std::memcpy(h_ids, spec.block_ids, id_bytes);
+  std::memcpy(h_chunks, spec.chunk_ptrs, chunk_bytes);
+  check(cudaStreamWaitEvent(stream, impl_->kernel_done, 0), "cudaStreamWaitEvent");
+  check(cudaMemcpyAsync(impl_->d_ids, h_ids, id_bytes, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(block ids)");
+  check(cudaMemcpyAsync(impl_->d_chunks, h_chunks, chunk_bytes, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(chunk pointers)");
+  check(cudaEventRecord(impl_->staging_free, stream), "cudaEventRecord(staging)");
+
+  const int unit = copy_unit_bytes(table_, spec.chunk_ptrs, spec.n_chunks);
+  last_unit_ = unit;
+  const int64_t vecs = table_.page_bytes / unit;
+  const dim3 grid(static_cast<unsigned>(todo), static_cast<unsigned>(table_.num_layers * table_.kv));
+  const dim3 block(static_cast<unsigned>(std::min<int64_t>(256, std::max<int64_t>(32, vecs))));
+  switch (unit) {
+    case 16:
+      launch<int4>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
+                   impl_->d_chunks, spec, table_);
+      break;
+    case 4:
+      launch<unsigned int>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
+                           impl_->d_chunks, spec, table_);
+      break;
+    case 2:
+      launch<unsigned short>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
+                             impl_->d_chunks, spec, table_);
+      break;
+    default:
+      launch<unsigned char>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
+                            impl_->d_chunks, spec, table_);
+  }
+  check(cudaGetLastError(), "copy_pages_kernel launch");
+  check(cudaEventRecord(impl_->kernel_done, stream), "cudaEventRecord(kernel)");
+}
+
+// -- host-recorded stream events -------------------------------------------------------
+
+struct HostEventQueue::State {
+  std::mutex mu;
+  std::vector<std::pair<int64_t, int64_t>> done;
+};
+
+namespace {
+struct PendingEvent {
+  HostEventQueue::State* state;
+  int64_t token;
+};
+
+// Runs on a CUDA driver thread: no Python, no GIL, no CUDA calls; just a mutex and a push.
+void CUDART_CB on_stream_point(void* arg) {
+  auto* pending = static_cast<PendingEvent*>(arg);
+  {
+    std::lock_guard<std::mutex> guard(pending->state->mu);
+    pending->state->done.emplace_back(pending->token, monotonic_ns());
+  }
+  delete pending;
+}
+}  // namespace
+
+HostEventQueue::HostEventQueue() : state_(new State()) {}
+
+HostEventQueue::~HostEventQueue() {
+  // Callbacks still queued on a stream hold state_: leak it rather than free it under them.
+  if (cuda_device_count() == 0) delete state_;
+}
+
+void HostEventQueue::record(uint64_t stream, int64_t token) {
+  if (cuda_device_count() == 0) throw CudaUnavailable("no CUDA device is visible");
+  auto* pending = new PendingEvent{state_, token};
+  const cudaError_t err =
+      cudaLaunchHostFunc(reinterpret_cast<cudaStream_t>(stream), on_stream_point, pending);
+  if (err != cudaSuccess) {
+    delete pending;
+    check(err, "cudaLaunchHostFunc");
+  }
+}
+
+std::vector<std::pair<int64_t, int64_t>> HostEventQueue::drain() {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  std::lock_guard<std::mutex> guard(state_->mu);
+  out.swap(state_->done);
+  return out;
+}
+
+}  // namespace kvc

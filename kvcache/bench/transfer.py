@@ -1,0 +1,203 @@
+"""Transfer benchmark: block-id copies for every layout against the physical ceiling.
+
+In one run, for each layout, it times the native copy in both directions and, on the
+same bytes and threads, the ceiling (CPU: one parallel memcpy of a contiguous buffer;
+GPU: pinned ``cudaMemcpyAsync`` for host chunks and device-to-device memcpy for device
+chunks) and the "what a user would write" baseline (``torch.index_select`` per layer).
+Reports GB/s and the ratio to the ceiling; never asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcache import _native
+from kvcache.context import GPUCacheContext
+from kvcache.layouts import GPUKVFormat
+from kvcache.reference import page_view
+from kvcache.testing import ENGINE_OF, make_kv_caches
+
+
+MLA_FORMATS = (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS)
+
+
+def _touch(caches: object) -> None:
+    if isinstance(caches, torch.Tensor):
+        caches.view(torch.uint8).fill_(1)
+        return
+    for part in caches:  # type: ignore[attr-defined]
+        _touch(part)
+
+
+def _time(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up
+    sync()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _index_select_baseline(
+    ctx: GPUCacheContext, caches: object, ids: torch.Tensor, out: torch.Tensor
+) -> Callable[[], None]:
+    """Per (layer, kv): index_select the blocks, then copy into the chunk buffer."""
+    views = [
+        (kv, layer, page_view(caches, ctx.format, ctx.shape, layer, kv))  # type: ignore[arg-type]
+        for kv in range(ctx.kv_count)
+        for layer in range(ctx.num_layers)
+    ]
+
+    def run() -> None:
+        for kv, layer, view in views:
+            out[kv, layer].copy_(view.index_select(0, ids).flatten(0, 1), non_blocking=True)
+
+    return run
+
+
+def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> list[dict[str, object]]:
+    rng = np.random.default_rng(args.seed)
+    caches = make_kv_caches(
+        fmt,
+        num_layers=args.layers,
+        num_blocks=args.blocks,
+        block_size=args.block_size,
+        num_heads=args.heads,
+        head_size=args.mla_head_size if fmt in MLA_FORMATS else args.head_size,
+        dtype=torch.bfloat16,
+        device=device,
+        fill=False,
+    )
+    _touch(caches)  # fault every page in: untouched memory reads as the shared zero page
+    ctx = GPUCacheContext(
+        caches, chunk_size=args.chunk_size, engine=ENGINE_OF[fmt], block_size=args.block_size,
+        num_threads=args.threads,
+    )
+    n_blocks = args.chunks * ctx.blocks_per_chunk
+    ids_np = rng.choice(args.blocks, size=n_blocks, replace=False).astype(np.int64)
+    nbytes = ctx.chunk_nbytes(args.chunk_size) * args.chunks
+    rows: list[dict[str, object]] = []
+    if device == "cpu":
+        places = [("cpu", "cpu", False)]
+        sync: Callable[[], None] = lambda: None  # noqa: E731
+    else:
+        places = [("pinned-host", "cpu", True), ("device", device, False)]
+        sync = torch.cuda.synchronize
+    for place, chunk_device, pin in places:
+        chunks = ctx.allocate_chunks(args.chunks, device=chunk_device, pin_memory=pin)
+        big = torch.empty(nbytes, dtype=torch.uint8, device=chunk_device, pin_memory=pin)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if device == "cpu":
+            src.fill_(1)
+            big.fill_(1)
+        for c in chunks:
+            c.view(torch.uint8).fill_(1)
+
+            def ceiling_store() -> None:
+                _native.parallel_memcpy(big.data_ptr(), src.data_ptr(), nbytes, args.threads)
+
+            ceiling_load = ceiling_store
+        else:
+
+            def ceiling_store() -> None:
+                big.copy_(src, non_blocking=True)
+
+            def ceiling_load() -> None:
+                src.copy_(big, non_blocking=True)
+
+        t_store = _time(lambda: ctx.copy_to_chunks(ids_np, chunks), args.reps, sync)
+        t_load = _time(lambda: ctx.copy_from_chunks(chunks, ids_np), args.reps, sync)
+        t_ceil_store = _time(ceiling_store, args.reps, sync)
+        t_ceil_load = _time(ceiling_load, args.reps, sync)
+        out = torch.empty(
+            (ctx.kv_count, ctx.num_layers, n_blocks * ctx.block_size, ctx.num_heads * ctx.head_size),
+            dtype=ctx.dtype, device=chunk_device, pin_memory=pin,
+        )
+        baseline = _index_select_baseline(ctx, caches, torch.as_tensor(ids_np, device=device), out)
+        t_base = _time(baseline, args.reps, sync)
+        for direction, t, ceil in (("store", t_store, t_ceil_store), ("load", t_load, t_ceil_load)):
+            rows.append({
+                "layout": fmt.name,
+                "chunks_in": place,
+                "direction": direction,
+                "bytes": nbytes,
+                "kernel_gbps": nbytes / t / 1e9,
+                "ceiling_gbps": nbytes / ceil / 1e9,
+                "ratio_to_ceiling": ceil / t,
+                "index_select_gbps": nbytes / t_base / 1e9 if direction == "store" else None,
+            })
+    return rows
+
+
+def _print_table(rows: list[dict[str, object]]) -> None:
+    head = f"{'layout':<24} {'chunks':<12} {'dir':<6} {'MiB':>7} {'GB/s':>7} {'ceil GB/s':>9} {'ratio':>6} {'idx_sel':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        base = r["index_select_gbps"]
+        print(
+            f"{r['layout']!s:<24} {r['chunks_in']!s:<12} {r['direction']!s:<6} "
+            f"{int(r['bytes']) / 2**20:>7.0f} {float(r['kernel_gbps']):>7.2f} "  # type: ignore[arg-type]
+            f"{float(r['ceiling_gbps']):>9.2f} {float(r['ratio_to_ceiling']):>6.2f} "  # type: ignore[arg-type]
+            f"{'' if base is None else f'{float(base):.2f}':>7}"  # type: ignore[arg-type]
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvcache.bench transfer", description=__doc__)
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when usable)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--mla-head-size", type=int, default=576, help="latent width for MLA layouts")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=1024, help="blocks in the engine cache")
+    p.add_argument("--chunks", type=int, default=8, help="chunks per copy")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layouts", default="all", help="comma-separated GPUKVFormat names")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    p.add_argument("--out", type=Path, default=None, help="write JSON results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.blocks, args.chunks, args.reps = 8, 512, 8, 3
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and _native.cuda_compiled() else "cpu"
+    fmts = list(GPUKVFormat) if args.layouts == "all" else [GPUKVFormat[n] for n in args.layouts.split(",")]
+    rows: list[dict[str, object]] = []
+    for fmt in fmts:
+        rows.extend(bench_layout(fmt, args, device))
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "cpu_threads": args.threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+    }
+    print(f"transfer benchmark on {device} ({env['device']}), bf16, {args.layers} layers, "
+          f"{args.heads}x{args.head_size} heads, block {args.block_size}, chunk {args.chunk_size}")
+    _print_table(rows)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"env": env, "results": rows}, indent=2, default=str))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Every exception kvcache raises, in one tree.
+
+Each error also derives from the matching builtin, so callers that already catch
+``IndexError`` or ``ValueError`` keep working::
+
+    KvcacheError
+    ├── LayoutError (ValueError)          unknown or ambiguous KV layout, bad registration
+    ├── BlockIdError (IndexError)         a block id outside [0, num_blocks)
+    ├── ChunkMismatchError (ValueError)   chunk tensors that do not fit the registered cache
+    ├── CudaUnavailableError (RuntimeError)  a CUDA path on a build or machine without CUDA
+    ├── StorageError (RuntimeError)       a tier failed (disk, Redis); translated at the adapter edge
+    │   └── CorruptChunkError             a stored chunk failed its header or checksum check
+    ├── UnknownInstanceError (KeyError)   a request names an instance that never registered
+    └── ProtocolError (ValueError)        a daemon message that cannot be decoded or is of another version
+"""
+
+from __future__ import annotations
+
+
+class KvcacheError(Exception):
+    """Root of every error kvcache raises."""
+
+
+class LayoutError(KvcacheError, ValueError):
+    """The KV tensors do not match any known layout, or match more than one."""
+
+
+class BlockIdError(KvcacheError, IndexError):
+    """A block id lies outside ``[0, num_blocks)``; nothing was copied."""
+
+
+class ChunkMismatchError(KvcacheError, ValueError):
+    """Chunk tensors disagree with the registered cache (shape, dtype, device, count)."""
+
+
+class CudaUnavailableError(KvcacheError, RuntimeError):
+    """A CUDA path was asked for on a build or machine without CUDA."""
+
+
+class StorageError(KvcacheError, RuntimeError):
+    """A storage tier failed; the engine treats it as a miss and counts it."""
+
+
+class CorruptChunkError(StorageError):
+    """A stored chunk failed validation (header, size or checksum) and was discarded."""
+
+
+class UnknownInstanceError(KvcacheError, KeyError):
+    """A request named an engine instance that is not registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown instance"
+
+
+class ProtocolError(KvcacheError, ValueError):
+    """A wire message could not be decoded, or speaks another protocol version."""
+
+
+__all__ = [
+    "BlockIdError",
+    "ChunkMismatchError",
+    "CorruptChunkError",
+    "CudaUnavailableError",
+    "KvcacheError",
+    "LayoutError",
+    "ProtocolError",
+    "StorageError",
+    "UnknownInstanceError",
+]

@@ -1,0 +1,210 @@
+"""The six engine KV layouts kvcache understands, and how to recognise them.
+
+This is the Python view of ``csrc/layouts.def``: the stride rules live only there (the
+native ``PageTable`` evaluates them); this module mirrors each row's id, K/V count, list
+nesting and tensor rank for shape detection, and ``tests/test_layouts.py`` checks the
+mirror against ``kvcache._native.layout_table()``.
+
+``_X_`` in a name marks a Python list dimension. NL layers, NB blocks, BS block size
+(tokens), NH KV heads, HS head size (the latent width for MLA).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.errors import LayoutError
+
+# What an engine hands over: one tensor, a list of tensors, or [K_list, V_list].
+KVCaches = torch.Tensor | Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]]
+
+
+class GPUKVFormat(enum.IntEnum):
+    """Engine KV layouts; values are the stable ids of ``csrc/layouts.def``."""
+
+    NB_NL_TWO_BS_NH_HS = 0  # vLLM cross-layer: one tensor [NB, NL, 2, BS, NH, HS]
+    NL_X_TWO_NB_BS_NH_HS = 1  # vLLM FlashAttention: NL x [2, NB, BS, NH, HS]
+    NL_X_NB_TWO_BS_NH_HS = 2  # vLLM FlashInfer: NL x [NB, 2, BS, NH, HS]
+    NL_X_NB_BS_HS = 3  # vLLM MLA: NL x [NB, BS, HS]
+    TWO_X_NL_X_NBBS_NH_HS = 4  # SGLang MHA: [K_list, V_list], each NL x [NB*BS, NH, HS]
+    NL_X_NBBS_ONE_HS = 5  # SGLang MLA: NL x [NB*BS, 1, HS]
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """One row of the layout table as Python needs it for detection."""
+
+    kv: int  # 2 = K and V, 1 = MLA latent
+    depth: int  # list nesting of the engine object
+    rank: int  # rank of each tensor
+
+
+LAYOUT_ROWS: dict[GPUKVFormat, LayoutRow] = {
+    GPUKVFormat.NB_NL_TWO_BS_NH_HS: LayoutRow(kv=2, depth=0, rank=6),
+    GPUKVFormat.NL_X_TWO_NB_BS_NH_HS: LayoutRow(kv=2, depth=1, rank=5),
+    GPUKVFormat.NL_X_NB_TWO_BS_NH_HS: LayoutRow(kv=2, depth=1, rank=5),
+    GPUKVFormat.NL_X_NB_BS_HS: LayoutRow(kv=1, depth=1, rank=3),
+    GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS: LayoutRow(kv=2, depth=2, rank=3),
+    GPUKVFormat.NL_X_NBBS_ONE_HS: LayoutRow(kv=1, depth=1, rank=3),
+}
+
+ENGINES = ("vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Geometry of a registered cache: everything the copy needs besides addresses."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_size: int
+    element_size: int
+    kv_count: int
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one (layer, kv) pair: contiguous in every layout."""
+        return self.block_size * self.num_heads * self.head_size * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_count * self.num_layers * self.num_heads * self.head_size * self.element_size
+
+
+def flatten_tensors(kv_caches: KVCaches, fmt: GPUKVFormat) -> list[torch.Tensor]:
+    """The engine tensors in the table's TENSOR order (SGLang MHA: all K, then all V)."""
+    depth = LAYOUT_ROWS[fmt].depth
+    if depth == 0:
+        if not isinstance(kv_caches, torch.Tensor):
+            raise LayoutError(f"{fmt.name} takes one tensor, got {type(kv_caches).__name__}")
+        return [kv_caches]
+    if isinstance(kv_caches, torch.Tensor):
+        raise LayoutError(f"{fmt.name} takes a list of tensors, got a single tensor")
+    if depth == 1:
+        tensors = [t for t in kv_caches if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(kv_caches):
+            raise LayoutError(f"{fmt.name} takes a list of tensors")
+        return tensors
+    parts = list(kv_caches)
+    if len(parts) != 2 or any(isinstance(p, torch.Tensor) for p in parts):
+        raise LayoutError(f"{fmt.name} takes [K_list, V_list]")
+    k_list, v_list = (list(p) for p in parts)
+    if len(k_list) != len(v_list):
+        raise LayoutError(f"K has {len(k_list)} layers but V has {len(v_list)}")
+    return [*k_list, *v_list]
+
+
+def _depth(kv_caches: KVCaches) -> int:
+    if isinstance(kv_caches, torch.Tensor):
+        return 0
+    items = list(kv_caches)
+    if not items:
+        raise LayoutError("empty KV cache list")
+    if all(isinstance(t, torch.Tensor) for t in items):
+        return 1
+    if all(not isinstance(t, torch.Tensor) for t in items):
+        return 2
+    raise LayoutError("KV cache list mixes tensors and lists")
+
+
+def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> GPUKVFormat:
+    """Recognise the layout from list nesting, rank and the position of the K/V axis.
+
+    Raises LayoutError for anything else, and for the one true ambiguity: a vLLM
+    FlashAttention/FlashInfer cache with exactly two blocks, where both K/V axes read 2
+    (pass ``fmt`` explicitly there).
+    """
+    if engine not in ENGINES:
+        raise LayoutError(f"engine must be one of {ENGINES}, not {engine!r}")
+    depth = _depth(kv_caches)
+    if depth == 0:
+        t = kv_caches
+        assert isinstance(t, torch.Tensor)
+        if engine == "vllm" and t.dim() == 6 and t.shape[2] == 2:
+            return GPUKVFormat.NB_NL_TWO_BS_NH_HS
+        raise LayoutError(
+            f"a single {engine} KV tensor must be [NB, NL, 2, BS, NH, HS]; got {tuple(t.shape)}"
+        )
+    if depth == 2:
+        if engine == "sglang":
+            inner = next(iter(kv_caches))
+            first = next(iter(inner))
+            if isinstance(first, torch.Tensor) and first.dim() == 3:
+                return GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS
+        raise LayoutError(f"[K_list, V_list] of [NB*BS, NH, HS] tensors is SGLang MHA only ({engine=})")
+    first = next(iter(kv_caches))
+    assert isinstance(first, torch.Tensor)
+    shape = tuple(first.shape)
+    if engine == "sglang":
+        if first.dim() == 3 and shape[1] == 1:
+            return GPUKVFormat.NL_X_NBBS_ONE_HS
+        raise LayoutError(f"SGLang layer tensors must be [NB*BS, 1, HS] (MLA); got {shape}")
+    if first.dim() == 3:
+        return GPUKVFormat.NL_X_NB_BS_HS
+    if first.dim() == 5:
+        kv_first, kv_second = shape[0] == 2, shape[1] == 2
+        if kv_first and kv_second:
+            raise LayoutError(
+                f"layer shape {shape} fits both FlashAttention [2, NB, ...] and FlashInfer "
+                "[NB, 2, ...] (NB == 2): pass fmt= explicitly"
+            )
+        if kv_first:
+            return GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+        if kv_second:
+            return GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+    raise LayoutError(
+        f"unrecognised vLLM layer tensor shape {shape}: expected [2, NB, BS, NH, HS], "
+        "[NB, 2, BS, NH, HS] or [NB, BS, HS]"
+    )
+
+
+def describe(tensors: Sequence[torch.Tensor], fmt: GPUKVFormat, block_size: int | None = None) -> KVShape:
+    """Read NL, NB, BS, NH, HS from tensors already flattened by ``flatten_tensors``."""
+    row = LAYOUT_ROWS[fmt]
+    if not tensors:
+        raise LayoutError("no KV tensors")
+    shape = tuple(tensors[0].shape)
+    if len(shape) != row.rank:
+        raise LayoutError(f"{fmt.name} needs rank-{row.rank} tensors, got shape {shape}")
+    esize = tensors[0].element_size()
+    n = len(tensors)
+    if fmt is GPUKVFormat.NB_NL_TWO_BS_NH_HS:
+        nb, nl, _, bs, nh, hs = shape
+    elif fmt is GPUKVFormat.NL_X_TWO_NB_BS_NH_HS:
+        nl, (_, nb, bs, nh, hs) = n, shape
+    elif fmt is GPUKVFormat.NL_X_NB_TWO_BS_NH_HS:
+        nl, (nb, _, bs, nh, hs) = n, shape
+    elif fmt is GPUKVFormat.NL_X_NB_BS_HS:
+        nl, nh, (nb, bs, hs) = n, 1, shape
+    else:
+        if block_size is None:
+            raise LayoutError(f"{fmt.name} flattens NB*BS: block_size is required")
+        nl = n // 2 if fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS else n
+        nbbs, nh, hs = shape
+        if block_size <= 0 or nbbs % block_size:
+            raise LayoutError(f"{nbbs} token slots are not a whole number of {block_size}-token blocks")
+        nb, bs = nbbs // block_size, block_size
+    if block_size is not None and block_size != bs:
+        raise LayoutError(f"block_size={block_size} disagrees with the tensors' block size {bs}")
+    if fmt in (GPUKVFormat.NB_NL_TWO_BS_NH_HS,) and shape[2] != 2:
+        raise LayoutError(f"{fmt.name}: the K/V axis must be 2, got {shape[2]}")
+    return KVShape(nl, nb, bs, nh, hs, esize, row.kv)
+
+
+__all__ = [
+    "ENGINES",
+    "LAYOUT_ROWS",
+    "GPUKVFormat",
+    "KVCaches",
+    "KVShape",
+    "LayoutRow",
+    "describe",
+    "detect_format",
+    "flatten_tensors",
+]
