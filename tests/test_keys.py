@@ -117,7 +117,9 @@ def test_stable_across_processes_and_hash_seeds() -> None:
     outs = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         outs.add(out.stdout)
     assert len(outs) == 1
     assert outs.pop().strip() == str(chunk_keys(list(range(600)), "llama", chunk_size=128, cache_salt="t"))
