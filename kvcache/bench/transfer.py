@@ -15,6 +15,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,20 @@ from kvcache.context import GPUCacheContext
 from kvcache.layouts import GPUKVFormat
 from kvcache.reference import page_view
 from kvcache.testing import ENGINE_OF, make_kv_caches
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement: a layout, where its chunks live, one direction."""
+
+    layout: str
+    chunks_in: str
+    direction: str
+    bytes: int
+    kernel_gbps: float
+    ceiling_gbps: float
+    ratio_to_ceiling: float
+    index_select_gbps: float | None
 
 
 MLA_FORMATS = (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS)
@@ -67,7 +82,7 @@ def _index_select_baseline(
     return run
 
 
-def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> list[dict[str, object]]:
+def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> list[Row]:
     rng = np.random.default_rng(args.seed)
     caches = make_kv_caches(
         fmt,
@@ -82,13 +97,15 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> lis
     )
     _touch(caches)  # fault every page in: untouched memory reads as the shared zero page
     ctx = GPUCacheContext(
-        caches, chunk_size=args.chunk_size, engine=ENGINE_OF[fmt], block_size=args.block_size,
+        caches,
+        chunk_size=args.chunk_size,
+        engine=ENGINE_OF[fmt],
+        block_size=args.block_size,
         num_threads=args.threads,
     )
     n_blocks = args.chunks * ctx.blocks_per_chunk
     ids_np = rng.choice(args.blocks, size=n_blocks, replace=False).astype(np.int64)
-    nbytes = ctx.chunk_nbytes(args.chunk_size) * args.chunks
-    rows: list[dict[str, object]] = []
+    rows: list[Row] = []
     if device == "cpu":
         places = [("cpu", "cpu", False)]
         sync: Callable[[], None] = lambda: None  # noqa: E731
@@ -96,62 +113,93 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> lis
         places = [("pinned-host", "cpu", True), ("device", device, False)]
         sync = torch.cuda.synchronize
     for place, chunk_device, pin in places:
-        chunks = ctx.allocate_chunks(args.chunks, device=chunk_device, pin_memory=pin)
-        big = torch.empty(nbytes, dtype=torch.uint8, device=chunk_device, pin_memory=pin)
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if device == "cpu":
-            src.fill_(1)
-            big.fill_(1)
-        for c in chunks:
-            c.view(torch.uint8).fill_(1)
-
-            def ceiling_store() -> None:
-                _native.parallel_memcpy(big.data_ptr(), src.data_ptr(), nbytes, args.threads)
-
-            ceiling_load = ceiling_store
-        else:
-
-            def ceiling_store() -> None:
-                big.copy_(src, non_blocking=True)
-
-            def ceiling_load() -> None:
-                src.copy_(big, non_blocking=True)
-
-        t_store = _time(lambda: ctx.copy_to_chunks(ids_np, chunks), args.reps, sync)
-        t_load = _time(lambda: ctx.copy_from_chunks(chunks, ids_np), args.reps, sync)
-        t_ceil_store = _time(ceiling_store, args.reps, sync)
-        t_ceil_load = _time(ceiling_load, args.reps, sync)
-        out = torch.empty(
-            (ctx.kv_count, ctx.num_layers, n_blocks * ctx.block_size, ctx.num_heads * ctx.head_size),
-            dtype=ctx.dtype, device=chunk_device, pin_memory=pin,
-        )
-        baseline = _index_select_baseline(ctx, caches, torch.as_tensor(ids_np, device=device), out)
-        t_base = _time(baseline, args.reps, sync)
-        for direction, t, ceil in (("store", t_store, t_ceil_store), ("load", t_load, t_ceil_load)):
-            rows.append({
-                "layout": fmt.name,
-                "chunks_in": place,
-                "direction": direction,
-                "bytes": nbytes,
-                "kernel_gbps": nbytes / t / 1e9,
-                "ceiling_gbps": nbytes / ceil / 1e9,
-                "ratio_to_ceiling": ceil / t,
-                "index_select_gbps": nbytes / t_base / 1e9 if direction == "store" else None,
-            })
+        rows.extend(_bench_place(ctx, caches, ids_np, args, device, place, chunk_device, pin, sync))
     return rows
 
 
-def _print_table(rows: list[dict[str, object]]) -> None:
-    head = f"{'layout':<24} {'chunks':<12} {'dir':<6} {'MiB':>7} {'GB/s':>7} {'ceil GB/s':>9} {'ratio':>6} {'idx_sel':>7}"
+def _bench_place(
+    ctx: GPUCacheContext,
+    caches: object,
+    ids_np: np.ndarray,
+    args: argparse.Namespace,
+    device: str,
+    place: str,
+    chunk_device: str,
+    pin: bool,
+    sync: Callable[[], None],
+) -> list[Row]:
+    """Kernel, ceiling and index_select baseline for chunks living in one place."""
+    n_blocks = len(ids_np)
+    nbytes = ctx.chunk_nbytes(args.chunk_size) * args.chunks
+    chunks = ctx.allocate_chunks(args.chunks, device=chunk_device, pin_memory=pin)
+    big = torch.empty(nbytes, dtype=torch.uint8, device=chunk_device, pin_memory=pin)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for c in chunks:
+        c.view(torch.uint8).fill_(1)
+    if device == "cpu":
+        src.fill_(1)
+        big.fill_(1)
+
+        def ceiling_store() -> None:
+            _native.parallel_memcpy(big.data_ptr(), src.data_ptr(), nbytes, args.threads)
+
+        ceiling_load = ceiling_store
+    else:
+
+        def ceiling_store() -> None:
+            big.copy_(src, non_blocking=True)
+
+        def ceiling_load() -> None:
+            src.copy_(big, non_blocking=True)
+
+    t_store = _time(lambda: ctx.copy_to_chunks(ids_np, chunks), args.reps, sync)
+    t_load = _time(lambda: ctx.copy_from_chunks(chunks, ids_np), args.reps, sync)
+    t_ceil_store = _time(ceiling_store, args.reps, sync)
+    t_ceil_load = _time(ceiling_load, args.reps, sync)
+    out = torch.empty(
+        (ctx.kv_count, ctx.num_layers, n_blocks * ctx.block_size, ctx.num_heads * ctx.head_size),
+        dtype=ctx.dtype,
+        device=chunk_device,
+        pin_memory=pin,
+    )
+    baseline = _index_select_baseline(ctx, caches, torch.as_tensor(ids_np, device=device), out)
+    t_base = _time(baseline, args.reps, sync)
+    return [
+        Row(
+            ctx.format.name,
+            place,
+            "store",
+            nbytes,
+            nbytes / t_store / 1e9,
+            nbytes / t_ceil_store / 1e9,
+            t_ceil_store / t_store,
+            nbytes / t_base / 1e9,
+        ),
+        Row(
+            ctx.format.name,
+            place,
+            "load",
+            nbytes,
+            nbytes / t_load / 1e9,
+            nbytes / t_ceil_load / 1e9,
+            t_ceil_load / t_load,
+            None,
+        ),
+    ]
+
+
+def _print_table(rows: list[Row]) -> None:
+    head = (
+        f"{'layout':<24} {'chunks':<12} {'dir':<6} {'MiB':>7} {'GB/s':>7} {'ceil GB/s':>9} "
+        f"{'ratio':>6} {'idx_sel':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        base = r["index_select_gbps"]
+        base = "" if r.index_select_gbps is None else f"{r.index_select_gbps:.2f}"
         print(
-            f"{r['layout']!s:<24} {r['chunks_in']!s:<12} {r['direction']!s:<6} "
-            f"{int(r['bytes']) / 2**20:>7.0f} {float(r['kernel_gbps']):>7.2f} "  # type: ignore[arg-type]
-            f"{float(r['ceiling_gbps']):>9.2f} {float(r['ratio_to_ceiling']):>6.2f} "  # type: ignore[arg-type]
-            f"{'' if base is None else f'{float(base):.2f}':>7}"  # type: ignore[arg-type]
+            f"{r.layout:<24} {r.chunks_in:<12} {r.direction:<6} {r.bytes / 2**20:>7.0f} "
+            f"{r.kernel_gbps:>7.2f} {r.ceiling_gbps:>9.2f} {r.ratio_to_ceiling:>6.2f} {base:>7}"
         )
 
 
@@ -179,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and _native.cuda_compiled() else "cpu"
     fmts = list(GPUKVFormat) if args.layouts == "all" else [GPUKVFormat[n] for n in args.layouts.split(",")]
-    rows: list[dict[str, object]] = []
+    rows: list[Row] = []
     for fmt in fmts:
         rows.extend(bench_layout(fmt, args, device))
     env = {
@@ -189,12 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
     }
-    print(f"transfer benchmark on {device} ({env['device']}), bf16, {args.layers} layers, "
-          f"{args.heads}x{args.head_size} heads, block {args.block_size}, chunk {args.chunk_size}")
+    print(
+        f"transfer benchmark on {device} ({env['device']}), bf16, {args.layers} layers, "
+        f"{args.heads}x{args.head_size} heads, block {args.block_size}, chunk {args.chunk_size}"
+    )
     _print_table(rows)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"env": env, "results": rows}, indent=2, default=str))
+        args.out.write_text(
+            json.dumps({"env": env, "results": [asdict(r) for r in rows]}, indent=2, default=str)
+        )
         print(f"wrote {args.out}")
     return 0
 
