@@ -1,0 +1,119 @@
+"""The storage contracts: ``L2Adapter`` (a slower tier) and ``EvictionPolicy`` (who leaves L1).
+
+Kept apart from the implementations so a reader learns the whole life of a chunk here, and so
+adding a tier or a policy means adding a file next to this one plus a line in ``factory.py``.
+
+Life of a chunk, in call order:
+
+1. ``L1Pool.begin_write`` reserves pinned slots; the engine copies engine blocks into them.
+2. ``L1Pool.finish_write`` makes them visible and tells the ``EvictionPolicy`` (``add``).
+3. ``L2Adapter.store`` runs on an I/O thread (write-through) while the L1 slot stays pinned.
+4. A lookup that misses L1 asks ``L2Adapter.contains``; a hit is prefetched with
+   ``L2Adapter.load`` straight into a fresh L1 slot (``L1Pool.begin_load``/``finish_load``).
+5. ``L1Pool`` evicts ``EvictionPolicy.victim()`` when it needs room; the L2 copy stays.
+
+Adapters are synchronous and thread-safe; ``kvcache.storage.l2_async.AsyncL2`` adds the thread
+pool, the in-flight bound, the failure back-off and the events, once for every tier.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.observability.event import ChunkKey
+
+#: Failure reasons carried by ``StorageError.reason`` and published in ``L2_*_FAILED`` events.
+REASONS = ("corrupt", "timeout", "unavailable", "io", "full", "busy")
+
+
+class L2Adapter(ABC):
+    """One L2 tier. Every method may be called from several threads at once.
+
+    Errors: a tier that cannot be reached raises ``StorageError`` (``ConnectionError``-like
+    causes are tagged ``reason="unavailable"``/``"timeout"`` by ``l2_async``); a stored chunk that
+    fails validation raises ``CorruptChunkError`` after deleting it. A plain miss is not an error.
+    """
+
+    #: Short name used in events and metrics (``"disk"``, ``"redis"``).
+    backend: str = "l2"
+
+    @abstractmethod
+    def store(self, key: ChunkKey, chunk: torch.Tensor) -> int:
+        """Persist ``chunk`` (a contiguous CPU tensor) under ``key``; return bytes written."""
+
+    @abstractmethod
+    def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        """Fill ``out`` with the chunk stored under ``key``; False on a miss.
+
+        The stored header must match ``out`` (shape, dtype, bytes) and the checksum must
+        verify, else the entry is deleted and ``CorruptChunkError`` raised; ``out`` is then
+        unspecified and the caller must not use it.
+        """
+
+    @abstractmethod
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key (one round trip for remote tiers)."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove the keys that exist; return how many were removed."""
+
+    def info(self) -> dict[str, Any]:
+        """JSON-able description for ``CacheEngine.status()``."""
+        return {"backend": self.backend}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most adapters hold nothing to close
+        """Release files, sockets; idempotent."""
+
+
+class EvictionPolicy(ABC):
+    """Orders the *evictable* L1 keys (ready and unpinned); the pool asks it for a victim.
+
+    The pool removes a key while it is pinned and adds it back when the last pin goes, so a
+    policy never has to know about pins and ``victim`` is O(1) for LRU.
+    """
+
+    @abstractmethod
+    def add(self, key: ChunkKey) -> None:
+        """``key`` became evictable (just written, or just unpinned after use)."""
+
+    @abstractmethod
+    def touch(self, key: ChunkKey) -> None:
+        """``key`` was used (a lookup hit); no-op when it is not tracked."""
+
+    @abstractmethod
+    def discard(self, key: ChunkKey) -> None:
+        """Stop tracking ``key`` (pinned, evicted or deleted); no-op when absent."""
+
+    @abstractmethod
+    def victim(self) -> ChunkKey | None:
+        """The key to evict next, without removing it; None when nothing is evictable."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+
+def storage_error(message: str, reason: str) -> StorageError:
+    """A ``StorageError`` tagged with one of ``REASONS`` (read back by ``failure_reason``)."""
+    err = StorageError(message)
+    err.reason = reason  # type: ignore[attr-defined]
+    return err
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The ``REASONS`` entry for an adapter failure (``"io"`` when untagged)."""
+    if isinstance(exc, CorruptChunkError):
+        return "corrupt"
+    reason = getattr(exc, "reason", None)
+    return reason if isinstance(reason, str) else "io"
+
+
+__all__ = ["REASONS", "EvictionPolicy", "L2Adapter", "failure_reason", "storage_error"]

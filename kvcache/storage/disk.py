@@ -1,0 +1,206 @@
+"""Local-disk L2: one file per chunk, written atomically, bounded in size, rebuilt on restart.
+
+The embedded default tier: it needs no server, survives a restart of the process (the index is
+rebuilt by scanning the directory) and never hands back a damaged chunk (header + CRC, see
+``codec``). Files live in 256 sub-directories (``ab/ab12...ef.kvc``) so no directory grows huge.
+
+Atomicity: a chunk is written to a temp file in its final directory and ``os.replace``d into
+place, so a reader sees the whole record or none (a crash leaves only ``*.tmp`` files, removed
+on the next start). No fsync: this is a cache; after a power loss a torn file fails its CRC and
+is dropped like any other corrupt record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcache.errors import CorruptChunkError
+from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.storage import codec
+from kvcache.storage.base import L2Adapter, storage_error
+
+_SUFFIX = ".kvc"
+
+
+class DiskL2Adapter(L2Adapter):
+    """Chunk files under ``path``; at most ``size_bytes`` of them (LRU beyond that)."""
+
+    backend = "disk"
+
+    def __init__(self, path: str, size_bytes: int, bus: EventSink | None = None) -> None:
+        self.path = os.path.abspath(path)
+        self.size_bytes = size_bytes
+        self._bus: EventSink = bus if bus is not None else NullEventSink()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file bytes, LRU first
+        self.used_bytes = 0
+        os.makedirs(self.path, exist_ok=True)
+        self._scan()
+
+    # -- L2Adapter ------------------------------------------------------------------------
+    def store(self, key: ChunkKey, chunk: torch.Tensor) -> int:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return 0
+        payload = codec.tensor_bytes(chunk)
+        header = codec.encode_header(key, chunk, payload)
+        size = len(header) + len(payload)
+        if size > self.size_bytes:
+            raise storage_error(f"chunk of {size} bytes exceeds the disk tier ({self.size_bytes})", "io")
+        final = self._file(key)
+        tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            with open(tmp, "wb", buffering=0) as f:
+                f.write(header)
+                view = payload
+                while view:  # raw writes may be short
+                    n = f.write(view)
+                    view = view[n:]
+            os.replace(tmp, final)
+        except OSError as err:
+            _unlink(tmp)
+            reason = "full" if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
+            raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = size
+                self.used_bytes += size
+            evicted = self._evict_over_limit()
+        self._publish_evicted(evicted)
+        return size
+
+    def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        with self._lock:
+            if key not in self._index:
+                return False
+            self._index.move_to_end(key)
+        path = self._file(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(codec.MAX_HEADER)
+                header = codec.decode_header(head)
+                codec.check_fits(header, key, out)
+                buf = codec.out_buffer(out)
+                got = head[header.header_len :]
+                buf[: len(got)] = got
+                filled = len(got)
+                while filled < header.nbytes:
+                    n = f.readinto(buf[filled:])
+                    if not n:
+                        break
+                    filled += n
+                if filled != header.nbytes or f.read(1):
+                    raise CorruptChunkError(
+                        f"file holds {filled}+ payload bytes, header says {header.nbytes}"
+                    )
+                codec.check_payload(header, buf)
+        except FileNotFoundError:  # deleted behind our back: a miss
+            self._forget([key])
+            return False
+        except CorruptChunkError:
+            self.delete([key])
+            raise
+        except OSError as err:
+            raise storage_error(f"disk read of {key:032x} failed: {err}", "io") from err
+        return True
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        removed = self._forget(keys)
+        for key in removed:
+            _unlink(self._file(key))
+        return len(removed)
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "backend": self.backend,
+                "path": self.path,
+                "num_chunks": len(self._index),
+                "used_bytes": self.used_bytes,
+                "capacity_bytes": self.size_bytes,
+            }
+
+    # -- internals ------------------------------------------------------------------------
+    def _file(self, key: ChunkKey) -> str:
+        name = f"{key:032x}"
+        return os.path.join(self.path, name[:2], name + _SUFFIX)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files present, oldest modification first (LRU order)."""
+        found: list[tuple[float, ChunkKey, int]] = []
+        for sub in os.scandir(self.path):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                if entry.name.endswith(".tmp"):
+                    _unlink(entry.path)  # a write interrupted by a crash
+                    continue
+                if not entry.name.endswith(_SUFFIX):
+                    continue
+                try:
+                    key = int(entry.name[: -len(_SUFFIX)], 16)
+                    st = entry.stat(follow_symlinks=False)
+                except (ValueError, OSError):
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self.used_bytes += size
+            evicted = self._evict_over_limit()  # the limit may have shrunk since last run
+        self._publish_evicted(evicted)
+
+    def _evict_over_limit(self) -> list[tuple[ChunkKey, int]]:
+        evicted = []
+        while self.used_bytes > self.size_bytes and self._index:
+            key, size = self._index.popitem(last=False)
+            self.used_bytes -= size
+            evicted.append((key, size))
+        return evicted
+
+    def _publish_evicted(self, evicted: list[tuple[ChunkKey, int]]) -> None:
+        if not evicted:
+            return
+        for key, _ in evicted:
+            _unlink(self._file(key))
+        self._bus.publish(
+            Event(
+                EventType.L2_KEYS_EVICTED,
+                {
+                    "backend": self.backend,
+                    "keys": [k for k, _ in evicted],
+                    "num_bytes": sum(s for _, s in evicted),
+                },
+            )
+        )
+
+    def _forget(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        with self._lock:
+            removed = [k for k in keys if k in self._index]
+            for key in removed:
+                self.used_bytes -= self._index.pop(key)
+        return removed
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+__all__ = ["DiskL2Adapter"]

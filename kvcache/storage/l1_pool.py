@@ -1,0 +1,438 @@
+"""L1: the CPU chunk pool (pinned when CUDA is present), its slot allocator and its eviction.
+
+Separate from the engine because it is pure bookkeeping over one lock: which key lives in which
+slot, who is using it, and what leaves when room is needed. The engine copies bytes into and out
+of the slot tensors (views into the pool, handed to ``GPUCacheContext`` as-is) without the lock.
+
+Memory design: one *slab* per chunk geometry (shape + dtype of a chunk; instances of the same
+model share one). A slab grows lazily by *extents*: one allocation of ``extent_bytes`` (at least
+one slot) carved into fixed-size slots whose stride is the chunk size rounded up to 256 bytes, so
+every view is aligned for DMA and any dtype. Fixed slots cannot fragment: when enough bytes are
+free a slot is free. The sum of extents never exceeds ``capacity_bytes``; when another geometry
+needs room, extents left wholly free are released and the LRU victims (of any geometry) evicted.
+
+Entry states: WRITING (a store is copying in), LOADING (a prefetch from L2), READY. Lookups count
+WRITING-free entries (READY or LOADING: a retrieve waits for the load); readers and writers pin an
+entry (a refcount) and a pinned or unfinished entry is never evicted: the policy only ever holds
+READY, unpinned keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.storage.base import EvictionPolicy
+from kvcache.storage.lru import LRUPolicy
+
+SLOT_ALIGN = 256
+
+
+class EntryState(enum.Enum):
+    WRITING = "writing"
+    LOADING = "loading"
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGeometry:
+    """Shape and dtype of one chunk; the unit a slab is carved in."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def stride(self) -> int:
+        return -(-self.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+class _Extent:
+    __slots__ = ("buf", "free", "nslots")
+
+    def __init__(self, buf: torch.Tensor, offsets: list[int]) -> None:
+        self.buf = buf
+        self.free = offsets
+        self.nslots = len(offsets)
+
+
+@dataclass(slots=True)
+class _Slab:
+    geometry: SlotGeometry
+    extents: dict[int, _Extent] = field(default_factory=dict)
+    avail: dict[int, _Extent] = field(default_factory=dict)  # extents with a free slot
+
+
+class L1Entry:
+    """One resident chunk. ``tensor`` is a view into the pool, valid while the entry is pinned."""
+
+    __slots__ = (
+        "_done",
+        "_extent",
+        "_offset",
+        "from_l2",
+        "geometry",
+        "key",
+        "ok",
+        "pins",
+        "state",
+        "tensor",
+    )
+
+    def __init__(
+        self, key: ChunkKey, geometry: SlotGeometry, tensor: torch.Tensor, extent: int, offset: int
+    ) -> None:
+        self.key = key
+        self.geometry = geometry
+        self.tensor = tensor
+        self.state = EntryState.WRITING
+        self.pins = 1
+        self.ok = True
+        self.from_l2 = False  # brought up by a prefetch and not yet read by a retrieve
+        self._extent = extent
+        self._offset = offset
+        self._done = threading.Event()
+
+    @property
+    def nbytes(self) -> int:
+        return self.geometry.nbytes
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until a WRITING/LOADING entry settles; True when it became READY."""
+        return self._done.wait(timeout) and self.ok
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReservation:
+    """Result of ``begin_write``: which chunk indices got a fresh slot, which were present."""
+
+    new: list[tuple[int, L1Entry]]
+    present: list[int]
+    failed: int
+
+
+class L1Pool:
+    """Thread-safe chunk pool. All methods hold the lock only for bookkeeping, never for a copy."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        watermark: float = 0.9,
+        extent_bytes: int = 64 << 20,
+        pin_memory: bool | None = None,
+        policy: EvictionPolicy | None = None,
+        bus: EventSink | None = None,
+    ) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.watermark = watermark
+        self.extent_bytes = extent_bytes
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._policy = policy if policy is not None else LRUPolicy()
+        self._bus: EventSink = bus if bus is not None else NullEventSink()
+        self._lock = threading.Lock()
+        self._entries: dict[ChunkKey, L1Entry] = {}
+        self._slabs: dict[SlotGeometry, _Slab] = {}
+        self._next_extent = 0
+        self.allocated_bytes = 0  # sum of extents
+        self.used_bytes = 0  # slots holding an entry (any state), in slot strides
+        self.allocation_failures = 0
+
+    # -- reservations ---------------------------------------------------------------------
+    def begin_write(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> WriteReservation:
+        """Reserve pinned WRITING slots for the absent keys, in order, until memory runs out."""
+        new: list[tuple[int, L1Entry]] = []
+        present: list[int] = []
+        events: list[Event] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self._entries:
+                    present.append(i)
+                    continue
+                entry = self._allocate(geometry, key, events)
+                if entry is None:
+                    failed = len(keys) - i
+                    events.append(self._alloc_failed_event(failed, failed * geometry.nbytes))
+                    break
+                new.append((i, entry))
+            else:
+                failed = 0
+        self._publish(events)
+        return WriteReservation(new, present, failed)
+
+    def begin_load(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> list[L1Entry]:
+        """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
+        key that is present or cannot get memory, so the result is a prefix of ``keys``."""
+        out: list[L1Entry] = []
+        events: list[Event] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self._entries:
+                    break
+                entry = self._allocate(geometry, key, events)
+                if entry is None:
+                    n = len(keys) - i
+                    events.append(self._alloc_failed_event(n, n * geometry.nbytes))
+                    break
+                entry.state = EntryState.LOADING
+                entry.from_l2 = True
+                out.append(entry)
+        self._publish(events)
+        return out
+
+    def finish(self, entries: Iterable[L1Entry], ok: bool | Sequence[bool] = True) -> None:
+        """Settle WRITING/LOADING entries (READY, or dropped when not ok) and drop the writer's pin.
+
+        Publishes ``L1_WRITE_FINISHED`` for the entries that became READY, then evicts down to
+        the watermark.
+        """
+        entries = list(entries)
+        oks = [ok] * len(entries) if isinstance(ok, bool) else list(ok)
+        events: list[Event] = []
+        written: list[ChunkKey] = []
+        nbytes = 0
+        with self._lock:
+            for entry, good in zip(entries, oks, strict=True):
+                entry.pins -= 1
+                if good:
+                    entry.state = EntryState.READY
+                    written.append(entry.key)
+                    nbytes += entry.nbytes
+                    if entry.pins == 0:
+                        self._policy.add(entry.key)
+                else:
+                    entry.ok = False
+                    self._remove(entry)
+                entry._done.set()
+            if written:
+                events.append(self._event(EventType.L1_WRITE_FINISHED, keys=written, num_bytes=nbytes))
+            self._evict_to_watermark(events)
+        self._publish(events)
+
+    # -- readers --------------------------------------------------------------------------
+    def prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys are resident (READY or LOADING); touches them for LRU."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.state is EntryState.WRITING:
+                    break
+                self._policy.touch(key)
+                n += 1
+        return n
+
+    def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
+        """Pin the leading resident (READY or LOADING) entries of ``keys``."""
+        out: list[L1Entry] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.state is EntryState.WRITING:
+                    break
+                self._pin(entry)
+                out.append(entry)
+        return out
+
+    def pin(self, entries: Iterable[L1Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                self._pin(entry)
+
+    def release(self, entries: Iterable[L1Entry], *, read_bytes: int | None = None) -> None:
+        """Drop one pin per entry; with ``read_bytes`` publish ``L1_READ_FINISHED`` for them."""
+        entries = list(entries)
+        with self._lock:
+            for entry in entries:
+                entry.pins -= 1
+                if entry.pins == 0 and entry.state is EntryState.READY:
+                    self._policy.add(entry.key)
+        if read_bytes is not None and entries:
+            self._publish(
+                [
+                    Event(
+                        EventType.L1_READ_FINISHED,
+                        {"keys": [e.key for e in entries], "num_bytes": read_bytes},
+                    )
+                ]
+            )
+
+    def get(self, key: ChunkKey) -> L1Entry | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, int):
+            return False
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.state is EntryState.READY
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- maintenance ----------------------------------------------------------------------
+    def evict(self, keys: Iterable[ChunkKey]) -> int:
+        """Evict the given READY, unpinned keys (others are left alone); returns how many."""
+        events: list[Event] = []
+        with self._lock:
+            victims = [e for k in keys if (e := self._entries.get(k)) is not None and k in self._policy]
+            self._evict(victims, events)
+        self._publish(events)
+        return len(victims)
+
+    def clear(self) -> int:
+        """Drop every READY, unpinned entry and release free extents; publishes L1_CLEARED."""
+        with self._lock:
+            victims = [e for k, e in self._entries.items() if k in self._policy]
+            for entry in victims:
+                self._policy.discard(entry.key)
+                self._remove(entry)
+            for slab in self._slabs.values():
+                self._release_free_extents(slab)
+        self._publish([Event(EventType.L1_CLEARED, {"num_keys": len(victims)})])
+        return len(victims)
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "capacity_bytes": self.capacity_bytes,
+                "allocated_bytes": self.allocated_bytes,
+                "used_bytes": self.used_bytes,
+                "num_chunks": len(self._entries),
+                "evictable_chunks": len(self._policy),
+                "pinned_memory": self.pin_memory,
+                "allocation_failures": self.allocation_failures,
+                "slabs": [
+                    {
+                        "shape": list(s.geometry.shape),
+                        "dtype": str(s.geometry.dtype).removeprefix("torch."),
+                        "extents": len(s.extents),
+                        "slots": sum(x.nslots for x in s.extents.values()),
+                    }
+                    for s in self._slabs.values()
+                ],
+            }
+
+    # -- internals (lock held) ------------------------------------------------------------
+    def _pin(self, entry: L1Entry) -> None:
+        if entry.pins == 0:
+            self._policy.discard(entry.key)
+        entry.pins += 1
+
+    def _allocate(self, geometry: SlotGeometry, key: ChunkKey, events: list[Event]) -> L1Entry | None:
+        slab = self._slabs.get(geometry)
+        if slab is None:
+            slab = self._slabs[geometry] = _Slab(geometry)
+        evicted: list[L1Entry] = []
+        while not slab.avail and not self._grow(slab):
+            # Room must come from elsewhere: wholly free extents of other slabs, then victims.
+            if any(self._release_free_extents(s) for s in self._slabs.values() if s is not slab):
+                continue
+            victim = self._policy.victim()
+            if victim is None:
+                break
+            entry = self._entries[victim]
+            self._policy.discard(victim)
+            self._remove(entry)
+            evicted.append(entry)
+        if evicted:
+            events.append(self._evicted_event(evicted))
+        if not slab.avail:
+            self.allocation_failures += 1
+            return None
+        ext_id, ext = next(iter(slab.avail.items()))
+        offset = ext.free.pop()
+        if not ext.free:
+            del slab.avail[ext_id]
+        view = ext.buf[offset : offset + geometry.nbytes].view(geometry.dtype).view(geometry.shape)
+        entry = L1Entry(key, geometry, view, ext_id, offset)
+        self._entries[key] = entry
+        self.used_bytes += geometry.stride
+        return entry
+
+    def _grow(self, slab: _Slab) -> bool:
+        stride = slab.geometry.stride
+        room = (self.capacity_bytes - self.allocated_bytes) // stride
+        n = min(max(1, self.extent_bytes // stride), room)
+        if n < 1:
+            return False
+        try:
+            raw = torch.empty(n * stride + SLOT_ALIGN, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except RuntimeError:  # out of (pinned) host memory: behave as a full pool
+            return False
+        shift = -raw.data_ptr() % SLOT_ALIGN  # the allocator guarantees less than we promise
+        buf = raw[shift : shift + n * stride]
+        ext_id = self._next_extent
+        self._next_extent += 1
+        ext = _Extent(buf, [i * stride for i in reversed(range(n))])
+        slab.extents[ext_id] = ext
+        slab.avail[ext_id] = ext
+        self.allocated_bytes += n * stride
+        return True
+
+    def _release_free_extents(self, slab: _Slab) -> bool:
+        freed = [i for i, x in slab.extents.items() if len(x.free) == x.nslots]
+        for ext_id in freed:
+            ext = slab.extents.pop(ext_id)
+            slab.avail.pop(ext_id, None)
+            self.allocated_bytes -= ext.nslots * slab.geometry.stride
+        return bool(freed)
+
+    def _remove(self, entry: L1Entry) -> None:
+        del self._entries[entry.key]
+        slab = self._slabs[entry.geometry]
+        ext = slab.extents[entry._extent]
+        ext.free.append(entry._offset)
+        slab.avail[entry._extent] = ext
+        self.used_bytes -= entry.geometry.stride
+
+    def _evict(self, victims: list[L1Entry], events: list[Event]) -> None:
+        for entry in victims:
+            self._policy.discard(entry.key)
+            self._remove(entry)
+        if victims:
+            events.append(self._evicted_event(victims))
+
+    def _evict_to_watermark(self, events: list[Event]) -> None:
+        limit = self.watermark * self.capacity_bytes
+        victims: list[L1Entry] = []
+        while self.used_bytes > limit and (key := self._policy.victim()) is not None:
+            entry = self._entries[key]
+            self._policy.discard(key)
+            self._remove(entry)
+            victims.append(entry)
+        if victims:
+            events.append(self._evicted_event(victims))
+
+    def _event(self, etype: EventType, **meta: Any) -> Event:
+        meta["used_bytes"] = self.used_bytes
+        meta["capacity_bytes"] = self.capacity_bytes
+        return Event(etype, meta)
+
+    def _evicted_event(self, victims: list[L1Entry]) -> Event:
+        return self._event(
+            EventType.L1_KEYS_EVICTED,
+            keys=[e.key for e in victims],
+            num_bytes=sum(e.nbytes for e in victims),
+        )
+
+    def _alloc_failed_event(self, chunks: int, nbytes: int) -> Event:
+        return self._event(EventType.L1_ALLOCATION_FAILED, requested_chunks=chunks, num_bytes=nbytes)
+
+    def _publish(self, events: list[Event]) -> None:
+        for event in events:
+            self._bus.publish(event)
+
+
+__all__ = ["EntryState", "L1Entry", "L1Pool", "SlotGeometry", "WriteReservation"]

@@ -1,0 +1,61 @@
+"""The chunk record: round trip and every kind of damage detected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.errors import CorruptChunkError
+from kvcache.storage import codec
+
+KEY = (0xDEADBEEF << 64) | 0x1234
+
+
+def record(t: torch.Tensor, key: int = KEY) -> bytes:
+    payload = codec.tensor_bytes(t)
+    return codec.encode_header(key, t, payload) + payload.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_round_trip(dtype: torch.dtype) -> None:
+    t = (
+        torch.randint(0, 256, (2, 3, 16, 8), dtype=torch.uint8).view(dtype)
+        if dtype.itemsize == 1
+        else (torch.randn(2, 3, 16, 8).to(dtype))
+    )
+    buf = memoryview(record(t))
+    h = codec.decode_header(buf)
+    assert (h.key, h.shape, h.dtype) == (KEY, (2, 3, 16, 8), codec.dtype_name(dtype))
+    out = torch.empty_like(t)
+    codec.check_fits(h, KEY, out)
+    payload = buf[h.header_len :]
+    codec.check_payload(h, payload)
+    codec.out_buffer(out)[:] = payload
+    assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_damage_is_detected() -> None:
+    t = torch.randn(2, 2, 16, 8)
+    good = record(t)
+    h = codec.decode_header(good)
+    out = torch.empty_like(t)
+    with pytest.raises(CorruptChunkError, match="magic"):
+        codec.decode_header(b"XXXX" + good[4:])
+    with pytest.raises(CorruptChunkError, match="shorter"):
+        codec.decode_header(good[:10])
+    with pytest.raises(CorruptChunkError, match="truncated"):
+        codec.decode_header(good[: h.header_len - 1])
+    with pytest.raises(CorruptChunkError, match="version"):
+        codec.decode_header(good[:4] + b"\x09\x00" + good[6:])
+    with pytest.raises(CorruptChunkError, match="key"):
+        codec.check_fits(h, KEY + 1, out)
+    with pytest.raises(CorruptChunkError, match="expected"):
+        codec.check_fits(h, KEY, torch.empty(2, 2, 16, 4))
+    with pytest.raises(CorruptChunkError, match="expected"):
+        codec.check_fits(h, KEY, torch.empty(2, 2, 16, 8, dtype=torch.float16))
+    flipped = bytearray(good)
+    flipped[-5] ^= 0x40
+    with pytest.raises(CorruptChunkError, match="checksum"):
+        codec.check_payload(h, memoryview(bytes(flipped))[h.header_len :])
+    with pytest.raises(CorruptChunkError, match="payload is"):
+        codec.check_payload(h, memoryview(good)[h.header_len : -1])

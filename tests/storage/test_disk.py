@@ -1,0 +1,180 @@
+"""Disk L2: round trip, restart, corruption and truncation, size bound, disk full."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.observability.event import Event, EventType
+from kvcache.storage.base import failure_reason
+from kvcache.storage.disk import DiskL2Adapter
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def publish(self, event: Event) -> None:
+        self.events.append(event)
+
+
+def chunk(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, 16, 32, generator=g).to(torch.bfloat16)
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def test_round_trip_contains_delete(tmp_path: Path) -> None:
+    d = DiskL2Adapter(str(tmp_path), 1 << 20)
+    t = chunk(1)
+    n = d.store(42, t)
+    assert n > t.numel() * 2 and d.store(42, t) == 0  # second store is a no-op
+    assert d.contains([42, 43]) == [True, False]
+    out = torch.empty_like(t)
+    assert d.load(42, out) and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+    assert not d.load(43, out)
+    assert d.info()["num_chunks"] == 1 and d.info()["used_bytes"] == n
+    assert d.delete([42, 43]) == 1 and d.contains([42]) == [False] and not files(tmp_path)
+
+
+def test_survives_restart_and_drops_temp_files(tmp_path: Path) -> None:
+    d = DiskL2Adapter(str(tmp_path), 1 << 20)
+    for k in range(3):
+        d.store(k, chunk(k))
+    os.utime(d._file(0), (1, 1))  # oldest on disk -> LRU victim after restart
+    stray = Path(d._file(1) + ".abcd.tmp")
+    stray.write_bytes(b"half a write")
+    (tmp_path / "README").write_text("not a chunk")
+    d2 = DiskL2Adapter(str(tmp_path), 1 << 20)
+    assert d2.contains([0, 1, 2, 3]) == [True, True, True, False]
+    assert not stray.exists()
+    out = torch.empty_like(chunk(0))
+    assert d2.load(2, out) and torch.equal(out.view(torch.uint8), chunk(2).view(torch.uint8))
+    # restart with a smaller bound evicts the oldest file (key 0)
+    sink = Sink()
+    d3 = DiskL2Adapter(str(tmp_path), d2.info()["used_bytes"] - 1, bus=sink)
+    assert d3.contains([0, 1, 2]) == [False, True, True]
+    assert sink.events[0].event_type is EventType.L2_KEYS_EVICTED and sink.events[0].metadata["keys"] == [0]
+
+
+@pytest.mark.parametrize(
+    "damage", ["flip", "truncate_payload", "truncate_header", "empty", "extra", "other_key"]
+)
+def test_corrupt_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None:
+    d = DiskL2Adapter(str(tmp_path), 1 << 20)
+    t = chunk(5)
+    d.store(7, t)
+    path = Path(d._file(7))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x01
+    elif damage == "truncate_payload":
+        raw = raw[:-100]
+    elif damage == "truncate_header":
+        raw = raw[:20]
+    elif damage == "empty":
+        raw = bytearray()
+    elif damage == "extra":
+        raw += b"\0"
+    else:
+        d.store(8, chunk(6))
+        raw = bytearray(Path(d._file(8)).read_bytes())  # a valid record of another key
+    path.write_bytes(bytes(raw))
+    out = torch.zeros_like(t)
+    with pytest.raises(CorruptChunkError) as info:
+        d.load(7, out)
+    assert failure_reason(info.value) == "corrupt"
+    assert not path.exists() and d.contains([7]) == [False]
+    assert not d.load(7, out)  # afterwards a plain miss
+
+
+def test_load_into_wrong_geometry_is_rejected(tmp_path: Path) -> None:
+    d = DiskL2Adapter(str(tmp_path), 1 << 20)
+    d.store(1, chunk(1))
+    with pytest.raises(CorruptChunkError):
+        d.load(1, torch.empty(2, 2, 16, 32, dtype=torch.float16))
+
+
+def test_size_bound_evicts_lru(tmp_path: Path) -> None:
+    sink = Sink()
+    probe = DiskL2Adapter(str(tmp_path / "probe"), 1 << 20)
+    size = probe.store(0, chunk(0))
+    d = DiskL2Adapter(str(tmp_path / "d"), 3 * size, bus=sink)
+    for k in (1, 2, 3):
+        d.store(k, chunk(k))
+    d.load(1, torch.empty_like(chunk(1)))  # touch 1: 2 is now the oldest
+    d.store(4, chunk(4))
+    assert d.contains([1, 2, 3, 4]) == [True, False, True, True]
+    ev = [e for e in sink.events if e.event_type is EventType.L2_KEYS_EVICTED]
+    assert ev[-1].metadata == {"backend": "disk", "keys": [2], "num_bytes": size}
+    assert len(files(tmp_path / "d")) == 3 and d.info()["used_bytes"] == 3 * size
+
+
+def test_chunk_larger_than_tier(tmp_path: Path) -> None:
+    d = DiskL2Adapter(str(tmp_path), 100)
+    with pytest.raises(StorageError):
+        d.store(1, chunk(1))
+    assert not files(tmp_path)
+
+
+FULL_DISK = r"""
+import resource, signal, sys, torch
+from kvcache.errors import StorageError
+from kvcache.storage.base import failure_reason
+from kvcache.storage.disk import DiskL2Adapter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # EFBIG instead of a signal
+d = DiskL2Adapter(sys.argv[1], 1 << 30)
+small = torch.zeros(1, 1, 16, 8)
+d.store(1, small)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))   # the "disk" holds 20 kB per file
+try:
+    d.store(2, torch.ones(1, 1, 1024, 8))         # 32 kB
+except StorageError as e:
+    print("failed", failure_reason(e))
+print(d.contains([1, 2]))
+out = torch.empty_like(small)
+print(d.load(1, out))
+"""
+
+
+def test_disk_full_is_a_clean_failure(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["failed full", "[True, False]", "True"]
+    names = [p.name for p in files(tmp_path)]
+    assert len(names) == 1 and not any(n.endswith(".tmp") for n in names)  # no partial file left
+
+
+def test_concurrent_stores_and_loads(tmp_path: Path) -> None:
+    d = DiskL2Adapter(str(tmp_path), 1 << 24)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for k in range(20):
+                d.store(k, chunk(k))  # every thread writes the same keys
+                out = torch.empty_like(chunk(0))
+                if d.load(k, out):
+                    assert torch.equal(out.view(torch.uint8), chunk(k).view(torch.uint8))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert d.contains(list(range(20))) == [True] * 20 and len(files(tmp_path)) == 20

@@ -1,0 +1,29 @@
+"""The lazy registry: names resolve, unknown names fail clearly, duplicates are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.config import EngineConfig
+from kvcache.storage.factory import EVICTION_POLICIES, L2_ADAPTERS, create_policy, l2_adapters_from_config
+from kvcache.storage.lru import LRUPolicy
+
+
+def test_names_and_lazy_load() -> None:
+    assert L2_ADAPTERS.names() == ["disk", "redis"]
+    assert isinstance(create_policy("lru"), LRUPolicy)
+    with pytest.raises(ValueError, match="unknown eviction policy 'arc'"):
+        create_policy("arc")
+    with pytest.raises(ValueError, match="already registered"):
+        EVICTION_POLICIES.register("lru", "x", "y")
+
+
+def test_from_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert l2_adapters_from_config(EngineConfig(), bus=None) == []  # type: ignore[arg-type]
+    tiers = l2_adapters_from_config(
+        EngineConfig(l2_disk_path=str(tmp_path), l2_redis_url="redis://127.0.0.1:1/0"),
+        bus=None,  # type: ignore[arg-type]
+    )
+    assert [t.backend for t in tiers] == ["disk", "redis"]
+    for t in tiers:
+        t.close()

@@ -1,0 +1,189 @@
+"""L1Pool: slots, LRU at the watermark, pinned entries never evicted, exhaustion, events."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.observability.event import Event, EventType
+from kvcache.storage.l1_pool import EntryState, L1Pool, SlotGeometry
+
+G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
+G2 = SlotGeometry((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def publish(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, etype: EventType) -> list[Event]:
+        return [e for e in self.events if e.event_type is etype]
+
+
+def pool(chunks: int, watermark: float = 1.0, sink: Sink | None = None, extent_chunks: int = 2) -> L1Pool:
+    return L1Pool(chunks * G.stride, watermark=watermark, extent_bytes=extent_chunks * G.stride, bus=sink)
+
+
+def write(p: L1Pool, keys: list[int], geometry: SlotGeometry = G) -> list[int]:
+    res = p.begin_write(geometry, keys)
+    for _, e in res.new:
+        e.tensor.fill_(e.key)
+    p.finish([e for _, e in res.new])
+    return [i for i, _ in res.new]
+
+
+def test_slots_are_aligned_views_and_lazy() -> None:
+    p = pool(8)
+    assert p.allocated_bytes == 0
+    res = p.begin_write(G, [1, 2, 3])
+    assert [i for i, _ in res.new] == [0, 1, 2] and res.failed == 0
+    ptrs = {e.tensor.data_ptr() for _, e in res.new}
+    assert len(ptrs) == 3 and all(ptr % 256 == 0 for ptr in ptrs)
+    assert all(e.tensor.shape == G.shape and e.tensor.dtype == G.dtype for _, e in res.new)
+    assert all(e.state is EntryState.WRITING for _, e in res.new)
+    assert p.prefix([1, 2, 3]) == 0  # not visible while being written
+    p.finish([e for _, e in res.new])
+    assert p.prefix([1, 2, 3, 4]) == 3 and 1 in p
+    assert p.allocated_bytes == 4 * G.stride  # two extents of two slots
+    assert p.used_bytes == 3 * G.stride
+
+
+def test_present_keys_are_skipped() -> None:
+    p = pool(8)
+    write(p, [1, 2])
+    res = p.begin_write(G, [1, 2, 3])
+    assert res.present == [0, 1] and [i for i, _ in res.new] == [2]
+    p.finish([e for _, e in res.new])
+
+
+def test_lru_order_and_watermark() -> None:
+    sink = Sink()
+    p = pool(8, watermark=0.5, sink=sink)
+    write(p, [1, 2, 3, 4])
+    assert len(p) == 4 and not sink.of(EventType.L1_KEYS_EVICTED)
+    assert p.prefix([1]) == 1  # touch 1: now 2 is the oldest
+    write(p, [5])
+    assert len(p) == 4 and p.used_bytes <= 4 * G.stride
+    ev = sink.of(EventType.L1_KEYS_EVICTED)
+    assert ev[-1].metadata["keys"] == [2]
+    assert ev[-1].metadata["num_bytes"] == G.nbytes
+    assert ev[-1].metadata["capacity_bytes"] == 8 * G.stride
+    assert 2 not in p and 1 in p
+
+
+def test_evicts_when_full_and_reuses_slots() -> None:
+    p = pool(4)
+    write(p, [1, 2, 3, 4])
+    assert write(p, [5, 6]) == [0, 1]
+    assert [k for k in (1, 2, 3, 4, 5, 6) if k in p] == [3, 4, 5, 6]
+    assert p.allocated_bytes == 4 * G.stride
+    e = p.get(5)
+    assert e is not None and torch.all(e.tensor == 5)
+
+
+def test_pinned_entries_are_never_evicted() -> None:
+    sink = Sink()
+    p = pool(4, sink=sink)
+    write(p, [1, 2, 3, 4])
+    held = p.acquire([1, 2, 3])
+    assert [e.key for e in held] == [1, 2, 3]
+    assert write(p, [5]) == [0]  # evicts 4, the only unpinned one
+    assert 4 not in p and all(k in p for k in (1, 2, 3))
+    res = p.begin_write(G, [6, 7])  # nothing evictable: 5 is... evictable, 6 fits, 7 fails
+    assert [i for i, _ in res.new] == [0] and res.failed == 1
+    p.finish([e for _, e in res.new])
+    failed = sink.of(EventType.L1_ALLOCATION_FAILED)
+    assert failed and failed[-1].metadata["requested_chunks"] == 1
+    assert p.allocation_failures == 1
+    p.release(held, read_bytes=3 * G.nbytes)
+    assert sink.of(EventType.L1_READ_FINISHED)[-1].metadata == {"keys": [1, 2, 3], "num_bytes": 3 * G.nbytes}
+    assert write(p, [8]) == [0]  # now 1 (oldest after release order) can go
+
+
+def test_writing_and_loading_entries_are_not_evicted() -> None:
+    p = pool(2)
+    res = p.begin_write(G, [1])
+    loads = p.begin_load(G, [2])
+    assert len(loads) == 1 and loads[0].state is EntryState.LOADING
+    res2 = p.begin_write(G, [3])
+    assert res2.failed == 1 and not res2.new  # everything in flight
+    assert p.prefix([2]) == 1  # a loading entry counts for lookup
+    p.finish([e for _, e in res.new])
+    p.finish(loads, False)  # failed load: dropped, waiters see failure
+    assert not loads[0].wait(0) and 2 not in p
+    assert p.used_bytes == G.stride
+
+
+def test_begin_load_stops_at_present_key() -> None:
+    p = pool(8)
+    write(p, [2])
+    loads = p.begin_load(G, [1, 2, 3])
+    assert [e.key for e in loads] == [1]
+    p.finish(loads, True)
+    assert loads[0].wait(0) and 1 in p
+
+
+def test_two_geometries_share_the_budget() -> None:
+    p = L1Pool(4 * G.stride, watermark=1.0, extent_bytes=G.stride)
+    write(p, [1, 2, 3, 4])
+    assert write(p, [10, 11], geometry=G2) == [0, 1]  # evicts G entries, releases their extents
+    assert p.allocated_bytes <= 4 * G.stride
+    assert 10 in p and 11 in p
+    assert sum(k in p for k in (1, 2, 3, 4)) >= 2
+    assert p.get(10).tensor.dtype == torch.float32  # type: ignore[union-attr]
+
+
+def test_exhaustion_when_all_pinned() -> None:
+    sink = Sink()
+    p = pool(2, sink=sink)
+    res = p.begin_write(G, [1, 2, 3, 4])
+    assert len(res.new) == 2 and res.failed == 2
+    assert sink.of(EventType.L1_ALLOCATION_FAILED)[0].metadata["num_bytes"] == 2 * G.nbytes
+    p.finish([e for _, e in res.new])
+
+
+def test_chunk_larger_than_pool_fails_cleanly() -> None:
+    p = L1Pool(G.stride // 2)
+    res = p.begin_write(G, [1])
+    assert res.failed == 1 and not res.new and p.allocated_bytes == 0
+
+
+def test_clear_and_evict_and_info() -> None:
+    sink = Sink()
+    p = pool(4, sink=sink)
+    write(p, [1, 2, 3])
+    held = p.acquire([1])
+    assert p.evict([2, 99]) == 1 and 2 not in p
+    assert p.clear() == 1  # 3; 1 is pinned
+    assert sink.of(EventType.L1_CLEARED)[-1].metadata == {"num_keys": 1}
+    info = p.info()
+    assert info["num_chunks"] == 1 and info["slabs"][0]["shape"] == list(G.shape)
+    p.release(held)
+    assert p.info()["evictable_chunks"] == 1
+
+
+def test_pin_memory_requires_cuda() -> None:
+    assert L1Pool(1 << 20).pin_memory is torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        p = L1Pool(1 << 20, pin_memory=True)  # pinning without a driver fails -> a full pool
+        assert p.begin_write(G, [1]).failed == 1
+
+
+def test_write_finished_event() -> None:
+    sink = Sink()
+    p = pool(4, sink=sink)
+    write(p, [7, 8])
+    (ev,) = sink.of(EventType.L1_WRITE_FINISHED)
+    assert ev.metadata["keys"] == [7, 8] and ev.metadata["num_bytes"] == 2 * G.nbytes
+    assert ev.metadata["used_bytes"] == 2 * G.stride
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_failed_write_frees_slots(n: int) -> None:
+    p = pool(4)
+    res = p.begin_write(G, list(range(n)))
+    p.finish([e for _, e in res.new], False)
+    assert len(p) == 0 and p.used_bytes == 0

@@ -1,0 +1,145 @@
+"""AsyncL2: events, the in-flight bound, back-off and recovery, with real disk and Redis tiers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvcache.observability.event import Event, EventType
+from kvcache.storage.base import L2Adapter
+from kvcache.storage.disk import DiskL2Adapter
+from kvcache.storage.l2_async import AsyncL2
+from kvcache.storage.redis import RedisL2Adapter
+from kvcache.storage.redis_local import LocalRedis
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def of(self, etype: EventType) -> list[Event]:
+        return [e for e in self.events if e.event_type is etype]
+
+
+class GatedDisk(DiskL2Adapter):
+    """A real disk tier whose stores wait for a gate: makes "in flight" observable."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, 1 << 24)
+        self.gate = threading.Event()
+
+    def store(self, key: int, chunk: torch.Tensor) -> int:
+        self.gate.wait(10)
+        return super().store(key, chunk)
+
+
+def chunk(v: float = 1.0) -> torch.Tensor:
+    return torch.full((1, 2, 16, 8), v)
+
+
+def test_store_load_events_and_callbacks(tmp_path: Path) -> None:
+    sink = Sink()
+    tier = AsyncL2(DiskL2Adapter(str(tmp_path), 1 << 20), workers=2, bus=sink)
+    done: list[bool] = []
+    assert tier.submit_store(1, chunk(3.0), done.append)
+    assert tier.flush(5) and done == [True]
+    out = torch.zeros_like(chunk())
+    assert tier.submit_load(1, out, done.append) and tier.submit_load(2, out.clone(), done.append)
+    assert tier.flush(5) and sorted(done) == [False, True, True]
+    assert torch.all(out == 3.0)
+    (st,) = sink.of(EventType.L2_STORE_FINISHED)
+    assert st.metadata["backend"] == "disk" and st.metadata["keys"] == [1] and st.metadata["duration_s"] >= 0
+    (ld,) = sink.of(EventType.L2_LOAD_FINISHED)
+    assert ld.metadata["num_bytes"] == out.numel() * 4
+    assert tier.counters["load_misses"] == 1 and tier.contains([1, 2]) == [True, False]
+    tier.close()
+    tier.close()
+    assert not tier.submit_store(3, chunk(), done.append)
+
+
+def test_inflight_bound_drops_stores(tmp_path: Path) -> None:
+    sink = Sink()
+    disk = GatedDisk(str(tmp_path))
+    tier = AsyncL2(disk, workers=1, max_inflight=2, bus=sink)
+    done: list[bool] = []
+    assert tier.submit_store(1, chunk(), done.append)
+    assert tier.submit_store(2, chunk(), done.append)
+    assert not tier.submit_store(3, chunk(), done.append)  # refused, callback not called
+    failed = sink.of(EventType.L2_STORE_FAILED)
+    assert failed[-1].metadata == {"backend": "disk", "keys": [3], "reason": "busy"}
+    assert tier.info()["inflight"]["store"] == 2 and not tier.flush(0.01)
+    disk.gate.set()
+    assert tier.flush(5) and done == [True, True] and tier.counters["stores_dropped"] == 1
+    tier.close()
+
+
+def test_redis_killed_mid_run_backs_off_and_recovers(redis_server: LocalRedis) -> None:
+    sink = Sink()
+    now = [0.0]
+    adapter = RedisL2Adapter(redis_server.url, socket_timeout_s=0.5, connect_timeout_s=0.5)
+    tier = AsyncL2(adapter, workers=2, retry_interval_s=10.0, bus=sink, clock=lambda: now[0])
+    done: list[bool] = []
+    tier.submit_store(1, chunk(), done.append)
+    assert tier.flush(5) and tier.contains([1]) == [True]
+    redis_server.stop()
+    tier.submit_store(2, chunk(), done.append)
+    assert tier.flush(5) and done == [True, False]
+    assert sink.of(EventType.L2_STORE_FAILED)[-1].metadata["reason"] == "unavailable"
+    assert not tier.available
+    # while backing off: immediate misses / refusals, the adapter is not called
+    assert tier.contains([1]) == [False]
+    assert not tier.submit_store(3, chunk(), done.append)
+    assert not tier.submit_load(1, chunk(), done.append)
+    assert tier.counters["store_failures"] == 1 and tier.counters["stores_dropped"] == 1
+    now[0] = 11.0  # retry interval passed; server still down -> contains fails, backs off again
+    assert tier.contains([1]) == [False] and tier.counters["contains_failures"] == 1
+    assert sink.of(EventType.L2_LOAD_FAILED)[-1].metadata["reason"] == "unavailable"
+    redis_server.start()
+    now[0] = 22.0
+    assert tier.submit_store(4, chunk(), done.append) and tier.flush(5)
+    assert tier.contains([4]) == [True] and tier.available
+    tier.close()
+
+
+class Broken(L2Adapter):
+    backend = "broken"
+
+    def store(self, key: int, chunk: torch.Tensor) -> int:
+        raise RuntimeError("boom")
+
+    def load(self, key: int, out: torch.Tensor) -> bool:
+        raise OSError("eio")
+
+    def contains(self, keys: Sequence[int]) -> list[bool]:
+        return [True] * len(keys)
+
+    def delete(self, keys: Sequence[int]) -> int:
+        return 0
+
+
+def test_unexpected_errors_are_io_failures_without_backoff() -> None:
+    sink = Sink()
+    tier = AsyncL2(Broken(), bus=sink)
+    done: list[bool] = []
+
+    def bad_callback(ok: bool) -> None:
+        done.append(ok)
+        raise ValueError("callback bug")
+
+    tier.submit_store(1, chunk(), bad_callback)
+    tier.submit_load(1, chunk(), done.append)
+    assert tier.flush(5) and done == [False, False]
+    assert sorted((e.event_type.value, e.metadata["reason"]) for e in sink.events) == [
+        ("l2.load.failed", "io"),
+        ("l2.store.failed", "io"),
+    ]
+    assert tier.available and tier.info()["inflight"] == {"store": 0, "load": 0}
+    tier.close()

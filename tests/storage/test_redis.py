@@ -1,0 +1,73 @@
+"""Redis L2 against a real redis-server: round trip, corruption, and the server dying."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.storage.base import failure_reason
+from kvcache.storage.redis import RedisL2Adapter
+from kvcache.storage.redis_local import LocalRedis
+
+
+def chunk(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, 16, 32, generator=g).to(torch.float16)
+
+
+def adapter(server: LocalRedis, **kw: object) -> RedisL2Adapter:
+    return RedisL2Adapter(server.url, socket_timeout_s=0.5, connect_timeout_s=0.5, **kw)  # type: ignore[arg-type]
+
+
+def test_round_trip(redis_server: LocalRedis) -> None:
+    a = adapter(redis_server, key_prefix="t:", ttl_s=100)
+    t = chunk(1)
+    assert a.store(1 << 100, t) > t.numel() * 2
+    assert a.contains([1 << 100, 5]) == [True, False] and a.contains([]) == []
+    out = torch.empty_like(t)
+    assert a.load(1 << 100, out) and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+    assert not a.load(5, out)
+    raw = redis.Redis.from_url(redis_server.url)
+    assert raw.exists(f"t:{1 << 100:032x}") and 0 < raw.ttl(f"t:{1 << 100:032x}") <= 100
+    assert a.delete([1 << 100, 5]) == 1 and a.delete([]) == 0
+    assert a.info()["backend"] == "redis"
+    a.close()
+
+
+def test_corrupt_value_is_a_miss_and_deleted(redis_server: LocalRedis) -> None:
+    a = adapter(redis_server)
+    t = chunk(2)
+    a.store(9, t)
+    raw = redis.Redis.from_url(redis_server.url)
+    name = f"kvcache:{9:032x}"
+    value = raw.get(name)
+    assert value is not None
+    raw.set(name, value[:-10])  # truncated
+    with pytest.raises(CorruptChunkError):
+        a.load(9, torch.empty_like(t))
+    assert not raw.exists(name)
+    raw.set(name, b"garbage")
+    with pytest.raises(CorruptChunkError):
+        a.load(9, torch.empty_like(t))
+
+
+def test_server_down_raises_tagged_storage_error(redis_server: LocalRedis) -> None:
+    a = adapter(redis_server)
+    a.store(1, chunk(1))
+    redis_server.stop()
+    for op in (lambda: a.store(2, chunk(2)), lambda: a.load(1, chunk(0)), lambda: a.contains([1])):
+        with pytest.raises(StorageError) as info:
+            op()
+        assert failure_reason(info.value) == "unavailable"
+    redis_server.start()  # same port, empty (no persistence)
+    assert a.contains([1]) == [False]
+    a.store(2, chunk(2))
+    assert a.contains([2]) == [True]
+
+
+def test_redacted_url() -> None:
+    a = RedisL2Adapter("redis://user:secret@127.0.0.1:1/0")
+    assert "secret" not in a.info()["url"]
+    a.close()
