@@ -32,6 +32,7 @@ class GPUKVFormat(enum.IntEnum):
     NL_X_NB_BS_HS = 3  # vLLM MLA: NL x [NB, BS, HS]
     TWO_X_NL_X_NBBS_NH_HS = 4  # SGLang MHA: [K_list, V_list], each NL x [NB*BS, NH, HS]
     NL_X_NBBS_ONE_HS = 5  # SGLang MLA: NL x [NB*BS, 1, HS]
+    NL_X_NB_PAGE = 6  # opaque pages: NL x [NB, ...], each block contiguous (vLLM CPU); never detected
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class LayoutRow:
 
     kv: int  # 2 = K and V, 1 = MLA latent
     depth: int  # list nesting of the engine object
-    rank: int  # rank of each tensor
+    rank: int  # rank of each tensor; 0 = any rank >= 2 (opaque pages)
 
 
 LAYOUT_ROWS: dict[GPUKVFormat, LayoutRow] = {
@@ -50,6 +51,7 @@ LAYOUT_ROWS: dict[GPUKVFormat, LayoutRow] = {
     GPUKVFormat.NL_X_NB_BS_HS: LayoutRow(kv=1, depth=1, rank=3),
     GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS: LayoutRow(kv=2, depth=2, rank=3),
     GPUKVFormat.NL_X_NBBS_ONE_HS: LayoutRow(kv=1, depth=1, rank=3),
+    GPUKVFormat.NL_X_NB_PAGE: LayoutRow(kv=1, depth=1, rank=0),
 }
 
 ENGINES = ("vllm", "sglang")
@@ -170,6 +172,8 @@ def describe(tensors: Sequence[torch.Tensor], fmt: GPUKVFormat, block_size: int 
     if not tensors:
         raise LayoutError("no KV tensors")
     shape = tuple(tensors[0].shape)
+    if fmt is GPUKVFormat.NL_X_NB_PAGE:
+        return _describe_pages(tensors, block_size)
     if len(shape) != row.rank:
         raise LayoutError(f"{fmt.name} needs rank-{row.rank} tensors, got shape {shape}")
     esize = tensors[0].element_size()
@@ -195,6 +199,22 @@ def describe(tensors: Sequence[torch.Tensor], fmt: GPUKVFormat, block_size: int 
     if fmt in (GPUKVFormat.NB_NL_TWO_BS_NH_HS,) and shape[2] != 2:
         raise LayoutError(f"{fmt.name}: the K/V axis must be 2, got {shape[2]}")
     return KVShape(nl, nb, bs, nh, hs, esize, row.kv)
+
+
+def _describe_pages(tensors: Sequence[torch.Tensor], block_size: int | None) -> KVShape:
+    """Opaque pages: one block of one layer is ``numel / NB`` contiguous elements, seen as
+    ``block_size`` tokens of equal width (one head of that width)."""
+    shape = tuple(tensors[0].shape)
+    if len(shape) < 2:
+        raise LayoutError(f"NL_X_NB_PAGE needs tensors [NB, ...] of rank >= 2, got {shape}")
+    if block_size is None or block_size <= 0:
+        raise LayoutError("NL_X_NB_PAGE cannot see the block size inside a page: pass block_size")
+    per_block = tensors[0][0].numel()
+    if per_block % block_size:
+        raise LayoutError(f"a page of {per_block} elements does not split into {block_size} tokens")
+    return KVShape(
+        len(tensors), shape[0], block_size, 1, per_block // block_size, tensors[0].element_size(), 1
+    )
 
 
 __all__ = [

@@ -28,7 +28,7 @@ def page_view(kv_caches: KVCaches, fmt: GPUKVFormat, shape: KVShape, layer: int,
         view = tensors[layer]
     elif fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS:
         view = tensors[kv * shape.num_layers + layer].view(nb, bs, shape.num_heads, shape.head_size)
-    else:
+    else:  # SGLang MLA [NB*BS, 1, HS] and opaque pages [NB, ...]: a block is BS rows of HS
         view = tensors[layer].view(nb, bs, shape.head_size)
     return view.flatten(2) if view.dim() == 4 else view
 

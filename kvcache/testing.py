@@ -18,6 +18,7 @@ ENGINE_OF = {
     GPUKVFormat.NL_X_NB_BS_HS: "vllm",
     GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS: "sglang",
     GPUKVFormat.NL_X_NBBS_ONE_HS: "sglang",
+    GPUKVFormat.NL_X_NB_PAGE: "vllm",
 }
 
 
@@ -41,7 +42,7 @@ def make_kv_caches(
     seed: int = 0,
 ) -> KVCaches:
     """An engine KV cache of ``fmt`` (MLA formats use ``head_size`` as the latent width
-    and ignore ``num_heads``)."""
+    and ignore ``num_heads``; opaque pages take vLLM's CPU shape)."""
     gen = torch.Generator().manual_seed(seed)
     nl, nb, bs, nh, hs = num_layers, num_blocks, block_size, num_heads, head_size
 
@@ -61,6 +62,8 @@ def make_kv_caches(
         return [new(nb, bs, hs) for _ in range(nl)]
     if fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS:
         return [[new(nb * bs, nh, hs) for _ in range(nl)] for _ in range(2)]
+    if fmt is GPUKVFormat.NL_X_NB_PAGE:  # vLLM's CPU cache: [NB, NH, BS, 2*HS] per layer
+        return [new(nb, nh, bs, 2 * hs) for _ in range(nl)]
     return [new(nb * bs, 1, hs) for _ in range(nl)]
 
 

@@ -10,7 +10,14 @@ import torch
 from kvcache import GPUCacheContext, reference
 from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError
 from kvcache.layouts import GPUKVFormat
-from kvcache.testing import ALL_FORMATS, ENGINE_OF, caches_equal, clone_caches, make_kv_caches
+from kvcache.testing import (
+    ALL_FORMATS,
+    ENGINE_OF,
+    caches_equal,
+    clone_caches,
+    make_kv_caches,
+    random_fill,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 NB, BS, CHUNK = 24, 16, 64  # 4 blocks per chunk
@@ -43,7 +50,14 @@ def _ctx(
         device=device,
         seed=seed,
     )
-    ctx = GPUCacheContext(caches, chunk_size=CHUNK, engine=ENGINE_OF[fmt], block_size=BS, **kw)
+    ctx = GPUCacheContext(
+        caches,
+        chunk_size=CHUNK,
+        fmt=fmt,
+        engine=ENGINE_OF[fmt],
+        block_size=BS,
+        **kw,  # type: ignore[arg-type]
+    )
     return ctx, caches
 
 
@@ -74,16 +88,10 @@ def _check_store(
 def _check_retrieve(
     ctx: GPUCacheContext, caches: object, ids: list[int], skip: int, device: str = "cpu", pin: bool = False
 ) -> None:
-    source = make_kv_caches(
-        ctx.format,
-        num_layers=3,
-        num_blocks=NB,
-        block_size=BS,
-        num_heads=2,
-        head_size=ctx.head_size,
-        dtype=ctx.dtype,
-        seed=99,
-    )
+    source = clone_caches(caches)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(99)
+    for t in GPUCacheContext(source, chunk_size=CHUNK, fmt=ctx.format, block_size=BS).tensors:
+        t.copy_(random_fill(torch.empty_like(t, device="cpu"), gen))
     payload = reference.gather(source, ctx.format, ctx.shape, ids)
     chunks = _poisoned_chunks(ctx, len(ids), device, pin)
     offset = 0
@@ -208,26 +216,28 @@ def test_explicit_format_resolves_ambiguity() -> None:
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
 def test_properties(fmt: GPUKVFormat) -> None:
     ctx, _caches = _ctx(fmt, torch.float16, head_size=32)
-    mla = fmt in (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS)
+    page = fmt is GPUKVFormat.NL_X_NB_PAGE
+    mla = fmt in (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS) or page
     heads = 1 if mla else 2
+    head_size = 2 * 2 * 32 if page else 32
     assert ctx.format is fmt
     assert ctx.num_layers == 3
     assert ctx.num_blocks == NB
     assert ctx.block_size == BS
     assert ctx.num_heads == heads
-    assert ctx.head_size == 32
+    assert ctx.head_size == head_size
     assert ctx.kv_count == (1 if mla else 2)
     assert ctx.dtype == torch.float16
     assert ctx.device == torch.device("cpu")
     assert ctx.is_mla is mla
     assert ctx.chunk_size == CHUNK
     assert ctx.blocks_per_chunk == CHUNK // BS
-    assert ctx.bytes_per_token == ctx.kv_count * 3 * heads * 32 * 2
-    assert ctx.chunk_shape() == (ctx.kv_count, 3, CHUNK, heads * 32)
-    assert ctx.chunk_shape(16) == (ctx.kv_count, 3, 16, heads * 32)
+    assert ctx.bytes_per_token == ctx.kv_count * 3 * heads * head_size * 2
+    assert ctx.chunk_shape() == (ctx.kv_count, 3, CHUNK, heads * head_size)
+    assert ctx.chunk_shape(16) == (ctx.kv_count, 3, 16, heads * head_size)
     assert ctx.chunk_nbytes(16) == 16 * ctx.bytes_per_token
     assert ctx.max_block_ids == 1 << 20
-    assert ctx.shape.page_bytes == BS * heads * 32 * 2
+    assert ctx.shape.page_bytes == BS * heads * head_size * 2
     assert len(ctx.tensors) == (
         1 if fmt is GPUKVFormat.NB_NL_TWO_BS_NH_HS else 6 if fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS else 3
     )

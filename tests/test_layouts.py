@@ -8,6 +8,8 @@ from kvcache.errors import KvcacheError, LayoutError
 from kvcache.layouts import LAYOUT_ROWS, GPUKVFormat, describe, detect_format, flatten_tensors
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, make_kv_caches
 
+DETECTABLE = [f for f in ALL_FORMATS if f is not GPUKVFormat.NL_X_NB_PAGE]
+
 
 def test_python_mirror_matches_native_table() -> None:
     native = {row["name"]: row for row in _native.layout_table()}
@@ -17,7 +19,7 @@ def test_python_mirror_matches_native_table() -> None:
         assert (n["id"], n["kv"], n["depth"], n["rank"]) == (int(fmt), row.kv, row.depth, row.rank)
 
 
-def test_exactly_the_six_formats() -> None:
+def test_the_six_engine_formats_and_opaque_pages() -> None:
     assert [f.name for f in GPUKVFormat] == [
         "NB_NL_TWO_BS_NH_HS",
         "NL_X_TWO_NB_BS_NH_HS",
@@ -25,10 +27,11 @@ def test_exactly_the_six_formats() -> None:
         "NL_X_NB_BS_HS",
         "TWO_X_NL_X_NBBS_NH_HS",
         "NL_X_NBBS_ONE_HS",
+        "NL_X_NB_PAGE",
     ]
 
 
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("fmt", DETECTABLE)
 def test_detect_each_format(fmt: GPUKVFormat) -> None:
     caches = make_kv_caches(fmt, num_layers=3, num_blocks=5, fill=False)
     assert detect_format(caches, ENGINE_OF[fmt]) is fmt
@@ -50,10 +53,22 @@ def test_describe_reads_geometry(fmt: GPUKVFormat) -> None:
     mla = LAYOUT_ROWS[fmt].kv == 1
     assert (shape.num_layers, shape.num_blocks, shape.block_size) == (3, 5, 16)
     assert shape.num_heads == (1 if mla else 4)
-    assert shape.head_size == 32
+    assert shape.head_size == (4 * 2 * 32 if fmt is GPUKVFormat.NL_X_NB_PAGE else 32)
     assert shape.element_size == 2
     assert shape.kv_count == (1 if mla else 2)
-    assert shape.page_bytes == 16 * shape.num_heads * 32 * 2
+    assert shape.page_bytes == 16 * shape.num_heads * shape.head_size * 2
+
+
+def test_opaque_pages_are_never_guessed() -> None:
+    caches = make_kv_caches(GPUKVFormat.NL_X_NB_PAGE, fill=False)  # vLLM CPU [NB, NH, BS, 2*HS]
+    with pytest.raises(LayoutError):
+        detect_format(caches)
+    fmt = GPUKVFormat.NL_X_NB_PAGE
+    with pytest.raises(LayoutError, match="block_size"):
+        describe(flatten_tensors(caches, fmt), fmt)
+    shape = describe(flatten_tensors(caches, fmt), fmt, block_size=16)
+    # a page is NH * BS * 2*HS elements; seen as 16 tokens of NH * 2*HS
+    assert (shape.num_blocks, shape.num_heads, shape.head_size, shape.kv_count) == (8, 1, 2 * 2 * 64, 1)
 
 
 def test_flash_attention_with_two_blocks_is_ambiguous() -> None:
