@@ -11,6 +11,10 @@ every view is aligned for DMA and any dtype. Fixed slots cannot fragment: when e
 free a slot is free. The sum of extents never exceeds ``capacity_bytes``; when another geometry
 needs room, extents left wholly free are released and the LRU victims (of any geometry) evicted.
 
+Eviction is LRU with one twist for prefixes: the chunks of one operation are marked used tail
+first, so the head of a prompt is the most recent and the tail leaves first (a prefix cache that
+lost its first chunk has lost everything after it).
+
 Entry states: WRITING (a store is copying in), LOADING (a prefetch from L2), READY. Lookups count
 WRITING-free entries (READY or LOADING: a retrieve waits for the load); readers and writers pin an
 entry (a refcount) and a pinned or unfinished entry is never evicted: the policy only ever holds
@@ -202,7 +206,8 @@ class L1Pool:
         written: list[ChunkKey] = []
         nbytes = 0
         with self._lock:
-            for entry, good in zip(entries, oks, strict=True):
+            # Reversed: the head of a prefix becomes the most recent, so the tail leaves first.
+            for entry, good in reversed(list(zip(entries, oks, strict=True))):
                 entry.pins -= 1
                 if good:
                     entry.state = EntryState.READY
@@ -215,6 +220,7 @@ class L1Pool:
                     self._remove(entry)
                 entry._done.set()
             if written:
+                written.reverse()
                 events.append(self._event(EventType.L1_WRITE_FINISHED, keys=written, num_bytes=nbytes))
             self._evict_to_watermark(events)
         self._publish(events)
@@ -228,8 +234,9 @@ class L1Pool:
                 entry = self._entries.get(key)
                 if entry is None or entry.state is EntryState.WRITING:
                     break
-                self._policy.touch(key)
                 n += 1
+            for key in reversed(keys[:n]):  # head of the prefix = most recently used
+                self._policy.touch(key)
         return n
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
@@ -253,7 +260,7 @@ class L1Pool:
         """Drop one pin per entry; with ``read_bytes`` publish ``L1_READ_FINISHED`` for them."""
         entries = list(entries)
         with self._lock:
-            for entry in entries:
+            for entry in reversed(entries):  # head of the prefix = most recently used
                 entry.pins -= 1
                 if entry.pins == 0 and entry.state is EntryState.READY:
                     self._policy.add(entry.key)

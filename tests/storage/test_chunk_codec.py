@@ -1,4 +1,4 @@
-"""The chunk record: round trip and every kind of damage detected."""
+"""The chunk record (kvcache.storage.codec): round trip and every kind of damage detected."""
 
 from __future__ import annotations
 

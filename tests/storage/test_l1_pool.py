@@ -62,7 +62,8 @@ def test_present_keys_are_skipped() -> None:
 def test_lru_order_and_watermark() -> None:
     sink = Sink()
     p = pool(8, watermark=0.5, sink=sink)
-    write(p, [1, 2, 3, 4])
+    for k in (1, 2, 3, 4):
+        write(p, [k])
     assert len(p) == 4 and not sink.of(EventType.L1_KEYS_EVICTED)
     assert p.prefix([1]) == 1  # touch 1: now 2 is the oldest
     write(p, [5])
@@ -76,12 +77,24 @@ def test_lru_order_and_watermark() -> None:
 
 def test_evicts_when_full_and_reuses_slots() -> None:
     p = pool(4)
-    write(p, [1, 2, 3, 4])
+    write(p, [1, 2, 3, 4])  # one prompt: its tail (4, then 3) is the least recently used
     assert write(p, [5, 6]) == [0, 1]
-    assert [k for k in (1, 2, 3, 4, 5, 6) if k in p] == [3, 4, 5, 6]
+    assert [k for k in (1, 2, 3, 4, 5, 6) if k in p] == [1, 2, 5, 6]
     assert p.allocated_bytes == 4 * G.stride
     e = p.get(5)
     assert e is not None and torch.all(e.tensor == 5)
+
+
+def test_prefix_head_outlives_its_tail() -> None:
+    p = pool(4)
+    write(p, [1, 2, 3])
+    assert p.prefix([1, 2, 3]) == 3  # a lookup hit keeps the head most recent too
+    write(p, [9, 8])
+    assert [k for k in (1, 2, 3) if k in p] == [1, 2]
+    held = p.acquire([1, 2])
+    p.release(held)
+    write(p, [7])
+    assert 1 in p and 2 in p
 
 
 def test_pinned_entries_are_never_evicted() -> None:

@@ -1,0 +1,74 @@
+"""One registered engine instance as the CacheEngine sees it: context, chunk geometry, keys.
+
+Split from the engine so that key scoping lives in one small place: the chunk geometry (KV
+count, layers, tokens, width, dtype) is folded into every key, so two instances share chunks
+exactly when they could exchange the bytes (the same model in any of the six layouts), and never
+when they could not (another dtype, or a tensor-parallel rank with other heads but — careful —
+the same shape: give each rank its own ``model_name`` or ``cache_salt``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvcache.context import GPUCacheContext
+from kvcache.keys import ChunkHasher
+from kvcache.observability.event import ChunkKey
+from kvcache.storage.codec import dtype_name
+from kvcache.storage.l1_pool import SlotGeometry
+
+_MAX_HASHERS = 4096  # distinct cache salts remembered per instance
+
+
+class Instance:
+    __slots__ = ("_hashers", "_lock", "ctx", "device", "geometry", "instance_id", "model_name", "scope")
+
+    def __init__(self, instance_id: int, model_name: str, ctx: GPUCacheContext) -> None:
+        self.instance_id = instance_id
+        self.model_name = model_name
+        self.ctx = ctx
+        self.device = str(ctx.device)
+        self.geometry = SlotGeometry(tuple(ctx.chunk_shape()), ctx.dtype)
+        self.scope = (
+            "chunk:" + "x".join(map(str, self.geometry.shape)) + ":" + dtype_name(ctx.dtype)
+        ).encode()
+        self._hashers: dict[str, ChunkHasher] = {}
+        self._lock = threading.Lock()
+
+    def keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[ChunkKey]:
+        hasher = self._hashers.get(cache_salt)
+        if hasher is None:
+            hasher = ChunkHasher(
+                self.model_name, self.ctx.chunk_size, cache_salt=cache_salt, scope=self.scope
+            )
+            with self._lock:
+                if len(self._hashers) >= _MAX_HASHERS:
+                    self._hashers.clear()
+                self._hashers[cache_salt] = hasher
+        return hasher.keys(token_ids)
+
+    def meta(self, **extra: Any) -> dict[str, Any]:
+        """Metadata every MP_* event of this instance carries (docs/event-contract.md)."""
+        meta: dict[str, Any] = {
+            "instance_id": self.instance_id,
+            "model_name": self.model_name,
+            "device": self.device,
+        }
+        meta.update(extra)
+        return meta
+
+    def info(self) -> dict[str, Any]:
+        ctx = self.ctx
+        return {
+            "instance_id": self.instance_id,
+            "model_name": self.model_name,
+            "format": ctx.format.name,
+            "device": self.device,
+            "dtype": dtype_name(ctx.dtype),
+            "num_layers": ctx.num_layers,
+            "num_blocks": ctx.num_blocks,
+            "block_size": ctx.block_size,
+            "chunk_bytes": ctx.chunk_nbytes(),
+        }
