@@ -1,0 +1,170 @@
+"""CacheEngine with L2 tiers: disk restart and corruption, disk bound, Redis sharing and Redis loss."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcache.config import EngineConfig
+from kvcache.engine import CacheEngine
+from kvcache.layouts import GPUKVFormat
+from kvcache.observability.event import Event, EventType
+from kvcache.storage.redis_local import LocalRedis
+from kvcache.testing import caches_equal, make_kv_caches
+
+BS, CS = 16, 32
+FMT = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+TOKENS = list(range(500, 500 + 8 * BS))  # 4 chunks
+IDS = list(range(8))
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def of(self, etype: EventType) -> list[Event]:
+        with self._lock:
+            return [e for e in self.events if e.event_type is etype]
+
+
+def engine(sink: Sink | None = None, **kw: Any) -> CacheEngine:
+    cfg = EngineConfig(chunk_size=CS, l1_size_bytes=1 << 22, l1_extent_bytes=1 << 16, **kw)
+    return CacheEngine(cfg, bus=sink)
+
+
+def reg(e: CacheEngine, iid: int, seed: int) -> Any:
+    caches = make_kv_caches(FMT, num_blocks=8, block_size=BS, seed=seed)
+    e.register(iid, "m", caches)
+    return caches
+
+
+def chunk_file_bytes(e: CacheEngine) -> int:
+    return int(e.status()["l2"][0]["used_bytes"]) // int(e.status()["l2"][0]["num_chunks"])
+
+
+def test_disk_write_through_restart_and_prefetch(tmp_path: Path) -> None:
+    with engine(l2_disk_path=str(tmp_path)) as a:
+        src = reg(a, 1, seed=1)
+        a.store(1, TOKENS, IDS)
+        assert a.flush(5)
+        assert a.status()["l2"][0]["num_chunks"] == 4
+    sink = Sink()
+    with engine(sink, l2_disk_path=str(tmp_path)) as b:  # a restarted process: empty L1
+        dst = reg(b, 2, seed=2)
+        assert b.status()["l1"]["num_chunks"] == 0
+        assert b.lookup(2, TOKENS) == 128
+        end = sink.of(EventType.MP_LOOKUP_END)[-1].metadata
+        assert (end["l1_hit_tokens"], end["l2_hit_tokens"]) == (0, 128)
+        assert b.retrieve(2, TOKENS, IDS) == 128
+        assert caches_equal(src, dst)
+        r_end = sink.of(EventType.MP_RETRIEVE_END)[-1].metadata
+        assert (r_end["l1_tokens"], r_end["l2_tokens"]) == (0, 128)
+        assert len(sink.of(EventType.L2_LOAD_FINISHED)) == 4
+        assert b.lookup(2, TOKENS) == 128  # now from L1
+        assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata["l1_hit_tokens"] == 128
+
+
+def test_retrieve_without_lookup_loads_from_l2(tmp_path: Path) -> None:
+    with engine(l2_disk_path=str(tmp_path)) as a:
+        src = reg(a, 1, seed=1)
+        a.store(1, TOKENS, IDS)
+    with engine(l2_disk_path=str(tmp_path)) as b:
+        dst = reg(b, 2, seed=2)
+        assert b.retrieve(2, TOKENS, IDS) == 128 and caches_equal(src, dst)
+
+
+def test_corrupt_chunk_ends_the_prefix(tmp_path: Path) -> None:
+    with engine(l2_disk_path=str(tmp_path)) as a:
+        reg(a, 1, seed=1)
+        a.store(1, TOKENS, IDS)
+    files = sorted(tmp_path.rglob("*.kvc"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 4
+    sink = Sink()
+    with engine(sink, l2_disk_path=str(tmp_path)) as b:
+        dst = reg(b, 2, seed=2)
+        from kvcache.keys import ChunkHasher  # the third chunk's key, as the engine derives it
+
+        scope = b"chunk:" + b"x".join(str(d).encode() for d in (2, 2, CS, 128)) + b":bfloat16"
+        key = ChunkHasher("m", CS, scope=scope).keys(TOKENS)[2]
+        victim = next(p for p in files if p.name.startswith(f"{key:032x}"))
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+        before = [t.clone() for t in dst]
+        assert b.lookup(2, TOKENS) == 128  # the index still lists it; the load finds the damage
+        assert b.retrieve(2, TOKENS, IDS) == 64
+        failed = sink.of(EventType.L2_LOAD_FAILED)
+        assert failed and failed[-1].metadata["reason"] == "corrupt" and failed[-1].metadata["keys"] == [key]
+        assert not victim.exists()
+        for layer, old in zip(dst, before, strict=True):  # blocks 4..7 untouched
+            assert torch.equal(layer[4:].view(torch.uint8), old[4:].view(torch.uint8))
+        assert b.lookup(2, TOKENS) == 64
+
+
+def test_disk_bound_evicts(tmp_path: Path) -> None:
+    probe_dir = tmp_path / "probe"
+    with engine(l2_disk_path=str(probe_dir)) as p:
+        reg(p, 1, seed=1)
+        p.store(1, TOKENS[:32], IDS[:2])
+        p.flush(5)
+        one = chunk_file_bytes(p)
+    sink = Sink()
+    with engine(sink, l2_disk_path=str(tmp_path / "d"), l2_disk_size_bytes=2 * one) as e:
+        reg(e, 1, seed=1)
+        e.store(1, TOKENS, IDS)
+        e.flush(5)
+        st = e.status()["l2"][0]
+        assert st["num_chunks"] == 2 and st["used_bytes"] <= 2 * one
+        evicted = sink.of(EventType.L2_KEYS_EVICTED)
+        assert sum(len(ev.metadata["keys"]) for ev in evicted) == 2
+        assert e.lookup(1, TOKENS) == 128  # L1 still has everything
+
+
+def test_redis_shared_between_engines(redis_server: LocalRedis) -> None:
+    kw = {"l2_redis_url": redis_server.url, "l2_redis_key_prefix": "share:"}
+    with engine(**kw) as a, engine(**kw) as b:  # two "machines"
+        src = reg(a, 1, seed=1)
+        a.store(1, TOKENS, IDS)
+        assert a.flush(5)
+        dst = reg(b, 1, seed=2)
+        assert b.lookup(1, TOKENS) == 128
+        assert b.retrieve(1, TOKENS, IDS) == 128 and caches_equal(src, dst)
+
+
+def test_redis_killed_mid_run_engine_keeps_serving(redis_server: LocalRedis) -> None:
+    sink = Sink()
+    kw = {"l2_redis_url": redis_server.url, "l2_retry_interval_s": 0.05, "l2_redis_socket_timeout_s": 0.5}
+    with engine(sink, **kw) as e:
+        src = reg(e, 1, seed=1)
+        dst = reg(e, 2, seed=2)
+        e.store(1, TOKENS[:64], IDS[:4])
+        assert e.flush(5)
+        redis_server.stop()
+        r = e.store(1, TOKENS, IDS)  # L1 takes it; the L2 writes fail or are refused
+        assert r.stored_chunks == 2
+        assert e.flush(5)
+        assert e.lookup(2, TOKENS) == 128 and e.retrieve(2, TOKENS, IDS) == 128
+        assert caches_equal(src, dst)
+        info = e.status()["l2"][0]
+        assert info["store_failures"] + info["stores_dropped"] == 2
+        assert sink.of(EventType.L2_STORE_FAILED)
+        redis_server.start()
+        deadline = time.monotonic() + 5
+        attempt = 0
+        while True:  # the tier comes back after its retry interval (fresh chunks each try:
+            attempt += 1  # a chunk already in L1 is skipped, so it is not written through again)
+            e.store(1, [t + 1000 * attempt for t in TOKENS], IDS)
+            e.flush(5)
+            if e.status()["l2"][0]["stores"] > 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert e.status()["l2"][0]["stores"] > 2
