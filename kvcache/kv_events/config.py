@@ -1,0 +1,84 @@
+"""Command-line flags for KV events and the one call that turns them into a bus subscriber.
+
+Kept out of the daemon's CLI so any entry point (the daemon, a benchmark, a framework
+embedding ``CacheEngine``) gets the same flags and the same defaults: KV events are off
+unless ``--kv-events-endpoint`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prometheus_client.registry import CollectorRegistry
+
+from kvcache.kv_events.messages import FORMATS
+from kvcache.kv_events.publisher import DEFAULT_BUFFER_STEPS, default_factory
+from kvcache.kv_events.subscriber import KVEventsSubscriber
+
+DEFAULT_TOPIC = "kv-events"
+DEFAULT_CHUNK_SIZE = 256
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``kv events`` flag group to ``parser``; returns it."""
+    g = parser.add_argument_group("kv events (vLLM-compatible, for cluster routers)")
+    g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
+                   help="ZMQ PUB address, e.g. tcp://*:5557 (wildcard/ipc/inproc bind, a plain "
+                        "host connects); default: KV events off")
+    g.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR",
+                   help="ZMQ ROUTER address (bound) where routers ask for missed batches, "
+                        "e.g. tcp://*:5558 (default: no replay)")
+    g.add_argument("--kv-events-topic", default=DEFAULT_TOPIC,
+                   help="topic frame of every message (default %(default)s)")
+    g.add_argument("--kv-events-format", choices=FORMATS, default="map",
+                   help="event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23); "
+                        "default %(default)s")
+    g.add_argument("--kv-events-buffer-steps", type=_positive_int, default=DEFAULT_BUFFER_STEPS,
+                   help="batches kept for replay (default %(default)s)")
+    return parser
+
+
+def build_kv_events_subscriber(
+    ns: argparse.Namespace, registry: CollectorRegistry | None = None
+) -> KVEventsSubscriber | None:
+    """The subscriber the flags ask for, with its ZMQ publisher open; None when off.
+
+    ``ns.chunk_size`` (the daemon's ``--chunk-size``) sets ``block_size`` of chunk-keyed
+    events. Raises ``ValueError`` for inconsistent flags or an endpoint that cannot be opened.
+    """
+    endpoint = getattr(ns, "kv_events_endpoint", None)
+    replay = getattr(ns, "kv_events_replay_endpoint", None)
+    if endpoint is None:
+        if replay is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    publisher = default_factory().create(
+        "zmq",
+        endpoint=endpoint,
+        replay_endpoint=replay,
+        topic=getattr(ns, "kv_events_topic", DEFAULT_TOPIC),
+        buffer_steps=getattr(ns, "kv_events_buffer_steps", DEFAULT_BUFFER_STEPS),
+    )
+    try:
+        return KVEventsSubscriber(
+            publisher,
+            chunk_size=getattr(ns, "chunk_size", DEFAULT_CHUNK_SIZE),
+            fmt=getattr(ns, "kv_events_format", "map"),
+            registry=registry,
+        )
+    except BaseException:
+        publisher.shutdown()
+        raise
+
+
+__all__ = ["DEFAULT_TOPIC", "add_kv_events_args", "build_kv_events_subscriber"]

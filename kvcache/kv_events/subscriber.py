@@ -1,0 +1,304 @@
+"""The bus subscriber that turns L1/L2 holdings changes into vLLM-format KV-event batches.
+
+Its own module (not part of the publisher) because it is where kvcache's vocabulary (chunk
+keys, tiers, backends) is translated into a router's (block hashes, ``medium``); the
+publisher only moves bytes.
+
+Rules (one batch per bus event, i.e. per engine operation; nothing is sent for an event
+that changes no holding):
+
+* ``L1_WRITE_FINISHED`` -> ``BlockStored(medium="CPU")``; ``L1_KEYS_EVICTED`` ->
+  ``BlockRemoved(medium="CPU")``.
+* ``L2_STORE_FINISHED`` -> ``BlockStored(medium="STORAGE")`` for keys no L2 backend held
+  yet; ``L2_KEYS_EVICTED`` (and ``L2_LOAD_FAILED`` with reason ``"corrupt"``, after which
+  the tier drops the chunk) -> ``BlockRemoved(medium="STORAGE")`` for keys no backend holds
+  any more. Several L2 backends (disk + Redis) share the one ``STORAGE`` medium.
+* ``L1_CLEARED`` / ``L2_CLEARED`` -> ``AllBlocksCleared`` followed, in the same batch, by
+  ``BlockStored`` for whatever the other tiers still hold, so a router that drops everything
+  on ``AllBlocksCleared`` ends up exact.
+
+Identity of a chunk on the wire: when the store that wrote it carried the engine's own
+block hashes (``L1_WRITE_FINISHED`` metadata ``block_hashes``, ``block_size``,
+``parent_block_hashes``, optional ``token_ids``; see docs/event-contract.md), the chunk is
+published as those blocks (``block_size`` = engine block size), and keeps that identity in
+every later event, in every tier, for as long as some tier holds it. Otherwise it is one
+block whose hash is the chunk key folded to 64 bits (``block_size`` = chunk size).
+
+Runs on the bus dispatcher thread only; its state (which tier holds which key) is plain
+dicts with no lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from prometheus_client.registry import CollectorRegistry
+
+from kvcache.keys import fold64
+from kvcache.kv_events.messages import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AnyEvent,
+    EventBatch,
+    EventFactory,
+    EventFormat,
+)
+from kvcache.kv_events.publisher import EventPublisher
+from kvcache.observability.bus import Callback, EventSubscriber
+from kvcache.observability.event import ChunkKey, Event, EventType
+from kvcache.observability.instruments import MetricSet
+
+_L1 = 1  # bit 0 of a holding mask; L2 backends get bits 1, 2, ... in order of first sight
+
+
+class _EngineBlocks:
+    """The engine's identity of one chunk: its block hashes and the hash before them."""
+
+    __slots__ = ("block_size", "hashes", "parent")
+
+    def __init__(self, hashes: tuple[int, ...], parent: int | None, block_size: int) -> None:
+        self.hashes = hashes
+        self.parent = parent
+        self.block_size = block_size
+
+
+class KVEventsSubscriber(EventSubscriber):
+    """Publishes BlockStored / BlockRemoved / AllBlocksCleared through ``publisher``."""
+
+    def __init__(
+        self,
+        publisher: EventPublisher,
+        *,
+        chunk_size: int,
+        fmt: EventFormat = "map",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.publisher = publisher
+        self.chunk_size = chunk_size
+        self._make = EventFactory(fmt)
+        self._held: dict[ChunkKey, int] = {}
+        self._engine: dict[ChunkKey, _EngineBlocks] = {}
+        self._backend_bits: dict[str, int] = {}
+        self._l2_mask = 0
+        self.metrics = self._build_metrics()
+        if registry is not None:
+            self.metrics.register(registry)
+
+    @property
+    def name(self) -> str:
+        return "KVEventsSubscriber"
+
+    def subscriptions(self) -> Mapping[EventType, Callback]:
+        return {
+            EventType.L1_WRITE_FINISHED: self._on_l1_write,
+            EventType.L1_KEYS_EVICTED: self._on_l1_evicted,
+            EventType.L1_CLEARED: self._on_l1_cleared,
+            EventType.L2_STORE_FINISHED: self._on_l2_store,
+            EventType.L2_KEYS_EVICTED: self._on_l2_evicted,
+            EventType.L2_LOAD_FAILED: self._on_l2_load_failed,
+            EventType.L2_CLEARED: self._on_l2_cleared,
+        }
+
+    def shutdown(self) -> None:
+        self.publisher.shutdown()
+
+    # -- read-backs ----------------------------------------------------------------------------
+
+    def held_keys(self, medium: str) -> set[ChunkKey]:
+        """Keys this subscriber has announced as present in ``medium`` ("CPU" / "STORAGE")."""
+        mask = _L1 if medium == MEDIUM_CPU else self._l2_mask
+        return {k for k, m in self._held.items() if m & mask}
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    def _on_l1_write(self, event: Event) -> None:
+        md = event.metadata
+        keys: list[ChunkKey] = md.get("keys", [])
+        self._remember_engine_blocks(keys, md)
+        new = [k for k in keys if not self._held.get(k, 0) & _L1]
+        for k in new:
+            self._held[k] = self._held.get(k, 0) | _L1
+        tokens = md.get("token_ids")
+        token_map = None
+        if tokens and "block_hashes" in md and len(tokens) == len(keys) * self.chunk_size:
+            token_map = {k: i for i, k in enumerate(keys)}
+        self._send(event, self._stored(new, MEDIUM_CPU, tokens, token_map))
+
+    def _on_l1_evicted(self, event: Event) -> None:
+        gone = self._drop(event.metadata.get("keys", []), _L1)
+        if gone:
+            self._send(event, [self._make.removed(self._ids(gone), medium=MEDIUM_CPU)])
+        self._forget(gone)
+
+    def _on_l2_store(self, event: Event) -> None:
+        bit = self._bit(event.metadata.get("backend", ""))
+        new = []
+        for k in event.metadata.get("keys", []):
+            mask = self._held.get(k, 0)
+            if not mask & self._l2_mask:
+                new.append(k)
+            self._held[k] = mask | bit
+        self._send(event, self._stored(new, MEDIUM_STORAGE))
+
+    def _on_l2_evicted(self, event: Event) -> None:
+        bit = self._bit(event.metadata.get("backend", ""))
+        keys = self._drop(event.metadata.get("keys", []), bit)
+        gone = [k for k in keys if not self._held.get(k, 0) & self._l2_mask]
+        if gone:
+            self._send(event, [self._make.removed(self._ids(gone), medium=MEDIUM_STORAGE)])
+        self._forget(keys)
+
+    def _on_l2_load_failed(self, event: Event) -> None:
+        if event.metadata.get("reason") == "corrupt":  # the tier deleted the chunk
+            self._on_l2_evicted(event)
+
+    def _on_l1_cleared(self, event: Event) -> None:
+        self._clear_mask(event, _L1)
+
+    def _on_l2_cleared(self, event: Event) -> None:
+        self._clear_mask(event, self._bit(event.metadata.get("backend", "")))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _clear_mask(self, event: Event, bit: int) -> None:
+        cleared = self._drop(list(self._held), bit)
+        self._forget(cleared)
+        events: list[AnyEvent] = [self._make.cleared()]
+        events += self._stored([k for k, m in self._held.items() if m & _L1], MEDIUM_CPU)
+        events += self._stored([k for k, m in self._held.items() if m & self._l2_mask], MEDIUM_STORAGE)
+        self._send(event, events)
+
+    def _bit(self, backend: str) -> int:
+        bit = self._backend_bits.get(backend)
+        if bit is None:
+            bit = self._backend_bits[backend] = 1 << (len(self._backend_bits) + 1)
+            self._l2_mask |= bit
+        return bit
+
+    def _drop(self, keys: Iterable[ChunkKey], bit: int) -> list[ChunkKey]:
+        """Clear ``bit`` for the keys that had it; returns those keys."""
+        out = []
+        held = self._held
+        for k in keys:
+            mask = held.get(k, 0)
+            if mask & bit:
+                out.append(k)
+                if mask == bit:
+                    del held[k]
+                else:
+                    held[k] = mask & ~bit
+        return out
+
+    def _forget(self, keys: Iterable[ChunkKey]) -> None:
+        """Drop the engine identity of keys no tier holds any more."""
+        if self._engine:
+            for k in keys:
+                if k not in self._held:
+                    self._engine.pop(k, None)
+
+    def _remember_engine_blocks(self, keys: Sequence[ChunkKey], md: Mapping[str, Any]) -> None:
+        hashes = md.get("block_hashes")
+        if not hashes or not keys or len(hashes) % len(keys):
+            return
+        bpc = len(hashes) // len(keys)
+        parents = md.get("parent_block_hashes")
+        if parents is None or len(parents) != len(keys):
+            parents = [None, *(hashes[i * bpc - 1] for i in range(1, len(keys)))]
+        block_size = int(md.get("block_size", self.chunk_size // bpc))
+        for i, k in enumerate(keys):
+            self._engine[k] = _EngineBlocks(tuple(hashes[i * bpc : (i + 1) * bpc]), parents[i], block_size)
+
+    def _ids(self, keys: Iterable[ChunkKey]) -> list[int]:
+        out: list[int] = []
+        engine = self._engine
+        for k in keys:
+            blocks = engine.get(k)
+            if blocks is None:
+                out.append(fold64(k))
+            else:
+                out.extend(blocks.hashes)
+        return out
+
+    def _stored(
+        self,
+        keys: Sequence[ChunkKey],
+        medium: str,
+        tokens: Sequence[int] | None = None,
+        token_map: dict[ChunkKey, int] | None = None,
+    ) -> list[AnyEvent]:
+        """BlockStored events for ``keys``: chunk-keyed ones together, engine-keyed ones per
+        run of chunks that continue each other (their parent is the previous chunk's last block)."""
+        plain = [fold64(k) for k in keys if k not in self._engine]
+        events: list[AnyEvent] = []
+        if plain:
+            events.append(self._make.stored(plain, block_size=self.chunk_size, medium=medium))
+        run: list[int] = []
+        run_tokens: list[int] = []
+        parent: int | None = None
+        block_size = 0
+        cs = self.chunk_size
+        for k in keys:
+            blocks = self._engine.get(k)
+            if blocks is None:
+                continue
+            if run and (blocks.parent != run[-1] or blocks.block_size != block_size):
+                events.append(self._engine_stored(run, parent, run_tokens, block_size, medium))
+                run, run_tokens = [], []
+            if not run:
+                parent, block_size = blocks.parent, blocks.block_size
+            run.extend(blocks.hashes)
+            if token_map is not None and tokens is not None:
+                i = token_map[k]
+                run_tokens.extend(tokens[i * cs : (i + 1) * cs])
+        if run:
+            events.append(self._engine_stored(run, parent, run_tokens, block_size, medium))
+        return events
+
+    def _engine_stored(
+        self, hashes: list[int], parent: int | None, tokens: list[int], block_size: int, medium: str
+    ) -> AnyEvent:
+        return self._make.stored(
+            hashes,
+            block_size=block_size,
+            medium=medium,
+            parent_block_hash=parent,
+            token_ids=tokens,
+        )
+
+    def _send(self, event: Event, events: list[AnyEvent]) -> None:
+        if not events:
+            return
+        for ev in events:
+            self._event_counts[type(ev).__name__.removeprefix("Array")].value += 1
+        ts = event.timestamp if event.timestamp is not None else 0.0
+        self.publisher.publish(EventBatch(ts=ts, events=events))
+
+    def _build_metrics(self) -> MetricSet:
+        m = MetricSet()
+        published = m.counter(
+            "kvcache_kv_events_published_batches_total", "KV-event batches sent on the PUB socket."
+        )
+        dropped = m.counter(
+            "kvcache_kv_events_dropped_batches_total",
+            "KV-event batches dropped (publisher queue full or send failed); routers see a seq gap.",
+        )
+        depth = m.gauge("kvcache_kv_events_queue_depth", "KV-event batches waiting for the publisher thread.")
+        kinds = m.add(
+            "kvcache_kv_events_events_total", "KV events built, by vLLM event type.", "counter", ("type",)
+        )
+        types = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+        self._event_counts = {t: kinds.counter(t) for t in types}
+
+        def refresh() -> None:
+            published.value = self.publisher.published_batches
+            dropped.value = self.publisher.dropped_batches
+            depth.set(self.publisher.queue_depth)
+
+        m.on_collect(refresh)
+        return m
+
+
+__all__ = ["KVEventsSubscriber"]

@@ -1,0 +1,184 @@
+"""ZmqEventPublisher over real sockets: frames, seq continuity, replay, bounded buffer, drops."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvcache.kv_events.messages import END_SEQ, EventBatch, EventFactory
+from kvcache.kv_events.publisher import (
+    EventPublisher,
+    NullEventPublisher,
+    ZmqEventPublisher,
+    default_factory,
+)
+from tests.kv_events.router import Consumer, GapError, wait_connected
+
+LOCAL = "tcp://127.0.0.1:*"
+
+
+def settle(pub: EventPublisher, n: int, timeout: float = 5.0) -> None:
+    """Wait until ``n`` batches left the publisher thread (sent or dropped)."""
+    deadline = time.monotonic() + timeout
+    while pub.published_batches + pub.dropped_batches < n:
+        assert time.monotonic() < deadline, "publisher thread stalled"
+        time.sleep(0.001)
+
+
+def batch(fmt: str, i: int) -> EventBatch:
+    f = EventFactory(fmt)  # type: ignore[arg-type]
+    return EventBatch(ts=float(i), events=[f.stored([i], block_size=16, medium="CPU")])
+
+
+@pytest.fixture
+def pub() -> Iterator[ZmqEventPublisher]:
+    p = ZmqEventPublisher(LOCAL, LOCAL, topic="kv")
+    yield p
+    p.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["map", "array"])
+def test_frames_seq_and_both_formats_decode(fmt: str) -> None:
+    pub = ZmqEventPublisher(LOCAL, topic="kv-events", data_parallel_rank=3)
+    c = Consumer(pub.endpoint, None, fmt=fmt, topic="kv-events")
+    try:
+        first = wait_connected(lambda: pub.publish(EventBatch(0.0, [])), c)
+        for i in range(20):
+            pub.publish(batch(fmt, i))
+        c.follow_until(first + 20)
+        assert c.topics == {b"kv-events"}
+        seqs = [s for s, _ in c.batches]
+        assert seqs == list(range(first + 1, first + 21))  # continuous, no duplicates
+        assert [b.events[0].block_hashes for _, b in c.batches] == [[i] for i in range(20)]
+        assert all(b.data_parallel_rank == 3 for _, b in c.batches)
+        assert c.held["CPU"] == set(range(20))
+    finally:
+        c.close()
+        pub.shutdown()
+
+
+def test_seq_starts_at_zero_and_late_joiner_recovers_by_replay(pub: ZmqEventPublisher) -> None:
+    for i in range(5):  # nobody listens yet: PUB drops these
+        pub.publish(batch("map", i))
+    settle(pub, 5)
+    c = Consumer(pub.endpoint, pub.replay_endpoint, topic="kv")
+    try:
+        wait_connected(lambda: pub.publish(EventBatch(0.0, [])), c)
+        c.next_seq = 0  # a router that must know everything from the start
+        pub.publish(batch("map", 99))
+        while c.poll(100) is False:
+            pass
+        assert c.gaps_recovered == 1
+        assert [s for s, _ in c.batches][:5] == [0, 1, 2, 3, 4]
+        assert c.held["CPU"] >= {0, 1, 2, 3, 4}
+        c.follow_until(pub.published_batches - 1)
+        assert [s for s, _ in c.batches] == list(range(pub.published_batches))
+        assert 99 in c.held["CPU"]
+    finally:
+        c.close()
+
+
+def test_gap_from_a_slow_subscriber_is_recovered_by_replay() -> None:
+    pub = ZmqEventPublisher(LOCAL, LOCAL, hwm=10)
+    c = Consumer(pub.endpoint, pub.replay_endpoint)
+    c.sub.setsockopt(zmq.RCVHWM, 10)
+    try:
+        first = wait_connected(lambda: pub.publish(EventBatch(0.0, [])), c)
+        n = 3000
+        for i in range(n):  # the consumer does not read: the HWMs overflow and ZMQ drops
+            pub.publish(batch("map", i))
+        settle(pub, first + 1 + n)
+        c.follow_until(first + n)
+        assert c.gaps_recovered >= 1
+        assert [s for s, _ in c.batches] == list(range(first + 1, first + n + 1))
+        assert c.held["CPU"] == set(range(n))
+    finally:
+        c.close()
+        pub.shutdown()
+
+
+def test_replay_buffer_is_bounded_and_an_unfillable_gap_is_reported() -> None:
+    pub = ZmqEventPublisher(LOCAL, LOCAL, buffer_steps=3)
+    for i in range(10):
+        pub.publish(batch("map", i))
+    settle(pub, 10)
+    c = Consumer(pub.endpoint, pub.replay_endpoint)
+    try:
+        assert pub.buffered_batches == 3
+        assert c.replay_from(0) == [7, 8, 9]
+        assert c.next_seq == 0  # nothing applied: 0..6 are gone
+        wait_connected(lambda: pub.publish(EventBatch(0.0, [])), c)
+        c.next_seq = 0
+        pub.publish(batch("map", 10))
+        with pytest.raises(GapError):
+            while not c.poll(100):
+                pass
+    finally:
+        c.close()
+        pub.shutdown()
+
+
+def test_plain_dealer_without_delimiter_gets_bare_replies(pub: ZmqEventPublisher) -> None:
+    for i in range(3):
+        pub.publish(batch("map", i))
+    settle(pub, 3)
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.connect(pub.replay_endpoint or "")
+    try:
+        d.send((1).to_bytes(8, "big"))
+        replies = []
+        while True:
+            assert d.poll(5000)
+            frames = d.recv_multipart()
+            replies.append(frames)
+            if frames[0] == END_SEQ:
+                break
+        assert [int.from_bytes(f[0], "big", signed=True) for f in replies] == [1, 2, -1]
+        assert replies[-1][1] == b""
+        decoded = msgspec.msgpack.decode(replies[0][1])
+        assert decoded[1][0]["block_hashes"] == [1]
+        d.send_multipart([b"", b"short"])  # malformed: ignored, the socket keeps working
+        d.send((2).to_bytes(8, "big"))
+        assert d.poll(5000)
+        assert int.from_bytes(d.recv_multipart()[0], "big") == 2
+    finally:
+        d.close(0)
+        ctx.term()
+
+
+def test_full_queue_drops_and_counts_but_never_blocks_or_raises() -> None:
+    pub = ZmqEventPublisher(LOCAL, max_queue_size=1)
+    n = 20_000
+    t0 = time.perf_counter()
+    for i in range(n):
+        pub.publish(EventBatch(float(i), []))
+    elapsed = time.perf_counter() - t0
+    pub.shutdown()
+    assert pub.dropped_batches > 0
+    assert pub.published_batches + pub.dropped_batches == n
+    assert elapsed < 2.0
+    pub.publish(EventBatch(0.0, []))  # after shutdown: ignored, no exception
+
+
+def test_factory_null_default_duplicates_and_unknown_kinds() -> None:
+    factory = default_factory()
+    assert isinstance(factory.create(None), NullEventPublisher)
+    assert isinstance(factory.create("null"), NullEventPublisher)
+    with pytest.raises(ValueError, match="already registered"):
+        factory.register("zmq", ZmqEventPublisher)
+    with pytest.raises(ValueError, match="'kafka'"):
+        factory.create("kafka")
+    null = NullEventPublisher()
+    null.publish(EventBatch(0.0, []))
+    null.shutdown()
+    assert (null.published_batches, null.dropped_batches, null.queue_depth) == (0, 0, 0)
+
+
+def test_bad_endpoint_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="cannot open"):
+        ZmqEventPublisher("bogus://*:1")
