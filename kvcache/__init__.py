@@ -5,6 +5,7 @@ importable on a machine without the daemon's or the observability side's depende
 """
 
 import contextlib
+from typing import Any
 
 from kvcache.context import GPUCacheContext
 from kvcache.errors import (
@@ -22,24 +23,49 @@ from kvcache.layouts import GPUKVFormat, KVShape, detect_format
 
 __version__ = "0.1.0"
 
+# Heavier pieces (msgspec, storage tiers) load on first use, so the transfer core keeps
+# working on machines that have only torch and the native module.
+_LAZY = {
+    "CacheEngine": "kvcache.engine.engine",
+    "StoreResult": "kvcache.engine.engine",
+    "EngineConfig": "kvcache.config",
+    "OffloadStats": "kvcache.engine.stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvcache' has no attribute {name!r}")
+
 __all__ = [
     "BlockIdError",
+    "CacheEngine",
     "ChunkMismatchError",
     "CorruptChunkError",
     "CudaUnavailableError",
+    "EngineConfig",
     "GPUCacheContext",
     "GPUKVFormat",
     "KVShape",
     "KvcacheError",
     "LayoutError",
+    "OffloadStats",
     "ProtocolError",
     "StorageError",
+    "StoreResult",
     "UnknownInstanceError",
     "__version__",
     "detect_format",
 ]
 
 for _name in __all__:
+    if _name in _LAZY:
+        continue
     _obj = globals()[_name]
     if hasattr(_obj, "__module__") and not isinstance(_obj, str):
         with contextlib.suppress(AttributeError, TypeError):
