@@ -1,0 +1,430 @@
+"""The in-process event bus: a bounded queue, one dispatcher thread, per-type fan-out.
+
+The data path only calls ``publish``; everything that turns events into metrics, logs or
+traces is an ``EventSubscriber`` registered here. Keeping the bus apart from the
+subscribers is what makes observability removable (deleting ``subscribers/`` leaves the
+engine working) and lets a slow or broken subscriber cost the data path nothing.
+
+Contract:
+
+* ``publish(event)`` never blocks on a full queue and never raises. It stamps
+  ``time.time()`` only when ``event.timestamp`` is None. When the queue holds
+  ``max_queue_size`` events the *new* event is dropped and counted; the bound holds under
+  any number of concurrent publishers.
+* One dispatcher thread calls subscribers, in publish order per publishing thread (events
+  from different threads interleave in the order they entered the queue).
+* A subscriber callback that raises is counted per subscriber and logged (rate limited);
+  the remaining subscribers still receive the event.
+* ``flush(timeout)`` returns True once everything published before the call has been
+  dispatched (tests use it instead of sleeping). ``stop()`` stops accepting events,
+  drains the queue, then calls every subscriber's ``shutdown``; it is idempotent.
+* ``DisabledEventBus`` is the null twin: ``publish`` is one empty call.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY
+from prometheus_client.registry import CollectorRegistry
+
+from kvcache.observability.event import Event, EventType
+from kvcache.observability.instruments import LAG_SECONDS, MetricSet
+
+if TYPE_CHECKING:
+    from kvcache.observability.stream import StreamEventRecorder
+
+logger = logging.getLogger(__name__)
+
+Callback = Callable[[Event], None]
+Poller = Callable[[], bool]
+"""Called by the dispatcher while idle and by ``flush``; returns True while it has pending
+work (the dispatcher then wakes up every ``poll_interval`` seconds to call it again)."""
+
+_BATCH_LIMIT = 4096  # events between two poller runs under sustained load
+_LAG_SAMPLE_EVERY = 256  # besides the first event of every batch
+_WARN_INTERVAL_S = 10.0
+
+
+class EventSubscriber(abc.ABC):
+    """Turns events into something an operator can use; called only on the dispatcher thread.
+
+    ``subscriptions`` is read once, at registration: it maps each event type the subscriber
+    wants to the callback that handles it, so the bus never calls a subscriber for types it
+    does not handle. Callbacks must not block for long (they delay every other subscriber);
+    an exception is counted and logged by the bus and never reaches the publisher.
+    ``shutdown`` runs once, on the thread that calls ``EventBus.stop``, after the last
+    event was dispatched.
+    """
+
+    @property
+    def name(self) -> str:
+        """Label used in ``kvcache_event_bus_subscriber_errors_total{subscriber=...}``."""
+        return type(self).__name__
+
+    @abc.abstractmethod
+    def subscriptions(self) -> Mapping[EventType, Callback]: ...
+
+    def shutdown(self) -> None:  # optional hook
+        return None
+
+
+class EventBus:
+    """Bounded, drop-on-full event queue with one dispatcher thread (see module docstring)."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        max_queue_size: int = 10_000,
+        registry: CollectorRegistry | None = REGISTRY,
+        poll_interval: float = 0.001,
+    ) -> None:
+        if max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
+        self.max_queue_size = max_queue_size
+        self.poll_interval = poll_interval
+        # (event, monotonic enqueue time); a flush marker is (None, threading.Event).
+        self._queue: deque[tuple[Event | None, float | threading.Event]] = deque()
+        self._publish_lock = threading.Lock()  # makes "check length + append" atomic
+        self._dispatch_lock = threading.Lock()  # one dispatching thread at a time
+        self._state_lock = threading.RLock()
+        self._wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._idle = False
+        self._closed = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._routes: dict[EventType, tuple[tuple[str, Callback], ...]] = {}
+        self._subscribers: list[EventSubscriber] = []
+        self._pollers: list[Poller] = []
+        self._stream_recorder: StreamEventRecorder | None = None
+        # Self-metrics: plain ints, read by the collector at scrape time.
+        self._accepted = 0
+        self._dispatched = 0
+        self._dropped: dict[EventType, int] = dict.fromkeys(EventType, 0)
+        self._errors: dict[str, int] = {}
+        self._error_logged_at: dict[str, float] = {}
+        self._drops_warned = 0
+        self._drop_warned_at = 0.0
+        self._metrics = self._build_metrics()
+        if registry is not None:
+            self._metrics.register(registry)
+
+    # -- hot path ------------------------------------------------------------------------
+
+    def publish(self, event: Event) -> None:
+        """Enqueue ``event`` for dispatch; drops (and counts) it if the queue is full."""
+        try:
+            if self._closed:
+                return
+            if event.timestamp is None:
+                event.timestamp = time.time()
+            with self._publish_lock:
+                if len(self._queue) >= self.max_queue_size:
+                    self._dropped[event.event_type] += 1
+                    return
+                self._queue.append((event, time.monotonic()))
+                self._accepted += 1
+            if self._idle:
+                self._idle = False
+                self._wakeup.put(None)
+        except Exception:  # the hot path must never raise
+            pass
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def register_subscriber(self, subscriber: EventSubscriber) -> None:
+        """Route the subscriber's event types to it; allowed before or after ``start``."""
+        name = subscriber.name
+        with self._state_lock:
+            routes = dict(self._routes)
+            for event_type, callback in subscriber.subscriptions().items():
+                routes[event_type] = (*routes.get(event_type, ()), (name, callback))
+            self._errors.setdefault(name, 0)
+            self._subscribers.append(subscriber)
+            self._routes = routes  # swapped whole: the dispatcher reads one consistent table
+
+    @property
+    def subscribers(self) -> tuple[EventSubscriber, ...]:
+        return tuple(self._subscribers)
+
+    def add_poller(self, poller: Poller) -> None:
+        """Have the dispatcher (and ``flush``) call ``poller`` to publish deferred events."""
+        with self._state_lock:
+            self._pollers = [*self._pollers, poller]
+        self.wake()
+
+    @property
+    def stream_recorder(self) -> StreamEventRecorder:
+        """The recorder behind ``publish_on_stream`` for this bus, created on first use."""
+        with self._state_lock:
+            if self._stream_recorder is None:
+                from kvcache.observability.stream import StreamEventRecorder
+
+                self._stream_recorder = StreamEventRecorder(self)
+            recorder = self._stream_recorder
+        return recorder
+
+    def start(self) -> None:
+        """Start the dispatcher thread; a second call is a no-op."""
+        with self._state_lock:
+            if self._thread is not None or self._stopped:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="kvcache-event-bus", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._stopped
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event published before this call was dispatched.
+
+        Returns False if ``timeout`` seconds passed first. Without a running dispatcher
+        (not started, or stopped) the caller's thread dispatches the backlog itself.
+        """
+        self._poll()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return self._drain_inline(timeout)
+        done = threading.Event()
+        with self._publish_lock:
+            self._queue.append((None, done))
+        self.wake()
+        if done.wait(timeout):
+            return True
+        if not thread.is_alive():  # stopped meanwhile: the marker may be stranded
+            return self._drain_inline(timeout)
+        return False
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop accepting events, dispatch the backlog, then shut every subscriber down."""
+        with self._state_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._poll()
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            self.wake()
+            thread.join(timeout)
+        self._drain_inline(timeout)
+        for subscriber in self._subscribers:
+            try:
+                subscriber.shutdown()
+            except Exception:
+                self._errors[subscriber.name] = self._errors.get(subscriber.name, 0) + 1
+                logger.exception("subscriber %s failed to shut down", subscriber.name)
+
+    def __enter__(self) -> EventBus:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- read-backs (also exposed as metrics) ----------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def dropped_events(self) -> int:
+        return sum(self._dropped.values())
+
+    @property
+    def dispatched_events(self) -> int:
+        return self._dispatched
+
+    def subscriber_errors(self, name: str) -> int:
+        return self._errors.get(name, 0)
+
+    # -- dispatcher ----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Make the dispatcher run its pollers now (``publish_on_stream`` uses it)."""
+        self._idle = False
+        self._wakeup.put(None)
+
+    def _poll(self) -> bool:
+        pending = False
+        for poller in self._pollers:
+            try:
+                pending = poller() or pending
+            except Exception:
+                logger.exception("event-bus poller failed")
+        return pending
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            if q:
+                with self._dispatch_lock:
+                    self._dispatch_batch(_BATCH_LIMIT)
+                if self._pollers:
+                    self._poll()  # stream events must not wait for the queue to empty
+                continue
+            pending = self._poll() if self._pollers else False
+            self._idle = True
+            if q:  # published between the check above and going idle
+                self._idle = False
+                continue
+            if self._closed:
+                return
+            with contextlib.suppress(queue.Empty):
+                self._wakeup.get(timeout=self.poll_interval if pending else None)
+            self._idle = False
+
+    def _drain_inline(self, timeout: float | None) -> bool:
+        if not self._dispatch_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
+            self._dispatch_batch()
+        finally:
+            self._dispatch_lock.release()
+        return True
+
+    def _dispatch_batch(self, limit: int = -1) -> None:
+        """Dispatch until the queue is empty or ``limit`` events went; holds ``_dispatch_lock``."""
+        q = self._queue
+        popleft = q.popleft
+        errors = self._errors
+        lag = self._lag
+        first = True
+        n = 0
+        while q and n != limit:
+            event, stamp = popleft()
+            if event is None:
+                assert isinstance(stamp, threading.Event)
+                stamp.set()
+                continue
+            n += 1
+            if first or n % _LAG_SAMPLE_EVERY == 0:
+                assert isinstance(stamp, float)
+                lag.observe(time.monotonic() - stamp)
+                first = False
+            for name, callback in self._routes.get(event.event_type, ()):
+                try:
+                    callback(event)
+                except Exception:
+                    errors[name] = errors.get(name, 0) + 1
+                    self._log_subscriber_error(name, event)
+        self._dispatched += n
+        if self._drops_warned != self.dropped_events:
+            self._warn_drops()
+
+    def _log_subscriber_error(self, name: str, event: Event) -> None:
+        now = time.monotonic()
+        if now - self._error_logged_at.get(name, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
+            self._error_logged_at[name] = now
+            logger.exception(
+                "subscriber %s raised on %s (%d errors so far; next log in %.0fs at most)",
+                name, event.event_type.value, self._errors[name], _WARN_INTERVAL_S,
+            )
+
+    def _warn_drops(self) -> None:
+        now = time.monotonic()
+        if now - self._drop_warned_at >= _WARN_INTERVAL_S:
+            dropped = self.dropped_events
+            logger.warning(
+                "event bus queue full (%d): %d events dropped so far",
+                self.max_queue_size, dropped,
+            )
+            self._drops_warned = dropped
+            self._drop_warned_at = now
+
+    # -- self-metrics ----------------------------------------------------------------------
+
+    def _build_metrics(self) -> MetricSet:
+        m = MetricSet()
+        depth = m.gauge("kvcache_event_bus_queue_depth", "Events waiting for dispatch.")
+        capacity = m.gauge(
+            "kvcache_event_bus_queue_capacity", "Queue bound; publishes beyond it are dropped."
+        )
+        capacity.set(self.max_queue_size)
+        published = m.counter(
+            "kvcache_event_bus_published_events_total", "Events accepted into the queue."
+        )
+        dispatched = m.counter(
+            "kvcache_event_bus_dispatched_events_total", "Events handed to subscribers."
+        )
+        dropped = m.add(
+            "kvcache_event_bus_dropped_events_total",
+            "Events dropped because the queue was full.", "counter", ("event_type",),
+        )
+        errors = m.add(
+            "kvcache_event_bus_subscriber_errors_total",
+            "Subscriber callbacks that raised.", "counter", ("subscriber",),
+        )
+        self._lag = m.histogram(
+            "kvcache_event_bus_dispatch_lag_seconds",
+            "Time a dispatched event waited in the queue (sampled).", LAG_SECONDS,
+        )
+        for event_type in EventType:
+            dropped.labels(event_type.value)
+
+        def refresh() -> None:
+            depth.set(len(self._queue))
+            published.value = self._accepted
+            dispatched.value = self._dispatched
+            for event_type, n in list(self._dropped.items()):
+                dropped.counter(event_type.value).value = n
+            for name, n in list(self._errors.items()):
+                errors.counter(name).value = n
+
+        m.on_collect(refresh)
+        return m
+
+
+class DisabledEventBus:
+    """The bus when observability is off: ``publish`` costs one call, nothing else runs."""
+
+    enabled = False
+    max_queue_size = 0
+    running = False
+    queue_depth = 0
+    dropped_events = 0
+    dispatched_events = 0
+    subscribers: tuple[EventSubscriber, ...] = ()
+
+    def publish(self, event: Event) -> None:
+        return None
+
+    def register_subscriber(self, subscriber: EventSubscriber) -> None:
+        return None
+
+    def add_poller(self, poller: Poller) -> None:
+        return None
+
+    def start(self) -> None:
+        return None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        return None
+
+    def subscriber_errors(self, name: str) -> int:
+        return 0
+
+    def __enter__(self) -> DisabledEventBus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+__all__ = ["Callback", "DisabledEventBus", "EventBus", "EventSubscriber", "Poller"]

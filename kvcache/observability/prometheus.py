@@ -1,0 +1,53 @@
+"""The Prometheus scrape endpoint: ``/metrics`` over HTTP on exactly the configured address.
+
+Separate from the subscribers because serving is the entry point's decision (a daemon
+serves; a library user may scrape the registry another way). Started only by
+``init_observability`` or explicitly; nothing listens at import.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
+from prometheus_client.registry import CollectorRegistry
+
+
+class PrometheusEndpoint:
+    """A running ``/metrics`` server; ``stop()`` closes the socket and is idempotent."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        self._server: WSGIServer | None = server
+        self._thread: threading.Thread = thread
+        self.host = host
+        self.port: int = server.server_address[1]  # the real port when 0 was asked for
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self._thread.join(5.0)
+
+    def __enter__(self) -> PrometheusEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_prometheus_endpoint(
+    host: str, port: int, registry: CollectorRegistry
+) -> PrometheusEndpoint:
+    """Serve ``registry`` on ``host:port`` (port 0 picks a free one; see ``.port``)."""
+    return PrometheusEndpoint(host, port, registry)
+
+
+__all__ = ["PrometheusEndpoint", "start_prometheus_endpoint"]

@@ -1,0 +1,26 @@
+"""Event subscribers, one concern per package and one component per module.
+
+Importing this package imports no optional dependency; ``TracingSubscriber`` pulls in
+OpenTelemetry only when constructed.
+"""
+
+from kvcache.observability.subscribers.lifecycle import L0LifecycleSubscriber, L1LifecycleSubscriber
+from kvcache.observability.subscribers.logging import LoggingSubscriber
+from kvcache.observability.subscribers.metrics import (
+    EngineMetricsSubscriber,
+    L1MetricsSubscriber,
+    L2MetricsSubscriber,
+    OffloadMetricsSubscriber,
+)
+from kvcache.observability.subscribers.tracing import TracingSubscriber
+
+__all__ = [
+    "EngineMetricsSubscriber",
+    "L0LifecycleSubscriber",
+    "L1LifecycleSubscriber",
+    "L1MetricsSubscriber",
+    "L2MetricsSubscriber",
+    "LoggingSubscriber",
+    "OffloadMetricsSubscriber",
+    "TracingSubscriber",
+]

@@ -1,0 +1,186 @@
+"""Prometheus counters and latency histograms for the engine's store, retrieve and lookup.
+
+Its own subscriber (not merged with L1/L2 or transfer metrics) so each concern can be
+switched and read on its own. Every series carries ``instance_id`` and ``model_name``; all
+series of one (instance_id, model_name) pair are created together, at zero, the first time
+that pair publishes (or up front through ``instances=``), so ``rate()`` works from the
+first scrape after.
+
+Operation latency is measured from the START event's timestamp to the END event's, paired
+by (session_id, instance_id, device, operation): tensor-parallel workers share request ids,
+so the session alone would pair one worker's start with another's end.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY
+from prometheus_client.registry import CollectorRegistry
+
+from kvcache.observability.bus import Callback, EventSubscriber
+from kvcache.observability.event import Event, EventType
+from kvcache.observability.instruments import (
+    OPERATION_SECONDS,
+    Counter,
+    Family,
+    Histogram,
+    MetricSet,
+)
+
+LABELS = ("instance_id", "model_name")
+_MAX_OPEN_OPERATIONS = 65_536  # starts whose end never came are forgotten beyond this
+
+# (attribute, metric name, help) for every counter, per operation.
+_STORE = (
+    ("requests", "kvcache_store_requests_total", "Store operations finished."),
+    ("failures", "kvcache_store_failures_total", "Store operations that reported failure."),
+    ("requested_tokens", "kvcache_store_requested_tokens_total", "Tokens offered to store."),
+    ("stored_tokens", "kvcache_store_stored_tokens_total", "Tokens newly written to L1."),
+    ("stored_chunks", "kvcache_store_stored_chunks_total", "Chunks newly written to L1."),
+    ("skipped_chunks", "kvcache_store_skipped_chunks_total", "Chunks already held, not copied."),
+    ("failed_chunks", "kvcache_store_failed_chunks_total", "Chunks not stored (memory/error)."),
+)
+_RETRIEVE = (
+    ("requests", "kvcache_retrieve_requests_total", "Retrieve operations finished."),
+    ("failures", "kvcache_retrieve_failures_total", "Retrieve operations that reported failure."),
+    ("requested_tokens", "kvcache_retrieve_requested_tokens_total", "Tokens asked for."),
+    ("retrieved_tokens", "kvcache_retrieve_retrieved_tokens_total",
+     "Prefix tokens valid in the engine afterwards (skipped + copied)."),
+    ("skipped_tokens", "kvcache_retrieve_skipped_tokens_total",
+     "Tokens the engine already held and were not copied."),
+    ("l1_tokens", "kvcache_retrieve_l1_tokens_total", "Copied tokens that were in L1."),
+    ("l2_tokens", "kvcache_retrieve_l2_tokens_total", "Copied tokens brought up from L2."),
+    ("missing_tokens", "kvcache_retrieve_missing_tokens_total", "Requested tokens not found."),
+)
+_LOOKUP = (
+    ("requests", "kvcache_lookup_requests_total", "Lookup operations finished."),
+    ("requested_tokens", "kvcache_lookup_requested_tokens_total", "Tokens looked up."),
+    ("hit_tokens", "kvcache_lookup_hit_tokens_total", "Leading tokens found in L1 or L2."),
+    ("l1_hit_tokens", "kvcache_lookup_l1_hit_tokens_total", "Hit tokens found in L1."),
+    ("l2_hit_tokens", "kvcache_lookup_l2_hit_tokens_total", "Hit tokens found only in L2."),
+)
+_OPERATIONS = {"store": _STORE, "retrieve": _RETRIEVE, "lookup": _LOOKUP}
+
+
+@dataclass(slots=True)
+class _OperationSeries:
+    counters: dict[str, Counter]
+    duration: Histogram
+
+
+class EngineMetricsSubscriber(EventSubscriber):
+    """Counts MP_STORE/RETRIEVE/LOOKUP_{START,END}; see METRICS.md for every series."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = REGISTRY,
+        instances: Iterable[tuple[int, str]] = (),
+    ) -> None:
+        self.metrics = MetricSet()
+        self._counter_families: dict[str, dict[str, Family]] = {}
+        self._duration_families: dict[str, Family] = {}
+        for op, spec in _OPERATIONS.items():
+            self._counter_families[op] = {
+                attr: self.metrics.add(name, doc, "counter", LABELS) for attr, name, doc in spec
+            }
+            self._duration_families[op] = self.metrics.add(
+                f"kvcache_{op}_duration_seconds",
+                f"{op.capitalize()} latency, START to END event of one operation.",
+                "histogram", LABELS, OPERATION_SECONDS,
+            )
+        self._series: dict[tuple[str, object, object], _OperationSeries] = {}
+        self._open: OrderedDict[tuple[str, object, str, str], float] = OrderedDict()
+        for instance_id, model_name in instances:
+            self._ensure_instance(instance_id, model_name)
+        if registry is not None:
+            self.metrics.register(registry)
+
+    def subscriptions(self) -> Mapping[EventType, Callback]:
+        return {
+            EventType.MP_STORE_START: self._on_start,
+            EventType.MP_RETRIEVE_START: self._on_start,
+            EventType.MP_LOOKUP_START: self._on_start,
+            EventType.MP_STORE_END: self._on_store_end,
+            EventType.MP_RETRIEVE_END: self._on_retrieve_end,
+            EventType.MP_LOOKUP_END: self._on_lookup_end,
+        }
+
+    def _ensure_instance(self, instance_id: object, model_name: object) -> None:
+        values = (str(instance_id), str(model_name))
+        for op in _OPERATIONS:
+            self._series[(op, instance_id, model_name)] = _OperationSeries(
+                {a: f.counter(*values) for a, f in self._counter_families[op].items()},
+                self._duration_families[op].histogram(*values),
+            )
+
+    def _get(self, op: str, md: Mapping[str, Any]) -> _OperationSeries:
+        key = (op, md.get("instance_id", 0), md.get("model_name", ""))
+        series = self._series.get(key)
+        if series is None:
+            self._ensure_instance(key[1], key[2])
+            series = self._series[key]
+        return series
+
+    @staticmethod
+    def _op_key(event: Event) -> tuple[str, object, str, str]:
+        md = event.metadata
+        return (event.session_id, md.get("instance_id"), md.get("device", ""),
+                event.event_type.value.rsplit(".", 1)[0])
+
+    def _on_start(self, event: Event) -> None:
+        assert event.timestamp is not None
+        self._open[self._op_key(event)] = event.timestamp
+        if len(self._open) > _MAX_OPEN_OPERATIONS:
+            self._open.popitem(last=False)
+
+    def _observe_duration(self, event: Event, series: _OperationSeries) -> None:
+        started = self._open.pop(self._op_key(event), None)
+        if started is not None and event.timestamp is not None:
+            series.duration.observe(max(0.0, event.timestamp - started))
+
+    def _on_store_end(self, event: Event) -> None:
+        md = event.metadata
+        s = self._get("store", md)
+        c = s.counters
+        c["requests"].value += 1
+        if not md.get("success", True):
+            c["failures"].value += 1
+        c["requested_tokens"].value += md.get("num_tokens", 0)
+        c["stored_tokens"].value += md.get("stored_tokens", 0)
+        c["stored_chunks"].value += md.get("stored_chunks", 0)
+        c["skipped_chunks"].value += md.get("skipped_chunks", 0)
+        c["failed_chunks"].value += md.get("failed_chunks", 0)
+        self._observe_duration(event, s)
+
+    def _on_retrieve_end(self, event: Event) -> None:
+        md = event.metadata
+        s = self._get("retrieve", md)
+        c = s.counters
+        c["requests"].value += 1
+        if not md.get("success", True):
+            c["failures"].value += 1
+        c["requested_tokens"].value += md.get("num_tokens", 0)
+        c["retrieved_tokens"].value += md.get("retrieved_tokens", 0)
+        c["skipped_tokens"].value += md.get("skip_tokens", 0)
+        c["l1_tokens"].value += md.get("l1_tokens", 0)
+        c["l2_tokens"].value += md.get("l2_tokens", 0)
+        c["missing_tokens"].value += md.get("missing_tokens", 0)
+        self._observe_duration(event, s)
+
+    def _on_lookup_end(self, event: Event) -> None:
+        md = event.metadata
+        s = self._get("lookup", md)
+        c = s.counters
+        c["requests"].value += 1
+        c["requested_tokens"].value += md.get("num_tokens", 0)
+        c["hit_tokens"].value += md.get("hit_tokens", 0)
+        c["l1_hit_tokens"].value += md.get("l1_hit_tokens", 0)
+        c["l2_hit_tokens"].value += md.get("l2_hit_tokens", 0)
+        self._observe_duration(event, s)
+
+
+__all__ = ["EngineMetricsSubscriber"]

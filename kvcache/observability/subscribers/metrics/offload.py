@@ -1,0 +1,114 @@
+"""Transfer metrics between the engine's KV cache and kvcache's chunks, named after vLLM's.
+
+vLLM's offloading connector reports, per direction, bytes moved, seconds spent and a
+transfer-size histogram; mirroring those under ``kvcache_offload_`` lets one dashboard
+serve both. ``store`` is engine -> cache (MP_STORE_END), ``load`` is cache -> engine
+(MP_RETRIEVE_END), both from the END event's ``num_bytes`` and ``transfer_seconds``.
+
+Average throughput is Σ bytes / Σ seconds (``rate(..._bytes_total) /
+rate(..._seconds_total)``), never the mean of per-transfer rates; the per-transfer GB/s
+histogram is there for the distribution only. Transfers of zero bytes (everything already
+present) add nothing to the histograms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY
+from prometheus_client.registry import CollectorRegistry
+
+from kvcache.observability.bus import Callback, EventSubscriber
+from kvcache.observability.event import Event, EventType
+from kvcache.observability.instruments import (
+    THROUGHPUT_GBPS,
+    TRANSFER_BYTES,
+    Counter,
+    Family,
+    Histogram,
+    MetricSet,
+)
+
+LABELS = ("instance_id", "model_name")
+
+
+@dataclass(slots=True)
+class _DirectionSeries:
+    nbytes: Counter
+    seconds: Counter
+    size: Histogram
+    throughput: Histogram
+
+
+class OffloadMetricsSubscriber(EventSubscriber):
+    """Bytes, seconds, size and throughput of every engine <-> cache transfer."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = REGISTRY,
+        instances: Iterable[tuple[int, str]] = (),
+    ) -> None:
+        self.metrics = MetricSet()
+        self._families: dict[str, tuple[Family, Family, Family, Family]] = {}
+        for direction, what in (("store", "engine to cache"), ("load", "cache to engine")):
+            p = f"kvcache_offload_{direction}"
+            self._families[direction] = (
+                self.metrics.add(f"{p}_bytes_total", f"Bytes copied {what}.", "counter", LABELS),
+                self.metrics.add(
+                    f"{p}_seconds_total", f"Seconds spent copying {what}.", "counter", LABELS
+                ),
+                self.metrics.add(
+                    f"{p}_size_bytes", f"Bytes per transfer, {what}.", "histogram", LABELS,
+                    TRANSFER_BYTES,
+                ),
+                self.metrics.add(
+                    f"{p}_throughput_gigabytes_per_second",
+                    f"Per-transfer throughput {what} (GB/s, 1e9 bytes).", "histogram", LABELS,
+                    THROUGHPUT_GBPS,
+                ),
+            )
+        self._series: dict[tuple[str, object, object], _DirectionSeries] = {}
+        for instance_id, model_name in instances:
+            self._ensure_instance(instance_id, model_name)
+        if registry is not None:
+            self.metrics.register(registry)
+
+    def subscriptions(self) -> Mapping[EventType, Callback]:
+        return {
+            EventType.MP_STORE_END: self._on_store_end,
+            EventType.MP_RETRIEVE_END: self._on_retrieve_end,
+        }
+
+    def _ensure_instance(self, instance_id: object, model_name: object) -> None:
+        values = (str(instance_id), str(model_name))
+        for direction, (nbytes, seconds, size, throughput) in self._families.items():
+            self._series[(direction, instance_id, model_name)] = _DirectionSeries(
+                nbytes.counter(*values), seconds.counter(*values),
+                size.histogram(*values), throughput.histogram(*values),
+            )
+
+    def _record(self, direction: str, event: Event) -> None:
+        md = event.metadata
+        key = (direction, md.get("instance_id", 0), md.get("model_name", ""))
+        s = self._series.get(key)
+        if s is None:
+            self._ensure_instance(key[1], key[2])
+            s = self._series[key]
+        nbytes = md.get("num_bytes", 0)
+        seconds = md.get("transfer_seconds", 0.0)
+        s.nbytes.value += nbytes
+        s.seconds.value += seconds
+        if nbytes > 0:
+            s.size.observe(nbytes)
+            if seconds > 0:
+                s.throughput.observe(nbytes / seconds / 1e9)
+
+    def _on_store_end(self, event: Event) -> None:
+        self._record("store", event)
+
+    def _on_retrieve_end(self, event: Event) -> None:
+        self._record("load", event)
+
+
+__all__ = ["OffloadMetricsSubscriber"]
