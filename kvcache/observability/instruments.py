@@ -234,7 +234,10 @@ OPERATION_SECONDS = (
     2.5, 5.0, 10.0,
 )
 TRANSFER_BYTES = tuple(float(2**i) for i in range(16, 35, 2))  # 64 KiB .. 16 GiB, x4
-THROUGHPUT_GBPS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 25.0, 50.0, 100.0, 200.0)
+# Bytes per second, readable as GB/s: 0.1, 0.25, ... 200 GB/s (PCIe 4/5, NVLink, HBM copies).
+THROUGHPUT_BYTES_PER_SECOND = tuple(
+    g * 1e9 for g in (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 25.0, 50.0, 100.0, 200.0)
+)
 LIFETIME_SECONDS = (
     0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
     21600.0, 86400.0,
@@ -245,7 +248,7 @@ __all__ = [
     "LAG_SECONDS",
     "LIFETIME_SECONDS",
     "OPERATION_SECONDS",
-    "THROUGHPUT_GBPS",
+    "THROUGHPUT_BYTES_PER_SECOND",
     "TRANSFER_BYTES",
     "Counter",
     "Family",

@@ -6,9 +6,9 @@ serve both. ``store`` is engine -> cache (MP_STORE_END), ``load`` is cache -> en
 (MP_RETRIEVE_END), both from the END event's ``num_bytes`` and ``transfer_seconds``.
 
 Average throughput is Σ bytes / Σ seconds (``rate(..._bytes_total) /
-rate(..._seconds_total)``), never the mean of per-transfer rates; the per-transfer GB/s
-histogram is there for the distribution only. Transfers of zero bytes (everything already
-present) add nothing to the histograms.
+rate(..._seconds_total)``), never the mean of per-transfer rates; the per-transfer
+throughput histogram (bytes/s, buckets from 0.1 to 200 GB/s) is for the distribution.
+Transfers of zero bytes (everything already present) add nothing to the histograms.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from prometheus_client.registry import CollectorRegistry
 from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import Event, EventType
 from kvcache.observability.instruments import (
-    THROUGHPUT_GBPS,
+    THROUGHPUT_BYTES_PER_SECOND,
     TRANSFER_BYTES,
     Counter,
     Family,
@@ -63,9 +63,10 @@ class OffloadMetricsSubscriber(EventSubscriber):
                     TRANSFER_BYTES,
                 ),
                 self.metrics.add(
-                    f"{p}_throughput_gigabytes_per_second",
-                    f"Per-transfer throughput {what} (GB/s, 1e9 bytes).", "histogram", LABELS,
-                    THROUGHPUT_GBPS,
+                    f"{p}_throughput_bytes_per_second",
+                    f"Per-transfer throughput {what} (buckets 0.1 to 200 GB/s).", "histogram",
+                    LABELS,
+                    THROUGHPUT_BYTES_PER_SECOND,
                 ),
             )
         self._series: dict[tuple[str, object, object], _DirectionSeries] = {}
@@ -102,7 +103,7 @@ class OffloadMetricsSubscriber(EventSubscriber):
         if nbytes > 0:
             s.size.observe(nbytes)
             if seconds > 0:
-                s.throughput.observe(nbytes / seconds / 1e9)
+                s.throughput.observe(nbytes / seconds)
 
     def _on_store_end(self, event: Event) -> None:
         self._record("store", event)
