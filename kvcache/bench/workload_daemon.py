@@ -1,0 +1,130 @@
+"""Start and stop a kvcache daemon subprocess for the workload benchmark, KV events on or off.
+
+Separate from the workload driver because it is process plumbing: free ports, readiness,
+SIGTERM. While ``python -m kvcache.server`` does not yet know ``--kv-events-*``, running this
+module (``python -m kvcache.bench.workload_daemon``) serves the same daemon with the KV-events
+subscriber wired onto its bus, exactly as the server will once it has the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import kvcache
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_knows_kv_events() -> bool:
+    from kvcache.server.__main__ import build_parser
+
+    parser, _ = build_parser()
+    return "--kv-events-endpoint" in parser._option_string_actions
+
+
+class DaemonProcess:
+    """One daemon subprocess on free ports; ``endpoint`` for clients, ``metrics_url`` to scrape."""
+
+    def __init__(
+        self, flags: Sequence[str], kv_events_endpoint: str | None = None, log_path: str | None = None
+    ) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        argv = [*flags, "--port", str(self.port), "--prometheus-port", str(self.metrics_port),
+                "--log-level", "WARNING"]  # fmt: skip
+        module = "kvcache.server"
+        if kv_events_endpoint is not None:
+            argv += ["--kv-events-endpoint", kv_events_endpoint]
+            if not server_knows_kv_events():
+                module = "kvcache.bench.workload_daemon"
+        env = dict(os.environ)
+        root = str(Path(kvcache.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)  # fmt: skip
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        from kvcache.client import KVCacheClient
+
+        deadline = time.monotonic() + timeout
+        client = KVCacheClient(self.endpoint, timeout_s=1.0)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with status {self.proc.returncode}")
+                try:
+                    client.ping()  # answers (False: instance not registered yet) once serving
+                    return
+                except Exception:
+                    time.sleep(0.1)
+        finally:
+            client.close(unregister=False)
+        raise TimeoutError("daemon did not answer a ping")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The daemon's ``main`` plus the KV-events flags (see the module docstring)."""
+    import logging
+
+    from kvcache.engine.engine import CacheEngine
+    from kvcache.kv_events import add_kv_events_args, build_kv_events_subscriber
+    from kvcache.observability import init_observability
+    from kvcache.server.__main__ import parse_settings
+    from kvcache.server.daemon import Daemon
+    from kvcache.server.handlers import Handlers
+    from kvcache.server.registry import InstanceRegistry
+
+    kv_ns, rest = add_kv_events_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
+    settings = parse_settings(rest)
+    logging.basicConfig(level=settings.log_level)
+    obs = init_observability(settings.observability)
+    kv_ns.chunk_size = settings.engine.chunk_size
+    sub = build_kv_events_subscriber(kv_ns, obs.registry)
+    if sub is not None:
+        obs.bus.register_subscriber(sub)
+        obs.subscribers.append(sub)
+    engine = CacheEngine(settings.engine, bus=obs.bus)
+    handlers = Handlers(engine, InstanceRegistry(), settings.daemon.heartbeat_timeout_s)
+    daemon = Daemon(settings.daemon, handlers)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        daemon.request_stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        daemon.serve()
+    finally:
+        engine.close()
+        obs.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
