@@ -237,6 +237,11 @@ class EventBus:
     # -- read-backs (also exposed as metrics) ----------------------------------------------
 
     @property
+    def metrics(self) -> MetricSet:
+        """The bus's self-metrics (registered with the registry given at construction)."""
+        return self._metrics
+
+    @property
     def queue_depth(self) -> int:
         return len(self._queue)
 
