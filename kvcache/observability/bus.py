@@ -102,14 +102,15 @@ class EventBus:
         self._closed = False
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self._routes: dict[EventType, tuple[tuple[str, Callback], ...]] = {}
+        # Keyed by the EventType's value: a str hash is cached, an Enum member's is a Python call.
+        self._routes: dict[str, tuple[tuple[str, Callback], ...]] = {}
         self._subscribers: list[EventSubscriber] = []
         self._pollers: list[Poller] = []
         self._stream_recorder: StreamEventRecorder | None = None
         # Self-metrics: plain ints, read by the collector at scrape time.
         self._accepted = 0
         self._dispatched = 0
-        self._dropped: dict[EventType, int] = dict.fromkeys(EventType, 0)
+        self._dropped: dict[str, int] = {t.value: 0 for t in EventType}  # by value: cheap hash
         self._errors: dict[str, int] = {}
         self._error_logged_at: dict[str, float] = {}
         self._drops_warned = 0
@@ -129,7 +130,7 @@ class EventBus:
                 event.timestamp = time.time()
             with self._publish_lock:
                 if len(self._queue) >= self.max_queue_size:
-                    self._dropped[event.event_type] += 1
+                    self._dropped[event.event_type._value_] += 1
                     return
                 self._queue.append((event, time.monotonic()))
                 self._accepted += 1
@@ -147,7 +148,8 @@ class EventBus:
         with self._state_lock:
             routes = dict(self._routes)
             for event_type, callback in subscriber.subscriptions().items():
-                routes[event_type] = (*routes.get(event_type, ()), (name, callback))
+                key = event_type.value
+                routes[key] = (*routes.get(key, ()), (name, callback))
             self._errors.setdefault(name, 0)
             self._subscribers.append(subscriber)
             self._routes = routes  # swapped whole: the dispatcher reads one consistent table
@@ -320,7 +322,7 @@ class EventBus:
                 assert isinstance(stamp, float)
                 lag.observe(time.monotonic() - stamp)
                 first = False
-            for name, callback in self._routes.get(event.event_type, ()):
+            for name, callback in self._routes.get(event.event_type._value_, ()):
                 try:
                     callback(event)
                 except Exception:
@@ -384,8 +386,8 @@ class EventBus:
             depth.set(len(self._queue))
             published.value = self._accepted
             dispatched.value = self._dispatched
-            for event_type, n in list(self._dropped.items()):
-                dropped.counter(event_type.value).value = n
+            for value, n in list(self._dropped.items()):
+                dropped.counter(value).value = n
             for name, n in list(self._errors.items()):
                 errors.counter(name).value = n
 

@@ -13,7 +13,6 @@ so the session alone would pair one worker's start with another's end.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +92,7 @@ class EngineMetricsSubscriber(EventSubscriber):
                 "histogram", LABELS, OPERATION_SECONDS,
             )
         self._series: dict[tuple[str, object, object], _OperationSeries] = {}
-        self._open: OrderedDict[tuple[str, object, str, str], float] = OrderedDict()
+        self._open: dict[tuple[str, object, str, str], float] = {}
         for instance_id, model_name in instances:
             self._ensure_instance(instance_id, model_name)
         if registry is not None:
@@ -101,9 +100,9 @@ class EngineMetricsSubscriber(EventSubscriber):
 
     def subscriptions(self) -> Mapping[EventType, Callback]:
         return {
-            EventType.MP_STORE_START: self._on_start,
-            EventType.MP_RETRIEVE_START: self._on_start,
-            EventType.MP_LOOKUP_START: self._on_start,
+            EventType.MP_STORE_START: self._on_store_start,
+            EventType.MP_RETRIEVE_START: self._on_retrieve_start,
+            EventType.MP_LOOKUP_START: self._on_lookup_start,
             EventType.MP_STORE_END: self._on_store_end,
             EventType.MP_RETRIEVE_END: self._on_retrieve_end,
             EventType.MP_LOOKUP_END: self._on_lookup_end,
@@ -126,19 +125,27 @@ class EngineMetricsSubscriber(EventSubscriber):
         return series
 
     @staticmethod
-    def _op_key(event: Event) -> tuple[str, object, str, str]:
+    def _op_key(op: str, event: Event) -> tuple[str, object, str, str]:
         md = event.metadata
-        return (event.session_id, md.get("instance_id"), md.get("device", ""),
-                event.event_type.value.rsplit(".", 1)[0])
+        return (event.session_id, md.get("instance_id"), md.get("device", ""), op)
 
-    def _on_start(self, event: Event) -> None:
+    def _start(self, op: str, event: Event) -> None:
         assert event.timestamp is not None
-        self._open[self._op_key(event)] = event.timestamp
+        self._open[self._op_key(op, event)] = event.timestamp
         if len(self._open) > _MAX_OPEN_OPERATIONS:
-            self._open.popitem(last=False)
+            del self._open[next(iter(self._open))]  # oldest start whose END never came
 
-    def _observe_duration(self, event: Event, series: _OperationSeries) -> None:
-        started = self._open.pop(self._op_key(event), None)
+    def _on_store_start(self, event: Event) -> None:
+        self._start("store", event)
+
+    def _on_retrieve_start(self, event: Event) -> None:
+        self._start("retrieve", event)
+
+    def _on_lookup_start(self, event: Event) -> None:
+        self._start("lookup", event)
+
+    def _observe_duration(self, op: str, event: Event, series: _OperationSeries) -> None:
+        started = self._open.pop(self._op_key(op, event), None)
         if started is not None and event.timestamp is not None:
             series.duration.observe(max(0.0, event.timestamp - started))
 
@@ -154,7 +161,7 @@ class EngineMetricsSubscriber(EventSubscriber):
         c["stored_chunks"].value += md.get("stored_chunks", 0)
         c["skipped_chunks"].value += md.get("skipped_chunks", 0)
         c["failed_chunks"].value += md.get("failed_chunks", 0)
-        self._observe_duration(event, s)
+        self._observe_duration("store", event, s)
 
     def _on_retrieve_end(self, event: Event) -> None:
         md = event.metadata
@@ -169,7 +176,7 @@ class EngineMetricsSubscriber(EventSubscriber):
         c["l1_tokens"].value += md.get("l1_tokens", 0)
         c["l2_tokens"].value += md.get("l2_tokens", 0)
         c["missing_tokens"].value += md.get("missing_tokens", 0)
-        self._observe_duration(event, s)
+        self._observe_duration("retrieve", event, s)
 
     def _on_lookup_end(self, event: Event) -> None:
         md = event.metadata
@@ -180,7 +187,7 @@ class EngineMetricsSubscriber(EventSubscriber):
         c["hit_tokens"].value += md.get("hit_tokens", 0)
         c["l1_hit_tokens"].value += md.get("l1_hit_tokens", 0)
         c["l2_hit_tokens"].value += md.get("l2_hit_tokens", 0)
-        self._observe_duration(event, s)
+        self._observe_duration("lookup", event, s)
 
 
 __all__ = ["EngineMetricsSubscriber"]
