@@ -210,7 +210,17 @@ class CacheEngine:
             elapsed = time.perf_counter() - t0
             for _tier in self._tiers:  # the write-through pins, taken before the slots go public
                 self._pool.pin(new)
-            self._pool.finish(new, True)
+            extra = None
+            if block_hashes is not None:
+                extra = _engine_block_metadata(
+                    [i for i, _ in res.new],
+                    bpc,
+                    ctx.block_size,
+                    self.config.chunk_size,
+                    block_hashes,
+                    token_ids,
+                )
+            self._pool.finish(new, True, extra)
             self._write_through(new)
         cs = self.config.chunk_size
         result = StoreResult(
@@ -446,3 +456,30 @@ class CacheEngine:
 
 
 __all__ = ["CacheEngine", "StoreResult"]
+
+
+def _engine_block_metadata(
+    chunk_indices: list[int],
+    bpc: int,
+    block_size: int,
+    chunk_size: int,
+    block_hashes: Sequence[int],
+    token_ids: Sequence[int],
+) -> dict[str, Any] | None:
+    """The ``L1_WRITE_FINISHED`` keys that let KV-event routers join the engine's own
+    block hashes (docs/event-contract.md); None when the hashes do not cover the chunks."""
+    if chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc:
+        return None
+    hashes: list[int] = []
+    parents: list[int | None] = []
+    tokens: list[int] = []
+    for i in chunk_indices:
+        hashes.extend(int(h) for h in block_hashes[i * bpc : (i + 1) * bpc])
+        parents.append(int(block_hashes[i * bpc - 1]) if i > 0 else None)
+        tokens.extend(int(t) for t in token_ids[i * chunk_size : (i + 1) * chunk_size])
+    return {
+        "block_hashes": hashes,
+        "block_size": block_size,
+        "parent_block_hashes": parents,
+        "token_ids": tokens,
+    }

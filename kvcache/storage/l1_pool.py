@@ -194,11 +194,17 @@ class L1Pool:
         self._publish(events)
         return out
 
-    def finish(self, entries: Iterable[L1Entry], ok: bool | Sequence[bool] = True) -> None:
+    def finish(
+        self,
+        entries: Iterable[L1Entry],
+        ok: bool | Sequence[bool] = True,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         """Settle WRITING/LOADING entries (READY, or dropped when not ok) and drop the writer's pin.
 
         Publishes ``L1_WRITE_FINISHED`` for the entries that became READY, then evicts down to
-        the watermark.
+        the watermark. ``extra`` (the engine's block hashes, aligned with ``entries``) is added
+        to that event only when every entry succeeded, so it always lines up with ``keys``.
         """
         entries = list(entries)
         oks = [ok] * len(entries) if isinstance(ok, bool) else list(ok)
@@ -221,7 +227,10 @@ class L1Pool:
                 entry._done.set()
             if written:
                 written.reverse()
-                events.append(self._event(EventType.L1_WRITE_FINISHED, keys=written, num_bytes=nbytes))
+                more = extra if extra is not None and len(written) == len(entries) else {}
+                events.append(
+                    self._event(EventType.L1_WRITE_FINISHED, keys=written, num_bytes=nbytes, **more)
+                )
             self._evict_to_watermark(events)
         self._publish(events)
 

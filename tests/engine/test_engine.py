@@ -248,3 +248,23 @@ def test_status_is_json_and_close_is_idempotent() -> None:
         assert st["l1"]["num_chunks"] == 4 and st["l2"] == [] and st["chunk_size"] == CS
         assert e.flush(1)
     e.close()
+
+
+def test_engine_block_hashes_ride_on_l1_write_finished() -> None:
+    sink = Sink()
+    e = engine(sink)
+    reg(e, 1)
+    half = TOKENS[: 2 * CS]  # two chunks first: the second store writes only chunks 2 and 3
+    e.store(1, half, list(range(4)), block_hashes=[11, 12, 13, 14])
+    hashes = [11, 12, 13, 14, 15, 16, 17, 18]
+    e.store(1, TOKENS, list(range(8)), block_hashes=hashes)
+    first, second = sink.of(EventType.L1_WRITE_FINISHED)
+    assert first.metadata["block_hashes"] == [11, 12, 13, 14]
+    assert first.metadata["parent_block_hashes"] == [None, 12]
+    assert first.metadata["block_size"] == BS
+    assert second.metadata["block_hashes"] == [15, 16, 17, 18]
+    assert second.metadata["parent_block_hashes"] == [14, 16]  # the block before each chunk
+    assert second.metadata["token_ids"] == TOKENS[2 * CS :]
+    assert len(second.metadata["keys"]) == 2
+    e.store(1, TOKENS, list(range(8)), block_hashes=[1, 2])  # too short: published without them
+    e.close()
