@@ -194,6 +194,8 @@ class EventBus:
 
         Returns False if ``timeout`` seconds passed first. Without a running dispatcher
         (not started, or stopped) the caller's thread dispatches the backlog itself.
+        NOTE: an event given to ``publish_on_stream`` counts as published once its CUDA
+        stream reached it; synchronise the stream before flushing to include it.
         """
         self._poll()
         thread = self._thread

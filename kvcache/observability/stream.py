@@ -22,10 +22,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcache.observability.event import Event
+from kvcache.observability.event import Event, EventSink
 
 if TYPE_CHECKING:
-    from kvcache.observability.bus import DisabledEventBus, EventBus
+    from kvcache.observability.bus import EventBus
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +134,21 @@ class StreamEventRecorder:
         return bool(self._pending)
 
 
-def publish_on_stream(bus: EventBus | DisabledEventBus, stream: Any, event: Event) -> None:
+def publish_on_stream(bus: EventSink, stream: Any, event: Event) -> None:
     """Publish ``event`` once ``stream`` has executed everything enqueued before this call.
 
     ``stream`` is None (CPU work: published at once), an int ``cudaStream_t`` or a
     ``torch.cuda.Stream``. Without CUDA (or without the native module) the event is
-    published at once. Like ``EventBus.publish`` this never raises.
+    published at once. ``bus`` may be any ``EventSink``: sinks other than a running
+    ``EventBus`` (``NullEventSink``, ``DisabledEventBus``) just get ``publish``. Like
+    ``EventBus.publish`` this never raises.
     """
-    if not bus.enabled:
-        return
     try:
-        bus.stream_recorder.publish(stream, event)  # type: ignore[union-attr]
+        recorder = getattr(bus, "stream_recorder", None) if getattr(bus, "enabled", True) else None
+        if recorder is None:
+            bus.publish(event)
+        else:
+            recorder.publish(stream, event)
     except Exception:  # never raise into the data path
         logger.debug("publish_on_stream failed", exc_info=True)
 

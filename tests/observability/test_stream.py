@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from kvcache.observability.bus import Callback, DisabledEventBus, EventBus, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, NullEventSink
 from kvcache.observability.stream import (
     AnchoredClock,
     StreamEventRecorder,
@@ -126,8 +126,9 @@ def test_stream_handle_accepts_torch_like_streams() -> None:
     assert stream_handle(FakeStream()) == 0xABC
 
 
-def test_disabled_bus_ignores_stream_events() -> None:
+def test_disabled_bus_and_null_sink_ignore_stream_events() -> None:
     publish_on_stream(DisabledEventBus(), None, Event(START, {}))
+    publish_on_stream(NullEventSink(), 0, Event(START, {}))
 
 
 @pytest.mark.cuda
