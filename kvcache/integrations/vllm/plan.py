@@ -1,0 +1,161 @@
+"""Scheduler-side bookkeeping: which tokens to load before a forward, which to store after it.
+
+Pure Python on plain values (token lists, block-id lists), with no vLLM import, so the rules
+can be tested without an engine. ``connector.py`` feeds it from vLLM's scheduler objects and
+ships the resulting ``StepPlan`` to the workers as the connector metadata (a plain dataclass:
+vLLM pickles it to the worker process in its multiprocess mode).
+
+Rules:
+
+* **Load** only what the daemon holds beyond vLLM's own (block-aligned) prefix hit, and never
+  the whole prompt: vLLM must compute at least the last prompt token to sample from it.
+* **Store** whole chunks only (the daemon ignores a partial one), once each: a request's
+  stored watermark advances when its computed tokens cross a chunk boundary, prompt or
+  output alike; chunks it just loaded count as stored.
+* **Allocation reports** name each block once per request, with the tokens it holds, so the
+  daemon's L0 lifecycle metrics see vLLM's real blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcache.observability.event import BlockAllocationRecord
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Copy the cached prefix ``token_ids`` into ``block_ids``, leaving the first
+    ``skip_tokens`` (vLLM's own hit) alone."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    skip_tokens: int
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class StoreSpec:
+    """Store the full chunks of ``token_ids`` held in ``block_ids``; ``block_hashes`` are
+    vLLM's own hashes of those blocks (64-bit ints, as in vLLM's KV events) or None."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    block_hashes: list[int] | None = None
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the workers do around one forward pass."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    cache_salt: str
+    stored_tokens: int = 0
+    reported_blocks: int = 0
+
+
+def block_hash_to_int(h: bytes | int) -> int:
+    """vLLM's ``BlockHash`` bytes as the 64-bit int its KV events publish."""
+    return h & _U64 if isinstance(h, int) else int.from_bytes(h, "big") & _U64
+
+
+class Planner:
+    """Per-request state between scheduler steps; one instance per vLLM scheduler."""
+
+    def __init__(self, block_size: int, chunk_size: int) -> None:
+        if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
+            raise ValueError(
+                f"chunk size {chunk_size} must be a positive multiple of block size {block_size}"
+            )
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self._reqs: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+
+    def external_tokens(self, num_prompt_tokens: int, local_hit: int, daemon_hit: int) -> int:
+        """Tokens to load beyond ``local_hit``, as ``get_num_new_matched_tokens`` returns them."""
+        usable = min(daemon_hit, num_prompt_tokens - 1)
+        return max(0, usable - local_hit)
+
+    def on_alloc(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        block_ids: Sequence[int],
+        local_hit: int,
+        external: int,
+        cache_salt: str = "",
+    ) -> None:
+        """A request got its blocks; queue its load (if any) for the next step's plan."""
+        state = self._reqs.get(req_id)
+        if state is None or external:
+            state = self._reqs[req_id] = _Request(cache_salt)
+        if external <= 0:
+            return
+        hit = local_hit + external
+        # Whole chunks: the daemon copies chunk by chunk; the tail of the last one lands in
+        # slots vLLM allocated for the tokens it will compute and then overwrites.
+        end = -(-hit // self.chunk_size) * self.chunk_size
+        end = min(end, len(prompt))
+        nblocks = -(-end // self.block_size)
+        self._loads.append(
+            LoadSpec(req_id, list(prompt[:end]), list(block_ids[:nblocks]), local_hit, cache_salt)
+        )
+        state.stored_tokens = (end // self.chunk_size) * self.chunk_size
+
+    def step(
+        self,
+        scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int], Sequence[bytes | int]]],
+    ) -> tuple[StepPlan, list[BlockAllocationRecord]]:
+        """Plan one step. ``scheduled`` rows: ``(req_id, computed_before, num_scheduled,
+        all_token_ids, block_ids, block_hashes)``; returns the plan and the allocation records."""
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        records: list[BlockAllocationRecord] = []
+        bs, cs = self.block_size, self.chunk_size
+        for req_id, before, num_scheduled, tokens, block_ids, hashes in scheduled:
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            computed = min(before + num_scheduled, len(tokens))
+            if len(block_ids) > state.reported_blocks:
+                first = state.reported_blocks
+                new_tokens = list(tokens[first * bs : min(len(block_ids) * bs, computed)])
+                records.append(BlockAllocationRecord(req_id, list(block_ids[first:]), new_tokens))
+                state.reported_blocks = len(block_ids)
+            target = (computed // cs) * cs
+            if target > state.stored_tokens and target // bs <= len(block_ids):
+                nblocks = target // bs
+                ints = [block_hash_to_int(h) for h in hashes[:nblocks]]
+                plan.stores.append(
+                    StoreSpec(
+                        req_id,
+                        list(tokens[:target]),
+                        list(block_ids[:nblocks]),
+                        ints if len(ints) == nblocks else None,
+                        state.cache_salt,
+                    )
+                )
+                state.stored_tokens = target
+        return plan, records
+
+    def finish(self, req_id: str) -> bool:
+        """Forget a finished request; True if it was known."""
+        return self._reqs.pop(req_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+
+__all__ = ["LoadSpec", "Planner", "StepPlan", "StoreSpec", "block_hash_to_int"]

@@ -1,0 +1,138 @@
+"""Worker side: register vLLM's KV tensors with the daemon, run a step's loads and stores.
+
+No vLLM import: it takes the tensors and a ``StepPlan`` and talks to the daemon through
+``KVCacheClient``. Loads are synchronous (they must land before the forward reads the
+blocks); stores are synchronous too, at the end of the step, because vLLM may hand the
+blocks to another request as soon as the step's output is processed.
+
+Failures never stop the engine: a load that returns fewer tokens than planned reports the
+blocks it did not fill (vLLM recomputes them); a failed store is logged and dropped (a
+later miss, not a wrong answer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.client import KVCacheClient
+from kvcache.errors import KvcacheError
+from kvcache.integrations.vllm.plan import StepPlan
+from kvcache.layouts import GPUKVFormat
+
+log = logging.getLogger("kvcache.integrations.vllm")
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Cumulative counters, for logs and tests."""
+
+    loads: int = 0
+    loaded_tokens: int = 0
+    load_failures: int = 0
+    stores: int = 0
+    stored_tokens: int = 0
+    store_failures: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+
+def unique_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The KV tensors in layer order, each once (layers sharing a cache appear once)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = []
+    for tensor in kv_caches.values():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out.append(tensor)
+    return out
+
+
+class ConnectorWorker:
+    """One tensor-parallel rank's half of the connector."""
+
+    def __init__(self, client: KVCacheClient, block_size: int, kv_format: str | None = None) -> None:
+        self.client = client
+        self.block_size = block_size
+        self.kv_format = kv_format
+        self.registered = False
+        self.stats = WorkerStats()
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        layers = unique_layers(kv_caches)
+        if not layers:
+            raise KvcacheError("vLLM handed the connector no KV cache tensors")
+        fmt = self.kv_format
+        if fmt is None and layers[0].device.type == "cpu":
+            # vLLM's CPU layout packs K (transposed) and V in each (block, head) tile: copy
+            # each layer's block as one opaque page.
+            fmt = GPUKVFormat.NL_X_NB_PAGE.name
+        reply = self.client.register_kv_caches(layers, engine="vllm", block_size=self.block_size, fmt=fmt)
+        self.registered = True
+        log.info(
+            "kvcache: registered %d layers x %d blocks of %d tokens as %s (chunk %d tokens)",
+            reply.num_layers, reply.num_blocks, reply.block_size, reply.fmt, reply.chunk_size,
+        )  # fmt: skip
+
+    def load(self, plan: StepPlan) -> None:
+        for spec in plan.loads:
+            want = len(spec.token_ids)
+            t0 = time.perf_counter()
+            try:
+                got = self.client.retrieve(
+                    spec.token_ids,
+                    spec.block_ids,
+                    spec.skip_tokens,
+                    cache_salt=spec.cache_salt,
+                    request_id=spec.req_id,
+                )
+            except Exception as exc:  # the daemon is down or refused: recompute instead
+                log.warning("kvcache: load for %s failed: %s", spec.req_id, exc)
+                got = spec.skip_tokens
+            self.stats.load_seconds += time.perf_counter() - t0
+            self.stats.loads += 1
+            if got < want:
+                self.stats.load_failures += 1
+                first_bad = max(got, spec.skip_tokens) // self.block_size
+                self._load_errors.update(spec.block_ids[first_bad:])
+                log.warning(
+                    "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest",
+                    got, want, spec.req_id,
+                )  # fmt: skip
+            self.stats.loaded_tokens += max(0, got - spec.skip_tokens)
+
+    def store(self, plan: StepPlan) -> None:
+        for spec in plan.stores:
+            t0 = time.perf_counter()
+            try:
+                result = self.client.store(
+                    spec.token_ids,
+                    spec.block_ids,
+                    cache_salt=spec.cache_salt,
+                    request_id=spec.req_id,
+                    block_hashes=spec.block_hashes,
+                )
+            except Exception as exc:  # a dropped store is a later miss, never a wrong answer
+                self.stats.store_failures += 1
+                log.warning("kvcache: store for %s failed: %s", spec.req_id, exc)
+                continue
+            finally:
+                self.stats.store_seconds += time.perf_counter() - t0
+            self.stats.stores += 1
+            self.stats.stored_tokens += result.stored_tokens
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.client.close()
+
+
+__all__ = ["ConnectorWorker", "WorkerStats", "unique_layers"]

@@ -1,0 +1,32 @@
+"""kv_connector_extra_config parsing: both connector halves must derive the same identity."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.integrations.vllm.config import ConnectorConfig
+
+
+def test_defaults_and_unknown_keys() -> None:
+    cfg = ConnectorConfig.from_extra(None)
+    assert cfg.endpoint == "tcp://127.0.0.1:5555" and cfg.load and cfg.store and cfg.shared_memory
+    with pytest.raises(ValueError, match="unknown"):
+        ConnectorConfig.from_extra({"endpiont": "x"})
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_extra({"timeout_s": 0})
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_extra({"instance_id": -1})
+
+
+def test_instance_id_is_stable_per_engine_and_distinct_per_rank() -> None:
+    cfg = ConnectorConfig.from_extra({})
+    a0, a1 = cfg.resolve_instance_id("engine-a", 0), cfg.resolve_instance_id("engine-a", 1)
+    assert a0 == ConnectorConfig.from_extra({}).resolve_instance_id("engine-a", 0)
+    assert a1 == a0 + 1 and cfg.resolve_instance_id("engine-b") != a0
+    assert ConnectorConfig.from_extra({"instance_id": 7}).resolve_instance_id("x", 2) == 9
+
+
+def test_model_name_scoped_per_rank_under_tensor_parallelism() -> None:
+    cfg = ConnectorConfig.from_extra({"model_name": "m"})
+    assert cfg.resolve_model_name("served") == "m"
+    assert ConnectorConfig.from_extra({}).resolve_model_name("served", 1, 2) == "served@tp1of2"
