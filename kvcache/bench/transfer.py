@@ -99,6 +99,7 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> lis
     ctx = GPUCacheContext(
         caches,
         chunk_size=args.chunk_size,
+        fmt=fmt,
         engine=ENGINE_OF[fmt],
         block_size=args.block_size,
         num_threads=args.threads,
