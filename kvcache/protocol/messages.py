@@ -1,0 +1,309 @@
+"""The daemon's wire vocabulary: one msgspec Struct per request, one per result, one error record.
+
+Kept apart from the codec and the server so that a reader sees the whole protocol in one
+file, and so that a client can import it without pulling in the daemon.
+
+Every frame is a MessagePack map: ``RequestEnvelope(v, id, body)`` from a client,
+``ReplyEnvelope(v, id, body)`` from the daemon. ``body`` is a tagged union (tag field ``op``
+for requests, ``kind`` for replies), so the decoder picks the class and nobody writes a type
+switch. The schema only grows: new fields go last and carry defaults; ``PROTOCOL_VERSION``
+changes only when an old peer could misread a new message.
+
+NOTE: nothing here is ever pickled. Tensors travel as typed descriptors (a shared-memory
+file + shape/stride/dtype/offset, or CUDA IPC handle bytes + device UUID), never as objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvcache.observability.event import BlockAllocationRecord
+
+PROTOCOL_VERSION = 1
+"""Bumped only on a change an older peer would misread; a mismatch is a ``VERSION_MISMATCH`` reply."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+"""Frames larger than this get a ``TOO_LARGE`` reply (token lists of ~10M ids fit)."""
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+TensorNesting = Literal["tensor", "list", "nested"]
+"""How the engine's ``kv_caches`` object nests its tensors: one tensor, a list, or a list of lists."""
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request failed. The client maps each code back to one exception class."""
+
+    BAD_MESSAGE = "bad_message"  # undecodable, truncated, wrong frame count, schema violation
+    VERSION_MISMATCH = "version_mismatch"
+    TOO_LARGE = "too_large"
+    UNKNOWN_INSTANCE = "unknown_instance"
+    LAYOUT = "layout"  # tensors match no KV layout, or cannot be mapped
+    BLOCK_ID = "block_id"
+    CHUNK_MISMATCH = "chunk_mismatch"
+    STORAGE = "storage"
+    CUDA_UNAVAILABLE = "cuda_unavailable"
+    BAD_REQUEST = "bad_request"  # well-formed but invalid arguments
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class _Wire(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=False):
+    """Common options: defaults stay off the wire, no GC tracking, unknown fields ignored."""
+
+
+# -- tensor descriptors ------------------------------------------------------------------
+
+
+class ShmTensor(_Wire, tag="shm", tag_field="via"):
+    """A CPU tensor living in a file under /dev/shm that both processes map.
+
+    ``offset`` is the byte offset of element 0 inside the file; ``stride`` is in elements.
+    ``owner_pid`` lets the daemon remove files left behind by an engine that died.
+    """
+
+    path: str
+    offset: NonNegInt
+    shape: list[NonNegInt]
+    stride: list[NonNegInt]
+    dtype: str
+    owner_pid: int = 0
+
+
+class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
+    """A GPU tensor shared by CUDA IPC: the handle bytes plus typed fields, never a pickle.
+
+    The fields mirror what ``torch.UntypedStorage._share_cuda_`` returns; ``device_uuid``
+    replaces the ordinal because the two processes may number their GPUs differently.
+    ``storage_offset`` and ``stride`` are in elements, like ``Tensor.as_strided``.
+    """
+
+    device_uuid: str
+    ipc_handle: bytes
+    storage_size_bytes: NonNegInt
+    storage_offset_bytes: NonNegInt
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNegInt
+    event_handle: bytes
+    event_sync_required: bool
+    storage_offset: NonNegInt
+    shape: list[NonNegInt]
+    stride: list[NonNegInt]
+    dtype: str
+
+
+TensorDesc = ShmTensor | CudaIpcTensor
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+class Request(_Wire, tag_field="op"):
+    """Base of every request; the concrete class names the operation."""
+
+
+class Register(Request, tag="register"):
+    """Map an engine's KV tensors into the daemon and register them with the cache engine.
+
+    ``tensors`` are the leaves of ``kv_caches`` in order; ``nesting`` and ``group_sizes``
+    rebuild its shape (``nested``: ``group_sizes[i]`` tensors in sub-list ``i``).
+    """
+
+    instance_id: NonNegInt
+    model_name: str
+    tensors: list[TensorDesc]
+    nesting: TensorNesting = "list"
+    group_sizes: list[NonNegInt] = []
+    engine: str = "vllm"
+    fmt: str | None = None
+    block_size: int | None = None
+
+
+class Unregister(Request, tag="unregister"):
+    instance_id: NonNegInt
+
+
+class Lookup(Request, tag="lookup"):
+    instance_id: NonNegInt
+    token_ids: list[int]
+    cache_salt: str = ""
+    request_id: str = ""
+
+
+class Store(Request, tag="store"):
+    """Copy the engine blocks holding ``token_ids`` (in token order) into the cache.
+
+    ``cuda_event`` is an interprocess event the engine recorded after writing those blocks;
+    the daemon waits on it before reading them.
+    """
+
+    instance_id: NonNegInt
+    token_ids: list[int]
+    block_ids: list[NonNegInt]
+    cache_salt: str = ""
+    request_id: str = ""
+    block_hashes: list[int] | None = None
+    cuda_event: bytes | None = None
+
+
+class Retrieve(Request, tag="retrieve"):
+    instance_id: NonNegInt
+    token_ids: list[int]
+    block_ids: list[NonNegInt]
+    skip_tokens: NonNegInt = 0
+    cache_salt: str = ""
+    request_id: str = ""
+
+
+class ReportBlockAllocations(Request, tag="report_block_allocations"):
+    instance_id: NonNegInt
+    records: list[BlockAllocationRecord]
+
+
+class EndSession(Request, tag="end_session"):
+    instance_id: NonNegInt
+    request_id: str
+
+
+class Status(Request, tag="status"):
+    pass
+
+
+class Ping(Request, tag="ping"):
+    """Health check and heartbeat: a ping naming an instance keeps its registration alive."""
+
+    instance_id: int | None = None
+
+
+RequestBody = (
+    Register | Unregister | Lookup | Store | Retrieve | ReportBlockAllocations | EndSession | Status
+    | Ping
+)
+
+
+class RequestEnvelope(_Wire):
+    v: int
+    id: int
+    body: RequestBody
+
+
+class RequestHeader(_Wire):
+    """What the daemon can still read from a request whose body it cannot decode."""
+
+    v: int
+    id: int = 0
+
+
+# -- replies -----------------------------------------------------------------------------
+
+
+class Reply(_Wire, tag_field="kind"):
+    """Base of every reply: a result of the request's operation, or an ``Error``."""
+
+
+class Error(Reply, tag="error"):
+    """A typed failure: ``code`` for programs, ``message`` for people (never a traceback)."""
+
+    code: ErrorCode
+    message: str
+
+
+class Registered(Reply, tag="registered"):
+    """``heartbeat_timeout_s``: the client must send something at least this often."""
+
+    instance_id: int
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    chunk_size: int
+    fmt: str
+    heartbeat_timeout_s: float
+
+
+class Done(Reply, tag="done"):
+    """Success of an operation that returns nothing (unregister, reports, end session)."""
+
+
+class LookupResult(Reply, tag="lookup"):
+    hit_tokens: int
+
+
+class StoreResult(Reply, tag="store"):
+    stored_chunks: int
+    skipped_chunks: int
+    failed_chunks: int
+    stored_tokens: int
+
+
+class RetrieveResult(Reply, tag="retrieve"):
+    """``cuda_event``: an interprocess event the engine waits on before reusing the blocks."""
+
+    retrieved_tokens: int
+    cuda_event: bytes | None = None
+
+
+class StatusResult(Reply, tag="status"):
+    """Daemon health: the engine's own ``status()`` dict plus what the daemon knows."""
+
+    protocol_version: int
+    pid: int
+    uptime_s: float
+    instances: list[int]
+    engine: dict[str, Any]
+    in_flight: int = 0
+    """Requests of registered instances queued or running on the worker threads."""
+
+
+class Pong(Reply, tag="pong"):
+    """``registered``: whether the pinged instance is known (False after a daemon restart)."""
+
+    protocol_version: int
+    registered: bool = False
+
+
+ReplyBody = (
+    Error | Registered | Done | LookupResult | StoreResult | RetrieveResult | StatusResult | Pong
+)
+
+
+class ReplyEnvelope(_Wire):
+    v: int
+    id: int
+    body: ReplyBody
+
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "CudaIpcTensor",
+    "Done",
+    "EndSession",
+    "Error",
+    "ErrorCode",
+    "Lookup",
+    "LookupResult",
+    "Ping",
+    "Pong",
+    "Register",
+    "Registered",
+    "Reply",
+    "ReplyBody",
+    "ReplyEnvelope",
+    "ReportBlockAllocations",
+    "Request",
+    "RequestBody",
+    "RequestEnvelope",
+    "RequestHeader",
+    "Retrieve",
+    "RetrieveResult",
+    "ShmTensor",
+    "Status",
+    "StatusResult",
+    "Store",
+    "StoreResult",
+    "TensorDesc",
+    "TensorNesting",
+    "Unregister",
+]

@@ -1,0 +1,302 @@
+"""``python -m kvcache.server``: parse flags and an optional TOML file, then run the daemon.
+
+Separate from ``daemon`` so the loop can be embedded (tests, benchmarks) without argparse,
+signals or logging setup. Precedence: built-in defaults < ``--config FILE`` < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import tomllib
+
+from kvcache.config import EngineConfig, GiB
+from kvcache.kv_events.config import add_kv_events_args
+from kvcache.observability.config import ObservabilityConfig, add_observability_args
+from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
+from kvcache.plugins import add_plugin_args
+from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from kvcache.server.daemon import DaemonConfig
+
+if TYPE_CHECKING:
+    from kvcache.observability import Observability
+
+log = logging.getLogger("kvcache.server")
+
+DESCRIPTION = """\
+Run the kvcache daemon: serving engines on this host connect to it over ZMQ, share their
+KV cache tensors (GPU: CUDA IPC, CPU: shared memory), and store, look up and retrieve
+KV chunks kept in CPU memory (L1) and optionally on local disk or Redis (L2).
+
+With no flags it listens on tcp://127.0.0.1:5555, keeps a 2 GiB L1 and needs no external
+service. Engines connect with kvcache.client.KVCacheClient("tcp://127.0.0.1:5555", ...)."""
+
+EPILOG = """\
+examples:
+  python -m kvcache.server
+  python -m kvcache.server --l1-size-gb 32 --l2-disk-path /var/cache/kvcache --l2-disk-size-gb 500
+  python -m kvcache.server --config kvcache.toml --port 6000
+
+config file (TOML; flags given on the command line override it):
+  [server]          host, port, allow_remote, workers, fast_workers, heartbeat_timeout, ...
+  [storage]         chunk_size, l1_size_gb, l1_evict_watermark, l2_disk_path, l2_disk_size_gb,
+                    l2_redis_url
+  [observability]   the observability, kv events, request trace and plug-in flags below
+  keys are the flag names without '--', with '_' or '-' (l1_size_gb = 32)
+
+SIGTERM or Ctrl-C stops it cleanly: no new requests, in-flight ones finish, pending L2
+writes are flushed, events are drained, exit status 0."""
+
+_SECTIONS = ("server", "storage", "observability")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything ``main`` needs, resolved from defaults, the TOML file and the flags."""
+
+    daemon: DaemonConfig
+    engine: EngineConfig
+    observability: ObservabilityConfig
+    log_level: str
+    args: argparse.Namespace
+    """The parsed flags, for the subscriber builders that read them (KV events, plug-ins)."""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
+    """The parser, and the flag destinations that each TOML section may set."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcache.server",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [storage], "
+                        "[observability] tables; flags override it")  # fmt: skip
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    dests: dict[str, set[str]] = {}
+
+    before = _dests(parser)
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    srv.add_argument("--port", type=int, default=5555, help="ZMQ port (default %(default)s; 0 = any free)")
+    srv.add_argument("--allow-remote", action="store_true",
+                     help="allow a non-loopback --host; anyone who reaches it can use the cache")
+    srv.add_argument("--workers", type=int, default=4,
+                     help="threads for register/store/retrieve (default %(default)s)")
+    srv.add_argument("--fast-workers", type=int, default=2,
+                     help="threads for lookup/ping/status/reports, never blocked by stores "
+                     "(default %(default)s)")
+    srv.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="release an engine's registration after this long without a message "
+                     "(clients ping every third of it; default %(default)s)")
+    srv.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2**20,
+                     help="larger requests get an error reply (default %(default)g)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on shutdown, wait this long for in-flight requests (default %(default)s)")
+    dests["server"] = _dests(parser) - before
+
+    before = _dests(parser)
+    st = parser.add_argument_group("storage")
+    defaults = EngineConfig()
+    st.add_argument("--chunk-size", type=int, default=defaults.chunk_size,
+                    help="tokens per chunk, a multiple of the engines' block size (default %(default)s)")
+    st.add_argument("--l1-size-gb", type=float, default=defaults.l1_size_bytes / GiB,
+                    help="CPU memory for cached chunks, GiB (default %(default)g)")
+    st.add_argument("--l1-evict-watermark", type=float, default=defaults.l1_evict_watermark,
+                    help="after a store, evict least recently used chunks down to this fraction "
+                    "of L1 (default %(default)s)")
+    st.add_argument("--l2-disk-path", default=None, metavar="DIR",
+                    help="directory for the disk tier; chunks survive restarts (default: off)")
+    st.add_argument("--l2-disk-size-gb", type=float, default=defaults.l2_disk_size_bytes / GiB,
+                    help="bound of the disk tier, GiB (default %(default)g)")
+    st.add_argument("--l2-redis-url", default=None, metavar="URL",
+                    help="redis://host:port/db of a Redis/Valkey tier shared by hosts (default: off)")
+    dests["storage"] = _dests(parser) - before
+
+    before = _dests(parser)
+    add_observability_args(parser)
+    add_kv_events_args(parser)
+    add_request_trace_args(parser)
+    add_plugin_args(parser)
+    dests["observability"] = _dests(parser) - before
+    return parser, dests
+
+
+def _dests(parser: argparse.ArgumentParser) -> set[str]:
+    return {a.dest for a in parser._actions if a.dest != "help"}
+
+
+def load_toml(path: str, dests: dict[str, set[str]]) -> dict[str, Any]:
+    """Flatten the TOML tables into argparse destinations, refusing unknown keys."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"error: cannot read config file {path}: {exc}") from None
+    out: dict[str, Any] = {}
+    for section, table in doc.items():
+        if section not in _SECTIONS or not isinstance(table, dict):
+            raise SystemExit(
+                f"error: {path}: unknown table [{section}]; expected one of {list(_SECTIONS)}"
+            )
+        for key, value in table.items():
+            dest = key.replace("-", "_")
+            if dest not in dests[section]:
+                raise SystemExit(
+                    f"error: {path}: unknown key {key!r} in [{section}]; "
+                    f"known: {sorted(dests[section])}"
+                )
+            out[dest] = value
+    return out
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> Settings:
+    parser, dests = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**load_toml(first.config, dests))
+    ns = parser.parse_args(argv)
+    try:
+        daemon = DaemonConfig(
+            host=ns.host,
+            port=ns.port,
+            allow_remote=ns.allow_remote,
+            bulk_workers=ns.workers,
+            fast_workers=ns.fast_workers,
+            heartbeat_timeout_s=ns.heartbeat_timeout,
+            max_message_bytes=int(ns.max_message_mb * 2**20),
+            drain_timeout_s=ns.drain_timeout,
+            # A Redis lookup waits on the network: keep it off the I/O thread.
+            inline_lookups=ns.l2_redis_url is None,
+        )
+        engine = EngineConfig(
+            chunk_size=ns.chunk_size,
+            l1_size_bytes=int(ns.l1_size_gb * GiB),
+            l1_evict_watermark=ns.l1_evict_watermark,
+            l2_disk_path=ns.l2_disk_path,
+            l2_disk_size_bytes=int(ns.l2_disk_size_gb * GiB),
+            l2_redis_url=ns.l2_redis_url,
+        )
+        obs = ObservabilityConfig.from_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not obs.enabled and (ns.kv_events_endpoint or ns.request_trace_file or ns.subscriber):
+        parser.error(
+            "--disable-observability turns the event bus off; KV events, the request trace "
+            "and --subscriber plug-ins need it"
+        )
+    return Settings(daemon, engine, obs, ns.log_level, ns)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from kvcache.engine.engine import CacheEngine
+    from kvcache.observability import init_observability
+    from kvcache.server.daemon import Daemon
+    from kvcache.server.handlers import Handlers
+    from kvcache.server.registry import InstanceRegistry
+
+    try:
+        obs = init_observability(settings.observability)
+    except (OSError, ValueError) as exc:
+        log.error("cannot start observability: %s", exc)
+        return 1
+    try:
+        _add_flag_subscribers(settings.args, obs)
+        engine = CacheEngine(settings.engine, bus=obs.bus)
+    except (OSError, ValueError, ImportError) as exc:
+        log.error("cannot start: %s", exc)
+        obs.shutdown()
+        return 1
+    try:
+        handlers = Handlers(engine, InstanceRegistry(), settings.daemon.heartbeat_timeout_s)
+        daemon = Daemon(settings.daemon, handlers)
+    except OSError as exc:
+        log.error("%s", exc)
+        engine.close()
+        obs.shutdown()
+        return 1
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        daemon.request_stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info(
+        "kvcache daemon ready: zmq %s, metrics %s, protocol v%d, L1 %.3g GiB, L2 %s, pid %d",
+        daemon.endpoint, _metrics_url(obs), PROTOCOL_VERSION,
+        settings.engine.l1_size_bytes / GiB, _l2_summary(settings.engine), os.getpid(),
+    )  # fmt: skip
+    try:
+        daemon.serve()
+    finally:
+        engine.close()  # flushes pending L2 writes
+        obs.shutdown()  # drains the bus, stops exporters
+    log.info("kvcache daemon stopped")
+    return 0
+
+
+def _add_flag_subscribers(ns: argparse.Namespace, obs: Observability) -> None:
+    """Subscribers switched on by flags outside ``ObservabilityConfig``: KV events for routers,
+    the per-request trace file and ``--subscriber`` plug-ins. ``obs.shutdown`` stops them."""
+    from kvcache.kv_events.config import build_kv_events_subscriber
+    from kvcache.observability.subscribers.logging.request_trace import (
+        build_request_trace_subscriber,
+    )
+    from kvcache.plugins import subscribers_from_args
+
+    subs: list[Any] = []
+    kv_events = build_kv_events_subscriber(ns, obs.registry)
+    if kv_events is not None:
+        subs.append(kv_events)
+        log.info("publishing KV events on %s", ns.kv_events_endpoint)
+    trace = build_request_trace_subscriber(ns)
+    if trace is not None:
+        subs.append(trace)
+    subs += subscribers_from_args(ns, obs.registry)
+    for sub in subs:
+        obs.bus.register_subscriber(sub)
+        obs.subscribers.append(sub)
+
+
+def _metrics_url(obs: Observability) -> str:
+    return obs.endpoint.url if obs.endpoint is not None else "off"
+
+
+def _l2_summary(cfg: EngineConfig) -> str:
+    tiers = []
+    if cfg.l2_disk_path:
+        tiers.append(f"disk {cfg.l2_disk_path} ({cfg.l2_disk_size_bytes / GiB:.3g} GiB)")
+    if cfg.l2_redis_url:
+        tiers.append(f"redis {redact_url(cfg.l2_redis_url)}")
+    return ", ".join(tiers) or "off"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Start ``python -m kvcache.server`` as a child process and wait until it is ready.
+
+Shared by the demo, the daemon benchmark and the tests, which all need a real daemon in its
+own process and the endpoints from its start line, rather than each parsing logs its own way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+_READY = re.compile(r"kvcache daemon ready: zmq (?P<zmq>\S+), metrics (?P<metrics>[^,]+),")
+
+
+class DaemonStartError(RuntimeError):
+    """The daemon exited or stayed silent before logging its ready line."""
+
+
+class DaemonProcess:
+    """A daemon child process; its stderr is collected in ``lines`` (and echoed if asked).
+
+    ``endpoint`` is the ZMQ address clients connect to; ``metrics_url`` is the Prometheus
+    URL, or ``"off"``.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        port: int = 0,
+        prometheus_port: int | None = 0,
+        ready_timeout_s: float = 60.0,
+        echo: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), *args]
+        if prometheus_port is not None:
+            cmd += ["--prometheus-port", str(prometheus_port)]
+        self.lines: list[str] = []
+        self._echo = echo
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self._reader = threading.Thread(target=self._read, name="kvcache-daemon-log", daemon=True)
+        self._reader.start()
+        self.endpoint, self.metrics_url = self._wait_ready(ready_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            self._queue.put(line)
+            if self._echo:
+                sys.stderr.write(line)
+        self._queue.put(None)
+
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self.proc.wait()
+                raise DaemonStartError(
+                    f"kvcache daemon exited with status {self.proc.returncode}:\n{self.log}"
+                )
+            if match := _READY.search(line):
+                return match["zmq"], match["metrics"].strip()
+        self.kill()
+        raise DaemonStartError(f"kvcache daemon not ready after {timeout_s:g} s:\n{self.log}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Send ``sig`` and wait for the exit status (killing it after ``timeout_s``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self._reader.join(timeout=5)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.stop()
+
+
+__all__ = ["DaemonProcess", "DaemonStartError"]

@@ -1,0 +1,113 @@
+"""Which engine instances the daemon serves, when each was last heard from, and what is in flight.
+
+Separate from the handlers so that the I/O thread (which stamps arrivals), the workers (which
+run requests) and the reaper (which drops silent instances) share one small lock-protected
+table and nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvcache.errors import UnknownInstanceError
+from kvcache.server.ipc import ImportedTensor
+
+
+@dataclass(slots=True)
+class Instance:
+    """One registered engine instance; ``tensors`` keep its mapped KV memory alive."""
+
+    instance_id: int
+    model_name: str
+    device: str
+    tensors: list[ImportedTensor]
+    last_seen: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
+
+
+class InstanceRegistry:
+    """Thread-safe table of registered instances.
+
+    ``begin``/``end`` bracket each request naming an instance, so the reaper never removes
+    an instance while a request for it (say, the store of a client that just died) still runs.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._instances: dict[int, Instance] = {}
+
+    def add(self, instance: Instance) -> Instance | None:
+        """Insert ``instance``; returns the record it replaced (same id registered again)."""
+        with self._lock:
+            old = self._instances.get(instance.instance_id)
+            if old is not None:
+                instance.in_flight = old.in_flight
+            self._instances[instance.instance_id] = instance
+            return old
+
+    def get(self, instance_id: int) -> Instance:
+        with self._lock:
+            instance = self._instances.get(instance_id)
+        if instance is None:
+            raise UnknownInstanceError(
+                f"instance {instance_id} is not registered with this daemon "
+                "(never registered, unregistered, or reaped after missing heartbeats)"
+            )
+        return instance
+
+    def __contains__(self, instance_id: object) -> bool:
+        with self._lock:
+            return instance_id in self._instances
+
+    def ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._instances)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(inst.in_flight for inst in self._instances.values())
+
+    def remove(self, instance_id: int) -> Instance | None:
+        with self._lock:
+            return self._instances.pop(instance_id, None)
+
+    def touch(self, instance_id: int, now: float | None = None) -> bool:
+        """Record that the instance was heard from; False if it is not registered."""
+        with self._lock:
+            instance = self._instances.get(instance_id)
+            if instance is None:
+                return False
+            instance.last_seen = time.monotonic() if now is None else now
+            return True
+
+    def begin(self, instance_id: int, now: float | None = None) -> None:
+        with self._lock:
+            instance = self._instances.get(instance_id)
+            if instance is not None:
+                instance.in_flight += 1
+                instance.last_seen = time.monotonic() if now is None else now
+
+    def end(self, instance_id: int, now: float | None = None) -> None:
+        with self._lock:
+            instance = self._instances.get(instance_id)
+            if instance is not None and instance.in_flight > 0:
+                instance.in_flight -= 1
+                instance.last_seen = time.monotonic() if now is None else now
+
+    def pop_expired(self, timeout_s: float, now: float | None = None) -> list[Instance]:
+        """Remove and return instances silent for ``timeout_s`` with nothing in flight."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            dead = [
+                inst
+                for inst in self._instances.values()
+                if inst.in_flight == 0 and now - inst.last_seen > timeout_s
+            ]
+            for inst in dead:
+                del self._instances[inst.instance_id]
+        return dead
+
+
+__all__ = ["Instance", "InstanceRegistry"]

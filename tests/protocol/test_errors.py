@@ -1,0 +1,63 @@
+"""Wire error codes and exceptions translate both ways, most specific class first."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.errors import (
+    BlockIdError,
+    CorruptChunkError,
+    LayoutError,
+    ProtocolError,
+    StorageError,
+    UnknownInstanceError,
+)
+from kvcache.protocol.errors import (
+    DaemonUnavailableError,
+    RemoteError,
+    ShuttingDownError,
+    error_from_exception,
+    exception_from_error,
+)
+from kvcache.protocol.messages import Error, ErrorCode
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "cls"),
+    [
+        (UnknownInstanceError("instance 3"), ErrorCode.UNKNOWN_INSTANCE, UnknownInstanceError),
+        (BlockIdError("block 99"), ErrorCode.BLOCK_ID, BlockIdError),
+        (LayoutError("bad"), ErrorCode.LAYOUT, LayoutError),
+        (CorruptChunkError("crc"), ErrorCode.STORAGE, StorageError),
+        (ProtocolError("x"), ErrorCode.BAD_MESSAGE, ProtocolError),
+        (ValueError("neg"), ErrorCode.BAD_REQUEST, RemoteError),
+    ],
+)
+def test_round_trip_keeps_the_class_and_message(
+    exc: Exception, code: ErrorCode, cls: type[Exception]
+) -> None:
+    error = error_from_exception(exc)
+    assert error.code is code
+    back = exception_from_error(error)
+    assert isinstance(back, cls)
+    assert str(exc) in str(back)
+
+
+def test_unexpected_exception_is_internal_without_traceback() -> None:
+    error = error_from_exception(ZeroDivisionError("division by zero"))
+    assert error.code is ErrorCode.INTERNAL
+    assert error.message == "ZeroDivisionError: division by zero"
+    assert "Traceback" not in error.message
+    back = exception_from_error(error)
+    assert isinstance(back, RemoteError) and back.code is ErrorCode.INTERNAL
+
+
+def test_shutting_down_is_a_daemon_unavailable_timeout() -> None:
+    back = exception_from_error(Error(code=ErrorCode.SHUTTING_DOWN, message="stopping"))
+    assert isinstance(back, ShuttingDownError)
+    assert isinstance(back, DaemonUnavailableError) and isinstance(back, TimeoutError)
+
+
+def test_every_code_maps_to_an_exception() -> None:
+    for code in ErrorCode:
+        assert isinstance(exception_from_error(Error(code=code, message="m")), Exception)

@@ -1,0 +1,34 @@
+"""Fixtures for the daemon tests: real ``python -m kvcache.server`` processes, real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcache.server.launch import DaemonProcess
+
+from .helpers import BASE_ARGS
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
+    """Factory for daemons that are stopped (or killed) when the test ends."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, port: int = 0) -> DaemonProcess:
+        d = DaemonProcess([*BASE_ARGS, *args], port=port)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_daemon() -> Iterator[DaemonProcess]:
+    """One daemon for the tests that only need one: a 1 s heartbeat, 1 MiB message limit."""
+    d = DaemonProcess([*BASE_ARGS, "--heartbeat-timeout", "1.0", "--max-message-mb", "1"])
+    yield d
+    assert d.stop() == 0, d.log

@@ -1,0 +1,41 @@
+"""Helpers for the daemon tests: engine processes, free ports, metric scrapes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+ENGINE_PROC = str(Path(__file__).with_name("engine_proc.py"))
+# Small chunks and L1 keep every test fast; blocks of 4 tokens give 4 blocks per chunk.
+BASE_ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.05", "--metrics-sample-rate", "1.0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine(mode: str, endpoint: str, instance: int, model: str, fmt: str, seed: int,
+           **extra: object) -> subprocess.Popen[str]:  # fmt: skip
+    """Start ``engine_proc.py`` (a stand-in serving engine) as its own process."""
+    cmd = [sys.executable, ENGINE_PROC, mode, endpoint, str(instance), model, fmt, str(seed)]
+    if extra:
+        cmd.append(json.dumps(extra))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen[str], timeout: float = 60) -> dict[str, object]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and lines, f"engine process failed ({proc.returncode}):\n{err}"
+    return lines[-1]
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())

@@ -1,0 +1,114 @@
+"""The daemon's command line: defaults, TOML file, flag precedence, refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcache.config import GiB
+from kvcache.server.__main__ import build_parser, parse_settings, redact_url
+from kvcache.server.daemon import DaemonConfig
+
+from .helpers import free_port
+
+
+def test_defaults_need_no_external_service() -> None:
+    s = parse_settings([])
+    assert (s.daemon.host, s.daemon.port, s.daemon.allow_remote) == ("127.0.0.1", 5555, False)
+    assert s.engine.l2_disk_path is None and s.engine.l2_redis_url is None
+    assert s.engine.chunk_size == 256 and s.engine.l1_size_bytes == 2 * GiB
+    assert s.daemon.inline_lookups is True
+    assert s.observability.enabled and s.observability.prometheus_port == 9090
+
+
+def test_storage_flags_reach_the_engine_config() -> None:
+    s = parse_settings(
+        ["--chunk-size", "128", "--l1-size-gb", "0.5", "--l1-evict-watermark", "0.7",
+         "--l2-disk-path", "/tmp/x", "--l2-disk-size-gb", "3", "--l2-redis-url", "redis://h:1/0"]
+    )  # fmt: skip
+    e = s.engine
+    assert (e.chunk_size, e.l1_size_bytes, e.l1_evict_watermark) == (128, GiB // 2, 0.7)
+    assert (e.l2_disk_path, e.l2_disk_size_bytes, e.l2_redis_url) == ("/tmp/x", 3 * GiB, "redis://h:1/0")
+    assert s.daemon.inline_lookups is False  # a Redis lookup waits on the network
+
+
+def test_toml_file_then_flags_override_it(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvcache.toml"
+    cfg.write_text(
+        '[server]\nport = 6001\nheartbeat-timeout = 12.5\n'
+        '[storage]\nchunk_size = 64\nl2_disk_path = "/var/cache/kv"\n'
+        '[observability]\ndisable_lifecycle_metrics = true\nprometheus_port = 9999\n'
+        'kv_events_topic = "t"\n'
+    )  # fmt: skip
+    s = parse_settings(["--config", str(cfg), "--chunk-size", "32"])
+    assert s.daemon.port == 6001 and s.daemon.heartbeat_timeout_s == 12.5
+    assert s.engine.chunk_size == 32  # the flag wins
+    assert s.engine.l2_disk_path == "/var/cache/kv"
+    assert not s.observability.lifecycle_metrics and s.observability.prometheus_port == 9999
+    assert s.args.kv_events_topic == "t"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[storage]\nl1_size = 3\n", "unknown key 'l1_size' in [storage]"),
+        ("[stroage]\nchunk_size = 3\n", "unknown table [stroage]"),
+        ("[server]\nchunk_size = 3\n", "unknown key 'chunk_size' in [server]"),
+        ("[server\n", "cannot read config file"),
+    ],
+)
+def test_bad_toml_is_refused_with_the_key_named(tmp_path: Path, text: str, message: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_settings(["--config", str(cfg)])
+
+
+def test_invalid_values_exit_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_settings(["--l1-evict-watermark", "1.5"])
+    assert info.value.code == 2
+    assert "l1_evict_watermark" in capsys.readouterr().err
+
+
+def test_non_loopback_needs_allow_remote(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(["--host", "0.0.0.0"])
+    assert "--allow-remote" in capsys.readouterr().err
+    assert parse_settings(["--host", "0.0.0.0", "--allow-remote"]).daemon.host == "0.0.0.0"
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert DaemonConfig(host=host).host == host
+
+
+def test_help_explains_the_daemon_to_a_newcomer() -> None:
+    parser, dests = build_parser()
+    text = parser.format_help()
+    for needle in ("tcp://127.0.0.1:5555", "KVCacheClient", "--l2-disk-path", "--config FILE",
+                   "SIGTERM", "--prometheus-port", "--kv-events-endpoint", "--subscriber"):  # fmt: skip
+        assert needle in text
+    assert {"server", "storage", "observability"} == set(dests)
+    assert "l2_redis_url" in dests["storage"] and "prometheus_port" in dests["observability"]
+
+
+def test_redis_password_never_reaches_the_log() -> None:
+    assert redact_url("redis://user:s3cret@h:6379/0") == "redis://user:***@h:6379/0"
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_port_in_use_is_a_clear_error_not_a_traceback() -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcache.server", "--port", str(port), "--prometheus-port", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"cannot listen on tcp://127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,171 @@
+"""KVCacheClient against a real daemon process: sync and future forms, timeouts, reconnects."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvcache.client import KVCacheClient, empty_shared, to_shared
+from kvcache.errors import BlockIdError, LayoutError
+from kvcache.layouts import GPUKVFormat
+from kvcache.protocol.errors import DaemonUnavailableError
+from kvcache.server.launch import DaemonProcess
+from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+
+ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.05", "--heartbeat-timeout", "0.6"]
+TOKENS, BLOCKS = list(range(128)), list(range(32))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess(ARGS)
+    yield d
+    assert d.stop() == 0, d.log
+
+
+def _cache(seed: int = 0) -> list[torch.Tensor]:
+    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=32,
+                        block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
+    return to_shared(kv)  # type: ignore[no-any-return]
+
+
+def test_sync_calls_round_trip(daemon: DaemonProcess) -> None:
+    kv = _cache(1)
+    expected = clone_caches(kv)
+    with KVCacheClient(daemon.endpoint, 1, "sync-model", timeout_s=5) as c:
+        reg = c.register_kv_caches(kv)
+        assert (reg.num_layers, reg.num_blocks, reg.block_size, reg.chunk_size) == (2, 32, 4, 16)
+        assert reg.fmt == "NL_X_TWO_NB_BS_NH_HS"
+        assert c.lookup(TOKENS) == 0
+        r = c.store(TOKENS, BLOCKS, request_id="r1")
+        assert (r.stored_chunks, r.skipped_chunks, r.stored_tokens) == (8, 0, 128)
+        assert c.store(TOKENS, BLOCKS).skipped_chunks == 8
+        assert c.lookup(TOKENS + [7] * 5) == 128
+        assert c.lookup(TOKENS, cache_salt="other") == 0
+        for t in kv:
+            t[:, 8:].zero_()
+        assert c.retrieve(TOKENS, BLOCKS, skip_tokens=32) == 128  # blocks 0-7 left alone
+        assert caches_equal(kv, expected)
+        with pytest.raises(BlockIdError):
+            c.retrieve(TOKENS, [99] * 32)
+        c.end_session("r1")
+        assert c.ping() is True
+        status = c.status()
+        assert 1 in status["instances"] and status["engine"]["chunk_size"] == 16
+    with KVCacheClient(daemon.endpoint, 2, "observer", timeout_s=5) as other:
+        assert 1 not in other.status()["instances"]  # close() unregistered
+
+
+def test_future_forms_overlap_and_resolve(daemon: DaemonProcess) -> None:
+    kv = _cache(2)
+    expected = clone_caches(kv)
+    with KVCacheClient(daemon.endpoint, 3, "async-model", timeout_s=5) as c:
+        c.register_kv_caches(kv)
+        prompts = [[p * 1000 + i for i in range(32)] for p in range(8)]
+        futures = [c.store_async(p, BLOCKS[i * 4 : i * 4 + 8][:8]) for i, p in enumerate(prompts[:4])]
+        assert [f.result(timeout=10).stored_tokens for f in futures] == [32] * 4
+        for t in kv:
+            t.zero_()
+        got = [c.retrieve_async(p, BLOCKS[i * 4 : i * 4 + 8]) for i, p in enumerate(prompts[:4])]
+        assert [f.result(timeout=10) for f in got] == [32] * 4
+        # blocks 0..19 were written by overlapping prompts; the last writer of each wins
+        assert caches_equal([t[:, 12:20] for t in kv], [t[:, 12:20] for t in expected])
+        bad = c.retrieve_async(prompts[0], [1000] * 8)
+        with pytest.raises(BlockIdError):
+            bad.result(timeout=10)
+
+
+def test_threads_share_one_client(daemon: DaemonProcess) -> None:
+    kv = _cache(3)
+    with KVCacheClient(daemon.endpoint, 4, "threads", timeout_s=5) as c:
+        c.register_kv_caches(kv)
+        c.store(TOKENS, BLOCKS)
+        errors: list[BaseException] = []
+        hits: list[int] = []
+
+        def work() -> None:
+            try:
+                hits.extend(c.lookup(TOKENS[: 16 * (1 + i % 8)]) for i in range(50))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(hits) == 200
+        assert sorted(set(hits)) == [16 * k for k in range(1, 9)]
+
+
+def test_idle_client_stays_registered_through_heartbeats(daemon: DaemonProcess) -> None:
+    with KVCacheClient(daemon.endpoint, 5, "idle", timeout_s=5) as c, \
+            KVCacheClient(daemon.endpoint, 6, "observer", timeout_s=5) as observer:  # fmt: skip
+        c.register_kv_caches(_cache(4))
+        deadline = time.monotonic() + 3 * 0.6  # three heartbeat timeouts of silence from the caller
+        while time.monotonic() < deadline:
+            assert 5 in observer.status()["instances"]
+            time.sleep(0.05)
+
+
+def test_cpu_tensor_outside_shared_memory_is_refused() -> None:
+    c = KVCacheClient("tcp://127.0.0.1:1", 7, "m", timeout_s=0.2)
+    try:
+        with pytest.raises(LayoutError, match="empty_shared"):
+            c.register_kv_caches([torch.zeros(2, 4, 4, 2, 8)])
+        with pytest.raises(LayoutError, match="list of tensors"):
+            c.register_kv_caches([1, 2])
+    finally:
+        c.close()
+
+
+def test_daemon_down_fails_within_the_timeout_then_recovers(
+    tmp_path: object,
+) -> None:
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    c = KVCacheClient(endpoint, 8, "late", timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match=r"python -m kvcache\.server"):
+        c.ping()
+    assert 0.45 <= time.monotonic() - start < 1.5
+    with pytest.raises(TimeoutError):  # DaemonUnavailableError is a TimeoutError too
+        c.lookup([1, 2, 3])
+    with DaemonProcess(ARGS, port=port):
+        c.timeout_s = 5
+        assert c.ping() is False  # a fresh socket: no stale replies, not registered yet
+        kv = [empty_shared((2, 8, 4, 2, 8), torch.float16) for _ in range(2)]
+        c.register_kv_caches(kv)
+        assert c.ping() is True
+        c.close()
+
+
+def test_restarted_daemon_gets_the_registration_back_by_itself() -> None:
+    port = _free_port()
+    with DaemonProcess(ARGS, port=port) as first:
+        c = KVCacheClient(first.endpoint, 9, "survivor", timeout_s=5)
+        c.register_kv_caches(_cache(5))
+    with DaemonProcess(ARGS, port=port) as second, \
+            KVCacheClient(second.endpoint, 10, "observer", timeout_s=5) as observer:  # fmt: skip
+        # No call on ``c``: its heartbeat notices the new daemon and registers again.
+        _wait_for(lambda: 9 in observer.status()["instances"], 10, "re-registration")
+        c.close()
