@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
+from kvcache.observability.bus_metrics import BusMetrics, BusSnapshot
+from kvcache.observability.disabled import DisabledEventBus  # the null twin, re-exported
 from kvcache.observability.event import Event, EventType
-from kvcache.observability.instruments import LAG_SECONDS, MetricSet
+from kvcache.observability.instruments import MetricSet
 
 if TYPE_CHECKING:
     from kvcache.observability.stream import StreamEventRecorder
@@ -115,9 +117,10 @@ class EventBus:
         self._error_logged_at: dict[str, float] = {}
         self._drops_warned = 0
         self._drop_warned_at = 0.0
-        self._metrics = self._build_metrics()
+        self._self_metrics = BusMetrics(max_queue_size, self._snapshot)
+        self._lag = self._self_metrics.lag
         if registry is not None:
-            self._metrics.register(registry)
+            self._self_metrics.metrics.register(registry)
 
     # -- hot path ------------------------------------------------------------------------
 
@@ -243,7 +246,7 @@ class EventBus:
     @property
     def metrics(self) -> MetricSet:
         """The bus's self-metrics (registered with the registry given at construction)."""
-        return self._metrics
+        return self._self_metrics.metrics
 
     @property
     def queue_depth(self) -> int:
@@ -354,86 +357,11 @@ class EventBus:
             self._drops_warned = dropped
             self._drop_warned_at = now
 
-    # -- self-metrics ----------------------------------------------------------------------
-
-    def _build_metrics(self) -> MetricSet:
-        m = MetricSet()
-        depth = m.gauge("kvcache_event_bus_queue_depth", "Events waiting for dispatch.")
-        capacity = m.gauge(
-            "kvcache_event_bus_queue_capacity", "Queue bound; publishes beyond it are dropped."
+    def _snapshot(self) -> BusSnapshot:
+        return BusSnapshot(
+            len(self._queue), self._accepted, self._dispatched, dict(self._dropped),
+            dict(self._errors),
         )
-        capacity.set(self.max_queue_size)
-        published = m.counter(
-            "kvcache_event_bus_published_events_total", "Events accepted into the queue."
-        )
-        dispatched = m.counter(
-            "kvcache_event_bus_dispatched_events_total", "Events handed to subscribers."
-        )
-        dropped = m.add(
-            "kvcache_event_bus_dropped_events_total",
-            "Events dropped because the queue was full.", "counter", ("event_type",),
-        )
-        errors = m.add(
-            "kvcache_event_bus_subscriber_errors_total",
-            "Subscriber callbacks that raised.", "counter", ("subscriber",),
-        )
-        self._lag = m.histogram(
-            "kvcache_event_bus_dispatch_lag_seconds",
-            "Time a dispatched event waited in the queue (sampled).", LAG_SECONDS,
-        )
-        for event_type in EventType:
-            dropped.labels(event_type.value)
-
-        def refresh() -> None:
-            depth.set(len(self._queue))
-            published.value = self._accepted
-            dispatched.value = self._dispatched
-            for value, n in list(self._dropped.items()):
-                dropped.counter(value).value = n
-            for name, n in list(self._errors.items()):
-                errors.counter(name).value = n
-
-        m.on_collect(refresh)
-        return m
-
-
-class DisabledEventBus:
-    """The bus when observability is off: ``publish`` costs one call, nothing else runs."""
-
-    enabled = False
-    max_queue_size = 0
-    running = False
-    queue_depth = 0
-    dropped_events = 0
-    dispatched_events = 0
-    subscribers: tuple[EventSubscriber, ...] = ()
-
-    def publish(self, event: Event) -> None:
-        return None
-
-    def register_subscriber(self, subscriber: EventSubscriber) -> None:
-        return None
-
-    def add_poller(self, poller: Poller) -> None:
-        return None
-
-    def start(self) -> None:
-        return None
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return True
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        return None
-
-    def subscriber_errors(self, name: str) -> int:
-        return 0
-
-    def __enter__(self) -> DisabledEventBus:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 __all__ = ["Callback", "DisabledEventBus", "EventBus", "EventSubscriber", "Poller"]
