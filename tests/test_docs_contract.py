@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvcache.kv_events.publisher import NullEventPublisher
+from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability import EventType, ObservabilityConfig, init_observability
+from kvcache.plugins import _plugin_metrics, load_plugin_subscribers
 from kvcache.observability.instruments import Family, MetricSet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +66,13 @@ def exposed_families() -> dict[str, Family]:
             metrics = getattr(subscriber, "metrics", None)
             if isinstance(metrics, MetricSet):
                 sets.append(metrics)
+        # Optional pieces the daemon adds by flag: KV events and third-party plug-ins.
+        kv_events = KVEventsSubscriber(NullEventPublisher(), chunk_size=256, registry=registry)
+        sets.append(kv_events.metrics)
+        plugins = load_plugin_subscribers(["tests.test_plugins:Recorder"], registry=registry)
+        for plugin in plugins:
+            plugin.shutdown()
+        sets.append(_plugin_metrics(plugins))
         families = {f.name: f for m in sets for f in m.families}
         # Nothing else is registered: the registry exposes exactly these families.
         registered = {

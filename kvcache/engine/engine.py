@@ -379,7 +379,12 @@ class CacheEngine:
     # -- engine bookkeeping events ----------------------------------------------------------
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:
         inst = self._instance(instance_id)
-        meta = {"instance_id": instance_id, "model_name": inst.model_name, "records": list(records)}
+        meta = {
+            "instance_id": instance_id,
+            "model_name": inst.model_name,
+            "records": list(records),
+            "block_size": inst.ctx.block_size,  # lets L0 lifecycle tell the blocks of a record apart
+        }
         self._bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, meta))
 
     def end_session(self, instance_id: int, request_id: str) -> None:
@@ -467,7 +472,7 @@ def _engine_block_metadata(
     token_ids: Sequence[int],
 ) -> dict[str, Any] | None:
     """The ``L1_WRITE_FINISHED`` keys that let KV-event routers join the engine's own
-    block hashes (docs/event-contract.md); None when the hashes do not cover the chunks."""
+    block hashes (EVENTS.md); None when the hashes do not cover the chunks."""
     if chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc:
         return None
     hashes: list[int] = []

@@ -50,7 +50,7 @@ class Instance:
         return hasher.keys(token_ids)
 
     def meta(self, **extra: Any) -> dict[str, Any]:
-        """Metadata every MP_* event of this instance carries (docs/event-contract.md)."""
+        """Metadata every MP_* event of this instance carries (EVENTS.md)."""
         meta: dict[str, Any] = {
             "instance_id": self.instance_id,
             "model_name": self.model_name,

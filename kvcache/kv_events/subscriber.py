@@ -19,7 +19,7 @@ that changes no holding):
 
 Identity of a chunk on the wire: when the store that wrote it carried the engine's own
 block hashes (``L1_WRITE_FINISHED`` metadata ``block_hashes``, ``block_size``,
-``parent_block_hashes``, optional ``token_ids``; see docs/event-contract.md), the chunk is
+``parent_block_hashes``, optional ``token_ids``; see EVENTS.md), the chunk is
 published as those blocks (``block_size`` = engine block size), and keeps that identity in
 every later event, in every tier, for as long as some tier holds it. Otherwise it is one
 block whose hash is the chunk key folded to 64 bits (``block_size`` = chunk size).

@@ -61,6 +61,7 @@ def _subscribers(config: ObservabilityConfig, registry: CollectorRegistry) -> li
             s.OffloadMetricsSubscriber(registry),
             s.L1MetricsSubscriber(registry),
             s.L2MetricsSubscriber(registry),
+            s.TierMetricsSubscriber(registry),
         ]
     if config.lifecycle_metrics:
         subs += [

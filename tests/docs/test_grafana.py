@@ -16,7 +16,6 @@ from kvcache.kv_events.publisher import NullEventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability import ObservabilityConfig, init_observability
 from kvcache.observability.instruments import MetricSet
-from kvcache.observability.subscribers.metrics.tiers import TierMetricsSubscriber
 from kvcache.plugins import load_plugin_subscribers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +37,6 @@ def live_metric_names() -> set[str]:
     try:
         sets: list[MetricSet] = [obs.bus.metrics]  # type: ignore[union-attr]
         sets += [s.metrics for s in obs.subscribers if isinstance(getattr(s, "metrics", None), MetricSet)]
-        sets.append(TierMetricsSubscriber(reg).metrics)
         sets.append(KVEventsSubscriber(NullEventPublisher(), chunk_size=256, registry=reg).metrics)
         plugins = load_plugin_subscribers(["tests.test_plugins:Recorder"], registry=reg)
         for p in plugins:
@@ -54,9 +52,6 @@ def live_metric_names() -> set[str]:
 
 def documented_names() -> set[str]:
     text = (ROOT / "METRICS.md").read_text()
-    extra = ROOT / "docs" / "metrics-additions.md"
-    if extra.exists():
-        text += extra.read_text()
     return {m.group(1) for m in re.finditer(r"^\| `(kvcache_[a-z0-9_]+)`", text, flags=re.M)}
 
 

@@ -33,8 +33,8 @@ def test_full_wiring_serves_metrics_on_the_configured_port() -> None:
         names = {type(s).__name__ for s in obs.subscribers}
         assert names == {
             "EngineMetricsSubscriber", "OffloadMetricsSubscriber", "L1MetricsSubscriber",
-            "L2MetricsSubscriber", "L0LifecycleSubscriber", "L1LifecycleSubscriber",
-            "LoggingSubscriber",
+            "L2MetricsSubscriber", "TierMetricsSubscriber", "L0LifecycleSubscriber",
+            "L1LifecycleSubscriber", "LoggingSubscriber",
         }
         obs.bus.publish(Event(EventType.MP_LOOKUP_END, {
             "instance_id": 1, "model_name": "m", "num_tokens": 10, "hit_tokens": 4,

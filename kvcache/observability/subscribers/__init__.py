@@ -5,12 +5,13 @@ OpenTelemetry only when constructed.
 """
 
 from kvcache.observability.subscribers.lifecycle import L0LifecycleSubscriber, L1LifecycleSubscriber
-from kvcache.observability.subscribers.logging import LoggingSubscriber
+from kvcache.observability.subscribers.logging import LoggingSubscriber, RequestTraceSubscriber
 from kvcache.observability.subscribers.metrics import (
     EngineMetricsSubscriber,
     L1MetricsSubscriber,
     L2MetricsSubscriber,
     OffloadMetricsSubscriber,
+    TierMetricsSubscriber,
 )
 from kvcache.observability.subscribers.tracing import TracingSubscriber
 
@@ -22,5 +23,7 @@ __all__ = [
     "L2MetricsSubscriber",
     "LoggingSubscriber",
     "OffloadMetricsSubscriber",
+    "RequestTraceSubscriber",
+    "TierMetricsSubscriber",
     "TracingSubscriber",
 ]

@@ -1,5 +1,6 @@
 """Log lines through the standard ``logging`` module."""
 
 from kvcache.observability.subscribers.logging.operations import LoggingSubscriber
+from kvcache.observability.subscribers.logging.request_trace import RequestTraceSubscriber
 
-__all__ = ["LoggingSubscriber"]
+__all__ = ["LoggingSubscriber", "RequestTraceSubscriber"]
