@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry
 from kvcache.kv_events.publisher import NullEventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability import EventType, ObservabilityConfig, init_observability
-from kvcache.plugins import _plugin_metrics, load_plugin_subscribers
 from kvcache.observability.instruments import Family, MetricSet
+from kvcache.plugins import _plugin_metrics, load_plugin_subscribers
 
 ROOT = Path(__file__).resolve().parents[1]
 
