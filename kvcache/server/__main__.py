@@ -71,10 +71,12 @@ class Settings:
     """The parsed flags, for the subscriber builders that read them (KV events, plug-ins)."""
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
+def build_parser(
+    prog: str = "python -m kvcache.server",
+) -> tuple[argparse.ArgumentParser, dict[str, set[str]]]:
     """The parser, and the flag destinations that each TOML section may set."""
     parser = argparse.ArgumentParser(
-        prog="python -m kvcache.server",
+        prog=prog,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -159,8 +161,8 @@ def load_toml(path: str, dests: dict[str, set[str]]) -> dict[str, Any]:
     return out
 
 
-def parse_settings(argv: Sequence[str] | None = None) -> Settings:
-    parser, dests = build_parser()
+def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.server") -> Settings:
+    parser, dests = build_parser(prog)
     first, _ = parser.parse_known_args(argv)
     if first.config:
         parser.set_defaults(**load_toml(first.config, dests))
@@ -197,8 +199,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     return Settings(daemon, engine, obs, ns.log_level, ns)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_settings(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.server") -> int:
+    settings = parse_settings(argv, prog)
     logging.basicConfig(
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

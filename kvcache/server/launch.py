@@ -41,7 +41,8 @@ class DaemonProcess:
         echo: bool = False,
         env: dict[str, str] | None = None,
     ) -> None:
-        cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), *args]
+        # The ready line is logged at INFO; its log is captured here, not shown unless ``echo``.
+        cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), *args, "--log-level", "INFO"]
         if prometheus_port is not None:
             cmd += ["--prometheus-port", str(prometheus_port)]
         self.lines: list[str] = []
