@@ -19,13 +19,16 @@ pool, the in-flight bound, the failure back-off and the events, once for every t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvcache.errors import CorruptChunkError, StorageError
 from kvcache.observability.event import ChunkKey
+
+#: Called by ``L2Adapter.store`` with the bytes written, at the moment the chunk is visible.
+Announce = Callable[[int], None]
 
 #: Failure reasons carried by ``StorageError.reason`` and published in ``L2_*_FAILED`` events.
 REASONS = ("corrupt", "timeout", "unavailable", "io", "full", "busy")
@@ -43,8 +46,14 @@ class L2Adapter(ABC):
     backend: str = "l2"
 
     @abstractmethod
-    def store(self, key: ChunkKey, chunk: torch.Tensor) -> int:
-        """Persist ``chunk`` (a contiguous CPU tensor) under ``key``; return bytes written."""
+    def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
+        """Persist ``chunk`` (a contiguous CPU tensor) under ``key``; return bytes written.
+
+        ``announce(nbytes)`` must be called once the chunk is visible in the tier, inside
+        whatever keeps the tier's own view consistent (the disk tier's index lock): that is
+        where ``AsyncL2`` publishes ``L2_STORE_FINISHED``, so the event can never be ordered
+        after the eviction of the same key by another thread.
+        """
 
     @abstractmethod
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ import torch
 from kvcache.errors import CorruptChunkError
 from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
 from kvcache.storage import codec
-from kvcache.storage.base import L2Adapter, storage_error
+from kvcache.storage.base import Announce, L2Adapter, storage_error
 
 _SUFFIX = ".kvc"
 
@@ -47,10 +47,12 @@ class DiskL2Adapter(L2Adapter):
         self._scan()
 
     # -- L2Adapter ------------------------------------------------------------------------
-    def store(self, key: ChunkKey, chunk: torch.Tensor) -> int:
+    def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
+                if announce is not None:
+                    announce(0)
                 return 0
         payload = codec.tensor_bytes(chunk)
         header = codec.encode_header(key, chunk, payload)
@@ -61,23 +63,26 @@ class DiskL2Adapter(L2Adapter):
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
+            with open(tmp, "wb", buffering=0) as f:  # the slow part, outside the lock
                 f.write(header)
                 view = payload
                 while view:  # raw writes may be short
                     n = f.write(view)
                     view = view[n:]
-            os.replace(tmp, final)
+            # NOTE: rename, index, events and evictions happen under one lock, so the index,
+            # the files and the published events agree even with several writer threads.
+            with self._lock:
+                os.replace(tmp, final)
+                if key not in self._index:
+                    self._index[key] = size
+                    self.used_bytes += size
+                if announce is not None:
+                    announce(size)
+                self._evict_over_limit()
         except OSError as err:
             _unlink(tmp)
             reason = "full" if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
             raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
-        with self._lock:
-            if key not in self._index:
-                self._index[key] = size
-                self.used_bytes += size
-            evicted = self._evict_over_limit()
-        self._publish_evicted(evicted)
         return size
 
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
@@ -163,32 +168,23 @@ class DiskL2Adapter(L2Adapter):
             for _, key, size in found:
                 self._index[key] = size
                 self.used_bytes += size
-            evicted = self._evict_over_limit()  # the limit may have shrunk since last run
-        self._publish_evicted(evicted)
+            self._evict_over_limit()  # the limit may have shrunk since last run
 
-    def _evict_over_limit(self) -> list[tuple[ChunkKey, int]]:
-        evicted = []
+    def _evict_over_limit(self) -> None:
+        """Drop least-recently-used files until the tier fits; the caller holds the lock."""
+        evicted: list[tuple[ChunkKey, int]] = []
         while self.used_bytes > self.size_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.used_bytes -= size
-            evicted.append((key, size))
-        return evicted
-
-    def _publish_evicted(self, evicted: list[tuple[ChunkKey, int]]) -> None:
-        if not evicted:
-            return
-        for key, _ in evicted:
             _unlink(self._file(key))
-        self._bus.publish(
-            Event(
-                EventType.L2_KEYS_EVICTED,
-                {
-                    "backend": self.backend,
-                    "keys": [k for k, _ in evicted],
-                    "num_bytes": sum(s for _, s in evicted),
-                },
-            )
-        )
+            evicted.append((key, size))
+        if evicted:
+            meta = {
+                "backend": self.backend,
+                "keys": [k for k, _ in evicted],
+                "num_bytes": sum(s for _, s in evicted),
+            }
+            self._bus.publish(Event(EventType.L2_KEYS_EVICTED, meta))
 
     def _forget(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         with self._lock:

@@ -156,25 +156,35 @@ class AsyncL2:
         ok = False
         t0 = time.perf_counter()
         try:
-            etype: EventType | None
             if op == "store":
-                nbytes = self.adapter.store(key, tensor)
+
+                def announce(nbytes: int) -> None:
+                    # Called by the adapter at the moment the chunk became visible (under
+                    # its lock), so this event is ordered before any eviction of the key.
+                    meta = {
+                        "backend": self.backend,
+                        "keys": [key],
+                        "num_bytes": nbytes,
+                        "duration_s": time.perf_counter() - t0,
+                    }
+                    self._bus.publish(Event(EventType.L2_STORE_FINISHED, meta))
+
+                self.adapter.store(key, tensor, announce)
                 ok = True
-                counter, etype = "stores", EventType.L2_STORE_FINISHED
+                with self._cond:
+                    self.counters["stores"] += 1
             else:
                 ok = self.adapter.load(key, tensor)
-                nbytes = tensor.numel() * tensor.element_size() if ok else 0
-                counter, etype = ("loads", EventType.L2_LOAD_FINISHED) if ok else ("load_misses", None)
-            with self._cond:
-                self.counters[counter] += 1
-            if etype is not None:
-                meta = {
-                    "backend": self.backend,
-                    "keys": [key],
-                    "num_bytes": nbytes,
-                    "duration_s": time.perf_counter() - t0,
-                }
-                self._bus.publish(Event(etype, meta))
+                with self._cond:
+                    self.counters["loads" if ok else "load_misses"] += 1
+                if ok:
+                    meta = {
+                        "backend": self.backend,
+                        "keys": [key],
+                        "num_bytes": tensor.numel() * tensor.element_size(),
+                        "duration_s": time.perf_counter() - t0,
+                    }
+                    self._bus.publish(Event(EventType.L2_LOAD_FINISHED, meta))
         except Exception as exc:
             reason = failure_reason(exc)
             self._failed(reason)

@@ -19,7 +19,7 @@ import torch
 from kvcache.errors import CorruptChunkError
 from kvcache.observability.event import ChunkKey
 from kvcache.storage import codec
-from kvcache.storage.base import L2Adapter, storage_error
+from kvcache.storage.base import Announce, L2Adapter, storage_error
 
 
 class RedisL2Adapter(L2Adapter):
@@ -52,11 +52,13 @@ class RedisL2Adapter(L2Adapter):
         return f"{self.key_prefix}{key:032x}".encode()
 
     # -- L2Adapter ------------------------------------------------------------------------
-    def store(self, key: ChunkKey, chunk: torch.Tensor) -> int:
+    def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
         payload = codec.tensor_bytes(chunk)
         value = codec.encode_header(key, chunk, payload) + payload.tobytes()
         with _translated("store"):
             self._client.set(self._name(key), value, ex=self.ttl_s)
+        if announce is not None:
+            announce(len(value))
         return len(value)
 
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvcache.observability.event import Event, EventType
-from kvcache.storage.base import L2Adapter
+from kvcache.storage.base import Announce, L2Adapter
 from kvcache.storage.disk import DiskL2Adapter
 from kvcache.storage.l2_async import AsyncL2
 from kvcache.storage.redis import RedisL2Adapter
@@ -36,9 +36,9 @@ class GatedDisk(DiskL2Adapter):
         super().__init__(path, 1 << 24)
         self.gate = threading.Event()
 
-    def store(self, key: int, chunk: torch.Tensor) -> int:
+    def store(self, key: int, chunk: torch.Tensor, announce: Announce | None = None) -> int:
         self.gate.wait(10)
-        return super().store(key, chunk)
+        return super().store(key, chunk, announce)
 
 
 def chunk(v: float = 1.0) -> torch.Tensor:
@@ -112,7 +112,7 @@ def test_redis_killed_mid_run_backs_off_and_recovers(redis_server: LocalRedis) -
 class Broken(L2Adapter):
     backend = "broken"
 
-    def store(self, key: int, chunk: torch.Tensor) -> int:
+    def store(self, key: int, chunk: torch.Tensor, announce: Announce | None = None) -> int:
         raise RuntimeError("boom")
 
     def load(self, key: int, out: torch.Tensor) -> bool:
