@@ -14,19 +14,10 @@ from prometheus_client.registry import CollectorRegistry
 from kvcache.kv_events.messages import FORMATS
 from kvcache.kv_events.publisher import DEFAULT_BUFFER_STEPS, default_factory
 from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.observability.config import positive_int
 
 DEFAULT_TOPIC = "kv-events"
 DEFAULT_CHUNK_SIZE = 256
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,7 +34,7 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--kv-events-format", choices=FORMATS, default="map",
                    help="event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23); "
                         "default %(default)s")
-    g.add_argument("--kv-events-buffer-steps", type=_positive_int, default=DEFAULT_BUFFER_STEPS,
+    g.add_argument("--kv-events-buffer-steps", type=positive_int, default=DEFAULT_BUFFER_STEPS,
                    help="batches kept for replay (default %(default)s)")
     return parser
 

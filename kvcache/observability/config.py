@@ -90,7 +90,8 @@ def _sample_rate(text: str) -> float:
     return rate
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type for counts and sizes (shared by every flag group)."""
     try:
         value = int(text)
     except ValueError:
@@ -121,7 +122,7 @@ def add_observability_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--metrics-sample-rate", type=_sample_rate, default=DEFAULT_SAMPLE_RATE,
                    help="Fraction of blocks/chunks the lifecycle metrics track, in (0, 1] "
                         "(default %(default)s).")
-    g.add_argument("--event-bus-queue-size", type=_positive_int, default=DEFAULT_QUEUE_SIZE,
+    g.add_argument("--event-bus-queue-size", type=positive_int, default=DEFAULT_QUEUE_SIZE,
                    help="Events the bus buffers before dropping new ones (default %(default)s).")
     return parser
 
