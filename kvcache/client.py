@@ -31,7 +31,7 @@ import zmq
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import decode_reply, encode_request
+from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
 from kvcache.server.ipc import empty_shared, export_tensor, record_ipc_event, to_shared
 
@@ -245,7 +245,7 @@ class KVCacheClient:
         """Leading tokens of ``token_ids`` the cache holds (whole chunks)."""
         msg = m.Lookup(
             instance_id=self.instance_id,
-            token_ids=list(token_ids),
+            token_ids=pack_ids(token_ids),
             cache_salt=cache_salt,
             request_id=request_id,
         )
@@ -262,8 +262,8 @@ class KVCacheClient:
         event = record_ipc_event(self._device) if self._device.type == "cuda" else None
         return m.Store(
             instance_id=self.instance_id,
-            token_ids=list(token_ids),
-            block_ids=list(block_ids),
+            token_ids=pack_ids(token_ids),
+            block_ids=pack_ids(block_ids),
             cache_salt=cache_salt,
             request_id=request_id,
             block_hashes=None if block_hashes is None else list(block_hashes),
@@ -305,8 +305,8 @@ class KVCacheClient:
     ) -> m.Retrieve:
         return m.Retrieve(
             instance_id=self.instance_id,
-            token_ids=list(token_ids),
-            block_ids=list(block_ids),
+            token_ids=pack_ids(token_ids),
+            block_ids=pack_ids(block_ids),
             skip_tokens=skip_tokens,
             cache_salt=cache_salt,
             request_id=request_id,

@@ -17,7 +17,7 @@ from kvcache.protocol.errors import DaemonUnavailableError
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
-ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.05", "--heartbeat-timeout", "0.6"]
+ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--heartbeat-timeout", "0.6"]
 TOKENS, BLOCKS = list(range(128)), list(range(32))
 
 

@@ -7,13 +7,20 @@ and decode check lives here and is fuzzed by the tests. Encoders and decoders ar
 
 from __future__ import annotations
 
+import array
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal
+
 import msgspec
+import numpy as np
 
 from kvcache.protocol.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Error,
     ErrorCode,
+    IdArray,
     ReplyBody,
     ReplyEnvelope,
     RequestBody,
@@ -83,6 +90,33 @@ def decode_reply(frame: bytes | memoryview) -> ReplyEnvelope:
     return _REPLY_DECODER.decode(frame)
 
 
+def pack_ids(ids: Sequence[int] | Any) -> IdArray:
+    """Pack a list, tuple, numpy array or CPU tensor of ints (uint32 when they all fit)."""
+    if isinstance(ids, np.ndarray) or hasattr(ids, "numpy"):
+        arr = np.asarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids).reshape(-1)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"ids must be integers, got dtype {arr.dtype}")
+        if arr.size == 0 or (int(arr.min()) >= 0 and int(arr.max()) < 1 << 32):
+            return IdArray(np.ascontiguousarray(arr, dtype="<u4").tobytes(), 4)
+        return IdArray(np.ascontiguousarray(arr, dtype="<i8").tobytes(), 8)
+    seq = ids if isinstance(ids, (list, tuple)) else list(ids)
+    width: Literal[4, 8] = 4
+    try:
+        packed = array.array("I", seq)
+    except OverflowError:  # a negative id or one past 2**32
+        packed, width = array.array("q", seq), 8
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        packed.byteswap()
+    return IdArray(packed.tobytes(), width)
+
+
+def unpack_ids(ids: IdArray) -> np.ndarray:
+    """The ids as a read-only numpy array (no copy); ``ValueError`` on a ragged buffer."""
+    if len(ids.data) % ids.width:
+        raise ValueError(f"{len(ids.data)} bytes are not a whole number of {ids.width}-byte ids")
+    return np.frombuffer(ids.data, dtype="<u4" if ids.width == 4 else "<i8")
+
+
 def _try_header(frame: bytes | memoryview) -> RequestHeader | None:
     try:
         header = _HEADER_DECODER.decode(frame)
@@ -110,4 +144,6 @@ __all__ = [
     "decode_request",
     "encode_reply",
     "encode_request",
+    "pack_ids",
+    "unpack_ids",
 ]

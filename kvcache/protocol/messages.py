@@ -97,6 +97,19 @@ class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
 TensorDesc = ShmTensor | CudaIpcTensor
 
 
+class IdArray(_Wire, array_like=True):
+    """Integer ids (tokens, block ids) packed little-endian, ``width`` bytes each.
+
+    ``width`` 4 is uint32 (every vocabulary and block table in practice), 8 is int64. A 1k-token
+    prompt decodes in about a microsecond this way, against ~16 us as a MessagePack list of ints,
+    and the engine hashes the bytes without building Python ints. Build one with
+    ``kvcache.protocol.codec.pack_ids``.
+    """
+
+    data: bytes
+    width: Literal[4, 8] = 4
+
+
 # -- requests ----------------------------------------------------------------------------
 
 
@@ -127,7 +140,7 @@ class Unregister(Request, tag="unregister"):
 
 class Lookup(Request, tag="lookup"):
     instance_id: NonNegInt
-    token_ids: list[int]
+    token_ids: IdArray
     cache_salt: str = ""
     request_id: str = ""
 
@@ -140,8 +153,8 @@ class Store(Request, tag="store"):
     """
 
     instance_id: NonNegInt
-    token_ids: list[int]
-    block_ids: list[NonNegInt]
+    token_ids: IdArray
+    block_ids: IdArray
     cache_salt: str = ""
     request_id: str = ""
     block_hashes: list[int] | None = None
@@ -150,8 +163,8 @@ class Store(Request, tag="store"):
 
 class Retrieve(Request, tag="retrieve"):
     instance_id: NonNegInt
-    token_ids: list[int]
-    block_ids: list[NonNegInt]
+    token_ids: IdArray
+    block_ids: IdArray
     skip_tokens: NonNegInt = 0
     cache_salt: str = ""
     request_id: str = ""
@@ -282,6 +295,7 @@ __all__ = [
     "EndSession",
     "Error",
     "ErrorCode",
+    "IdArray",
     "Lookup",
     "LookupResult",
     "Ping",

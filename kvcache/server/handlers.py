@@ -11,14 +11,15 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
 
 from kvcache.errors import LayoutError
 from kvcache.protocol import messages as m
+from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import ipc
 from kvcache.server.registry import Instance, InstanceRegistry
@@ -129,7 +130,10 @@ class Handlers:
     def lookup(self, req: m.Lookup) -> m.ReplyBody:
         self.registry.get(req.instance_id)
         hit = self.engine.lookup(
-            req.instance_id, req.token_ids, cache_salt=req.cache_salt, request_id=req.request_id
+            req.instance_id,
+            _ids(req.token_ids),
+            cache_salt=req.cache_salt,
+            request_id=req.request_id,
         )
         return m.LookupResult(hit_tokens=hit)
 
@@ -139,8 +143,8 @@ class Handlers:
             ipc.wait_ipc_event(req.cuda_event, torch.device(instance.device))
         result = self.engine.store(
             req.instance_id,
-            req.token_ids,
-            req.block_ids,
+            _ids(req.token_ids),
+            _ids(req.block_ids),
             cache_salt=req.cache_salt,
             request_id=req.request_id,
             block_hashes=req.block_hashes,
@@ -156,8 +160,8 @@ class Handlers:
         instance = self.registry.get(req.instance_id)
         got = self.engine.retrieve(
             req.instance_id,
-            req.token_ids,
-            req.block_ids,
+            _ids(req.token_ids),
+            _ids(req.block_ids),
             req.skip_tokens,
             cache_salt=req.cache_salt,
             request_id=req.request_id,
@@ -193,6 +197,11 @@ class Handlers:
     def ping(self, req: m.Ping) -> m.ReplyBody:
         registered = req.instance_id is not None and self.registry.touch(req.instance_id)
         return m.Pong(protocol_version=m.PROTOCOL_VERSION, registered=registered)
+
+
+def _ids(ids: m.IdArray) -> Sequence[int]:
+    # The engine takes numpy arrays wherever it takes Sequence[int] (it hashes their bytes).
+    return cast("Sequence[int]", unpack_ids(ids))
 
 
 def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:

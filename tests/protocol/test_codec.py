@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +17,8 @@ from kvcache.protocol.codec import (
     decode_request,
     encode_reply,
     encode_request,
+    pack_ids,
+    unpack_ids,
 )
 
 SAMPLE_REQUESTS: list[m.Request] = [
@@ -36,9 +40,10 @@ SAMPLE_REQUESTS: list[m.Request] = [
         block_size=16,
     ),
     m.Unregister(instance_id=1),
-    m.Lookup(instance_id=1, token_ids=[1, 2, 3], cache_salt="s"),
-    m.Store(instance_id=1, token_ids=[5] * 32, block_ids=[0, 1], block_hashes=[-1, 2**63 - 1]),
-    m.Retrieve(instance_id=1, token_ids=[5] * 32, block_ids=[0, 1], skip_tokens=16),
+    m.Lookup(instance_id=1, token_ids=pack_ids([1, 2, 3]), cache_salt="s"),
+    m.Store(instance_id=1, token_ids=pack_ids([5] * 32), block_ids=pack_ids([0, 1]),
+            block_hashes=[-1, 2**63 - 1]),
+    m.Retrieve(instance_id=1, token_ids=pack_ids([-5] * 32), block_ids=pack_ids([0, 1]), skip_tokens=16),
     m.ReportBlockAllocations(
         instance_id=2, records=[BlockAllocationRecord("r1", [1, 2], [7, 8, 9])]
     ),
@@ -76,9 +81,9 @@ def test_every_reply_round_trips(body: m.Reply) -> None:
 
 
 def test_operations_are_tagged_by_name_on_the_wire() -> None:
-    raw = msgspec.msgpack.decode(encode_request(1, m.Lookup(instance_id=1, token_ids=[9])))
+    raw = msgspec.msgpack.decode(encode_request(1, m.Lookup(instance_id=1, token_ids=pack_ids([9]))))
     assert raw == {"v": m.PROTOCOL_VERSION, "id": 1,
-                   "body": {"op": "lookup", "instance_id": 1, "token_ids": [9]}}  # fmt: skip
+                   "body": {"op": "lookup", "instance_id": 1, "token_ids": [b"\x09\0\0\0", 4]}}  # fmt: skip
 
 
 def test_other_version_gets_a_clear_error_with_its_request_id() -> None:
@@ -98,11 +103,12 @@ def test_other_version_with_an_unknown_body_is_still_a_version_error() -> None:
 
 
 def test_oversized_frame_is_refused_before_decoding() -> None:
-    frame = encode_request(1, m.Lookup(instance_id=1, token_ids=list(range(5000))))
+    frame = encode_request(1, m.Lookup(instance_id=1, token_ids=pack_ids(range(5000))))
     with pytest.raises(DecodeFailure) as info:
         decode_request(frame, max_bytes=len(frame) - 1)
     assert info.value.error.code is m.ErrorCode.TOO_LARGE
-    assert decode_request(frame, max_bytes=len(frame)).body.token_ids[-1] == 4999  # type: ignore[union-attr]
+    body = decode_request(frame, max_bytes=len(frame)).body
+    assert isinstance(body, m.Lookup) and unpack_ids(body.token_ids)[-1] == 4999
 
 
 @pytest.mark.parametrize(
@@ -115,9 +121,17 @@ def test_oversized_frame_is_refused_before_decoding() -> None:
         msgspec.msgpack.encode({"v": m.PROTOCOL_VERSION, "id": 1, "body": {"op": "lookup"}}),
         msgspec.msgpack.encode(
             {"v": m.PROTOCOL_VERSION, "id": 1,
-             "body": {"op": "lookup", "instance_id": -1, "token_ids": []}}
+             "body": {"op": "lookup", "instance_id": -1, "token_ids": [b""]}}
         ),
         msgspec.msgpack.encode({"v": "1", "id": 1, "body": {"op": "ping"}}),
+        msgspec.msgpack.encode(  # ids of 3 bytes each
+            {"v": m.PROTOCOL_VERSION, "id": 1,
+             "body": {"op": "lookup", "instance_id": 1, "token_ids": [b"abc", 3]}}
+        ),
+        msgspec.msgpack.encode(  # the old list-of-ints form
+            {"v": m.PROTOCOL_VERSION, "id": 1,
+             "body": {"op": "lookup", "instance_id": 1, "token_ids": [1, 2, 3]}}
+        ),
         # a pickle is just bytes of the wrong shape here
         b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94.",
     ],
@@ -179,3 +193,35 @@ def test_fuzz_structured_garbage_is_answered(
         return
     assert envelope.v == m.PROTOCOL_VERSION
     assert isinstance(envelope.body, m.Request)
+
+
+@pytest.mark.parametrize(
+    ("ids", "width"),
+    [
+        ([], 4),
+        ([0, 1, 2**32 - 1], 4),
+        ([3, -1], 8),
+        ([2**32, 7], 8),
+        ((5, 6), 4),
+        (range(10), 4),
+        (np.arange(10, dtype=np.int64), 4),
+        (np.array([-2, 9], dtype=np.int32), 8),
+        (torch.arange(7), 4),
+    ],
+)
+def test_ids_pack_narrow_when_they_fit_and_round_trip(ids: object, width: int) -> None:
+    packed = pack_ids(ids)  # type: ignore[arg-type]
+    assert packed.width == width
+    body = decode_request(encode_request(1, m.Lookup(instance_id=0, token_ids=packed))).body
+    assert isinstance(body, m.Lookup)
+    back = unpack_ids(body.token_ids)
+    assert [int(x) for x in back] == [int(x) for x in ids]  # type: ignore[attr-defined]
+
+
+def test_bad_ids_are_refused() -> None:
+    with pytest.raises(ValueError, match="whole number"):
+        unpack_ids(m.IdArray(b"abcde", 4))
+    with pytest.raises(TypeError):
+        pack_ids(np.array([1.5]))
+    with pytest.raises(TypeError):
+        pack_ids([1, "2"])  # type: ignore[list-item]

@@ -10,8 +10,9 @@ import urllib.request
 from pathlib import Path
 
 ENGINE_PROC = str(Path(__file__).with_name("engine_proc.py"))
-# Small chunks and L1 keep every test fast; blocks of 4 tokens give 4 blocks per chunk.
-BASE_ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.05", "--metrics-sample-rate", "1.0"]
+# Small chunks keep every test fast (blocks of 4 tokens: 4 blocks per chunk). L1 holds several
+# 64 MiB extents so that two layouts (two slot geometries) never compete for a single one.
+BASE_ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--metrics-sample-rate", "1.0"]
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import UnknownInstanceError
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import decode_reply, encode_request
+from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
@@ -88,8 +88,9 @@ def _raw_call(endpoint: str, *frames: bytes, timeout_ms: int = 5000) -> m.ReplyB
         ((b"x" * (1 << 20 + 1),), m.ErrorCode.TOO_LARGE),
         ((encode_request(5, m.Ping()), b"extra"), m.ErrorCode.BAD_MESSAGE),
         ((msgspec.msgpack.encode({"v": 1, "id": 1, "body": {"op": "unheard_of"}}),), m.ErrorCode.BAD_MESSAGE),
-        ((encode_request(5, m.Lookup(instance_id=4242, token_ids=[1])),), m.ErrorCode.UNKNOWN_INSTANCE),
-        ((encode_request(5, m.Store(instance_id=4242, token_ids=[1], block_ids=[0])),),
+        ((encode_request(5, m.Lookup(instance_id=4242, token_ids=pack_ids([1]))),),
+         m.ErrorCode.UNKNOWN_INSTANCE),
+        ((encode_request(5, m.Store(instance_id=4242, token_ids=pack_ids([1]), block_ids=pack_ids([0]))),),
          m.ErrorCode.UNKNOWN_INSTANCE),
     ],
     ids=["garbage", "truncated", "version", "oversized", "two-frames", "unknown-op", "unknown-lookup",
@@ -102,6 +103,18 @@ def test_bad_requests_get_typed_errors_and_the_daemon_stays_up(
     assert isinstance(reply, m.Error) and reply.code is code, reply
     assert "Traceback" not in reply.message
     assert isinstance(_raw_call(shared_daemon.endpoint, encode_request(6, m.Ping())), m.Pong)
+
+
+def test_ragged_id_buffer_is_a_bad_request(shared_daemon: DaemonProcess) -> None:
+    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=4,
+                                  block_size=4, head_size=8))  # fmt: skip
+    with KVCacheClient(shared_daemon.endpoint, 21, "ragged", timeout_s=5) as c:
+        c.register_kv_caches(kv)
+        frame = encode_request(1, m.Lookup(instance_id=21, token_ids=m.IdArray(b"\x01\x02\x03", 4)))
+        reply = _raw_call(shared_daemon.endpoint, frame)
+        assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.BAD_REQUEST
+        assert "whole number" in reply.message
+        assert c.lookup(list(range(16))) == 0
 
 
 def test_register_with_a_bad_descriptor_is_a_layout_error(shared_daemon: DaemonProcess) -> None:
@@ -180,3 +193,36 @@ def test_sigterm_during_traffic_exits_cleanly_and_restart_finds_disk_chunks(
     assert caches_equal(kv, expected)  # byte-exact (random bytes include NaN patterns)
     client.close()
     assert second.stop() == 0
+
+
+def test_kv_events_flag_publishes_the_engines_block_hashes(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")  # a plain host address: the daemon's PUB connects
+    try:
+        d = start_daemon("--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kv")
+        kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+                                      block_size=4, head_size=8))  # fmt: skip
+        with KVCacheClient(d.endpoint, 1, "events", timeout_s=5) as c:
+            c.register_kv_caches(kv)
+            deadline = time.monotonic() + 15
+            for attempt in range(1000):  # until the subscription has reached the publisher
+                hashes = [attempt * 100 + b for b in range(4)]
+                c.store([attempt * 1000 + t for t in range(16)], list(range(4)), block_hashes=hashes)
+                if sub.poll(100):
+                    break
+                assert time.monotonic() < deadline, "no KV event arrived"
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv" and len(seq) == 8
+        _ts, events, _rank = msgspec.msgpack.decode(payload)  # map form: events tagged by "type"
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        assert stored and stored[0]["block_size"] == 4  # the engine's block size, its own hashes
+        first = stored[0]["block_hashes"][0]
+        assert stored[0]["block_hashes"] == [first + b for b in range(4)] and first % 100 == 0
+        assert d.stop() == 0
+    finally:
+        sub.close()
