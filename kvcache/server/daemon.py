@@ -134,8 +134,9 @@ class Daemon:
         sizes = {"fast": self.config.fast_workers, "bulk": self.config.bulk_workers}
         for lane, count in sizes.items():
             for i in range(count):
+                # Daemon threads: a request stuck past the drain timeout must not block exit.
                 t = threading.Thread(
-                    target=self._work, args=(self._lanes[lane],), name=f"kvcache-{lane}-{i}"
+                    target=self._work, args=(self._lanes[lane],), name=f"kvcache-{lane}-{i}", daemon=True
                 )
                 t.start()
                 self._threads.append(t)
@@ -186,9 +187,9 @@ class Daemon:
                 if self._replies in events:
                     self._forward_replies()
                 if self._router in events:
-                    self._accept(draining=deadline is not None)
+                    self._accept(draining=self._stop.is_set())
         finally:
-            self._shutdown_threads()
+            self._shutdown_threads(deadline)
 
     def _forward_replies(self) -> None:
         while True:
@@ -239,14 +240,16 @@ class Daemon:
     def _reply_now(self, identity: bytes, request_id: int, error: m.Error) -> None:
         self._router.send_multipart([identity, encode_reply(request_id, error)])
 
-    def _shutdown_threads(self) -> None:
+    def _shutdown_threads(self, deadline: float | None) -> None:
         self._stop.set()
         for lane, q in self._lanes.items():
             count = self.config.fast_workers if lane == "fast" else self.config.bulk_workers
             for _ in range(count):
                 q.put(_STOP)
         for t in self._threads:
-            t.join()
+            t.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("%s still busy after the drain timeout; stopping without it", t.name)
         self._forward_replies()
         self._replies.close(linger=0)
         self._router.close()

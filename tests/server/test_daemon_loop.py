@@ -1,0 +1,99 @@
+"""The I/O loop's scheduling promises, with the daemon in a thread and a store held open.
+
+The engine is the real ``CacheEngine``; only its ``store`` waits on a gate the test opens, so
+"a store is in flight" is a fact the test controls rather than a race it hopes to win.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvcache.client import KVCacheClient, to_shared
+from kvcache.config import EngineConfig
+from kvcache.engine import CacheEngine
+from kvcache.layouts import GPUKVFormat
+from kvcache.protocol.errors import ShuttingDownError
+from kvcache.server.daemon import Daemon, DaemonConfig
+from kvcache.server.handlers import Handlers
+from kvcache.server.registry import InstanceRegistry
+from kvcache.testing import make_kv_caches
+
+TOKENS, BLOCKS = list(range(64)), list(range(16))
+
+
+class GatedEngine(CacheEngine):
+    """A CacheEngine whose stores wait until ``gate`` opens; ``entered`` says one is waiting."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def store(self, instance_id: int, token_ids: Sequence[int], block_ids: Sequence[int],
+              **kw: Any) -> Any:  # fmt: skip
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().store(instance_id, token_ids, block_ids, **kw)
+
+
+@pytest.fixture
+def daemon() -> Iterator[tuple[Daemon, GatedEngine, threading.Thread]]:
+    engine = GatedEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
+    d = Daemon(DaemonConfig(port=0, bulk_workers=2), Handlers(engine, InstanceRegistry(), 30.0))
+    thread = threading.Thread(target=d.serve, name="daemon-under-test")
+    thread.start()
+    yield d, engine, thread
+    engine.gate.set()
+    d.request_stop()
+    thread.join(30)
+    engine.close()
+
+
+def _cache() -> Any:
+    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+                                    block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
+
+
+def test_a_store_in_flight_never_delays_lookups_or_pings(
+    daemon: tuple[Daemon, GatedEngine, threading.Thread],
+) -> None:
+    d, engine, _ = daemon
+    with KVCacheClient(d.endpoint, 1, "m", timeout_s=5) as writer, \
+            KVCacheClient(d.endpoint, 2, "m", timeout_s=5) as reader:  # fmt: skip
+        writer.register_kv_caches(_cache())
+        reader.register_kv_caches(_cache())
+        pending = writer.store_async(TOKENS, BLOCKS)
+        assert engine.entered.wait(5)
+        for _ in range(20):  # each would time out if it queued behind the held store
+            assert reader.lookup(TOKENS) == 0
+            assert reader.ping() is True
+        assert reader.status()["in_flight"] == 1
+        assert not pending.done()
+        engine.gate.set()
+        assert pending.result(timeout=5).stored_tokens == 64
+        assert reader.lookup(TOKENS) == 64  # same model: instance 2 sees instance 1's chunks
+
+
+def test_stop_refuses_new_work_but_finishes_the_store_in_flight(
+    daemon: tuple[Daemon, GatedEngine, threading.Thread],
+) -> None:
+    d, engine, thread = daemon
+    with KVCacheClient(d.endpoint, 1, "m", timeout_s=5) as c:
+        c.register_kv_caches(_cache())
+        pending = c.store_async(TOKENS, BLOCKS)
+        assert engine.entered.wait(5)
+        d.request_stop()
+        with pytest.raises(ShuttingDownError):
+            c.lookup(TOKENS)
+        assert thread.is_alive()  # still draining
+        engine.gate.set()
+        assert pending.result(timeout=5).stored_tokens == 64
+        thread.join(10)
+        assert not thread.is_alive()
+        assert engine.lookup(1, TOKENS) == 64  # the store really happened
+        c.close(unregister=False)

@@ -1,0 +1,102 @@
+"""Each request handler against a real CacheEngine, without sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvcache.config import EngineConfig
+from kvcache.engine import CacheEngine
+from kvcache.errors import UnknownInstanceError
+from kvcache.layouts import GPUKVFormat
+from kvcache.observability.event import BlockAllocationRecord
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import pack_ids
+from kvcache.server.handlers import Handlers
+from kvcache.server.ipc import export_tensor, to_shared
+from kvcache.server.registry import InstanceRegistry
+from kvcache.testing import ENGINE_OF, make_kv_caches
+
+
+@pytest.fixture
+def handlers() -> Iterator[Handlers]:
+    engine = CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
+    yield Handlers(engine, InstanceRegistry(), heartbeat_timeout_s=7.0)
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [GPUKVFormat.NB_NL_TWO_BS_NH_HS, GPUKVFormat.NL_X_NB_TWO_BS_NH_HS,
+     GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS, GPUKVFormat.NL_X_NBBS_ONE_HS],
+)  # fmt: skip
+def test_register_rebuilds_every_nesting(handlers: Handlers, fmt: GPUKVFormat) -> None:
+    kv = to_shared(make_kv_caches(fmt, num_layers=2, num_blocks=8, block_size=4, head_size=8))
+    leaves = [kv] if isinstance(kv, torch.Tensor) else (
+        list(kv) if isinstance(kv[0], torch.Tensor) else [t for g in kv for t in g])  # fmt: skip
+    nesting = "tensor" if isinstance(kv, torch.Tensor) else ("list" if isinstance(kv[0], torch.Tensor)
+                                                              else "nested")  # fmt: skip
+    groups = [len(g) for g in kv] if nesting == "nested" else []
+    descs = [export_tensor(t) for t in leaves]
+    reply = handlers.handle(m.Register(instance_id=1, model_name="m", tensors=descs, nesting=nesting,  # type: ignore[arg-type]
+                                       group_sizes=groups, engine=ENGINE_OF[fmt], block_size=4))  # fmt: skip
+    assert isinstance(reply, m.Registered), reply
+    assert (reply.fmt, reply.num_layers, reply.num_blocks, reply.block_size) == (fmt.name, 2, 8, 4)
+    assert reply.heartbeat_timeout_s == 7.0
+    tokens = pack_ids(range(32))
+    stored = handlers.handle(m.Store(instance_id=1, token_ids=tokens, block_ids=pack_ids(range(8))))
+    assert isinstance(stored, m.StoreResult) and stored.stored_tokens == 32
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"fmt": "NO_SUCH_FORMAT"}, "unknown KV format"),
+        ({"nesting": "nested", "group_sizes": [5]}, "do not add up"),
+        ({"nesting": "tensor"}, "exactly one tensor"),
+        ({"tensors": []}, "at least one KV tensor"),
+    ],
+)
+def test_bad_registrations_are_layout_errors(handlers: Handlers, changes: dict[str, object],
+                                            needle: str) -> None:  # fmt: skip
+    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
+                                  block_size=4, head_size=8))  # fmt: skip
+    fields = {"instance_id": 1, "model_name": "m", "tensors": [export_tensor(t) for t in kv], **changes}
+    reply = handlers.handle(m.Register(**fields))  # type: ignore[arg-type]
+    assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.LAYOUT and needle in reply.message
+    assert handlers.registry.ids() == []
+
+
+def test_requests_for_unknown_instances_are_typed_errors(handlers: Handlers) -> None:
+    for req in (
+        m.Unregister(instance_id=5),
+        m.Lookup(instance_id=5, token_ids=pack_ids([1])),
+        m.Retrieve(instance_id=5, token_ids=pack_ids([1]), block_ids=pack_ids([0])),
+        m.ReportBlockAllocations(instance_id=5, records=[]),
+        m.EndSession(instance_id=5, request_id="r"),
+    ):
+        reply = handlers.handle(req)
+        assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.UNKNOWN_INSTANCE, req
+
+
+def test_lifecycle_register_report_reap(handlers: Handlers) -> None:
+    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
+                                  block_size=4, head_size=8))  # fmt: skip
+    reg = m.Register(instance_id=3, model_name="m", tensors=[export_tensor(t) for t in kv])
+    assert isinstance(handlers.handle(reg), m.Registered)
+    assert isinstance(handlers.handle(reg), m.Registered)  # again: replaced, not refused
+    assert handlers.handle(m.Ping(instance_id=3)) == m.Pong(protocol_version=m.PROTOCOL_VERSION,
+                                                            registered=True)  # fmt: skip
+    report = m.ReportBlockAllocations(instance_id=3, records=[BlockAllocationRecord("r", [1], [9] * 4)])
+    assert isinstance(handlers.handle(report), m.Done)
+    assert isinstance(handlers.handle(m.EndSession(instance_id=3, request_id="r")), m.Done)
+    status = handlers.handle(m.Status())
+    assert isinstance(status, m.StatusResult) and status.instances == [3]
+    assert status.engine["instances"][0]["instance_id"] == 3
+    (instance,) = handlers.registry.pop_expired(0.0, now=1e12)
+    handlers.reap(instance)
+    with pytest.raises(UnknownInstanceError):
+        handlers.engine.lookup(3, [1, 2])
+    assert handlers.handle(m.Ping(instance_id=3)).registered is False  # type: ignore[union-attr]
