@@ -74,7 +74,7 @@ class _Channel:
                     f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
                     f"({type(body).__name__}); is `python -m kvcache.server` running?"
                 )
-            envelope = decode_reply(self._sock.recv(copy=False).buffer)
+            envelope = decode_reply(self._sock.recv())
             if envelope.id == request_id or envelope.id == 0:
                 return envelope.body
 

@@ -168,6 +168,8 @@ class Handlers:
         )
         event = None
         if instance.device.startswith("cuda"):
+            # The engine's copy has finished when retrieve returns (it frees the L1 slots right
+            # after); the event keeps the engine's side ordered should that ever become async.
             event = ipc.record_ipc_event(torch.device(instance.device))
         return m.RetrieveResult(retrieved_tokens=got, cuda_event=event)
 

@@ -175,9 +175,12 @@ def record_ipc_event(device: torch.device) -> bytes:
 
 
 def wait_ipc_event(handle: bytes, device: torch.device) -> None:
-    """Make ``device``'s current stream wait for an event another process recorded."""
-    event = torch.cuda.Event.from_ipc_handle(device, handle)
-    torch.cuda.current_stream(device).wait_event(event)
+    """Block the calling thread until an event another process recorded has completed.
+
+    NOTE: a host wait, not ``stream.wait_event``: the copies run on the cache context's own
+    stream, which the caller does not hold, so only a host-side wait orders them after it.
+    """
+    torch.cuda.Event.from_ipc_handle(device, handle).synchronize()
 
 
 # -- daemon side -------------------------------------------------------------------------
