@@ -28,7 +28,7 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.errors import LayoutError, UnknownInstanceError
+from kvcache.errors import LayoutError, ProtocolError, UnknownInstanceError
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
@@ -74,7 +74,13 @@ class _Channel:
                     f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
                     f"({type(body).__name__}); is `python -m kvcache.server` running?"
                 )
-            envelope = decode_reply(self._sock.recv())
+            try:
+                envelope = decode_reply(self._sock.recv())
+            except (msgspec.DecodeError, ValueError) as exc:
+                raise ProtocolError(
+                    f"cannot decode the daemon's reply ({exc}); are client and daemon the same "
+                    "kvcache version?"
+                ) from None
             if envelope.id == request_id or envelope.id == 0:
                 return envelope.body
 
@@ -123,18 +129,24 @@ class KVCacheClient:
         if self._closed:
             raise RuntimeError("KVCacheClient is closed")
         with self._lock:
-            reply = self._chan.call(body, self.timeout_s)
-            if (
-                isinstance(reply, m.Error)
-                and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
-                and self._register_msg is not None
-                and not isinstance(body, m.Unregister)
-            ):
-                # A restarted daemon forgot us: register again and retry once.
-                _unwrap(self._chan.call(self._register_msg, self.timeout_s), m.Registered)
-                log.info("re-registered instance %d after a daemon restart", self.instance_id)
-                reply = self._chan.call(body, self.timeout_s)
+            reply = self._call_on(self._chan, body)
         return _unwrap(reply, expected)
+
+    def _call_on(self, chan: _Channel, body: m.RequestBody) -> m.ReplyBody:
+        """One call; if a restarted daemon has forgotten this instance, register again and
+        retry once (the tensors are still shared, so nothing is lost but the daemon's L1)."""
+        reply = chan.call(body, self.timeout_s)
+        register = self._register_msg
+        if (
+            isinstance(reply, m.Error)
+            and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
+            and register is not None
+            and not isinstance(body, (m.Register, m.Unregister))
+        ):
+            _unwrap(chan.call(register, self.timeout_s), m.Registered)
+            log.info("re-registered instance %d after a daemon restart", self.instance_id)
+            reply = chan.call(body, self.timeout_s)
+        return reply
 
     def _submit(self, body: m.RequestBody) -> Future[Any]:
         if self._closed:
@@ -169,7 +181,7 @@ class KVCacheClient:
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    future.set_result(chan.call(body, self.timeout_s))
+                    future.set_result(self._call_on(chan, body))
                 except BaseException as exc:
                     future.set_exception(exc)
         finally:
