@@ -15,11 +15,9 @@ Two DEALER sockets, so that neither kind of call waits for the other:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -28,61 +26,24 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.errors import LayoutError, ProtocolError, UnknownInstanceError
+from kvcache.errors import UnknownInstanceError
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
+from kvcache.protocol.channel import Channel
+from kvcache.protocol.codec import pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
-from kvcache.server.ipc import empty_shared, export_tensor, record_ipc_event, to_shared
+from kvcache.server.ipc import (
+    empty_shared,
+    export_tensor,
+    flatten_kv_caches,
+    record_ipc_event,
+    to_shared,
+)
 
 log = logging.getLogger("kvcache.client")
 
 R = TypeVar("R", bound=m.Reply)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
-
-
-class _Channel:
-    """A DEALER socket with request/reply matching; used by one thread at a time."""
-
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
-        self._ctx, self._endpoint = ctx, endpoint
-        self._ids = itertools.count(1)
-        self._sock = self._open()
-
-    def _open(self) -> zmq.Socket[Any]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._endpoint)
-        return sock
-
-    def reset(self) -> None:
-        self._sock.close(linger=0)
-        self._sock = self._open()
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
-    def call(self, body: m.RequestBody, timeout_s: float) -> m.ReplyBody:
-        request_id = next(self._ids)
-        self._sock.send(encode_request(request_id, body))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                self.reset()
-                raise DaemonUnavailableError(
-                    f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
-                    f"({type(body).__name__}); is `python -m kvcache.server` running?"
-                )
-            try:
-                envelope = decode_reply(self._sock.recv())
-            except (msgspec.DecodeError, ValueError) as exc:
-                raise ProtocolError(
-                    f"cannot decode the daemon's reply ({exc}); are client and daemon the same "
-                    "kvcache version?"
-                ) from None
-            if envelope.id == request_id or envelope.id == 0:
-                return envelope.body
 
 
 def _unwrap(reply: m.Reply, expected: type[R]) -> R:
@@ -114,7 +75,7 @@ class KVCacheClient:
         self.timeout_s = timeout_s
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._lock = threading.Lock()
-        self._chan = _Channel(self._ctx, endpoint)
+        self._chan = Channel(self._ctx, endpoint)
         self._register_msg: m.Register | None = None
         self._kv_caches: Any = None
         self._registered: m.Registered | None = None
@@ -132,7 +93,7 @@ class KVCacheClient:
             reply = self._call_on(self._chan, body)
         return _unwrap(reply, expected)
 
-    def _call_on(self, chan: _Channel, body: m.RequestBody) -> m.ReplyBody:
+    def _call_on(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
         """One call; if a restarted daemon has forgotten this instance, register again and
         retry once (the tensors are still shared, so nothing is lost but the daemon's L1)."""
         reply = chan.call(body, self.timeout_s)
@@ -166,7 +127,7 @@ class KVCacheClient:
 
     def _background(self) -> None:
         """Runs queued async calls; sends a heartbeat ping whenever it has been idle."""
-        chan = _Channel(self._ctx, self.endpoint)
+        chan = Channel(self._ctx, self.endpoint)
         try:
             while True:
                 interval = self._heartbeat_interval()
@@ -191,7 +152,7 @@ class KVCacheClient:
         reg = self._registered
         return max(reg.heartbeat_timeout_s / 3, 0.05) if reg is not None else 1.0
 
-    def _heartbeat(self, chan: _Channel) -> None:
+    def _heartbeat(self, chan: Channel) -> None:
         if self._register_msg is None:
             return
         reg = self._registered
@@ -224,7 +185,7 @@ class KVCacheClient:
         from ``empty_shared``. ``fmt`` is a ``GPUKVFormat`` (or its name) when detection
         from shapes is ambiguous.
         """
-        leaves, nesting, groups = _flatten(kv_caches)
+        leaves, nesting, groups = flatten_kv_caches(kv_caches)
         fmt_name = fmt if isinstance(fmt, str) or fmt is None else fmt.name
         msg = m.Register(
             instance_id=self.instance_id,
@@ -419,20 +380,6 @@ class KVCacheClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _flatten(kv_caches: Any) -> tuple[list[torch.Tensor], m.TensorNesting, list[int]]:
-    if isinstance(kv_caches, torch.Tensor):
-        return [kv_caches], "tensor", []
-    items = list(kv_caches)
-    if items and all(isinstance(t, torch.Tensor) for t in items):
-        return items, "list", []
-    if items and all(isinstance(g, (list, tuple)) for g in items):
-        groups = [list(g) for g in items]
-        leaves = [t for g in groups for t in g]
-        if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
-            return leaves, "nested", [len(g) for g in groups]
-    raise LayoutError("kv_caches must be a tensor, a list of tensors, or a list of such lists")
 
 
 __all__ = ["DEFAULT_ENDPOINT", "KVCacheClient", "empty_shared", "to_shared"]

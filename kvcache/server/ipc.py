@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvcache.errors import CudaUnavailableError, LayoutError
-from kvcache.protocol.messages import CudaIpcTensor, ShmTensor, TensorDesc
+from kvcache.protocol.messages import CudaIpcTensor, ShmTensor, TensorDesc, TensorNesting
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvcache-"
@@ -91,6 +91,21 @@ def to_shared(kv_caches: Any) -> Any:
     if isinstance(kv_caches, torch.Tensor):
         return empty_shared(kv_caches.shape, kv_caches.dtype).copy_(kv_caches)
     return [to_shared(x) for x in kv_caches]
+
+
+def flatten_kv_caches(kv_caches: Any) -> tuple[list[torch.Tensor], TensorNesting, list[int]]:
+    """The tensors of an engine's ``kv_caches`` in order, and how to nest them again."""
+    if isinstance(kv_caches, torch.Tensor):
+        return [kv_caches], "tensor", []
+    items = list(kv_caches)
+    if items and all(isinstance(t, torch.Tensor) for t in items):
+        return items, "list", []
+    if items and all(isinstance(g, (list, tuple)) for g in items):
+        groups = [list(g) for g in items]
+        leaves = [t for g in groups for t in g]
+        if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
+            return leaves, "nested", [len(g) for g in groups]
+    raise LayoutError("kv_caches must be a tensor, a list of tensors, or a list of such lists")
 
 
 def _unlink_quietly(path: str) -> None:
@@ -300,6 +315,7 @@ __all__ = [
     "export_cpu_tensor",
     "export_cuda_tensor",
     "export_tensor",
+    "flatten_kv_caches",
     "import_tensor",
     "record_ipc_event",
     "remove_orphaned_segment",
