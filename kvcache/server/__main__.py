@@ -239,9 +239,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    kv_events = settings.args.kv_events_endpoint
     log.info(
-        "kvcache daemon ready: zmq %s, metrics %s, protocol v%d, L1 %.3g GiB, L2 %s, pid %d",
-        daemon.endpoint, _metrics_url(obs), PROTOCOL_VERSION,
+        "kvcache daemon ready: zmq %s, metrics %s, kv events %s, protocol v%d, L1 %.3g GiB, L2 %s, pid %d",
+        daemon.endpoint, _metrics_url(obs), kv_events or "off", PROTOCOL_VERSION,
         settings.engine.l1_size_bytes / GiB, _l2_summary(settings.engine), os.getpid(),
     )  # fmt: skip
     try:
