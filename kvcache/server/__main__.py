@@ -17,8 +17,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import tomllib
-
 from kvcache.config import EngineConfig, GiB
 from kvcache.kv_events.config import add_kv_events_args
 from kvcache.observability.config import ObservabilityConfig, add_observability_args
@@ -139,6 +137,13 @@ def _dests(parser: argparse.ArgumentParser) -> set[str]:
 
 def load_toml(path: str, dests: dict[str, set[str]]) -> dict[str, Any]:
     """Flatten the TOML tables into argparse destinations, refusing unknown keys."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise SystemExit("error: --config needs Python >= 3.11 (or `pip install tomli`)") from None
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import msgspec
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import UnknownInstanceError
@@ -103,6 +105,17 @@ def test_bad_requests_get_typed_errors_and_the_daemon_stays_up(
     assert isinstance(reply, m.Error) and reply.code is code, reply
     assert "Traceback" not in reply.message
     assert isinstance(_raw_call(shared_daemon.endpoint, encode_request(6, m.Ping())), m.Pong)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frame=st.binary(max_size=256) | st.builds(
+    lambda body: msgspec.msgpack.encode({"v": m.PROTOCOL_VERSION, "id": 1, "body": body}),
+    st.dictionaries(st.sampled_from(["op", "instance_id", "token_ids", "tensors", "records"]),
+                    st.none() | st.integers(-(2**63), 2**63) | st.text(max_size=12) | st.binary(max_size=8)
+                    | st.lists(st.integers(0, 2**32), max_size=3), max_size=4)))  # fmt: skip
+def test_fuzzed_frames_over_the_socket_get_error_replies(shared_daemon: DaemonProcess, frame: bytes) -> None:
+    reply = _raw_call(shared_daemon.endpoint, frame)
+    assert isinstance(reply, (m.Error, m.Pong, m.StatusResult)), reply
 
 
 def test_ragged_id_buffer_is_a_bad_request(shared_daemon: DaemonProcess) -> None:
