@@ -141,7 +141,7 @@ def load_toml(path: str, dests: dict[str, set[str]]) -> dict[str, Any]:
         import tomllib
     except ImportError:  # Python 3.10
         try:
-            import tomli as tomllib
+            import tomli as tomllib  # type: ignore[no-redef]
         except ImportError:
             raise SystemExit("error: --config needs Python >= 3.11 (or `pip install tomli`)") from None
     try:
