@@ -45,7 +45,7 @@ def daemon() -> Iterator[DaemonProcess]:
 def _cache(seed: int = 0) -> list[torch.Tensor]:
     kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=32,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
-    return to_shared(kv)  # type: ignore[no-any-return]
+    return to_shared(kv)
 
 
 def test_sync_calls_round_trip(daemon: DaemonProcess) -> None:
@@ -88,7 +88,7 @@ def test_future_forms_overlap_and_resolve(daemon: DaemonProcess) -> None:
         got = [c.retrieve_async(p, BLOCKS[i * 4 : i * 4 + 8]) for i, p in enumerate(prompts[:4])]
         assert [f.result(timeout=10) for f in got] == [32] * 4
         # blocks 0..19 were written by overlapping prompts; the last writer of each wins
-        assert caches_equal([t[:, 12:20] for t in kv], [t[:, 12:20] for t in expected])
+        assert caches_equal([t[:, 12:20] for t in kv], [t[:, 12:20] for t in expected])  # type: ignore[call-overload]
         bad = c.retrieve_async(prompts[0], [1000] * 8)
         with pytest.raises(BlockIdError):
             bad.result(timeout=10)

@@ -18,8 +18,8 @@ from kvcache.protocol.errors import DaemonUnavailableError
 
 @pytest.fixture
 def router() -> Iterator[tuple[zmq.Socket[bytes], str]]:
-    ctx = zmq.Context.instance()
-    sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:0")
     yield sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)

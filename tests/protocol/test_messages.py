@@ -12,8 +12,8 @@ from kvcache.protocol import messages as m
 
 
 def test_every_request_and_reply_has_a_distinct_stable_tag() -> None:
-    requests = {c.__struct_config__.tag for c in m.RequestBody.__args__}  # type: ignore[attr-defined]
-    replies = {c.__struct_config__.tag for c in m.ReplyBody.__args__}  # type: ignore[attr-defined]
+    requests = {c.__struct_config__.tag for c in m.RequestBody.__args__}
+    replies = {c.__struct_config__.tag for c in m.ReplyBody.__args__}
     assert requests == {"register", "unregister", "lookup", "store", "retrieve",
                         "report_block_allocations", "end_session", "status", "ping"}  # fmt: skip
     assert replies == {"error", "registered", "done", "lookup", "store", "retrieve", "status", "pong"}

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ def emit(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def build(fmt_name: str, seed: int) -> tuple[object, object, GPUKVFormat]:
+def build(fmt_name: str, seed: int) -> tuple[Any, Any, GPUKVFormat]:
     fmt = GPUKVFormat[fmt_name]
     kv = make_kv_caches(fmt, num_layers=3, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                         num_heads=2, head_size=16, dtype=DTYPES.get(fmt_name, torch.float32),

@@ -69,7 +69,7 @@ def test_two_engines_with_different_layouts_round_trip_byte_exact(
 
 
 def _raw_call(endpoint: str, *frames: bytes, timeout_ms: int = 5000) -> m.ReplyBody:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -212,7 +212,7 @@ def test_kv_events_flag_publishes_the_engines_block_hashes(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     port = free_port()
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")  # a plain host address: the daemon's PUB connects
