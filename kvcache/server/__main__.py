@@ -238,8 +238,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
         obs.shutdown()
         return 1
 
+    signals_seen: list[int] = []
+
     def stop(signum: int, frame: FrameType | None) -> None:
-        log.info("received %s", signal.Signals(signum).name)
+        signals_seen.append(signum)
+        if len(signals_seen) > 1:  # a second Ctrl-C: the operator does not want to wait
+            log.warning("received %s again: exiting without draining", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("received %s: draining (send it again to exit at once)", signal.Signals(signum).name)
         daemon.request_stop()
 
     signal.signal(signal.SIGTERM, stop)
