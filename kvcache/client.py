@@ -373,7 +373,10 @@ class KVCacheClient:
             self._worker.join(timeout=self.timeout_s + 1)
         with self._lock:
             self._chan.close()
-        self._ctx.term()
+        if self._worker is not None and self._worker.is_alive():
+            self._ctx.destroy(linger=0)  # term() would wait for the stuck thread's socket
+        else:
+            self._ctx.term()
 
     def __enter__(self) -> KVCacheClient:
         return self
