@@ -30,6 +30,8 @@ _LAZY = {
     "StoreResult": "kvcache.engine.engine",
     "EngineConfig": "kvcache.config",
     "OffloadStats": "kvcache.engine.stats",
+    "KVCacheClient": "kvcache.client",
+    "DaemonUnavailableError": "kvcache.protocol.errors",
 }
 
 
@@ -48,9 +50,11 @@ __all__ = [
     "ChunkMismatchError",
     "CorruptChunkError",
     "CudaUnavailableError",
+    "DaemonUnavailableError",
     "EngineConfig",
     "GPUCacheContext",
     "GPUKVFormat",
+    "KVCacheClient",
     "KVShape",
     "KvcacheError",
     "LayoutError",

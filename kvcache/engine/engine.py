@@ -49,6 +49,9 @@ from kvcache.storage.l2_async import AsyncL2
 
 logger = logging.getLogger(__name__)
 
+#: Token and block ids: a list, or a numpy int array (the daemon decodes packed arrays).
+IntArray = Sequence[int] | np.ndarray
+
 
 class StoreResult(msgspec.Struct, frozen=True):
     """What a store did, in chunks; ``stored_tokens`` are the tokens newly written."""
@@ -123,7 +126,7 @@ class CacheEngine:
 
     # -- lookup ---------------------------------------------------------------------------
     def lookup(
-        self, instance_id: int, token_ids: Sequence[int], *, cache_salt: str = "", request_id: str = ""
+        self, instance_id: int, token_ids: IntArray, *, cache_salt: str = "", request_id: str = ""
     ) -> int:
         """Tokens of the longest cached prefix (whole chunks); starts L2 -> L1 prefetch of it."""
         inst = self._instance(instance_id)
@@ -170,8 +173,8 @@ class CacheEngine:
     def store(
         self,
         instance_id: int,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
+        token_ids: IntArray,
+        block_ids: IntArray,
         *,
         cache_salt: str = "",
         request_id: str = "",
@@ -273,8 +276,8 @@ class CacheEngine:
     def retrieve(
         self,
         instance_id: int,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
+        token_ids: IntArray,
+        block_ids: IntArray,
         skip_tokens: int = 0,
         *,
         cache_salt: str = "",
@@ -437,7 +440,7 @@ class CacheEngine:
         self._bus.publish(Event(etype, meta, session_id=sid))
 
     @staticmethod
-    def _check_cover(ctx: GPUCacheContext, num_tokens: int, block_ids: Sequence[int]) -> None:
+    def _check_cover(ctx: GPUCacheContext, num_tokens: int, block_ids: IntArray) -> None:
         need = math.ceil(num_tokens / ctx.block_size)
         if len(block_ids) < need:
             raise ChunkMismatchError(
@@ -446,7 +449,7 @@ class CacheEngine:
             )
 
     @staticmethod
-    def _block_ids(ctx: GPUCacheContext, block_ids: Sequence[int], n: int) -> np.ndarray:
+    def _block_ids(ctx: GPUCacheContext, block_ids: IntArray, n: int) -> np.ndarray:
         """The first ``n`` block ids as int64, range-checked before anything is reserved."""
         ids = np.asarray(block_ids[:n], dtype=np.int64)
         if ids.ndim != 1:
@@ -469,7 +472,7 @@ def _engine_block_metadata(
     block_size: int,
     chunk_size: int,
     block_hashes: Sequence[int],
-    token_ids: Sequence[int],
+    token_ids: IntArray,
 ) -> dict[str, Any] | None:
     """The ``L1_WRITE_FINISHED`` keys that let KV-event routers join the engine's own
     block hashes (EVENTS.md); None when the hashes do not cover the chunks."""

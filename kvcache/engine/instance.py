@@ -13,6 +13,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvcache.context import GPUCacheContext
 from kvcache.keys import ChunkHasher
 from kvcache.observability.event import ChunkKey
@@ -37,7 +39,7 @@ class Instance:
         self._hashers: dict[str, ChunkHasher] = {}
         self._lock = threading.Lock()
 
-    def keys(self, token_ids: Sequence[int], cache_salt: str = "") -> list[ChunkKey]:
+    def keys(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str = "") -> list[ChunkKey]:
         hasher = self._hashers.get(cache_salt)
         if hasher is None:
             hasher = ChunkHasher(

@@ -11,10 +11,11 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 import torch
 
 from kvcache.errors import LayoutError
@@ -201,9 +202,8 @@ class Handlers:
         return m.Pong(protocol_version=m.PROTOCOL_VERSION, registered=registered)
 
 
-def _ids(ids: m.IdArray) -> Sequence[int]:
-    # The engine takes numpy arrays wherever it takes Sequence[int] (it hashes their bytes).
-    return cast("Sequence[int]", unpack_ids(ids))
+def _ids(ids: m.IdArray) -> np.ndarray:
+    return unpack_ids(ids)
 
 
 def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:
