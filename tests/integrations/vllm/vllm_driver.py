@@ -79,6 +79,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }
+    if args.kv_events_endpoint:  # vLLM connects to a plain host:port; the consumer binds it
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events_endpoint,
+            topic=args.kv_events_topic,
+        )  # fmt: skip
     llm = LLM(
         model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
         block_size=32, max_model_len=4096, max_num_batched_tokens=4096, seed=0,
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail-len", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--ttft-reps", type=int, default=0)
+    p.add_argument("--kv-events-endpoint", default="")
+    p.add_argument("--kv-events-topic", default="vllm")
     args = p.parse_args(argv)
     result = run(args)
     Path(args.out).write_text(json.dumps(result))
