@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,25 +16,12 @@ from kvcache.context import GPUCacheContext
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
-from kvcache.observability.event import BlockAllocationRecord, Event, EventType
+from kvcache.observability.event import BlockAllocationRecord, EventType
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, caches_equal, make_kv_caches
+from tests.helpers import RecordingSink as Sink
 
 BS = 16  # engine block size used throughout
 CS = 32  # chunk size: two blocks per chunk
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self._lock = threading.Lock()
-
-    def publish(self, event: Event) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def of(self, etype: EventType) -> list[Event]:
-        with self._lock:
-            return [e for e in self.events if e.event_type is etype]
 
 
 def blocks_bytes(ctx: GPUCacheContext, block_ids: Sequence[int]) -> list[torch.Tensor]:

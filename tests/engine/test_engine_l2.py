@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,28 +11,15 @@ import torch
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.storage.redis_local import LocalRedis
 from kvcache.testing import caches_equal, make_kv_caches
+from tests.helpers import RecordingSink as Sink
 
 BS, CS = 16, 32
 FMT = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
 TOKENS = list(range(500, 500 + 8 * BS))  # 4 chunks
 IDS = list(range(8))
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self._lock = threading.Lock()
-
-    def publish(self, event: Event) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def of(self, etype: EventType) -> list[Event]:
-        with self._lock:
-            return [e for e in self.events if e.event_type is etype]
 
 
 def engine(sink: Sink | None = None, **kw: Any) -> CacheEngine:

@@ -15,14 +15,7 @@ from kvcache.errors import CorruptChunkError, StorageError
 from kvcache.observability.event import Event, EventType
 from kvcache.storage.base import failure_reason
 from kvcache.storage.disk import DiskL2Adapter
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish(self, event: Event) -> None:
-        self.events.append(event)
+from tests.helpers import RecordingSink as Sink
 
 
 def chunk(seed: int) -> torch.Tensor:

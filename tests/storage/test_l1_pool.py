@@ -5,22 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.storage.l1_pool import EntryState, L1Pool, SlotGeometry
+from tests.helpers import RecordingSink as Sink
 
 G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
 G2 = SlotGeometry((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish(self, event: Event) -> None:
-        self.events.append(event)
-
-    def of(self, etype: EventType) -> list[Event]:
-        return [e for e in self.events if e.event_type is etype]
 
 
 def pool(chunks: int, watermark: float = 1.0, sink: Sink | None = None, extent_chunks: int = 2) -> L1Pool:

@@ -8,25 +8,13 @@ from pathlib import Path
 
 import torch
 
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.storage.base import Announce, L2Adapter
 from kvcache.storage.disk import DiskL2Adapter
 from kvcache.storage.l2_async import AsyncL2
 from kvcache.storage.redis import RedisL2Adapter
 from kvcache.storage.redis_local import LocalRedis
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self._lock = threading.Lock()
-
-    def publish(self, event: Event) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def of(self, etype: EventType) -> list[Event]:
-        return [e for e in self.events if e.event_type is etype]
+from tests.helpers import RecordingSink as Sink
 
 
 class GatedDisk(DiskL2Adapter):
