@@ -3,7 +3,7 @@
 What it answers: with a realistic reuse pattern (a shared system prompt, conversations that
 grow turn by turn, new users arriving), what share of prompt tokens each tier serves, how
 fast stores and retrieves move bytes, how long lookups take, how much L1 and L2 evict, and
-what publishing KV events costs (the same workload runs with KV events off, then on).
+what publishing KV events costs (the same workload runs with KV events off and on, interleaved).
 
 Deterministic: the request sequence depends only on ``--seed`` and the sizes. Each request
 does what a serving engine does: ``lookup`` the prompt, ``retrieve`` the hit, then ``store``
@@ -13,6 +13,7 @@ prompt + reply. Tier hit rates come from the daemon's own Prometheus counters.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import tempfile
 import threading
@@ -86,6 +87,8 @@ class RunResult:
     windows: list[dict[str, float]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
     kv_event_batches: int = 0
+    daemon_cpu_s: float | None = None  # CPU the daemon spent serving the timed requests
+    repeat: int = 0  # which interleaved off/on pair this run belongs to
 
 
 class _EventCounter(threading.Thread):
@@ -103,10 +106,14 @@ class _EventCounter(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
+        import zmq
+
         while not self._halt.is_set():
             if self._sub.poll(50):
-                self._sub.recv_multipart()
-                self.batches += 1
+                with contextlib.suppress(zmq.Again):
+                    while True:  # drain what arrived: one wake-up for a burst, like a router
+                        self._sub.recv_multipart(zmq.NOBLOCK)
+                        self.batches += 1
 
     def close(self) -> None:
         self._halt.set()
@@ -115,7 +122,9 @@ class _EventCounter(threading.Thread):
         self._ctx.term()
 
 
-def run_once(args: argparse.Namespace, requests: list[Request], kv_events: bool, progress: Any) -> RunResult:
+def run_once(
+    args: argparse.Namespace, requests: list[Request], kv_events: bool, progress: Any, label: str = ""
+) -> RunResult:
     import torch
 
     from kvcache.client import KVCacheClient
@@ -134,6 +143,7 @@ def run_once(args: argparse.Namespace, requests: list[Request], kv_events: bool,
         counter = None
         try:
             daemon.wait_ready()
+            cpu0 = daemon.cpu_seconds()
             if endpoint is not None:
                 counter = _EventCounter(f"tcp://127.0.0.1:{port}")
                 counter.start()
@@ -145,7 +155,8 @@ def run_once(args: argparse.Namespace, requests: list[Request], kv_events: bool,
             client = KVCacheClient(daemon.endpoint, 0, "bench-model", timeout_s=60.0)
             client.register_kv_caches(kv, block_size=bs)
             blocks = list(range(nb))
-            task = progress.add_task(f"KV events {'on ' if kv_events else 'off'}", total=len(requests))
+            name = label or f"KV events {'on ' if kv_events else 'off'}"
+            task = progress.add_task(name, total=len(requests))
             window = max(1, len(requests) // args.windows)
             t_start = time.perf_counter()
             for i, req in enumerate(requests):
@@ -169,7 +180,10 @@ def run_once(args: argparse.Namespace, requests: list[Request], kv_events: bool,
                     sample["t"] = time.perf_counter() - t_start
                     sample["requests"] = i + 1
                     res.windows.append(sample)
-            res.seconds = time.perf_counter() - t_start - 0.0
+            res.seconds = time.perf_counter() - t_start
+            cpu1 = daemon.cpu_seconds()
+            if cpu0 is not None and cpu1 is not None:
+                res.daemon_cpu_s = cpu1 - cpu0
             res.requests = len(requests)
             res.final = res.windows[-1] if res.windows else scrape(daemon.metrics_url)
             client.close()
@@ -205,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-kv-events-compare", action="store_true", help="skip the KV events on run")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run off/on this many times, interleaved; the best run of each is reported")
+                   help="run off/on this many times, interleaved (off,on then on,off, ...); the "
+                        "median run of each mode is reported")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up run (a tenth of the requests) before the timed ones")
     p.add_argument("--out", default="bench-results/workload", help="directory for PNG, JSON, logs")
     return p
 
@@ -235,9 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     modes = [False] if args.no_kv_events_compare else [False, True]
     with Progress(*cols, console=console) as progress:
-        for _ in range(max(1, args.repeats)):
-            for mode in modes:
-                runs.append(run_once(args, requests, mode, progress))
+        if not args.no_warmup:  # first-run costs (page cache, lazy imports) hit no timed run
+            run_once(args, requests[: max(1, len(requests) // 10)], False, progress, "warm-up     ")
+        for r in range(max(1, args.repeats)):
+            # ABBA order: a drift in machine load over time weighs on both modes alike.
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                run = run_once(args, requests, mode, progress)
+                run.repeat = r
+                runs.append(run)
     render(args, runs, console)
     return 0
 

@@ -76,6 +76,15 @@ class DaemonProcess:
             client.close(unregister=False)
         raise TimeoutError("daemon did not answer a ping")
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, every thread) the daemon used so far; None off Linux."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -54,6 +54,8 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "l1_evicted_chunks": f.get("kvcache_l1_evicted_chunks_total", 0.0),
         "l2_evicted_chunks": f.get("kvcache_l2_evicted_chunks_total", 0.0),
         "kv_event_batches_received": run.kv_event_batches,
+        "daemon_cpu_s": run.daemon_cpu_s,
+        "repeat": run.repeat,
         "kv_event_batches_dropped": f.get("kvcache_kv_events_dropped_batches_total", 0.0),
     }
 
@@ -100,18 +102,53 @@ def plot(runs: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return (s[(n - 1) // 2] + s[n // 2]) / 2 if n else 0.0
+
+
+def overhead(runs: list[RunResult]) -> dict[str, Any]:
+    """What KV events cost, from interleaved off/on runs of the same requests.
+
+    On a shared machine one number hides too much, so several views are kept: the medians
+    per mode (the headline), the paired ratio of each off/on pair (runs next to each other
+    in time share the machine's load), best-of per mode (interference only ever slows), and
+    the daemon's CPU seconds (what the publishing itself burns, whatever the wall clock).
+    """
+    rps = {m: [_ratio(r.requests, r.seconds) for r in runs if r.kv_events == m] for m in (False, True)}
+    pairs: dict[int, dict[bool, RunResult]] = {}
+    for r in runs:
+        pairs.setdefault(r.repeat, {})[r.kv_events] = r
+    paired = [1.0 - _ratio(p[True].requests / p[True].seconds, p[False].requests / p[False].seconds)
+              for p in pairs.values() if len(p) == 2 and p[True].seconds and p[False].seconds]  # fmt: skip
+    cpu = {m: [r.daemon_cpu_s for r in runs if r.kv_events == m and r.daemon_cpu_s is not None]
+           for m in (False, True)}  # fmt: skip
+    out: dict[str, Any] = {
+        "median": 1.0 - _ratio(_median(rps[True]), _median(rps[False])),
+        "best_of": 1.0 - _ratio(max(rps[True]), max(rps[False])),
+        "pairs": paired,
+        "pairs_median": _median(paired),
+        "requests_per_s": {"off": rps[False], "on": rps[True]},
+    }
+    if cpu[False] and cpu[True]:
+        out["daemon_cpu"] = _ratio(_median(cpu[True]), _median(cpu[False])) - 1.0
+        out["daemon_cpu_s"] = {"off": cpu[False], "on": cpu[True]}
+    return out
+
+
 def render(args: argparse.Namespace, runs: list[RunResult], console: Console) -> dict[str, Any]:
     from rich.table import Table
 
     out = Path(args.out)
     every = [summarize(r) for r in runs]
-    best: dict[bool, RunResult] = {}
-    for run in runs:  # best of the repeats per mode: interference on a shared machine only slows
-        if run.kv_events not in best or run.seconds < best[run.kv_events].seconds:
-            best[run.kv_events] = run
-    runs = [best[m] for m in sorted(best)]
+    all_runs = runs
+    chosen: dict[bool, RunResult] = {}
+    for mode in sorted({r.kv_events for r in runs}):  # the median run of each mode (lower middle)
+        mine = sorted((r for r in runs if r.kv_events == mode), key=lambda r: r.seconds)
+        chosen[mode] = mine[(len(mine) - 1) // 2]
+    runs = [chosen[m] for m in sorted(chosen)]
     summaries = [summarize(r) for r in runs]
-    base = summaries[0]
     table = Table(title="kvcache workload benchmark")
     table.add_column("metric")
     for s in summaries:
@@ -131,9 +168,17 @@ def render(args: argparse.Namespace, runs: list[RunResult], console: Console) ->
     result: dict[str, Any] = {"config": vars(args), "runs": summaries, "all_runs": every,
                               "series": [series(r) for r in runs]}  # fmt: skip
     if len(summaries) > 1:
-        overhead = 1.0 - _ratio(summaries[1]["requests_per_s"], base["requests_per_s"])
-        result["kv_events_overhead"] = overhead
-        console.print(f"KV events overhead: {overhead:+.1%} of requests/s (target <= 5%)")
+        o = overhead(all_runs)
+        result["kv_events_overhead"] = o["median"]
+        result["kv_events_overhead_detail"] = o
+        n = len(o["requests_per_s"]["on"])
+        lo, hi = (min(o["pairs"]), max(o["pairs"])) if o["pairs"] else (0.0, 0.0)
+        cpu = f"; daemon CPU {o['daemon_cpu']:+.1%}" if "daemon_cpu" in o else ""
+        console.print(
+            f"KV events overhead: {o['median']:+.1%} of requests/s (medians of {n} interleaved runs each; "
+            f"pairs: median {o['pairs_median']:+.1%}, range {lo:+.1%}..{hi:+.1%}; best-of {o['best_of']:+.1%}"
+            f"{cpu}) (target <= 5%)"
+        )
     png, js = out / "workload.png", out / "workload.json"
     plot(runs, png)
     js.write_text(json.dumps(result, indent=2, default=str))
@@ -141,4 +186,4 @@ def render(args: argparse.Namespace, runs: list[RunResult], console: Console) ->
     return result
 
 
-__all__ = ["plot", "render", "series", "summarize"]
+__all__ = ["overhead", "plot", "render", "series", "summarize"]

@@ -12,12 +12,23 @@ import argparse
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.kv_events.messages import FORMATS
-from kvcache.kv_events.publisher import DEFAULT_BUFFER_STEPS, default_factory
+from kvcache.kv_events.publisher import DEFAULT_BATCH_WINDOW_S, DEFAULT_BUFFER_STEPS, default_factory
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.config import positive_int
 
 DEFAULT_TOPIC = "kv-events"
 DEFAULT_CHUNK_SIZE = 256
+
+
+def non_negative_ms(text: str) -> float:
+    """argparse type for a delay in milliseconds (0 allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,6 +47,11 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "default %(default)s")
     g.add_argument("--kv-events-buffer-steps", type=positive_int, default=DEFAULT_BUFFER_STEPS,
                    help="batches kept for replay (default %(default)s)")
+    g.add_argument("--kv-events-batch-window-ms", type=non_negative_ms,
+                   default=DEFAULT_BATCH_WINDOW_S * 1000, metavar="MS",
+                   help="least time between two messages; the engine operations of a window "
+                        "travel merged, in order, in one batch (0: send at once; default "
+                        "%(default)s)")
     return parser
 
 
@@ -59,6 +75,7 @@ def build_kv_events_subscriber(
         replay_endpoint=replay,
         topic=getattr(ns, "kv_events_topic", DEFAULT_TOPIC),
         buffer_steps=getattr(ns, "kv_events_buffer_steps", DEFAULT_BUFFER_STEPS),
+        batch_window_s=getattr(ns, "kv_events_batch_window_ms", DEFAULT_BATCH_WINDOW_S * 1000) / 1000,
     )
     try:
         return KVEventsSubscriber(

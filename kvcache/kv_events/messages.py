@@ -46,7 +46,8 @@ def seq_from_bytes(data: bytes) -> int:
 
 
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
-    """One batch: every event of one engine operation. ``ts`` is seconds since the epoch."""
+    """One batch: every event of one engine operation, or of several consecutive ones merged
+    in order by the publisher. ``ts`` is seconds since the epoch (of the latest operation)."""
 
     ts: float
     events: list[Any]

@@ -3,16 +3,20 @@
 Separate from the bus subscriber that builds the batches (``subscriber.py``) so the socket
 side can be tested, swapped or reused (a framework may publish its own batches) on its own.
 
-Ordering promise of every publisher: batches go out in the order ``publish`` accepted them,
-each with the next sequence number. ``publish`` never blocks and never raises; a batch that
-finds the queue full is dropped and counted, and its sequence number is *consumed*, so a
-subscriber sees the gap, finds that replay cannot fill it, and knows to resynchronise.
+Ordering promise of every publisher: events go out in the order ``publish`` accepted their
+batches, and the events of one accepted batch always travel together in one wire batch
+(one sequence number). A publisher may merge several accepted batches, in order, into one
+wire batch (vLLM itself sends a whole scheduler step as one): per-message costs (a thread
+wake-up, an encode, a send, a wake-up of the router) then scale with messages, not with
+engine operations. ``publish`` never blocks and never raises; a batch that finds the queue
+full is dropped and counted, and a sequence number is *consumed* for it, so a subscriber
+sees the gap, finds that replay cannot fill it, and knows to resynchronise.
 """
 
 from __future__ import annotations
 
 import abc
-import itertools
+import contextlib
 import logging
 import queue
 import threading
@@ -31,7 +35,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
 DEFAULT_QUEUE_SIZE = 100_000
+DEFAULT_BATCH_WINDOW_S = 0.010
+"""Least time between two wire batches: what arrives meanwhile is merged into the next one.
+10 ms is within a serving engine's scheduler step, the granularity vLLM publishes at."""
+DEFAULT_MAX_MERGE = 1024  # accepted batches per wire batch at most (bounds message size)
 _IDLE_POLL_S = 0.005  # replay requests wait at most this long while no batch arrives
+_COPY_BELOW = 65_536  # ZMQ: copying a small frame is cheaper than tracking a zero-copy one
 
 
 class EventPublisher(abc.ABC):
@@ -45,16 +54,23 @@ class EventPublisher(abc.ABC):
     def shutdown(self) -> None:
         """Send what is queued (bounded wait), then release sockets and threads; idempotent."""
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every batch accepted before the call was sent or dropped; False on timeout."""
+        return True
+
     @property
     def published_batches(self) -> int:
+        """Wire batches sent (sequence numbers used by a send)."""
         return 0
 
     @property
     def dropped_batches(self) -> int:
+        """Accepted batches that never went out (queue full or send failed)."""
         return 0
 
     @property
     def queue_depth(self) -> int:
+        """Accepted batches waiting for the publisher thread."""
         return 0
 
 
@@ -73,17 +89,36 @@ def _should_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _merge(batches: list[EventBatch]) -> EventBatch:
+    """One wire batch holding ``batches``' events in order; stamped with the latest ``ts``."""
+    if len(batches) == 1:
+        return batches[0]
+    events: list[Any] = []
+    for b in batches:
+        events += b.events
+    last = batches[-1]
+    return EventBatch(ts=last.ts, events=events, data_parallel_rank=last.data_parallel_rank)
+
+
 class ZmqEventPublisher(EventPublisher):
     """PUB socket (+ optional ROUTER replay socket) driven by its own thread.
 
     Frames: ``[topic, seq, payload]`` with ``seq`` 8 bytes big-endian from 0. Encoding and
-    socket I/O run on the thread ``kvcache-kv-events``, fed by a bounded queue, so the caller
-    (the event-bus dispatcher) only pays for a ``put_nowait``.
+    socket I/O run on the thread ``kvcache-kv-events``; the caller (the event-bus
+    dispatcher) only appends to a bounded deque, and wakes the thread only when it sleeps.
+
+    Coalescing: the thread sends at most one wire batch per ``batch_window_s`` unless
+    ``max_merge`` batches are already waiting; the batches accepted meanwhile (up to
+    ``max_merge``, all with the same ``data_parallel_rank``) go out merged, in order, as
+    one. The first batch after a quiet spell goes at once. ``batch_window_s=0`` sends as
+    soon as the thread runs (still merging what queued up while it was busy);
+    ``max_merge=1`` gives one wire batch per accepted batch.
 
     Replay: a DEALER (or REQ) client sends the 8-byte start seq (a DEALER may put an empty
     delimiter frame first, as REQ does); it receives ``[seq, payload]`` for every buffered
-    batch with ``seq >= start`` (the last ``buffer_steps`` sent) and then the end marker
-    ``[END_SEQ, b""]``, each reply prefixed by the empty delimiter when the request had one.
+    wire batch with ``seq >= start`` (the last ``buffer_steps`` sent) and then the end
+    marker ``[END_SEQ, b""]``, each reply prefixed by the empty delimiter when the request
+    had one.
     """
 
     def __init__(
@@ -97,18 +132,33 @@ class ZmqEventPublisher(EventPublisher):
         max_queue_size: int = DEFAULT_QUEUE_SIZE,
         data_parallel_rank: int = 0,
         linger_s: float = 1.0,
+        batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
+        max_merge: int = DEFAULT_MAX_MERGE,
     ) -> None:
-        if buffer_steps < 1 or max_queue_size < 1 or hwm < 0:
-            raise ValueError("buffer_steps and max_queue_size must be >= 1, hwm >= 0")
+        if buffer_steps < 1 or max_queue_size < 1 or hwm < 0 or max_merge < 1 or batch_window_s < 0:
+            raise ValueError(
+                "buffer_steps, max_queue_size and max_merge must be >= 1, hwm and batch_window_s >= 0"
+            )
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
+        self.batch_window_s = batch_window_s
+        self.max_merge = max_merge
         self._topic = topic.encode("utf-8")
-        self._queue: queue.Queue[tuple[int, EventBatch] | None] = queue.Queue(max_queue_size)
+        self._max_queue = max_queue_size
+        self._pending: deque[EventBatch] = deque()
+        self._lock = threading.Lock()  # "check length + append" and the drop count are atomic
+        self._wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._idle = False
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._seq = itertools.count()
-        self._seq_lock = threading.Lock()
+        self._next_seq = 0
+        self._accepted = 0
+        self._refused = 0  # dropped by publish (queue full); under _lock
+        self._done = 0  # accepted batches the thread sent or failed to send; under _done_cond
+        self._failed = 0
+        self._done_cond = threading.Condition()
         self._published = 0
-        self._dropped = 0
+        self._flush_upto = 0  # a flush waits for the batches accepted up to here: no window
+        self._skip = False  # a batch was dropped since the last send: consume a seq for it
         self._closed = False
         self._linger_ms = int(linger_s * 1000)
         self._ctx = zmq.Context()
@@ -141,27 +191,33 @@ class ZmqEventPublisher(EventPublisher):
                 return
             if batch.data_parallel_rank is None:
                 batch.data_parallel_rank = self.data_parallel_rank
-            with self._seq_lock:  # seq order == queue order, even with several publishers
-                seq = next(self._seq)
-                try:
-                    self._queue.put_nowait((seq, batch))
-                except queue.Full:
-                    self._dropped += 1
+            with self._lock:
+                self._accepted += 1
+                if len(self._pending) >= self._max_queue:
+                    self._refused += 1
+                    self._skip = True
+                    return
+                self._pending.append(batch)
+            if self._idle:
+                self._idle = False
+                self._wakeup.put(None)
         except Exception:  # the caller is the bus dispatcher: never raise
             logger.exception("KV events publish failed")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            target = self._accepted
+            self._flush_upto = max(self._flush_upto, target)  # "now", not after the window
+        self._wakeup.put(None)
+        with self._done_cond:
+            return self._done_cond.wait_for(lambda: self._done + self._refused >= target, timeout)
 
     def shutdown(self, timeout: float = 2.0) -> None:
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
-                break
-            except queue.Full:
-                break  # the thread sees _closed and stops after draining what it can
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._wakeup.put(None)
+        self._thread.join(timeout)
 
     @property
     def published_batches(self) -> int:
@@ -169,11 +225,11 @@ class ZmqEventPublisher(EventPublisher):
 
     @property
     def dropped_batches(self) -> int:
-        return self._dropped
+        return self._refused + self._failed
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._pending)
 
     @property
     def buffered_batches(self) -> int:
@@ -183,29 +239,67 @@ class ZmqEventPublisher(EventPublisher):
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
+        pending = self._pending
+        window = self.batch_window_s
+        idle_wait = _IDLE_POLL_S if self._replay is not None else None
+        last_send = 0.0
         try:
             while True:
                 if self._replay is not None:
                     self._serve_replay()
-                try:
-                    item = self._queue.get(timeout=_IDLE_POLL_S if self._replay else 0.1)
-                except queue.Empty:
+                if not pending:
                     if self._closed:
                         break
+                    self._idle = True
+                    if pending or self._closed:  # raced with publish/shutdown
+                        self._idle = False
+                        continue
+                    with contextlib.suppress(queue.Empty):
+                        self._wakeup.get(timeout=idle_wait)
+                    self._idle = False
                     continue
-                if item is None:
-                    break
-                seq, batch = item
-                try:
-                    payload = encode(batch)
-                    self._pub.send_multipart((self._topic, seq_bytes(seq), payload), copy=False)
-                    self._buffer.append((seq, payload))
-                    self._published += 1
-                except Exception:
-                    self._dropped += 1
-                    logger.exception("KV events: sending batch %d failed", seq)
+                wait = last_send + window - time.monotonic()
+                flushing = self._closed or self._done + self._refused < self._flush_upto
+                if wait > 0 and not flushing and len(pending) < self.max_merge:
+                    # Sleep out the window, unless a full wire batch is ready already (a
+                    # flush or shutdown cuts it short too).
+                    with contextlib.suppress(queue.Empty):
+                        self._wakeup.get(timeout=wait)
+                    continue
+                self._send(self._take(), encode)
+                last_send = time.monotonic()
         finally:
             self._close_sockets(self._linger_ms)
+
+    def _take(self) -> list[EventBatch]:
+        """Pop the next run of batches to merge: in order, one rank, ``max_merge`` at most."""
+        pending = self._pending
+        first = pending.popleft()
+        out = [first]
+        rank = first.data_parallel_rank
+        limit = self.max_merge
+        while pending and len(out) < limit and pending[0].data_parallel_rank == rank:
+            out.append(pending.popleft())
+        return out
+
+    def _send(self, batches: list[EventBatch], encode: Callable[[Any], bytes]) -> None:
+        with self._lock:
+            if self._skip:  # the gap a router must see for batches dropped on a full queue
+                self._skip = False
+                self._next_seq += 1
+        seq = self._next_seq
+        self._next_seq += 1
+        try:
+            payload = encode(_merge(batches))
+            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), copy=len(payload) < _COPY_BELOW)
+            self._buffer.append((seq, payload))
+            self._published += 1
+        except Exception:
+            self._failed += len(batches)
+            logger.exception("KV events: sending batch %d failed", seq)
+        with self._done_cond:
+            self._done += len(batches)
+            self._done_cond.notify_all()
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -272,8 +366,10 @@ def default_factory() -> EventPublisherFactory:
 
 
 __all__ = [
+    "DEFAULT_BATCH_WINDOW_S",
     "DEFAULT_BUFFER_STEPS",
     "DEFAULT_HWM",
+    "DEFAULT_MAX_MERGE",
     "DEFAULT_QUEUE_SIZE",
     "EventPublisher",
     "EventPublisherFactory",

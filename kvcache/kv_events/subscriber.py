@@ -4,8 +4,8 @@ Its own module (not part of the publisher) because it is where kvcache's vocabul
 keys, tiers, backends) is translated into a router's (block hashes, ``medium``); the
 publisher only moves bytes.
 
-Rules (one batch per bus event, i.e. per engine operation; nothing is sent for an event
-that changes no holding):
+Rules (one batch per bus event, i.e. per engine operation, which the publisher may merge on
+the wire with its neighbours, in order; nothing is sent for an event that changes no holding):
 
 * ``L1_WRITE_FINISHED`` -> ``BlockStored(medium="CPU")``; ``L1_KEYS_EVICTED`` ->
   ``BlockRemoved(medium="CPU")``.
@@ -39,7 +39,13 @@ from kvcache.keys import fold64
 from kvcache.kv_events.messages import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
+    AllBlocksCleared,
     AnyEvent,
+    ArrayAllBlocksCleared,
+    ArrayBlockRemoved,
+    ArrayBlockStored,
+    BlockRemoved,
+    BlockStored,
     EventBatch,
     EventFactory,
     EventFormat,
@@ -271,8 +277,9 @@ class KVEventsSubscriber(EventSubscriber):
     def _send(self, event: Event, events: list[AnyEvent]) -> None:
         if not events:
             return
+        counts = self._event_counts
         for ev in events:
-            self._event_counts[type(ev).__name__.removeprefix("Array")].value += 1
+            counts[type(ev)].value += 1
         ts = event.timestamp if event.timestamp is not None else 0.0
         self.publisher.publish(EventBatch(ts=ts, events=events))
 
@@ -290,7 +297,13 @@ class KVEventsSubscriber(EventSubscriber):
             "kvcache_kv_events_events_total", "KV events built, by vLLM event type.", "counter", ("type",)
         )
         types = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
-        self._event_counts = {t: kinds.counter(t) for t in types}
+        by_name = {t: kinds.counter(t) for t in types}
+        # Keyed by the event class (both wire forms), so counting costs one dict lookup.
+        self._event_counts = {
+            cls: by_name[cls.__name__.removeprefix("Array")]
+            for cls in (BlockStored, BlockRemoved, AllBlocksCleared, ArrayBlockStored, ArrayBlockRemoved,
+                        ArrayAllBlocksCleared)
+        }  # fmt: skip
 
         def refresh() -> None:
             published.value = self.publisher.published_batches

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcache.bench.workload import RunResult, build_parser, main, make_requests
-from kvcache.bench.workload_report import series, summarize
+from kvcache.bench.workload_report import overhead, series, summarize
 
 
 def test_requests_depend_only_on_the_seed_and_reuse_prefixes() -> None:
@@ -41,6 +41,20 @@ def test_rates_are_sums_over_sums() -> None:
     assert summarize(RunResult(True))["miss_rate"] == 0.0  # no division by zero
 
 
+def test_overhead_uses_medians_pairs_and_daemon_cpu() -> None:
+    def run(on: bool, repeat: int, seconds: float, cpu: float) -> RunResult:
+        return RunResult(on, seconds=seconds, requests=100, daemon_cpu_s=cpu, repeat=repeat)
+
+    runs = [run(False, 0, 1.0, 2.0), run(True, 0, 1.25, 2.2),  # pair 0: on 20% slower
+            run(True, 1, 2.0, 2.4), run(False, 1, 2.0, 2.0),  # pair 1: equal (a slow spell)
+            run(False, 2, 1.0, 2.0), run(True, 2, 0.8, 2.2)]  # fmt: skip
+    o = overhead(runs)
+    assert o["median"] == pytest.approx(0.2)  # medians: 80 vs 100 req/s
+    assert o["pairs"] == pytest.approx([0.2, 0.0, -0.25]) and o["pairs_median"] == pytest.approx(0.0)
+    assert o["best_of"] == pytest.approx(-0.25)
+    assert o["daemon_cpu"] == pytest.approx(0.1)
+
+
 @pytest.mark.slow
 def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -53,3 +67,5 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert off["requests"] == 30 and off["hit_rate_l1"] > 0
     assert (out / "workload.png").stat().st_size > 10_000
     assert "kv_events_overhead" in result
+    detail = result["kv_events_overhead_detail"]
+    assert len(detail["pairs"]) == len(detail["requests_per_s"]["on"]) >= 1  # every off/on pair

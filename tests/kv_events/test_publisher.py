@@ -1,4 +1,9 @@
-"""ZmqEventPublisher over real sockets: frames, seq continuity, replay, bounded buffer, drops."""
+"""ZmqEventPublisher over real sockets: frames, seq continuity, merging, replay, bounded buffer, drops.
+
+The replay tests use ``max_merge=1`` (one wire batch per published batch) so they can count
+wire batches; merging itself is tested on its own and by the router-follows-engine test,
+which runs with the defaults.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,6 @@ import zmq
 
 from kvcache.kv_events.messages import END_SEQ, EventBatch, EventFactory
 from kvcache.kv_events.publisher import (
-    EventPublisher,
     NullEventPublisher,
     ZmqEventPublisher,
     default_factory,
@@ -21,14 +25,6 @@ from tests.kv_events.router import Consumer, GapError, wait_connected
 LOCAL = "tcp://127.0.0.1:*"
 
 
-def settle(pub: EventPublisher, n: int, timeout: float = 5.0) -> None:
-    """Wait until ``n`` batches left the publisher thread (sent or dropped)."""
-    deadline = time.monotonic() + timeout
-    while pub.published_batches + pub.dropped_batches < n:
-        assert time.monotonic() < deadline, "publisher thread stalled"
-        time.sleep(0.001)
-
-
 def batch(fmt: str, i: int) -> EventBatch:
     f = EventFactory(fmt)  # type: ignore[arg-type]
     return EventBatch(ts=float(i), events=[f.stored([i], block_size=16, medium="CPU")])
@@ -36,7 +32,7 @@ def batch(fmt: str, i: int) -> EventBatch:
 
 @pytest.fixture
 def pub() -> Iterator[ZmqEventPublisher]:
-    p = ZmqEventPublisher(LOCAL, LOCAL, topic="kv")
+    p = ZmqEventPublisher(LOCAL, LOCAL, topic="kv", max_merge=1)
     yield p
     p.shutdown()
 
@@ -49,11 +45,12 @@ def test_frames_seq_and_both_formats_decode(fmt: str) -> None:
         first = wait_connected(lambda: pub.publish(EventBatch(0.0, [])), c)
         for i in range(20):
             pub.publish(batch(fmt, i))
-        c.follow_until(first + 20)
+        assert pub.flush(5)
+        c.follow_until(pub.published_batches - 1)
         assert c.topics == {b"kv-events"}
         seqs = [s for s, _ in c.batches]
-        assert seqs == list(range(first + 1, first + 21))  # continuous, no duplicates
-        assert [b.events[0].block_hashes for _, b in c.batches] == [[i] for i in range(20)]
+        assert seqs == list(range(first + 1, pub.published_batches))  # continuous, no duplicates
+        assert [e.block_hashes for _, b in c.batches for e in b.events] == [[i] for i in range(20)]
         assert all(b.data_parallel_rank == 3 for _, b in c.batches)
         assert c.held["CPU"] == set(range(20))
     finally:
@@ -61,10 +58,57 @@ def test_frames_seq_and_both_formats_decode(fmt: str) -> None:
         pub.shutdown()
 
 
+def test_batches_within_the_window_merge_in_order_and_flush_cuts_the_window_short() -> None:
+    pub = ZmqEventPublisher(LOCAL, topic="kv", batch_window_s=30.0, max_merge=3)
+    c = Consumer(pub.endpoint, None, topic="kv")
+    f = EventFactory("map")
+    try:
+
+        def probe() -> None:  # flushed: a probe must not wait out the 30 s window
+            pub.publish(EventBatch(0.0, []))
+            pub.flush(5)
+
+        first = wait_connected(probe, c)
+        t0 = time.perf_counter()
+        two = [f.stored([10], block_size=16, medium="CPU"), f.removed([10], medium="CPU")]
+        pub.publish(EventBatch(1.0, two))  # one operation, two events: never split
+        for i in range(2, 6):
+            pub.publish(EventBatch(float(i), [f.stored([10 * i], block_size=16, medium="CPU")]))
+        pub.publish(EventBatch(6.0, [f.stored([60], block_size=16, medium="CPU")], data_parallel_rank=1))
+        assert pub.queue_depth > 0
+        assert pub.flush(5)
+        assert time.perf_counter() - t0 < 10  # flush did not wait for the window
+        assert pub.queue_depth == 0
+        c.follow_until(pub.published_batches - 1)
+        got = [b for s, b in c.batches if s > first and b.events]
+        # max_merge=3 splits the 5 rank-0 batches 3 + 2; the rank-1 batch travels alone.
+        assert [len(b.events) for b in got] == [4, 2, 1]
+        assert [b.ts for b in got] == [3.0, 5.0, 6.0]  # a merged batch has its last ts
+        assert [b.data_parallel_rank for b in got] == [0, 0, 1]
+        flat = [(type(e).__name__, e.block_hashes) for b in got for e in b.events]
+        assert flat == [("BlockStored", [10]), ("BlockRemoved", [10]),
+                        *[("BlockStored", [10 * i]) for i in range(2, 7)]]  # fmt: skip
+    finally:
+        c.close()
+        pub.shutdown()
+
+
+def test_shutdown_sends_what_waits_in_the_window() -> None:
+    pub = ZmqEventPublisher(LOCAL, batch_window_s=30.0)
+    pub.publish(batch("map", 0))
+    assert pub.flush(5)
+    for i in range(1, 4):
+        pub.publish(batch("map", i))
+    t0 = time.perf_counter()
+    pub.shutdown()
+    assert time.perf_counter() - t0 < 5
+    assert (pub.published_batches, pub.queue_depth, pub.dropped_batches) == (2, 0, 0)
+
+
 def test_seq_starts_at_zero_and_late_joiner_recovers_by_replay(pub: ZmqEventPublisher) -> None:
     for i in range(5):  # nobody listens yet: PUB drops these
         pub.publish(batch("map", i))
-    settle(pub, 5)
+    assert pub.flush(5)
     c = Consumer(pub.endpoint, pub.replay_endpoint, topic="kv")
     try:
         wait_connected(lambda: pub.publish(EventBatch(0.0, [])), c)
@@ -83,7 +127,7 @@ def test_seq_starts_at_zero_and_late_joiner_recovers_by_replay(pub: ZmqEventPubl
 
 
 def test_gap_from_a_slow_subscriber_is_recovered_by_replay() -> None:
-    pub = ZmqEventPublisher(LOCAL, LOCAL, hwm=10)
+    pub = ZmqEventPublisher(LOCAL, LOCAL, hwm=10, max_merge=1)
     c = Consumer(pub.endpoint, pub.replay_endpoint)
     c.sub.setsockopt(zmq.RCVHWM, 10)
     try:
@@ -91,7 +135,7 @@ def test_gap_from_a_slow_subscriber_is_recovered_by_replay() -> None:
         n = 3000
         for i in range(n):  # the consumer does not read: the HWMs overflow and ZMQ drops
             pub.publish(batch("map", i))
-        settle(pub, first + 1 + n)
+        assert pub.flush(10)
         c.follow_until(first + n)
         assert c.gaps_recovered >= 1
         assert [s for s, _ in c.batches] == list(range(first + 1, first + n + 1))
@@ -102,10 +146,10 @@ def test_gap_from_a_slow_subscriber_is_recovered_by_replay() -> None:
 
 
 def test_replay_buffer_is_bounded_and_an_unfillable_gap_is_reported() -> None:
-    pub = ZmqEventPublisher(LOCAL, LOCAL, buffer_steps=3)
+    pub = ZmqEventPublisher(LOCAL, LOCAL, buffer_steps=3, max_merge=1)
     for i in range(10):
         pub.publish(batch("map", i))
-    settle(pub, 10)
+    assert pub.flush(5)
     c = Consumer(pub.endpoint, pub.replay_endpoint)
     try:
         assert pub.buffered_batches == 3
@@ -125,7 +169,7 @@ def test_replay_buffer_is_bounded_and_an_unfillable_gap_is_reported() -> None:
 def test_plain_dealer_without_delimiter_gets_bare_replies(pub: ZmqEventPublisher) -> None:
     for i in range(3):
         pub.publish(batch("map", i))
-    settle(pub, 3)
+    assert pub.flush(5)
     ctx = zmq.Context()
     d = ctx.socket(zmq.DEALER)
     d.connect(pub.replay_endpoint or "")
@@ -152,16 +196,26 @@ def test_plain_dealer_without_delimiter_gets_bare_replies(pub: ZmqEventPublisher
 
 
 def test_full_queue_drops_and_counts_but_never_blocks_or_raises() -> None:
-    pub = ZmqEventPublisher(LOCAL, max_queue_size=1)
+    pub = ZmqEventPublisher(LOCAL, LOCAL, max_queue_size=1, buffer_steps=20_000)
     n = 20_000
     t0 = time.perf_counter()
     for i in range(n):
         pub.publish(EventBatch(float(i), []))
     elapsed = time.perf_counter() - t0
+    assert pub.flush(10)
+    c = Consumer(pub.endpoint, pub.replay_endpoint)
+    try:
+        seqs = c.replay_from(0)
+    finally:
+        c.close()
     pub.shutdown()
     assert pub.dropped_batches > 0
+    # A queue of one never holds two batches to merge: every survivor is one wire batch.
     assert pub.published_batches + pub.dropped_batches == n
     assert elapsed < 2.0
+    # Each run of drops consumed a seq: a router sees a gap that replay cannot fill.
+    assert len(seqs) == pub.published_batches and seqs == sorted(set(seqs))
+    assert seqs[-1] + 1 > len(seqs)
     pub.publish(EventBatch(0.0, []))  # after shutdown: ignored, no exception
 
 
