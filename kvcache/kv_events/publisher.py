@@ -115,10 +115,10 @@ class ZmqEventPublisher(EventPublisher):
     ``max_merge=1`` gives one wire batch per accepted batch.
 
     Replay: a DEALER (or REQ) client sends the 8-byte start seq (a DEALER may put an empty
-    delimiter frame first, as REQ does); it receives ``[seq, payload]`` for every buffered
-    wire batch with ``seq >= start`` (the last ``buffer_steps`` sent) and then the end
-    marker ``[END_SEQ, b""]``, each reply prefixed by the empty delimiter when the request
-    had one.
+    delimiter frame first, as REQ does); it receives ``[topic, seq, payload]`` for every
+    buffered wire batch with ``seq >= start`` (the last ``buffer_steps`` sent) and then the
+    end marker ``[b"", END_SEQ, b""]`` (vLLM's replay shape), each reply prefixed by the
+    empty delimiter when the request had one.
     """
 
     def __init__(
@@ -316,10 +316,11 @@ class ZmqEventPublisher(EventPublisher):
                 logger.warning("KV events: replay start must be 8 bytes, got %d", len(start))
                 continue
             first = seq_from_bytes(start)
+            # vLLM's replay shape: [topic, seq, payload] per batch, then [b"", END_SEQ, b""].
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    self._replay.send_multipart([ident, *envelope, seq_bytes(seq), payload])
-            self._replay.send_multipart([ident, *envelope, END_SEQ, b""])
+                    self._replay.send_multipart([ident, *envelope, self._topic, seq_bytes(seq), payload])
+            self._replay.send_multipart([ident, *envelope, b"", END_SEQ, b""])
 
     def _close_sockets(self, linger_ms: int) -> None:
         self._pub.close(linger=linger_ms)

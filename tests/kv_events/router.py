@@ -130,15 +130,16 @@ class Consumer:
         while time.monotonic() < deadline:
             if not self.dealer.poll(100):
                 continue
-            frames = self.dealer.recv_multipart()
+            frames = self.dealer.recv_multipart()  # [b"", topic, seq, payload] (vLLM's shape)
             assert frames[0] == b""
-            seq = int.from_bytes(frames[1], "big", signed=True)
+            seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == END:
-                assert frames[2] == b""
+                assert frames[1] == frames[3] == b""
                 return got
+            assert frames[1] in self.topics or not self.topics, frames[1]
             got.append(seq)
             if seq == self.next_seq:
-                self.apply(seq, frames[2])
+                self.apply(seq, frames[3])
         raise TimeoutError("no replay end marker")
 
     def poll(self, timeout_ms: int = 100) -> bool:

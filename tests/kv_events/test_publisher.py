@@ -180,16 +180,17 @@ def test_plain_dealer_without_delimiter_gets_bare_replies(pub: ZmqEventPublisher
             assert d.poll(5000)
             frames = d.recv_multipart()
             replies.append(frames)
-            if frames[0] == END_SEQ:
+            if frames[1] == END_SEQ:
                 break
-        assert [int.from_bytes(f[0], "big", signed=True) for f in replies] == [1, 2, -1]
-        assert replies[-1][1] == b""
-        decoded = msgspec.msgpack.decode(replies[0][1])
+        assert [int.from_bytes(f[1], "big", signed=True) for f in replies] == [1, 2, -1]
+        assert [f[0] for f in replies] == [b"kv", b"kv", b""]  # the topic, as vLLM sends it
+        assert replies[-1][2] == b""
+        decoded = msgspec.msgpack.decode(replies[0][2])
         assert decoded[1][0]["block_hashes"] == [1]
         d.send_multipart([b"", b"short"])  # malformed: ignored, the socket keeps working
         d.send((2).to_bytes(8, "big"))
         assert d.poll(5000)
-        assert int.from_bytes(d.recv_multipart()[0], "big") == 2
+        assert int.from_bytes(d.recv_multipart()[1], "big") == 2
     finally:
         d.close(0)
         ctx.term()
