@@ -25,6 +25,24 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
+// Makes ``device`` current for a scope and restores the caller's device afterwards, so a
+// copy for one GPU never changes which GPU the calling thread's later CUDA work targets.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 // Streaming loads/stores (evict-first): chunk traffic is touched once, so keep it out
 // of L2 where the engine's working set lives.
 template <typename T>
@@ -104,7 +122,7 @@ CudaTransfer::CudaTransfer(const PageTable& table, int device, int64_t max_block
   if (cuda_device_count() <= device) {
     throw CudaUnavailable("no CUDA device " + std::to_string(device) + " is visible");
   }
-  check(cudaSetDevice(device), "cudaSetDevice");
+  DeviceGuard guard(device);
   impl_ = new Impl();
   const size_t base_bytes = table.base.size() * sizeof(uint64_t);
   const size_t id_bytes = static_cast<size_t>(max_block_ids) * sizeof(int64_t);
@@ -125,6 +143,8 @@ CudaTransfer::CudaTransfer(const PageTable& table, int device, int64_t max_block
 
 CudaTransfer::~CudaTransfer() {
   if (impl_ == nullptr) return;
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
   cudaSetDevice(device_);
   cudaEventSynchronize(impl_->kernel_done);
   cudaFree(impl_->d_base);
@@ -134,6 +154,7 @@ CudaTransfer::~CudaTransfer() {
   cudaEventDestroy(impl_->staging_free);
   cudaEventDestroy(impl_->kernel_done);
   delete impl_;
+  if (prev >= 0) cudaSetDevice(prev);
 }
 
 void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
@@ -152,8 +173,8 @@ void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
     throw std::invalid_argument("num_layers * kv exceeds the grid's y limit (65535)");
   }
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  std::lock_guard<std::mutex> guard(impl_->mu);
-  check(cudaSetDevice(device_), "cudaSetDevice");
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  DeviceGuard device_guard(device_);
 
   // The host may only rewrite the pinned staging once the previous upload left it; the
   // device buffers may only be overwritten once the previous kernel stopped reading them.
