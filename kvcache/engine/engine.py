@@ -15,51 +15,35 @@ Policies, stated once:
   for those loads. The first missing chunk ends the prefix.
 * **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
   lookup never waits behind another thread's copy.
+
+This module is the facade (registration, lifecycle, introspection); the store path lives in
+``store``, lookup/prefetch/retrieve in ``load``, request checks in ``ids`` and the MP_* event
+metadata in ``op_events``.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-import numpy as np
-
 from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
+from kvcache.engine import load as load_path
+from kvcache.engine import store as store_path
+from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
+from kvcache.engine.op_events import OpEvents
+from kvcache.engine.parts import EngineParts
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
-from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError, UnknownInstanceError
+from kvcache.engine.store import StoreResult
+from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
-from kvcache.observability.event import (
-    BlockAllocationRecord,
-    Event,
-    EventSink,
-    EventType,
-    NullEventSink,
-)
+from kvcache.observability.event import BlockAllocationRecord, Event, EventSink, EventType, NullEventSink
 from kvcache.storage.factory import create_policy, l2_adapters_from_config
-from kvcache.storage.l1_pool import L1Entry, L1Pool
+from kvcache.storage.l1_pool import L1Pool
 from kvcache.storage.l2_async import AsyncL2
-
-logger = logging.getLogger(__name__)
-
-#: Token and block ids: a list, or a numpy int array (the daemon decodes packed arrays).
-IntArray = Sequence[int] | np.ndarray
-
-
-class StoreResult(msgspec.Struct, frozen=True):
-    """What a store did, in chunks; ``stored_tokens`` are the tokens newly written."""
-
-    stored_chunks: int = 0
-    skipped_chunks: int = 0
-    failed_chunks: int = 0
-    stored_tokens: int = 0
 
 
 class CacheEngine:
@@ -89,8 +73,8 @@ class CacheEngine:
         self._stats = OffloadStatsCollector()
         self._instances: dict[int, Instance] = {}
         self._lock = threading.Lock()
-        self._ops = itertools.count()
         self._closed = False
+        self._parts = EngineParts(config, self._pool, self._tiers, self._stats, OpEvents(self._bus))
 
     # -- registration ---------------------------------------------------------------------
     def register(
@@ -124,52 +108,14 @@ class CacheEngine:
         except KeyError:
             raise UnknownInstanceError(f"instance {instance_id} is not registered") from None
 
-    # -- lookup ---------------------------------------------------------------------------
+    # -- data path (store.py, load.py) --------------------------------------------------------
     def lookup(
         self, instance_id: int, token_ids: IntArray, *, cache_salt: str = "", request_id: str = ""
     ) -> int:
         """Tokens of the longest cached prefix (whole chunks); starts L2 -> L1 prefetch of it."""
         inst = self._instance(instance_id)
-        sid = request_id or self._op_id(instance_id)
-        num_tokens = len(token_ids)
-        self._publish(EventType.MP_LOOKUP_START, sid, inst.meta(num_tokens=num_tokens))
-        keys = inst.keys(token_ids, cache_salt)
-        l1 = self._pool.prefix(keys)
-        l2 = self._prefetch(inst, keys[l1:])
-        cs = self.config.chunk_size
-        hit = (l1 + l2) * cs
-        self._stats.record_lookup(num_tokens, hit)
-        meta = inst.meta(num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs)
-        self._publish(EventType.MP_LOOKUP_END, sid, meta)
-        return hit
+        return load_path.lookup(self._parts, inst, token_ids, cache_salt=cache_salt, request_id=request_id)
 
-    def _prefetch(self, inst: Instance, keys: Sequence[int]) -> int:
-        """Start loading the leading ``keys`` found in L2 into L1; returns how many started."""
-        if not keys or not self._tiers:
-            return 0
-        source: list[AsyncL2 | None] = [None] * len(keys)
-        for tier in self._tiers:
-            missing = [i for i, s in enumerate(source) if s is None]
-            if not missing:
-                break
-            for i, present in zip(missing, tier.contains([keys[i] for i in missing]), strict=True):
-                if present:
-                    source[i] = tier
-        n = next((i for i, s in enumerate(source) if s is None), len(keys))
-        entries = self._pool.begin_load(inst.geometry, keys[:n])
-        for i, entry in enumerate(entries):
-            src = source[i]
-            assert src is not None
-
-            def done(ok: bool, entry: L1Entry = entry) -> None:
-                self._pool.finish([entry], ok)
-
-            if not src.submit_load(entry.key, entry.tensor, done):
-                self._pool.finish(entries[i:], False)
-                return i
-        return len(entries)
-
-    # -- store ----------------------------------------------------------------------------
     def store(
         self,
         instance_id: int,
@@ -187,92 +133,16 @@ class CacheEngine:
         hashes) are passed through on the end event for KV-event publishers.
         """
         inst = self._instance(instance_id)
-        ctx = inst.ctx
-        num_tokens = len(token_ids)
-        self._check_cover(ctx, num_tokens, block_ids)
-        keys = inst.keys(token_ids, cache_salt)
-        ids = self._block_ids(ctx, block_ids, len(keys) * ctx.blocks_per_chunk)
-        sid = request_id or self._op_id(instance_id)
-        self._publish(EventType.MP_STORE_START, sid, inst.meta(num_tokens=num_tokens, num_chunks=len(keys)))
-        res = self._pool.begin_write(inst.geometry, keys) if keys else None
-        new = [e for _, e in res.new] if res else []
-        elapsed = 0.0
-        if new:
-            assert res is not None
-            bpc = ctx.blocks_per_chunk
-            sel = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i, _ in res.new])
-            t0 = time.perf_counter()
-            try:
-                ctx.copy_to_chunks(sel, [e.tensor for e in new])
-            except Exception:
-                self._pool.finish(new, False)
-                self._publish_store_end(
-                    inst, sid, num_tokens, StoreResult(failed_chunks=len(keys)), 0, 0.0, False
-                )
-                raise
-            elapsed = time.perf_counter() - t0
-            for _tier in self._tiers:  # the write-through pins, taken before the slots go public
-                self._pool.pin(new)
-            extra = None
-            if block_hashes is not None:
-                extra = _engine_block_metadata(
-                    [i for i, _ in res.new],
-                    bpc,
-                    ctx.block_size,
-                    self.config.chunk_size,
-                    block_hashes,
-                    token_ids,
-                )
-            self._pool.finish(new, True, extra)
-            self._write_through(new)
-        cs = self.config.chunk_size
-        result = StoreResult(
-            stored_chunks=len(new),
-            skipped_chunks=len(res.present) if res else 0,
-            failed_chunks=res.failed if res else 0,
-            stored_tokens=len(new) * cs,
+        return store_path.store(
+            self._parts,
+            inst,
+            token_ids,
+            block_ids,
+            cache_salt=cache_salt,
+            request_id=request_id,
+            block_hashes=block_hashes,
         )
-        nbytes = len(new) * inst.geometry.nbytes
-        self._stats.record_store(nbytes, elapsed, result.stored_tokens)
-        self._publish_store_end(inst, sid, num_tokens, result, nbytes, elapsed, True, block_hashes)
-        return result
 
-    def _write_through(self, entries: list[L1Entry]) -> None:
-        for tier in self._tiers:
-            for entry in entries:
-
-                def done(ok: bool, entry: L1Entry = entry) -> None:
-                    self._pool.release([entry])
-
-                if not tier.submit_store(entry.key, entry.tensor, done):
-                    self._pool.release([entry])
-
-    def _publish_store_end(
-        self,
-        inst: Instance,
-        sid: str,
-        num_tokens: int,
-        r: StoreResult,
-        nbytes: int,
-        seconds: float,
-        success: bool,
-        block_hashes: Sequence[int] | None = None,
-    ) -> None:
-        meta = inst.meta(
-            num_tokens=num_tokens,
-            stored_chunks=r.stored_chunks,
-            skipped_chunks=r.skipped_chunks,
-            failed_chunks=r.failed_chunks,
-            stored_tokens=r.stored_tokens,
-            num_bytes=nbytes,
-            transfer_seconds=seconds,
-            success=success,
-        )
-        if block_hashes is not None:
-            meta["block_hashes"] = list(block_hashes)
-        self._publish(EventType.MP_STORE_END, sid, meta)
-
-    # -- retrieve -------------------------------------------------------------------------
     def retrieve(
         self,
         instance_id: int,
@@ -287,97 +157,9 @@ class CacheEngine:
         ``skip_tokens`` (rounded down to whole blocks) alone; returns the prefix length now
         valid in the engine (skip + copied)."""
         inst = self._instance(instance_id)
-        ctx = inst.ctx
-        num_tokens = len(token_ids)
-        self._check_cover(ctx, num_tokens, block_ids)
-        if skip_tokens < 0:
-            raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
-        bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, self.config.chunk_size
-        if skip_tokens % bs:
-            logger.info(
-                "retrieve: skip_tokens=%d is not a multiple of block size %d; rounded down", skip_tokens, bs
-            )
-        skip_blocks = skip_tokens // bs
-        skip = skip_blocks * bs
-        keys = inst.keys(token_ids, cache_salt)
-        ids = self._block_ids(ctx, block_ids, len(keys) * bpc)
-        sid = request_id or self._op_id(instance_id)
-        self._publish(EventType.MP_RETRIEVE_START, sid, inst.meta(num_tokens=num_tokens, skip_tokens=skip))
-        first = skip_blocks // bpc  # the first chunk with a block to copy
-        good = self._acquire_ready(inst, keys[first:]) if first < len(keys) else []
-        copied = nbytes = l2_tokens = 0
-        elapsed = 0.0
-        if good:
-            local_skip = skip_blocks - first * bpc
-            sel = ids[first * bpc : (first + len(good)) * bpc]
-            t0 = time.perf_counter()
-            try:
-                ctx.copy_from_chunks([e.tensor for e in good], sel, skip_blocks=local_skip)
-            except Exception:
-                self._pool.release(good)
-                self._publish_retrieve_end(inst, sid, num_tokens, skip, skip, 0, 0, 0, 0.0, False)
-                raise
-            elapsed = time.perf_counter() - t0
-            copied = len(good) * cs - local_skip * bs
-            nbytes = copied * ctx.bytes_per_token
-            l2_tokens = sum(cs for e in good if e.from_l2)
-            for e in good:
-                e.from_l2 = False
-            self._pool.release(good, read_bytes=nbytes)
-        retrieved = skip + copied
-        self._stats.record_load(nbytes, elapsed, copied)
-        self._publish_retrieve_end(
-            inst,
-            sid,
-            num_tokens,
-            skip,
-            retrieved,
-            max(0, copied - l2_tokens),
-            l2_tokens,
-            nbytes,
-            elapsed,
-            True,
+        return load_path.retrieve(
+            self._parts, inst, token_ids, block_ids, skip_tokens, cache_salt=cache_salt, request_id=request_id
         )
-        return retrieved
-
-    def _acquire_ready(self, inst: Instance, keys: Sequence[int]) -> list[L1Entry]:
-        """Pin the leading chunks of ``keys`` that are (or can be brought) in L1 and wait for
-        any load still running; the first miss or failed load ends the list."""
-        entries = self._pool.acquire(keys)
-        if len(entries) < len(keys) and self._prefetch(inst, keys[len(entries) :]):
-            entries += self._pool.acquire(keys[len(entries) :])
-        deadline = time.monotonic() + self.config.retrieve_wait_timeout_s
-        for i, entry in enumerate(entries):
-            if not entry.wait(max(0.0, deadline - time.monotonic())):
-                self._pool.release(entries[i:])
-                return entries[:i]
-        return entries
-
-    def _publish_retrieve_end(
-        self,
-        inst: Instance,
-        sid: str,
-        num_tokens: int,
-        skip: int,
-        retrieved: int,
-        l1_tokens: int,
-        l2_tokens: int,
-        nbytes: int,
-        seconds: float,
-        success: bool,
-    ) -> None:
-        meta = inst.meta(
-            num_tokens=num_tokens,
-            skip_tokens=skip,
-            retrieved_tokens=retrieved,
-            l1_tokens=l1_tokens,
-            l2_tokens=l2_tokens,
-            missing_tokens=max(0, num_tokens - retrieved),
-            num_bytes=nbytes,
-            transfer_seconds=seconds,
-            success=success,
-        )
-        self._publish(EventType.MP_RETRIEVE_END, sid, meta)
 
     # -- engine bookkeeping events ----------------------------------------------------------
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:
@@ -432,62 +214,5 @@ class CacheEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- helpers --------------------------------------------------------------------------
-    def _op_id(self, instance_id: int) -> str:
-        return f"{instance_id}-{next(self._ops)}"
-
-    def _publish(self, etype: EventType, sid: str, meta: dict[str, Any]) -> None:
-        self._bus.publish(Event(etype, meta, session_id=sid))
-
-    @staticmethod
-    def _check_cover(ctx: GPUCacheContext, num_tokens: int, block_ids: IntArray) -> None:
-        need = math.ceil(num_tokens / ctx.block_size)
-        if len(block_ids) < need:
-            raise ChunkMismatchError(
-                f"{len(block_ids)} block ids cannot hold {num_tokens} tokens "
-                f"(block size {ctx.block_size}: need {need})"
-            )
-
-    @staticmethod
-    def _block_ids(ctx: GPUCacheContext, block_ids: IntArray, n: int) -> np.ndarray:
-        """The first ``n`` block ids as int64, range-checked before anything is reserved."""
-        ids = np.asarray(block_ids[:n], dtype=np.int64)
-        if ids.ndim != 1:
-            raise BlockIdError(f"block_ids must be one-dimensional, got shape {ids.shape}")
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= ctx.num_blocks):
-            bad = int(np.flatnonzero((ids < 0) | (ids >= ctx.num_blocks))[0])
-            raise BlockIdError(
-                f"block id {int(ids[bad])} at position {bad} is outside [0, {ctx.num_blocks}); "
-                "nothing was copied"
-            )
-        return ids
-
 
 __all__ = ["CacheEngine", "StoreResult"]
-
-
-def _engine_block_metadata(
-    chunk_indices: list[int],
-    bpc: int,
-    block_size: int,
-    chunk_size: int,
-    block_hashes: Sequence[int],
-    token_ids: IntArray,
-) -> dict[str, Any] | None:
-    """The ``L1_WRITE_FINISHED`` keys that let KV-event routers join the engine's own
-    block hashes (EVENTS.md); None when the hashes do not cover the chunks."""
-    if chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc:
-        return None
-    hashes: list[int] = []
-    parents: list[int | None] = []
-    tokens: list[int] = []
-    for i in chunk_indices:
-        hashes.extend(int(h) for h in block_hashes[i * bpc : (i + 1) * bpc])
-        parents.append(int(block_hashes[i * bpc - 1]) if i > 0 else None)
-        tokens.extend(int(t) for t in token_ids[i * chunk_size : (i + 1) * chunk_size])
-    return {
-        "block_hashes": hashes,
-        "block_size": block_size,
-        "parent_block_hashes": parents,
-        "token_ids": tokens,
-    }

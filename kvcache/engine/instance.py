@@ -19,7 +19,7 @@ from kvcache.context import GPUCacheContext
 from kvcache.keys import ChunkHasher
 from kvcache.observability.event import ChunkKey
 from kvcache.storage.codec import dtype_name
-from kvcache.storage.l1_pool import SlotGeometry
+from kvcache.storage.slab import SlotGeometry
 
 _MAX_HASHERS = 4096  # distinct cache salts remembered per instance
 

@@ -1,128 +1,33 @@
-"""L1: the CPU chunk pool (pinned when CUDA is present), its slot allocator and its eviction.
+"""L1: the CPU chunk pool (pinned when CUDA is present): which key holds which slot, and eviction.
 
 Separate from the engine because it is pure bookkeeping over one lock: which key lives in which
 slot, who is using it, and what leaves when room is needed. The engine copies bytes into and out
 of the slot tensors (views into the pool, handed to ``GPUCacheContext`` as-is) without the lock.
-
-Memory design: one *slab* per chunk geometry (shape + dtype of a chunk; instances of the same
-model share one). A slab grows lazily by *extents*: one allocation of ``extent_bytes`` (at least
-one slot) carved into fixed-size slots whose stride is the chunk size rounded up to 256 bytes, so
-every view is aligned for DMA and any dtype. Fixed slots cannot fragment: when enough bytes are
-free a slot is free. The sum of extents never exceeds ``capacity_bytes``; when another geometry
-needs room, extents left wholly free are released and the LRU victims (of any geometry) evicted.
+Slots come from the ``SlabAllocator`` (``slab``: one slab per chunk geometry, grown by extents);
+when it is full, extents left wholly free by another geometry are released first, then the LRU
+victims (of any geometry) evicted.
 
 Eviction is LRU with one twist for prefixes: the chunks of one operation are marked used tail
 first, so the head of a prompt is the most recent and the tail leaves first (a prefix cache that
 lost its first chunk has lost everything after it).
 
-Entry states: WRITING (a store is copying in), LOADING (a prefetch from L2), READY. Lookups count
-WRITING-free entries (READY or LOADING: a retrieve waits for the load); readers and writers pin an
-entry (a refcount) and a pinned or unfinished entry is never evicted: the policy only ever holds
-READY, unpinned keys.
+Entries (``l1_entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
+evicted: the policy only ever holds READY, unpinned keys.
 """
 
 from __future__ import annotations
 
-import enum
-import math
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
 from kvcache.storage.base import EvictionPolicy
+from kvcache.storage.l1_entry import EntryState, L1Entry, WriteReservation
 from kvcache.storage.lru import LRUPolicy
-
-SLOT_ALIGN = 256
-
-
-class EntryState(enum.Enum):
-    WRITING = "writing"
-    LOADING = "loading"
-    READY = "ready"
-
-
-@dataclass(frozen=True, slots=True)
-class SlotGeometry:
-    """Shape and dtype of one chunk; the unit a slab is carved in."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def stride(self) -> int:
-        return -(-self.nbytes // SLOT_ALIGN) * SLOT_ALIGN
-
-
-class _Extent:
-    __slots__ = ("buf", "free", "nslots")
-
-    def __init__(self, buf: torch.Tensor, offsets: list[int]) -> None:
-        self.buf = buf
-        self.free = offsets
-        self.nslots = len(offsets)
-
-
-@dataclass(slots=True)
-class _Slab:
-    geometry: SlotGeometry
-    extents: dict[int, _Extent] = field(default_factory=dict)
-    avail: dict[int, _Extent] = field(default_factory=dict)  # extents with a free slot
-
-
-class L1Entry:
-    """One resident chunk. ``tensor`` is a view into the pool, valid while the entry is pinned."""
-
-    __slots__ = (
-        "_done",
-        "_extent",
-        "_offset",
-        "from_l2",
-        "geometry",
-        "key",
-        "ok",
-        "pins",
-        "state",
-        "tensor",
-    )
-
-    def __init__(
-        self, key: ChunkKey, geometry: SlotGeometry, tensor: torch.Tensor, extent: int, offset: int
-    ) -> None:
-        self.key = key
-        self.geometry = geometry
-        self.tensor = tensor
-        self.state = EntryState.WRITING
-        self.pins = 1
-        self.ok = True
-        self.from_l2 = False  # brought up by a prefetch and not yet read by a retrieve
-        self._extent = extent
-        self._offset = offset
-        self._done = threading.Event()
-
-    @property
-    def nbytes(self) -> int:
-        return self.geometry.nbytes
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until a WRITING/LOADING entry settles; True when it became READY."""
-        return self._done.wait(timeout) and self.ok
-
-
-@dataclass(frozen=True, slots=True)
-class WriteReservation:
-    """Result of ``begin_write``: which chunk indices got a fresh slot, which were present."""
-
-    new: list[tuple[int, L1Entry]]
-    present: list[int]
-    failed: int
+from kvcache.storage.slab import SLOT_ALIGN, SlabAllocator, SlotGeometry
 
 
 class L1Pool:
@@ -146,11 +51,14 @@ class L1Pool:
         self._bus: EventSink = bus if bus is not None else NullEventSink()
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, L1Entry] = {}
-        self._slabs: dict[SlotGeometry, _Slab] = {}
-        self._next_extent = 0
-        self.allocated_bytes = 0  # sum of extents
+        self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
         self.used_bytes = 0  # slots holding an entry (any state), in slot strides
         self.allocation_failures = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of host memory the pool holds (the sum of its extents)."""
+        return self._slabs.allocated_bytes
 
     # -- reservations ---------------------------------------------------------------------
     def begin_write(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> WriteReservation:
@@ -314,8 +222,7 @@ class L1Pool:
             for entry in victims:
                 self._policy.discard(entry.key)
                 self._remove(entry)
-            for slab in self._slabs.values():
-                self._release_free_extents(slab)
+            self._slabs.release_free_extents()
         self._publish([Event(EventType.L1_CLEARED, {"num_keys": len(victims)})])
         return len(victims)
 
@@ -329,15 +236,7 @@ class L1Pool:
                 "evictable_chunks": len(self._policy),
                 "pinned_memory": self.pin_memory,
                 "allocation_failures": self.allocation_failures,
-                "slabs": [
-                    {
-                        "shape": list(s.geometry.shape),
-                        "dtype": str(s.geometry.dtype).removeprefix("torch."),
-                        "extents": len(s.extents),
-                        "slots": sum(x.nslots for x in s.extents.values()),
-                    }
-                    for s in self._slabs.values()
-                ],
+                "slabs": self._slabs.slab_info(),
             }
 
     # -- internals (lock held) ------------------------------------------------------------
@@ -347,13 +246,10 @@ class L1Pool:
         entry.pins += 1
 
     def _allocate(self, geometry: SlotGeometry, key: ChunkKey, events: list[Event]) -> L1Entry | None:
-        slab = self._slabs.get(geometry)
-        if slab is None:
-            slab = self._slabs[geometry] = _Slab(geometry)
         evicted: list[L1Entry] = []
-        while not slab.avail and not self._grow(slab):
+        while (slot := self._slabs.take(geometry)) is None:
             # Room must come from elsewhere: wholly free extents of other slabs, then victims.
-            if any(self._release_free_extents(s) for s in self._slabs.values() if s is not slab):
+            if self._slabs.reclaim_for(geometry):
                 continue
             victim = self._policy.victim()
             if victim is None:
@@ -364,53 +260,17 @@ class L1Pool:
             evicted.append(entry)
         if evicted:
             events.append(self._evicted_event(evicted))
-        if not slab.avail:
+        if slot is None:
             self.allocation_failures += 1
             return None
-        ext_id, ext = next(iter(slab.avail.items()))
-        offset = ext.free.pop()
-        if not ext.free:
-            del slab.avail[ext_id]
-        view = ext.buf[offset : offset + geometry.nbytes].view(geometry.dtype).view(geometry.shape)
-        entry = L1Entry(key, geometry, view, ext_id, offset)
+        entry = L1Entry(key, geometry, slot.tensor, slot.extent, slot.offset)
         self._entries[key] = entry
         self.used_bytes += geometry.stride
         return entry
 
-    def _grow(self, slab: _Slab) -> bool:
-        stride = slab.geometry.stride
-        room = (self.capacity_bytes - self.allocated_bytes) // stride
-        n = min(max(1, self.extent_bytes // stride), room)
-        if n < 1:
-            return False
-        try:
-            raw = torch.empty(n * stride + SLOT_ALIGN, dtype=torch.uint8, pin_memory=self.pin_memory)
-        except RuntimeError:  # out of (pinned) host memory: behave as a full pool
-            return False
-        shift = -raw.data_ptr() % SLOT_ALIGN  # the allocator guarantees less than we promise
-        buf = raw[shift : shift + n * stride]
-        ext_id = self._next_extent
-        self._next_extent += 1
-        ext = _Extent(buf, [i * stride for i in reversed(range(n))])
-        slab.extents[ext_id] = ext
-        slab.avail[ext_id] = ext
-        self.allocated_bytes += n * stride
-        return True
-
-    def _release_free_extents(self, slab: _Slab) -> bool:
-        freed = [i for i, x in slab.extents.items() if len(x.free) == x.nslots]
-        for ext_id in freed:
-            ext = slab.extents.pop(ext_id)
-            slab.avail.pop(ext_id, None)
-            self.allocated_bytes -= ext.nslots * slab.geometry.stride
-        return bool(freed)
-
     def _remove(self, entry: L1Entry) -> None:
         del self._entries[entry.key]
-        slab = self._slabs[entry.geometry]
-        ext = slab.extents[entry._extent]
-        ext.free.append(entry._offset)
-        slab.avail[entry._extent] = ext
+        self._slabs.free(entry.geometry, entry._extent, entry._offset)
         self.used_bytes -= entry.geometry.stride
 
     def _evict(self, victims: list[L1Entry], events: list[Event]) -> None:
@@ -451,4 +311,4 @@ class L1Pool:
             self._bus.publish(event)
 
 
-__all__ = ["EntryState", "L1Entry", "L1Pool", "SlotGeometry", "WriteReservation"]
+__all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotGeometry", "WriteReservation"]

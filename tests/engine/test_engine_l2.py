@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat
-from kvcache.observability.event import EventType
+from kvcache.observability.event import Event, EventType
 from kvcache.storage.redis_local import LocalRedis
 from kvcache.testing import caches_equal, make_kv_caches
 from tests.helpers import RecordingSink as Sink
@@ -154,3 +155,38 @@ def test_redis_killed_mid_run_engine_keeps_serving(redis_server: LocalRedis) -> 
                 break
             time.sleep(0.01)
         assert e.status()["l2"][0]["stores"] > 2
+
+
+class _HoldingSink(Sink):
+    """Holds every disk write inside its ``L2_STORE_FINISHED`` announcement until ``gate`` is
+    set: the write-through is then in flight and its L1 slots stay pinned, deterministically."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def publish(self, event: Event) -> None:
+        super().publish(event)
+        if event.event_type is EventType.L2_STORE_FINISHED:
+            self.gate.wait(10)
+
+
+def test_second_geometry_gets_memory_while_the_first_is_written_through(tmp_path: Path) -> None:
+    """A small L1 (far below two default 64 MiB extents) shared by two layouts: the first one's
+    extent must not take the whole pool, or the second gets nothing while the first's chunks
+    are pinned by their disk writes (and, once they are not, evicts all of them to get a slot)."""
+    sink = _HoldingSink()
+    cfg = EngineConfig(chunk_size=CS, l1_size_bytes=1 << 20, l2_disk_path=str(tmp_path))  # 32 chunks of A
+    with CacheEngine(cfg, bus=sink) as e:
+        try:
+            reg(e, 1, seed=1)  # 32 KiB chunks
+            e.register(2, "m", make_kv_caches(FMT, num_layers=3, num_blocks=8, block_size=BS, seed=2))
+            assert e.store(1, TOKENS, IDS).stored_chunks == 4  # an eighth of L1, pinned by the disk writes
+            r = e.store(2, TOKENS, IDS)  # another geometry (48 KiB chunks), while those writes are held
+            assert (r.stored_chunks, r.failed_chunks) == (4, 0)
+        finally:
+            sink.gate.set()  # before close(), which waits for the held writes
+        assert e.flush(5)
+        assert not sink.of(EventType.L1_KEYS_EVICTED)
+        assert e.lookup(1, TOKENS) == 128 and e.lookup(2, TOKENS) == 128
+        assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata["l1_hit_tokens"] == 128

@@ -1,0 +1,150 @@
+"""The load path: lookup of the cached prefix, L2 -> L1 prefetch, and retrieve into engine blocks.
+
+Separate from the engine facade because these three share one rule, kept in one place: the
+prefix is L1 first, then the continuation present in L2 (tiers asked in order), and the first
+missing chunk, refused load or failed load ends it; a retrieve waits for the loads a lookup began.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvcache.engine.ids import IntArray, block_id_array, check_cover
+from kvcache.engine.instance import Instance
+from kvcache.engine.parts import EngineParts
+from kvcache.errors import ChunkMismatchError
+from kvcache.observability.event import ChunkKey, EventType
+from kvcache.storage.l1_pool import L1Entry
+from kvcache.storage.l2_async import AsyncL2
+
+logger = logging.getLogger("kvcache.engine.engine")  # the engine's logger name, as before the split
+
+
+def lookup(
+    parts: EngineParts, inst: Instance, token_ids: IntArray, *, cache_salt: str, request_id: str
+) -> int:
+    """See ``CacheEngine.lookup``."""
+    sid = parts.events.session(inst.instance_id, request_id)
+    num_tokens = len(token_ids)
+    parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(num_tokens=num_tokens))
+    keys = inst.keys(token_ids, cache_salt)
+    l1 = parts.pool.prefix(keys)
+    l2 = prefetch(parts, inst, keys[l1:])
+    cs = parts.config.chunk_size
+    hit = (l1 + l2) * cs
+    parts.stats.record_lookup(num_tokens, hit)
+    meta = inst.meta(num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs)
+    parts.events.publish(EventType.MP_LOOKUP_END, sid, meta)
+    return hit
+
+
+def prefetch(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey]) -> int:
+    """Start loading the leading ``keys`` found in L2 into L1; returns how many started."""
+    if not keys or not parts.tiers:
+        return 0
+    source: list[AsyncL2 | None] = [None] * len(keys)
+    for tier in parts.tiers:
+        missing = [i for i, s in enumerate(source) if s is None]
+        if not missing:
+            break
+        for i, present in zip(missing, tier.contains([keys[i] for i in missing]), strict=True):
+            if present:
+                source[i] = tier
+    n = next((i for i, s in enumerate(source) if s is None), len(keys))
+    entries = parts.pool.begin_load(inst.geometry, keys[:n])
+    for i, entry in enumerate(entries):
+        src = source[i]
+        assert src is not None
+
+        def done(ok: bool, entry: L1Entry = entry) -> None:
+            parts.pool.finish([entry], ok)
+
+        if not src.submit_load(entry.key, entry.tensor, done):
+            parts.pool.finish(entries[i:], False)
+            return i
+    return len(entries)
+
+
+def retrieve(
+    parts: EngineParts,
+    inst: Instance,
+    token_ids: IntArray,
+    block_ids: IntArray,
+    skip_tokens: int,
+    *,
+    cache_salt: str,
+    request_id: str,
+) -> int:
+    """See ``CacheEngine.retrieve``."""
+    ctx = inst.ctx
+    num_tokens = len(token_ids)
+    check_cover(ctx, num_tokens, block_ids)
+    if skip_tokens < 0:
+        raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
+    bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, parts.config.chunk_size
+    if skip_tokens % bs:
+        logger.info(
+            "retrieve: skip_tokens=%d is not a multiple of block size %d; rounded down", skip_tokens, bs
+        )
+    skip_blocks = skip_tokens // bs
+    skip = skip_blocks * bs
+    keys = inst.keys(token_ids, cache_salt)
+    ids = block_id_array(ctx, block_ids, len(keys) * bpc)
+    sid = parts.events.session(inst.instance_id, request_id)
+    start = inst.meta(num_tokens=num_tokens, skip_tokens=skip)
+    parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
+    first = skip_blocks // bpc  # the first chunk with a block to copy
+    good = _acquire_ready(parts, inst, keys[first:]) if first < len(keys) else []
+    copied = nbytes = l2_tokens = 0
+    elapsed = 0.0
+    if good:
+        local_skip = skip_blocks - first * bpc
+        sel = ids[first * bpc : (first + len(good)) * bpc]
+        t0 = time.perf_counter()
+        try:
+            ctx.copy_from_chunks([e.tensor for e in good], sel, skip_blocks=local_skip)
+        except Exception:
+            parts.pool.release(good)
+            parts.events.retrieve_end(inst, sid, num_tokens, skip, skip, 0, 0, 0, 0.0, False)
+            raise
+        elapsed = time.perf_counter() - t0
+        copied = len(good) * cs - local_skip * bs
+        nbytes = copied * ctx.bytes_per_token
+        l2_tokens = sum(cs for e in good if e.from_l2)
+        for e in good:
+            e.from_l2 = False
+        parts.pool.release(good, read_bytes=nbytes)
+    retrieved = skip + copied
+    parts.stats.record_load(nbytes, elapsed, copied)
+    parts.events.retrieve_end(
+        inst,
+        sid,
+        num_tokens,
+        skip,
+        retrieved,
+        max(0, copied - l2_tokens),
+        l2_tokens,
+        nbytes,
+        elapsed,
+        True,
+    )
+    return retrieved
+
+
+def _acquire_ready(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey]) -> list[L1Entry]:
+    """Pin the leading chunks of ``keys`` that are (or can be brought) in L1 and wait for
+    any load still running; the first miss or failed load ends the list."""
+    entries = parts.pool.acquire(keys)
+    if len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :]):
+        entries += parts.pool.acquire(keys[len(entries) :])
+    deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
+    for i, entry in enumerate(entries):
+        if not entry.wait(max(0.0, deadline - time.monotonic())):
+            parts.pool.release(entries[i:])
+            return entries[:i]
+    return entries
+
+
+__all__ = ["lookup", "prefetch", "retrieve"]

@@ -1,0 +1,114 @@
+"""The engine's operation events: session ids and the metadata of the MP_* start/end events.
+
+Separate from the data paths so the keys every store and retrieve reports (docs/event-contract.md)
+are written in one place, whichever path (or failure branch) publishes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcache.engine.ids import IntArray
+from kvcache.engine.instance import Instance
+from kvcache.observability.event import Event, EventSink, EventType
+
+if TYPE_CHECKING:
+    from kvcache.engine.store import StoreResult
+
+
+class OpEvents:
+    """Publishes one engine operation's events on ``bus`` under its session id."""
+
+    def __init__(self, bus: EventSink) -> None:
+        self.bus = bus
+        self._ops = itertools.count()
+
+    def session(self, instance_id: int, request_id: str) -> str:
+        """The request's own id, or a fresh one (``<instance>-<n>``) when it has none."""
+        return request_id or f"{instance_id}-{next(self._ops)}"
+
+    def publish(self, etype: EventType, sid: str, meta: dict[str, Any]) -> None:
+        self.bus.publish(Event(etype, meta, session_id=sid))
+
+    def store_end(
+        self,
+        inst: Instance,
+        sid: str,
+        num_tokens: int,
+        r: StoreResult,
+        nbytes: int,
+        seconds: float,
+        success: bool,
+        block_hashes: Sequence[int] | None = None,
+    ) -> None:
+        meta = inst.meta(
+            num_tokens=num_tokens,
+            stored_chunks=r.stored_chunks,
+            skipped_chunks=r.skipped_chunks,
+            failed_chunks=r.failed_chunks,
+            stored_tokens=r.stored_tokens,
+            num_bytes=nbytes,
+            transfer_seconds=seconds,
+            success=success,
+        )
+        if block_hashes is not None:
+            meta["block_hashes"] = list(block_hashes)
+        self.publish(EventType.MP_STORE_END, sid, meta)
+
+    def retrieve_end(
+        self,
+        inst: Instance,
+        sid: str,
+        num_tokens: int,
+        skip: int,
+        retrieved: int,
+        l1_tokens: int,
+        l2_tokens: int,
+        nbytes: int,
+        seconds: float,
+        success: bool,
+    ) -> None:
+        meta = inst.meta(
+            num_tokens=num_tokens,
+            skip_tokens=skip,
+            retrieved_tokens=retrieved,
+            l1_tokens=l1_tokens,
+            l2_tokens=l2_tokens,
+            missing_tokens=max(0, num_tokens - retrieved),
+            num_bytes=nbytes,
+            transfer_seconds=seconds,
+            success=success,
+        )
+        self.publish(EventType.MP_RETRIEVE_END, sid, meta)
+
+
+def engine_block_metadata(
+    chunk_indices: list[int],
+    bpc: int,
+    block_size: int,
+    chunk_size: int,
+    block_hashes: Sequence[int],
+    token_ids: IntArray,
+) -> dict[str, Any] | None:
+    """The ``L1_WRITE_FINISHED`` keys that let KV-event routers join the engine's own
+    block hashes (EVENTS.md); None when the hashes do not cover the chunks."""
+    if chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc:
+        return None
+    hashes: list[int] = []
+    parents: list[int | None] = []
+    tokens: list[int] = []
+    for i in chunk_indices:
+        hashes.extend(int(h) for h in block_hashes[i * bpc : (i + 1) * bpc])
+        parents.append(int(block_hashes[i * bpc - 1]) if i > 0 else None)
+        tokens.extend(int(t) for t in token_ids[i * chunk_size : (i + 1) * chunk_size])
+    return {
+        "block_hashes": hashes,
+        "block_size": block_size,
+        "parent_block_hashes": parents,
+        "token_ids": tokens,
+    }
+
+
+__all__ = ["OpEvents", "engine_block_metadata"]

@@ -1,0 +1,105 @@
+"""The store path: engine blocks -> fresh L1 slots, then written through to every L2 tier.
+
+Separate from the engine facade because it is the one path that reserves memory and owns the
+write-through pins: each chunk newly written to L1 stays pinned once per tier until that tier's
+write finishes (or is refused), so a slot is never evicted or reused while a tier reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvcache.engine.ids import IntArray, block_id_array, check_cover
+from kvcache.engine.instance import Instance
+from kvcache.engine.op_events import engine_block_metadata
+from kvcache.engine.parts import EngineParts
+from kvcache.observability.event import EventType
+from kvcache.storage.l1_pool import L1Entry
+
+
+class StoreResult(msgspec.Struct, frozen=True):
+    """What a store did, in chunks; ``stored_tokens`` are the tokens newly written."""
+
+    stored_chunks: int = 0
+    skipped_chunks: int = 0
+    failed_chunks: int = 0
+    stored_tokens: int = 0
+
+
+def store(
+    parts: EngineParts,
+    inst: Instance,
+    token_ids: IntArray,
+    block_ids: IntArray,
+    *,
+    cache_salt: str,
+    request_id: str,
+    block_hashes: Sequence[int] | None,
+) -> StoreResult:
+    """See ``CacheEngine.store``."""
+    ctx = inst.ctx
+    num_tokens = len(token_ids)
+    check_cover(ctx, num_tokens, block_ids)
+    keys = inst.keys(token_ids, cache_salt)
+    ids = block_id_array(ctx, block_ids, len(keys) * ctx.blocks_per_chunk)
+    sid = parts.events.session(inst.instance_id, request_id)
+    start = inst.meta(num_tokens=num_tokens, num_chunks=len(keys))
+    parts.events.publish(EventType.MP_STORE_START, sid, start)
+    res = parts.pool.begin_write(inst.geometry, keys) if keys else None
+    new = [e for _, e in res.new] if res else []
+    elapsed = 0.0
+    if new:
+        assert res is not None
+        bpc = ctx.blocks_per_chunk
+        sel = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i, _ in res.new])
+        t0 = time.perf_counter()
+        try:
+            ctx.copy_to_chunks(sel, [e.tensor for e in new])
+        except Exception:
+            parts.pool.finish(new, False)
+            parts.events.store_end(inst, sid, num_tokens, StoreResult(failed_chunks=len(keys)), 0, 0.0, False)
+            raise
+        elapsed = time.perf_counter() - t0
+        for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
+            parts.pool.pin(new)
+        extra = None
+        if block_hashes is not None:
+            extra = engine_block_metadata(
+                [i for i, _ in res.new],
+                bpc,
+                ctx.block_size,
+                parts.config.chunk_size,
+                block_hashes,
+                token_ids,
+            )
+        parts.pool.finish(new, True, extra)
+        _write_through(parts, new)
+    cs = parts.config.chunk_size
+    result = StoreResult(
+        stored_chunks=len(new),
+        skipped_chunks=len(res.present) if res else 0,
+        failed_chunks=res.failed if res else 0,
+        stored_tokens=len(new) * cs,
+    )
+    nbytes = len(new) * inst.geometry.nbytes
+    parts.stats.record_store(nbytes, elapsed, result.stored_tokens)
+    parts.events.store_end(inst, sid, num_tokens, result, nbytes, elapsed, True, block_hashes)
+    return result
+
+
+def _write_through(parts: EngineParts, entries: list[L1Entry]) -> None:
+    for tier in parts.tiers:
+        for entry in entries:
+
+            def done(ok: bool, entry: L1Entry = entry) -> None:
+                parts.pool.release([entry])
+
+            if not tier.submit_store(entry.key, entry.tensor, done):
+                parts.pool.release([entry])
+
+
+__all__ = ["StoreResult", "store"]
