@@ -37,7 +37,8 @@ class EngineConfig:
     l1_evict_watermark: float = 0.9
     """After a store, LRU entries are evicted until usage is at most this fraction of capacity."""
     l1_extent_bytes: int = 64 * MiB
-    """Growth step of the pool (rounded to whole chunk slots, at least one slot)."""
+    """Growth step of the pool (rounded to whole chunk slots, at least one slot, and at most a
+    quarter of ``l1_size_bytes`` so several chunk geometries can share a small pool)."""
     l1_pin_memory: bool | None = None
     """Pin L1 memory (page-locked). None = pin exactly when CUDA is available (needs a driver)."""
     l2_disk_path: str | None = None
