@@ -9,10 +9,11 @@ the wire with its neighbours, in order; nothing is sent for an event that change
 
 * ``L1_WRITE_FINISHED`` -> ``BlockStored(medium="CPU")``; ``L1_KEYS_EVICTED`` ->
   ``BlockRemoved(medium="CPU")``.
-* ``L2_STORE_FINISHED`` -> ``BlockStored(medium="STORAGE")`` for keys no L2 backend held
-  yet; ``L2_KEYS_EVICTED`` (and ``L2_LOAD_FAILED`` with reason ``"corrupt"``, after which
-  the tier drops the chunk) -> ``BlockRemoved(medium="STORAGE")`` for keys no backend holds
-  any more. Several L2 backends (disk + Redis) share the one ``STORAGE`` medium.
+* ``L2_STORE_FINISHED`` (and ``L2_KEYS_FOUND``, a restarted disk tier's contents) ->
+  ``BlockStored(medium="STORAGE")`` for keys no L2 backend held yet; ``L2_KEYS_EVICTED``
+  (and ``L2_LOAD_FAILED`` with reason ``"corrupt"``, after which the tier drops the chunk)
+  -> ``BlockRemoved(medium="STORAGE")`` for keys no backend holds any more. Several L2
+  backends (disk + Redis) share the one ``STORAGE`` medium.
 * ``L1_CLEARED`` / ``L2_CLEARED`` -> ``AllBlocksCleared`` followed, in the same batch, by
   ``BlockStored`` for whatever the other tiers still hold, so a router that drops everything
   on ``AllBlocksCleared`` ends up exact.
@@ -103,6 +104,7 @@ class KVEventsSubscriber(EventSubscriber):
             EventType.L1_KEYS_EVICTED: self._on_l1_evicted,
             EventType.L1_CLEARED: self._on_l1_cleared,
             EventType.L2_STORE_FINISHED: self._on_l2_store,
+            EventType.L2_KEYS_FOUND: self._on_l2_store,  # a restarted disk tier's contents
             EventType.L2_KEYS_EVICTED: self._on_l2_evicted,
             EventType.L2_LOAD_FAILED: self._on_l2_load_failed,
             EventType.L2_CLEARED: self._on_l2_cleared,

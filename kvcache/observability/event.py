@@ -38,6 +38,7 @@ class EventType(enum.Enum):
     L2_LOAD_FINISHED = "l2.load.finished"
     L2_LOAD_FAILED = "l2.load.failed"
     L2_KEYS_EVICTED = "l2.keys.evicted"
+    L2_KEYS_FOUND = "l2.keys.found"
     L2_CLEARED = "l2.cleared"
     # -- serving-engine block bookkeeping (publisher: CacheEngine / daemon) -------------
     MP_VLLM_BLOCK_ALLOCATION = "mp.vllm.block_allocation"

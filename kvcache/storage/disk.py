@@ -169,6 +169,9 @@ class DiskL2Adapter(L2Adapter):
                 self._index[key] = size
                 self.used_bytes += size
             self._evict_over_limit()  # the limit may have shrunk since last run
+            if self._index:  # tell holdings trackers (KV events) what survived the restart
+                meta = {"backend": self.backend, "keys": list(self._index), "num_bytes": self.used_bytes}
+                self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 
     def _evict_over_limit(self) -> None:
         """Drop least-recently-used files until the tier fits; the caller holds the lock."""

@@ -164,3 +164,30 @@ def test_array_format_and_metrics_track_the_publisher() -> None:
         assert reg.get_sample_value(f"kvcache_kv_events_{name}") == 0.0
     with pytest.raises(ValueError):
         KVEventsSubscriber(pub, chunk_size=0)
+
+
+def test_a_restarted_disk_tier_announces_what_it_found(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real disk tier restarted on an old directory: its contents reach routers as
+    BlockStored(STORAGE) before any request, and a later store of a found key adds nothing."""
+    import torch
+
+    from kvcache.storage.disk import DiskL2Adapter
+
+    first = DiskL2Adapter(str(tmp_path), 1 << 20)
+    for key in (K1, K2):
+        first.store(key, torch.zeros(1, 1, 16, 8))
+    reg = CollectorRegistry()
+    bus = EventBus(registry=reg)
+    pub = ListPublisher()
+    sub = KVEventsSubscriber(pub, chunk_size=CS, registry=reg)
+    bus.register_subscriber(sub)
+    bus.start()
+    try:
+        DiskL2Adapter(str(tmp_path), 1 << 20, bus=bus)
+        send(bus, EventType.L2_STORE_FINISHED, backend="disk", keys=[K1], num_bytes=0, duration_s=0.0)
+        assert bus.flush(5)
+        [(kind, medium, hashes, *_)] = pub.events()
+        assert (kind, medium, set(hashes)) == ("BlockStored", "STORAGE", set(f(K1, K2)))
+        assert sub.held_keys("STORAGE") == {K1, K2}
+    finally:
+        bus.stop()

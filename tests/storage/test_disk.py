@@ -58,6 +58,13 @@ def test_survives_restart_and_drops_temp_files(tmp_path: Path) -> None:
     d3 = DiskL2Adapter(str(tmp_path), d2.info()["used_bytes"] - 1, bus=sink)
     assert d3.contains([0, 1, 2]) == [False, True, True]
     assert sink.events[0].event_type is EventType.L2_KEYS_EVICTED and sink.events[0].metadata["keys"] == [0]
+    # then what survived is announced once, for holdings trackers (KV events)
+    found = sink.of(EventType.L2_KEYS_FOUND)
+    assert len(found) == 1 and sorted(found[0].metadata["keys"]) == [1, 2]
+    assert found[0].metadata["num_bytes"] == d3.info()["used_bytes"]
+    empty_sink = Sink()
+    DiskL2Adapter(str(tmp_path / "empty"), 1 << 20, bus=empty_sink)
+    assert not empty_sink.events  # an empty tier announces nothing
 
 
 @pytest.mark.parametrize(
