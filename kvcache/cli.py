@@ -1,4 +1,4 @@
-"""The ``kvcache`` console script: ``kvcache server``, ``kvcache bench``, ``kvcache demo``.
+"""The ``kvcache`` console script: ``kvcache server``, ``bench``, ``demo`` and ``keys``.
 
 A thin dispatcher so that each subcommand keeps its own module (and its own imports: the
 benchmark entry point must not pull in the daemon, nor the daemon the benchmarks).
@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("kvcache.server.__main__", "run the kvcache daemon (same as python -m kvcache.server)"),
     "bench": ("kvcache.bench.__main__", "run a benchmark (same as python -m kvcache.bench)"),
     "demo": ("kvcache.demo", "start a daemon and a demo engine; store, look up, retrieve"),
+    "keys": ("kvcache.server.keygen", "create a CURVE key pair for the daemon or a client"),
 }
 
 

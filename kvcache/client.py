@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -32,9 +34,10 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
+from kvcache.server.auth import default_runtime_dir, ipc_endpoint, load_public_key, load_secret_key
 from kvcache.server.ipc import (
     empty_shared,
-    export_tensor,
+    export_tensors,
     flatten_kv_caches,
     record_ipc_event,
     to_shared,
@@ -43,7 +46,22 @@ from kvcache.server.ipc import (
 log = logging.getLogger("kvcache.client")
 
 R = TypeVar("R", bound=m.Reply)
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+
+
+def default_endpoint() -> str:
+    """The co-located daemon's Unix socket (``$KVCACHE_RUNTIME_DIR`` or /tmp/kvcache-UID)."""
+    return ipc_endpoint(default_runtime_dir())
+
+
+def curve_sockopts(server_public_key: str, secret_key_file: str) -> dict[int, int | bytes]:
+    """DEALER options for a CURVE daemon: its public key (Z85 or a .key file) and this
+    client's key pair (a .key_secret file from ``kvcache keys``)."""
+    public, secret = load_secret_key(secret_key_file)
+    return {
+        zmq.CURVE_SERVERKEY: load_public_key(server_public_key),
+        zmq.CURVE_PUBLICKEY: public,
+        zmq.CURVE_SECRETKEY: secret,
+    }
 
 
 def _unwrap(reply: m.Reply, expected: type[R]) -> R:
@@ -63,20 +81,35 @@ class KVCacheClient:
 
     def __init__(
         self,
-        endpoint: str = DEFAULT_ENDPOINT,
-        instance_id: int = 0,
+        endpoint: str | None = None,
+        instance_id: int | None = None,
         model_name: str = "model",
         *,
         timeout_s: float = 10.0,
+        curve_server_key: str | None = None,
+        curve_secret_key: str | None = None,
     ) -> None:
-        self.endpoint = endpoint
-        self.instance_id = instance_id
+        """``endpoint``: default ``default_endpoint()`` (the local daemon's Unix socket).
+        ``instance_id``: default a random id, unique per client (two engines on defaults
+        never share one). ``curve_server_key`` / ``curve_secret_key``: for a daemon that
+        requires CURVE (the daemon's public key; this client's ``.key_secret`` file)."""
+        self.endpoint = endpoint if endpoint is not None else default_endpoint()
+        self.instance_id = instance_id if instance_id is not None else secrets.randbelow(1 << 31)
         self.model_name = model_name
         self.timeout_s = timeout_s
+        if (curve_server_key is None) != (curve_secret_key is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key")
+        self._sockopts = (
+            curve_sockopts(curve_server_key, curve_secret_key)
+            if curve_server_key is not None and curve_secret_key is not None
+            else {}
+        )
+        self._nonce = secrets.token_bytes(16)  # proves "same client" when re-registering
+        self._token = b""  # the daemon's registration token, sent with every instance request
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._lock = threading.Lock()
-        self._chan = Channel(self._ctx, endpoint)
-        self._register_msg: m.Register | None = None
+        self._chan = Channel(self._ctx, self.endpoint, self._sockopts)
+        self._register_msg: _Registration | None = None
         self._kv_caches: Any = None
         self._registered: m.Registered | None = None
         self._device = torch.device("cpu")
@@ -96,17 +129,45 @@ class KVCacheClient:
     def _call_on(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
         """One call; if a restarted daemon has forgotten this instance, register again and
         retry once (the tensors are still shared, so nothing is lost but the daemon's L1)."""
-        reply = chan.call(body, self.timeout_s)
-        register = self._register_msg
+        reply = chan.call(self._with_token(body), self.timeout_s)
         if (
             isinstance(reply, m.Error)
             and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
-            and register is not None
+            and self._register_msg is not None
             and not isinstance(body, (m.Register, m.Unregister))
         ):
-            _unwrap(chan.call(register, self.timeout_s), m.Registered)
+            self._register_on(chan)
             log.info("re-registered instance %d after a daemon restart", self.instance_id)
-            reply = chan.call(body, self.timeout_s)
+            reply = chan.call(self._with_token(body), self.timeout_s)
+        return reply
+
+    def _with_token(self, body: m.RequestBody) -> m.RequestBody:
+        """``body`` carrying the current registration token (it changes on re-registration)."""
+        if self._token and getattr(body, "instance_id", None) == self.instance_id:
+            return msgspec.structs.replace(body, token=self._token)
+        return body
+
+    def _register_on(self, chan: Channel) -> m.Registered:
+        """Register (again) on ``chan``: hand the memfds over, then send ``Register``."""
+        registration = self._register_msg
+        if registration is None:
+            raise RuntimeError("register_kv_caches has not been called")
+        descs, fds = export_tensors(registration.leaves)  # the memfds, found afresh each time
+        ticket = b""
+        if fds:
+            pong = _unwrap(chan.call(m.Ping(), self.timeout_s), m.Pong)
+            if not pong.fd_socket:
+                raise DaemonUnavailableError(
+                    "the daemon has no fd socket, so it cannot map CPU tensors; CPU engines "
+                    "must run on the daemon's host"
+                )
+            from kvcache.server.fdpass import send_fds
+
+            ticket = secrets.token_bytes(16)
+            send_fds(pong.fd_socket, ticket, fds, self.timeout_s)
+        msg = msgspec.structs.replace(registration.msg, tensors=descs, fd_ticket=ticket)
+        reply = _unwrap(chan.call(msg, self.timeout_s), m.Registered)
+        self._token, self._registered = reply.token, reply
         return reply
 
     def _submit(self, body: m.RequestBody) -> Future[Any]:
@@ -127,7 +188,7 @@ class KVCacheClient:
 
     def _background(self) -> None:
         """Runs queued async calls; sends a heartbeat ping whenever it has been idle."""
-        chan = Channel(self._ctx, self.endpoint)
+        chan = Channel(self._ctx, self.endpoint, self._sockopts)
         try:
             while True:
                 interval = self._heartbeat_interval()
@@ -159,13 +220,13 @@ class KVCacheClient:
         # A beat waits no longer than the daemon's patience, so a restart is noticed quickly.
         wait = min(self.timeout_s, reg.heartbeat_timeout_s) if reg is not None else self.timeout_s
         try:
-            pong = chan.call(m.Ping(instance_id=self.instance_id), wait)
+            pong = chan.call(m.Ping(instance_id=self.instance_id, token=self._token), wait)
         except DaemonUnavailableError as exc:  # the next beat retries; sync calls report it
             log.debug("heartbeat failed: %s", exc)
             return
         if isinstance(pong, m.Pong) and not pong.registered:
             try:
-                _unwrap(chan.call(self._register_msg, self.timeout_s), m.Registered)
+                self._register_on(chan)
                 log.info("re-registered instance %d with the daemon", self.instance_id)
             except Exception as exc:
                 log.warning("re-registering instance %d failed: %s", self.instance_id, exc)
@@ -179,7 +240,7 @@ class KVCacheClient:
         block_size: int | None = None,
         fmt: Any = None,
     ) -> m.Registered:
-        """Share the engine's KV tensors with the daemon (CPU: /dev/shm, GPU: CUDA IPC).
+        """Share the engine's KV tensors with the daemon (CPU: sealed memfds, GPU: CUDA IPC).
 
         ``kv_caches`` is one tensor, a list, or ``[K_list, V_list]``; CPU tensors must come
         from ``empty_shared``. ``fmt`` is a ``GPUKVFormat`` (or its name) when detection
@@ -190,17 +251,26 @@ class KVCacheClient:
         msg = m.Register(
             instance_id=self.instance_id,
             model_name=self.model_name,
-            tensors=[export_tensor(t) for t in leaves],
+            tensors=[],
             nesting=nesting,
             group_sizes=groups,
             engine=engine,
             fmt=fmt_name,
             block_size=block_size,
+            client_nonce=self._nonce,
         )
-        reply = self._call(msg, m.Registered)
-        self._register_msg, self._registered, self._device = msg, reply, leaves[0].device
-        # Keep the tensors (and so their /dev/shm files) alive for re-registration after a
-        # daemon restart, even if the caller drops its own references.
+        if self._closed:
+            raise RuntimeError("KVCacheClient is closed")
+        with self._lock:
+            self._register_msg = _Registration(msg, leaves)
+            try:
+                reply = self._register_on(self._chan)
+            except BaseException:
+                self._register_msg = None
+                raise
+        self._device = leaves[0].device
+        # Keep the tensors (and so their memfds) alive for re-registration after a daemon
+        # restart, even if the caller drops its own references.
         self._kv_caches = kv_caches
         self._ensure_worker()
         return reply
@@ -208,7 +278,8 @@ class KVCacheClient:
     def unregister(self) -> None:
         msg, self._register_msg = self._register_msg, None
         if msg is not None:
-            self._call(m.Unregister(instance_id=self.instance_id), m.Done)
+            self._call(m.Unregister(instance_id=self.instance_id, token=self._token), m.Done)
+            self._token = b""
 
     # -- data path ---------------------------------------------------------------------
 
@@ -385,4 +456,13 @@ class KVCacheClient:
         self.close()
 
 
-__all__ = ["DEFAULT_ENDPOINT", "KVCacheClient", "empty_shared", "to_shared"]
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    """What (re-)registration needs: the message without its tensors, and the tensors, whose
+    descriptors (and memfds, handed over under a one-shot ticket) are made afresh each time."""
+
+    msg: m.Register
+    leaves: list[torch.Tensor]
+
+
+__all__ = ["KVCacheClient", "curve_sockopts", "default_endpoint", "empty_shared", "to_shared"]

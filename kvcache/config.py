@@ -53,14 +53,20 @@ class EngineConfig:
     l2_redis_ttl_s: int | None = None
     """Expiry of Redis entries; None = rely on the server's maxmemory policy."""
     l2_max_inflight: int = 64
-    """Bound on queued + running L2 operations per direction; beyond it a write is dropped
-    (counted as an ``L2_STORE_FAILED`` with reason ``"busy"``) and a prefetch stops early."""
+    """Bound on queued + running L2 operations per direction; beyond it a write waits (see
+    ``store_wait_timeout_s``), then is dropped (an ``L2_STORE_FAILED`` with reason ``"busy"``),
+    and a prefetch stops early."""
     l2_workers: int = 4
     """I/O threads per L2 tier."""
     l2_retry_interval_s: float = 5.0
     """After an L2 tier fails with a connection error it is skipped (a miss) for this long."""
     retrieve_wait_timeout_s: float = 30.0
     """How long ``retrieve`` waits for a prefetch still running; then the prefix ends there."""
+    store_wait_timeout_s: float = 5.0
+    """How long one store may wait, in all, for L1 room held by chunks still being written
+    through to L2 (or read by retrieves), and for a place in a busy L2 tier's queue. Under
+    pressure stores slow down instead of losing chunks; only past this bound is a chunk
+    dropped, reported in ``failed_chunks`` and counted. 0 = never wait."""
 
     def __post_init__(self) -> None:
         _positive_int(self, "chunk_size")
@@ -81,6 +87,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ConfigError(f"{name} must be a positive finite number, got {v!r}")
+        v = self.store_wait_timeout_s
+        if not isinstance(v, (int, float)) or not v >= 0 or math.isinf(v):
+            raise ConfigError(f"store_wait_timeout_s must be a finite number >= 0, got {v!r}")
         if self.l2_redis_ttl_s is not None:
             _positive_int(self, "l2_redis_ttl_s")
         if self.l2_disk_path is not None and (

@@ -81,7 +81,7 @@ def run(daemon: DaemonProcess) -> bool:
     original = clone_caches(kv)
     token_bytes = 2 * LAYERS * HEADS * HEAD_SIZE * 2
     print(f"engine:   vLLM FlashAttention layout, {LAYERS} layers x {BLOCKS} blocks of {BLOCK_SIZE} "
-          f"tokens, fp16, {BLOCKS * BLOCK_SIZE * token_bytes / 2**20:.0f} MiB in /dev/shm")  # fmt: skip
+          f"tokens, fp16, {BLOCKS * BLOCK_SIZE * token_bytes / 2**20:.0f} MiB in a sealed memfd")  # fmt: skip
     prompts = _prompts(offset=0)
     client = KVCacheClient(daemon.endpoint, instance_id=0, model_name="demo-model", timeout_s=30)
     try:

@@ -11,6 +11,8 @@ Each error also derives from the matching builtin, so callers that already catch
     ├── StorageError (RuntimeError)       a tier failed (disk, Redis); translated at the adapter edge
     │   └── CorruptChunkError             a stored chunk failed its header or checksum check
     ├── UnknownInstanceError (KeyError)   a request names an instance that never registered
+    ├── AccessDeniedError (PermissionError)  a wrong registration token, an unknown peer, a tenant limit
+    ├── LimitExceededError (ValueError)   a configured bound (tensors, ids, instances) was hit
     └── ProtocolError (ValueError)        a daemon message that cannot be decoded or is of another version
 """
 
@@ -52,17 +54,29 @@ class UnknownInstanceError(KvcacheError, KeyError):
         return str(self.args[0]) if self.args else "unknown instance"
 
 
+class AccessDeniedError(KvcacheError, PermissionError):
+    """The caller may not do this: it lacks the instance's registration token, its peer
+    credentials are not allowed, or its tenant is restricted to other models or salts."""
+
+
+class LimitExceededError(KvcacheError, ValueError):
+    """A request exceeds a configured bound (tensors per registration, ids per request,
+    registered instances, descriptors); nothing was changed."""
+
+
 class ProtocolError(KvcacheError, ValueError):
     """A wire message could not be decoded, or speaks another protocol version."""
 
 
 __all__ = [
+    "AccessDeniedError",
     "BlockIdError",
     "ChunkMismatchError",
     "CorruptChunkError",
     "CudaUnavailableError",
     "KvcacheError",
     "LayoutError",
+    "LimitExceededError",
     "ProtocolError",
     "StorageError",
     "UnknownInstanceError",

@@ -2,9 +2,11 @@
 
 Three measurements against a real ``python -m kvcache.server`` child process on loopback:
 
-* **lookup round trip** (p50/p99) of a prompt whose chunks are all cached, next to the
-  in-process ``CacheEngine.lookup`` of the same prompt and a bare ping (the transport floor);
-  target p50 <= 150 us;
+* **lookup round trip** (p50/p99) of a prompt whose chunks are all cached, over the Unix
+  socket (``ipc://``, the local default) and over loopback TCP side by side, interleaved in
+  rounds so both see the same machine load, next to the in-process ``CacheEngine.lookup`` of
+  the same prompt and a bare ping per transport (the floor); targets: p50 <= 150 us, and
+  ``ipc://`` lookup p50 <= 0.7 x the TCP one;
 * **store/retrieve throughput** through the daemon (CPU cache in shared memory) against the
   in-process engine doing the same work; target >= 0.6 x in-process;
 * **8 concurrent clients** (separate processes, separate instances) storing, looking up and
@@ -173,18 +175,31 @@ def main(argv: list[str]) -> int:
         engine.close()
 
     with DaemonProcess(flags) as daemon:
-        with KVCacheClient(daemon.endpoint, 0, "bench", timeout_s=60) as c:
+        with KVCacheClient(daemon.ipc_endpoint, 0, "bench", timeout_s=60) as c, \
+                KVCacheClient(daemon.endpoint, 1, "bench", timeout_s=60) as tcp:  # fmt: skip
             c.register_kv_caches(kv)
+            tcp.register_kv_caches(kv)
             c.store(lookup_toks, lookup_blocks)
-            ping = _timed(c.ping, a.lookups, 300)
-            remote = _timed(lambda: c.lookup(lookup_toks), a.lookups, 300)
+            timings: dict[str, list[float]] = {k: [] for k in ("pi", "pt", "li", "lt")}
+            calls: dict[str, Callable[[], object]] = {
+                "pi": c.ping, "pt": tcp.ping,
+                "li": lambda: c.lookup(lookup_toks), "lt": lambda: tcp.lookup(lookup_toks),
+            }  # fmt: skip
+            rounds = 10
+            for _ in range(rounds):  # interleaved: both transports share every load change
+                for key, fn in calls.items():
+                    timings[key] += _timed(fn, a.lookups // rounds, 30)
             remote_tp = _throughput(a, c.store, c.retrieve, kv, token_bytes)
 
-        for name, xs in (("ping (transport floor)", ping), ("lookup via daemon", remote),
+        for name, xs in (("ping ipc:// (floor)", timings["pi"]), ("ping tcp:// (floor)", timings["pt"]),
+                         ("lookup via daemon, ipc://", timings["li"]),
+                         ("lookup via daemon, tcp://", timings["lt"]),
                          ("lookup in-process", local)):  # fmt: skip
             rows.append({"what": name, "tokens": a.lookup_tokens,
                          "p50_us": _percentile(xs, 0.5) * 1e6, "p99_us": _percentile(xs, 0.99) * 1e6,
                          "mean_us": statistics.fmean(xs) * 1e6})  # fmt: skip
+        ipc_p50, tcp_p50 = _percentile(timings["li"], 0.5), _percentile(timings["lt"], 0.5)
+        rows.append({"what": "lookup p50 ipc/tcp", "ratio": ipc_p50 / tcp_p50, "target": 0.7})
         for i, op in enumerate(("store", "retrieve")):
             rows.append({"what": f"{op} GB/s", "daemon": remote_tp[i], "in_process": local_tp[i],
                          "ratio": remote_tp[i] / local_tp[i] if local_tp[i] else 0.0})  # fmt: skip

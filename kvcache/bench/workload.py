@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.bench.workload_daemon import DaemonProcess, free_port
+from kvcache.bench.workload_daemon import DaemonProcess
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +135,8 @@ def run_once(
         flags = ["--chunk-size", str(args.chunk_size), "--l1-size-gb", str(args.l1_gb),
                  "--l2-disk-path", str(Path(tmp) / "l2"),
                  "--l2-disk-size-gb", str(args.l2_disk_gb)]  # fmt: skip
-        port = free_port()
-        # vLLM's convention: a wildcard address binds (the daemon), a plain one connects (us).
-        endpoint = f"tcp://*:{port}" if kv_events else None
+        # The daemon binds a Unix socket (local, so no --kv-events-allow-remote); we connect.
+        endpoint = f"ipc://{Path(tmp) / 'kv-events.sock'}" if kv_events else None
         log_path = str(Path(args.out) / f"daemon-kv-events-{'on' if kv_events else 'off'}.log")
         daemon = DaemonProcess(flags, endpoint, log_path=log_path)
         counter = None
@@ -145,7 +144,7 @@ def run_once(
             daemon.wait_ready()
             cpu0 = daemon.cpu_seconds()
             if endpoint is not None:
-                counter = _EventCounter(f"tcp://127.0.0.1:{port}")
+                counter = _EventCounter(endpoint)
                 counter.start()
             nl, nb, bs, nh, hs = args.layers, args.num_blocks, args.block_size, args.heads, args.head_size
             kv = [empty_shared((2, nb, bs, nh, hs), torch.bfloat16) for _ in range(nl)]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,8 +46,9 @@ class DaemonProcess:
         self.port, self.metrics_port = free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-bench-")  # its own Unix sockets
         argv = [*flags, "--port", str(self.port), "--prometheus-port", str(self.metrics_port),
-                "--log-level", "WARNING"]  # fmt: skip
+                "--runtime-dir", self.runtime_dir, "--log-level", "WARNING"]  # fmt: skip
         module = "kvcache.server"
         if kv_events_endpoint is not None:
             argv += ["--kv-events-endpoint", kv_events_endpoint]
@@ -94,6 +97,7 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return self.proc.returncode
 
 

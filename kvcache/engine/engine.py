@@ -38,7 +38,7 @@ from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.engine.store import StoreResult
-from kvcache.errors import LayoutError, UnknownInstanceError
+from kvcache.errors import BlockIdError, LayoutError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import BlockAllocationRecord, Event, EventSink, EventType, NullEventSink
 from kvcache.storage.factory import create_policy, l2_adapters_from_config
@@ -163,7 +163,20 @@ class CacheEngine:
 
     # -- engine bookkeeping events ----------------------------------------------------------
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:
+        """Publish the engine's block allocations for lifecycle tracking.
+
+        Every block id is checked against the registered cache first and a bad one refuses the
+        whole report (``BlockIdError``, nothing published): subscribers keep state per
+        (instance, block), which stays bounded only if the ids are."""
         inst = self._instance(instance_id)
+        num_blocks = inst.ctx.num_blocks
+        for record in records:
+            bad = next((b for b in record.new_block_ids if not 0 <= b < num_blocks), None)
+            if bad is not None:
+                raise BlockIdError(
+                    f"block id {bad} in the allocation report of request {record.req_id!r} is "
+                    f"outside [0, {num_blocks}) of instance {instance_id}; report refused"
+                )
         meta = {
             "instance_id": instance_id,
             "model_name": inst.model_name,

@@ -40,8 +40,14 @@ def lookup(
     return hit
 
 
-def prefetch(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey]) -> int:
-    """Start loading the leading ``keys`` found in L2 into L1; returns how many started."""
+def prefetch(
+    parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey], deadline: float | None = None
+) -> int:
+    """Start loading the leading ``keys`` found in L2 into L1; returns how many started.
+
+    Without ``deadline`` (a lookup) nothing waits: a full load queue ends the prefix early. A
+    retrieve passes its deadline, so a chunk its lookup promised is not lost to a busy queue.
+    """
     if not keys or not parts.tiers:
         return 0
     source: list[AsyncL2 | None] = [None] * len(keys)
@@ -61,7 +67,8 @@ def prefetch(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey]) -> in
         def done(ok: bool, entry: L1Entry = entry) -> None:
             parts.pool.finish([entry], ok)
 
-        if not src.submit_load(entry.key, entry.tensor, done):
+        wait_s = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not src.submit_load(entry.key, entry.tensor, done, wait_s):
             parts.pool.finish(entries[i:], False)
             return i
     return len(entries)
@@ -84,13 +91,17 @@ def retrieve(
     if skip_tokens < 0:
         raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
     bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, parts.config.chunk_size
+    keys = inst.keys(token_ids, cache_salt)
+    if skip_tokens > len(keys) * cs:
+        # The engine cannot already hold more of this request than the request has: a larger
+        # skip is clamped, so the answer never claims tokens that do not exist.
+        skip_tokens = len(keys) * cs
     if skip_tokens % bs:
         logger.info(
             "retrieve: skip_tokens=%d is not a multiple of block size %d; rounded down", skip_tokens, bs
         )
     skip_blocks = skip_tokens // bs
     skip = skip_blocks * bs
-    keys = inst.keys(token_ids, cache_salt)
     ids = block_id_array(ctx, block_ids, len(keys) * bpc)
     sid = parts.events.session(inst.instance_id, request_id)
     start = inst.meta(num_tokens=num_tokens, skip_tokens=skip)
@@ -136,10 +147,10 @@ def retrieve(
 def _acquire_ready(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey]) -> list[L1Entry]:
     """Pin the leading chunks of ``keys`` that are (or can be brought) in L1 and wait for
     any load still running; the first miss or failed load ends the list."""
-    entries = parts.pool.acquire(keys)
-    if len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :]):
-        entries += parts.pool.acquire(keys[len(entries) :])
     deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
+    entries = parts.pool.acquire(keys)
+    if len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :], deadline):
+        entries += parts.pool.acquire(keys[len(entries) :])
     for i, entry in enumerate(entries):
         if not entry.wait(max(0.0, deadline - time.monotonic())):
             parts.pool.release(entries[i:])

@@ -49,7 +49,9 @@ def store(
     sid = parts.events.session(inst.instance_id, request_id)
     start = inst.meta(num_tokens=num_tokens, num_chunks=len(keys))
     parts.events.publish(EventType.MP_STORE_START, sid, start)
-    res = parts.pool.begin_write(inst.geometry, keys) if keys else None
+    wait_s = parts.config.store_wait_timeout_s
+    deadline = time.monotonic() + wait_s
+    res = parts.pool.begin_write(inst.geometry, keys, wait_s=wait_s) if keys else None
     new = [e for _, e in res.new] if res else []
     elapsed = 0.0
     if new:
@@ -77,7 +79,7 @@ def store(
                 token_ids,
             )
         parts.pool.finish(new, True, extra)
-        _write_through(parts, new)
+        _write_through(parts, new, deadline)
     cs = parts.config.chunk_size
     result = StoreResult(
         stored_chunks=len(new),
@@ -91,14 +93,17 @@ def store(
     return result
 
 
-def _write_through(parts: EngineParts, entries: list[L1Entry]) -> None:
+def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float) -> None:
+    """Queue each new chunk to every tier; a busy tier gets until ``deadline`` (the store's
+    own wait bound) to make room, so a burst of stores is slowed down rather than dropped."""
     for tier in parts.tiers:
         for entry in entries:
 
             def done(ok: bool, entry: L1Entry = entry) -> None:
                 parts.pool.release([entry])
 
-            if not tier.submit_store(entry.key, entry.tensor, done):
+            wait_s = max(0.0, deadline - time.monotonic())
+            if not tier.submit_store(entry.key, entry.tensor, done, wait_s):
                 parts.pool.release([entry])
 
 

@@ -8,13 +8,22 @@ unless ``--kv-events-endpoint`` is given.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.kv_events.messages import FORMATS
-from kvcache.kv_events.publisher import DEFAULT_BATCH_WINDOW_S, DEFAULT_BUFFER_STEPS, default_factory
+from kvcache.kv_events.publisher import (
+    DEFAULT_BATCH_WINDOW_S,
+    DEFAULT_BUFFER_STEPS,
+    default_factory,
+    should_bind,
+)
 from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.netaddr import endpoint_is_local
 from kvcache.observability.config import positive_int
+
+log = logging.getLogger("kvcache.kv_events")
 
 DEFAULT_TOPIC = "kv-events"
 DEFAULT_CHUNK_SIZE = 256
@@ -35,11 +44,15 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """Add the ``kv events`` flag group to ``parser``; returns it."""
     g = parser.add_argument_group("kv events (vLLM-compatible, for cluster routers)")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
-                   help="ZMQ PUB address, e.g. tcp://*:5557 (wildcard/ipc/inproc bind, a plain "
-                        "host connects); default: KV events off")
+                   help="ZMQ PUB address: ipc:// and wildcards (tcp://*:5557) bind, a plain host "
+                        "(tcp://router:5557) connects to a router that binds; a wildcard needs "
+                        "--kv-events-allow-remote. Default: KV events off")
     g.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR",
                    help="ZMQ ROUTER address (bound) where routers ask for missed batches, "
-                        "e.g. tcp://*:5558 (default: no replay)")
+                        "e.g. tcp://127.0.0.1:5558 (default: no replay)")
+    g.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="allow binding the KV-events sockets beyond loopback (they tell anyone "
+                        "who connects which prompts are cached)")
     g.add_argument("--kv-events-topic", default=DEFAULT_TOPIC,
                    help="topic frame of every message (default %(default)s)")
     g.add_argument("--kv-events-format", choices=FORMATS, default="map",
@@ -69,6 +82,7 @@ def build_kv_events_subscriber(
         if replay is not None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         return None
+    check_exposure(endpoint, replay, getattr(ns, "kv_events_allow_remote", False))
     publisher = default_factory().create(
         "zmq",
         endpoint=endpoint,
@@ -89,4 +103,24 @@ def build_kv_events_subscriber(
         raise
 
 
-__all__ = ["DEFAULT_TOPIC", "add_kv_events_args", "build_kv_events_subscriber"]
+def check_exposure(endpoint: str, replay: str | None, allow_remote: bool) -> None:
+    """Refuse to bind a KV-events socket beyond loopback unless asked; warn when asked.
+
+    A connecting PUB (a plain host) is not checked: it goes to the router the operator
+    named. Binding ``tcp://*`` would tell anyone who reaches the port which prompts are cached.
+    """
+    bound = [e for e in (endpoint if should_bind(endpoint) else None, replay) if e is not None]
+    # Only TCP reaches other hosts; an unknown scheme is left to ZMQ to refuse.
+    exposed = [e for e in bound if e.startswith("tcp://") and not endpoint_is_local(e)]
+    if not exposed:
+        return
+    if not allow_remote:
+        raise ValueError(
+            f"refusing to bind KV events on {', '.join(exposed)}: that is reachable from the "
+            "network and reveals which prompts are cached; bind ipc:// or loopback, let the "
+            "router bind (a plain host connects to it), or pass --kv-events-allow-remote"
+        )
+    log.warning("KV events bound on %s: reachable from the network", ", ".join(exposed))
+
+
+__all__ = ["DEFAULT_TOPIC", "add_kv_events_args", "build_kv_events_subscriber", "check_exposure"]

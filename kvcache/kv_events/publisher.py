@@ -84,7 +84,7 @@ class NullEventPublisher(EventPublisher):
         return None
 
 
-def _should_bind(endpoint: str) -> bool:
+def should_bind(endpoint: str) -> bool:
     """vLLM's convention: wildcard, ipc and inproc addresses bind; a plain host connects."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -166,7 +166,7 @@ class ZmqEventPublisher(EventPublisher):
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._replay: zmq.Socket[Any] | None = None
         try:
-            if _should_bind(endpoint):
+            if should_bind(endpoint):
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from kvcache.errors import ProtocolError
+from kvcache.errors import AccessDeniedError, ProtocolError
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
 from kvcache.protocol.errors import DaemonUnavailableError
@@ -27,22 +29,46 @@ class Channel:
     calls are recognised by their id and dropped.
     """
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
-        self._ctx, self._endpoint = ctx, endpoint
-        self._ids = itertools.count(1)
-        self._sock = self._open()
+    _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
-    def _open(self) -> zmq.Socket[Any]:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        endpoint: str,
+        sockopts: Mapping[int, int | bytes] | None = None,
+    ) -> None:
+        """``sockopts`` are set before connecting (the CURVE client keys, for one)."""
+        self._ctx, self._endpoint = ctx, endpoint
+        self._sockopts = dict(sockopts or {})
+        self._ids = itertools.count(1)
+        self._sock, self._monitor = self._open()
+
+    def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        for option, value in self._sockopts.items():
+            sock.setsockopt(option, value)
+        # A refused handshake is otherwise silent (ZMQ retries it forever): watch for it so a
+        # timed-out call can say "refused" instead of "no reply".
+        monitor = sock.get_monitor_socket(self._AUTH_FAILURES)
         sock.connect(self._endpoint)
-        return sock
+        return sock, monitor
+
+    def _refusal(self) -> str | None:
+        """The reason of a refused handshake seen on this socket, if any."""
+        reason = None
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
+        return reason
 
     def reset(self) -> None:
-        self._sock.close(linger=0)
-        self._sock = self._open()
+        self.close()
+        self._sock, self._monitor = self._open()
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
     def call(self, body: m.RequestBody, timeout_s: float) -> m.ReplyBody:
@@ -52,7 +78,13 @@ class Channel:
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
+                refused = self._refusal()
                 self.reset()
+                if refused is not None:
+                    raise AccessDeniedError(
+                        f"the kvcache daemon at {self._endpoint} refused this client: {refused}; "
+                        "check its --clients allow-list, the CURVE keys, or the peer's uid"
+                    )
                 raise DaemonUnavailableError(
                     f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
                     f"({type(body).__name__}); is `python -m kvcache.server` running?"

@@ -8,11 +8,13 @@ turns that reply back into the same exception class, so a caller of ``KVCacheCli
 from __future__ import annotations
 
 from kvcache.errors import (
+    AccessDeniedError,
     BlockIdError,
     ChunkMismatchError,
     CudaUnavailableError,
     KvcacheError,
     LayoutError,
+    LimitExceededError,
     ProtocolError,
     StorageError,
     UnknownInstanceError,
@@ -47,11 +49,15 @@ _CODE_TO_CLASS: dict[ErrorCode, type[Exception]] = {
     ErrorCode.STORAGE: StorageError,
     ErrorCode.CUDA_UNAVAILABLE: CudaUnavailableError,
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
+    ErrorCode.ACCESS_DENIED: AccessDeniedError,
+    ErrorCode.LIMIT: LimitExceededError,
 }
 
 # Most specific first: CorruptChunkError is a StorageError, UnknownInstanceError a KeyError.
 _CLASS_TO_CODE: list[tuple[type[BaseException], ErrorCode]] = [
     (UnknownInstanceError, ErrorCode.UNKNOWN_INSTANCE),
+    (AccessDeniedError, ErrorCode.ACCESS_DENIED),
+    (LimitExceededError, ErrorCode.LIMIT),
     (BlockIdError, ErrorCode.BLOCK_ID),
     (LayoutError, ErrorCode.LAYOUT),
     (ChunkMismatchError, ErrorCode.CHUNK_MISMATCH),

@@ -22,8 +22,11 @@ import msgspec
 
 from kvcache.observability.event import BlockAllocationRecord
 
-PROTOCOL_VERSION = 1
-"""Bumped only on a change an older peer would misread; a mismatch is a ``VERSION_MISMATCH`` reply."""
+PROTOCOL_VERSION = 2
+"""Bumped only on a change an older peer would misread; a mismatch is a ``VERSION_MISMATCH`` reply.
+
+2: registration tokens on every instance request; CPU tensors travel as sealed memfds
+(``FdTensor``) instead of /dev/shm paths."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 """Frames larger than this get a ``TOO_LARGE`` reply (token lists of ~10M ids fit)."""
@@ -47,6 +50,8 @@ class ErrorCode(str, enum.Enum):
     CUDA_UNAVAILABLE = "cuda_unavailable"
     BAD_REQUEST = "bad_request"  # well-formed but invalid arguments
     SHUTTING_DOWN = "shutting_down"
+    ACCESS_DENIED = "access_denied"  # wrong or missing registration token, tenant restriction
+    LIMIT = "limit"  # a per-registration or per-request bound was hit
     INTERNAL = "internal"
 
 
@@ -57,19 +62,21 @@ class _Wire(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=
 # -- tensor descriptors ------------------------------------------------------------------
 
 
-class ShmTensor(_Wire, tag="shm", tag_field="via"):
-    """A CPU tensor living in a file under /dev/shm that both processes map.
+class FdTensor(_Wire, tag="fd", tag_field="via"):
+    """A CPU tensor inside a sealed memfd that the engine handed to the daemon.
 
-    ``offset`` is the byte offset of element 0 inside the file; ``stride`` is in elements.
-    ``owner_pid`` lets the daemon remove files left behind by an engine that died.
+    The descriptors themselves never travel in a ZMQ frame: the client sends them beforehand
+    over the daemon's Unix fd socket (``SCM_RIGHTS``) under a random ``Register.fd_ticket``;
+    ``fd_index`` names one of the descriptors sent under that ticket. ``offset`` is the byte
+    offset of element 0 inside the memfd; ``stride`` is in elements. No path is ever named,
+    so a client cannot make the daemon open, map or delete a file of its choosing.
     """
 
-    path: str
+    fd_index: NonNegInt
     offset: NonNegInt
     shape: list[NonNegInt]
     stride: list[NonNegInt]
     dtype: str
-    owner_pid: int = 0
 
 
 class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
@@ -94,7 +101,7 @@ class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
     dtype: str
 
 
-TensorDesc = ShmTensor | CudaIpcTensor
+TensorDesc = FdTensor | CudaIpcTensor
 
 
 class IdArray(_Wire, array_like=True):
@@ -132,10 +139,16 @@ class Register(Request, tag="register"):
     engine: str = "vllm"
     fmt: str | None = None
     block_size: int | None = None
+    fd_ticket: bytes = b""
+    """The ticket the ``FdTensor`` descriptors were sent under (empty for CUDA tensors)."""
+    client_nonce: bytes = b""
+    """A random value fixed for the life of one client object: re-registering a live instance
+    id is allowed only with the nonce of the registration it replaces (the same client)."""
 
 
 class Unregister(Request, tag="unregister"):
     instance_id: NonNegInt
+    token: bytes = b""
 
 
 class Lookup(Request, tag="lookup"):
@@ -143,6 +156,7 @@ class Lookup(Request, tag="lookup"):
     token_ids: IdArray
     cache_salt: str = ""
     request_id: str = ""
+    token: bytes = b""
 
 
 class Store(Request, tag="store"):
@@ -159,6 +173,7 @@ class Store(Request, tag="store"):
     request_id: str = ""
     block_hashes: list[int] | None = None
     cuda_event: bytes | None = None
+    token: bytes = b""
 
 
 class Retrieve(Request, tag="retrieve"):
@@ -168,16 +183,19 @@ class Retrieve(Request, tag="retrieve"):
     skip_tokens: NonNegInt = 0
     cache_salt: str = ""
     request_id: str = ""
+    token: bytes = b""
 
 
 class ReportBlockAllocations(Request, tag="report_block_allocations"):
     instance_id: NonNegInt
     records: list[BlockAllocationRecord]
+    token: bytes = b""
 
 
 class EndSession(Request, tag="end_session"):
     instance_id: NonNegInt
     request_id: str
+    token: bytes = b""
 
 
 class Status(Request, tag="status"):
@@ -185,9 +203,11 @@ class Status(Request, tag="status"):
 
 
 class Ping(Request, tag="ping"):
-    """Health check and heartbeat: a ping naming an instance keeps its registration alive."""
+    """Health check and heartbeat: a ping naming an instance (with its token) keeps its
+    registration alive."""
 
     instance_id: int | None = None
+    token: bytes = b""
 
 
 RequestBody = (
@@ -233,6 +253,8 @@ class Registered(Reply, tag="registered"):
     chunk_size: int
     fmt: str
     heartbeat_timeout_s: float
+    token: bytes = b""
+    """The registration token: every later request for this instance must carry it."""
 
 
 class Done(Reply, tag="done"):
@@ -274,6 +296,8 @@ class Pong(Reply, tag="pong"):
 
     protocol_version: int
     registered: bool = False
+    fd_socket: str = ""
+    """Path of the daemon's Unix socket for handing over memfds (empty: CPU tensors unsupported)."""
 
 
 ReplyBody = (
@@ -295,6 +319,7 @@ __all__ = [
     "EndSession",
     "Error",
     "ErrorCode",
+    "FdTensor",
     "IdArray",
     "Lookup",
     "LookupResult",
@@ -312,7 +337,6 @@ __all__ = [
     "RequestHeader",
     "Retrieve",
     "RetrieveResult",
-    "ShmTensor",
     "Status",
     "StatusResult",
     "Store",

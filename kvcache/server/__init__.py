@@ -2,7 +2,8 @@
 on a host.
 
 ``__main__`` (flags, TOML, signals) -> ``daemon`` (ZMQ ROUTER loop, worker lanes, reaper) ->
-``handlers`` (one per request, calling ``CacheEngine``); ``registry`` tracks instances and
-heartbeats; ``ipc`` shares tensors (CPU: /dev/shm, GPU: CUDA IPC); ``launch`` starts a daemon
-as a child process. Importing this package starts nothing.
+``handlers`` (one per request, calling ``CacheEngine``); ``registry`` tracks instances, their
+tokens and heartbeats; ``auth`` decides who may connect and as whom; ``ipc`` shares tensors
+(CPU: sealed memfds, GPU: CUDA IPC) and ``fdpass`` hands the memfds over; ``keygen`` makes
+CURVE keys; ``launch`` starts a daemon as a child process. Importing this package starts nothing.
 """

@@ -23,7 +23,9 @@ from kvcache.observability.config import ObservabilityConfig, add_observability_
 from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from kvcache.server.auth import default_runtime_dir
 from kvcache.server.daemon import DaemonConfig
+from kvcache.server.handlers import Limits
 
 if TYPE_CHECKING:
     from kvcache.observability import Observability
@@ -47,7 +49,7 @@ examples:
 config file (TOML; flags given on the command line override it):
   [server]          host, port, allow_remote, workers, fast_workers, heartbeat_timeout, ...
   [storage]         chunk_size, l1_size_gb, l1_evict_watermark, l2_disk_path, l2_disk_size_gb,
-                    l2_redis_url
+                    l2_redis_url, l2_redis_timeout, l2_retry_interval, store_wait_timeout, ...
   [observability]   the observability, kv events, request trace and plug-in flags below
   keys are the flag names without '--', with '_' or '-' (l1_size_gb = 32)
 
@@ -62,6 +64,7 @@ class Settings:
     """Everything ``main`` needs, resolved from defaults, the TOML file and the flags."""
 
     daemon: DaemonConfig
+    limits: Limits
     engine: EngineConfig
     observability: ObservabilityConfig
     log_level: str
@@ -89,7 +92,31 @@ def build_parser(
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     srv.add_argument("--port", type=int, default=5555, help="ZMQ port (default %(default)s; 0 = any free)")
     srv.add_argument("--allow-remote", action="store_true",
-                     help="allow a non-loopback --host; anyone who reaches it can use the cache")
+                     help="allow a non-loopback --host (needs --curve-secret-key and --clients)")
+    srv.add_argument("--no-tcp", dest="tcp", action="store_false",
+                     help="do not listen on TCP at all (local engines use the ipc:// socket)")
+    srv.add_argument("--runtime-dir", default=None, metavar="DIR",
+                     help="private directory (0700) for the Unix sockets daemon.sock (ipc:// "
+                     "requests) and fds.sock (CPU memfd hand-over); default $KVCACHE_RUNTIME_DIR "
+                     "or /tmp/kvcache-UID, where clients look by default")
+    srv.add_argument("--no-ipc", dest="ipc", action="store_false",
+                     help="do not listen on the ipc:// socket (the fd socket stays)")
+    srv.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                     help="the daemon's CURVE key pair (a .key_secret file from `kvcache keys`): "
+                     "TCP clients must then authenticate and traffic is encrypted")
+    srv.add_argument("--clients", default=None, metavar="FILE",
+                     help="allow-list TOML: [[client]] entries with a CURVE public_key or a local "
+                     "uid, optionally restricted to models / cache_salts (docs/operator-guide.md)")
+    lim = Limits()
+    srv.add_argument("--max-instances", type=int, default=lim.max_instances,
+                     help="engine instances registered at once (default %(default)s)")
+    srv.add_argument("--max-tensors", type=int, default=lim.max_tensors,
+                     help="KV tensors in one registration (default %(default)s)")
+    srv.add_argument("--max-registration-gb", type=float,
+                     default=lim.max_registration_bytes / GiB,
+                     help="engine memory one registration may map, GiB (default %(default)g)")
+    srv.add_argument("--max-ids", type=int, default=lim.max_ids,
+                     help="token ids, block ids or block hashes in one request (default %(default)s)")
     srv.add_argument("--workers", type=int, default=4,
                      help="threads for register/store/retrieve (default %(default)s)")
     srv.add_argument("--fast-workers", type=int, default=2,
@@ -120,6 +147,20 @@ def build_parser(
                     help="bound of the disk tier, GiB (default %(default)g)")
     st.add_argument("--l2-redis-url", default=None, metavar="URL",
                     help="redis://host:port/db of a Redis/Valkey tier shared by hosts (default: off)")
+    st.add_argument("--l2-redis-timeout", type=float, default=defaults.l2_redis_socket_timeout_s,
+                    metavar="SECONDS", help="bound on one Redis command (default %(default)s)")
+    st.add_argument("--l2-redis-connect-timeout", type=float,
+                    default=defaults.l2_redis_connect_timeout_s, metavar="SECONDS",
+                    help="bound on connecting to Redis (default %(default)s)")
+    st.add_argument("--l2-redis-ttl", type=int, default=None, metavar="SECONDS",
+                    help="expiry of Redis entries (default: none, the server's maxmemory policy)")
+    st.add_argument("--l2-retry-interval", type=float, default=defaults.l2_retry_interval_s,
+                    metavar="SECONDS", help="after a tier times out or is unreachable, treat it as "
+                    "a miss for this long before trying again (default %(default)s)")
+    st.add_argument("--store-wait-timeout", type=float, default=defaults.store_wait_timeout_s,
+                    metavar="SECONDS", help="how long a store may wait for L1 room held by "
+                    "write-through to L2, or for a place in a busy L2 queue, before chunks are "
+                    "dropped and counted (default %(default)s; 0 = never wait)")
     dests["storage"] = _dests(parser) - before
 
     before = _dests(parser)
@@ -184,6 +225,17 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             drain_timeout_s=ns.drain_timeout,
             # A Redis lookup waits on the network: keep it off the I/O thread.
             inline_lookups=ns.l2_redis_url is None,
+            listen_tcp=ns.tcp,
+            listen_ipc=ns.ipc,
+            runtime_dir=ns.runtime_dir or default_runtime_dir(),
+            curve_secret_key=ns.curve_secret_key,
+            clients_file=ns.clients,
+        )
+        limits = Limits(
+            max_instances=ns.max_instances,
+            max_tensors=ns.max_tensors,
+            max_registration_bytes=int(ns.max_registration_gb * GiB),
+            max_ids=ns.max_ids,
         )
         engine = EngineConfig(
             chunk_size=ns.chunk_size,
@@ -192,6 +244,11 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             l2_disk_path=ns.l2_disk_path,
             l2_disk_size_bytes=int(ns.l2_disk_size_gb * GiB),
             l2_redis_url=ns.l2_redis_url,
+            l2_redis_socket_timeout_s=ns.l2_redis_timeout,
+            l2_redis_connect_timeout_s=ns.l2_redis_connect_timeout,
+            l2_redis_ttl_s=ns.l2_redis_ttl,
+            l2_retry_interval_s=ns.l2_retry_interval,
+            store_wait_timeout_s=ns.store_wait_timeout,
         )
         obs = ObservabilityConfig.from_args(ns)
     except ValueError as exc:
@@ -201,7 +258,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             "--disable-observability turns the event bus off; KV events, the request trace "
             "and --subscriber plug-ins need it"
         )
-    return Settings(daemon, engine, obs, ns.log_level, ns)
+    return Settings(daemon, limits, engine, obs, ns.log_level, ns)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.server") -> int:
@@ -230,9 +287,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
         obs.shutdown()
         return 1
     try:
-        handlers = Handlers(engine, InstanceRegistry(), settings.daemon.heartbeat_timeout_s)
+        handlers = Handlers(
+            engine,
+            InstanceRegistry(),
+            settings.daemon.heartbeat_timeout_s,
+            limits=settings.limits,
+        )
         daemon = Daemon(settings.daemon, handlers)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         log.error("%s", exc)
         engine.close()
         obs.shutdown()
@@ -252,9 +314,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
     signal.signal(signal.SIGINT, stop)
     kv_events = settings.args.kv_events_endpoint
     log.info(
-        "kvcache daemon ready: zmq %s, metrics %s, kv events %s, protocol v%d, L1 %.3g GiB, L2 %s, pid %d",
-        daemon.endpoint, _metrics_url(obs), kv_events or "off", PROTOCOL_VERSION,
-        settings.engine.l1_size_bytes / GiB, _l2_summary(settings.engine), os.getpid(),
+        "kvcache daemon ready: zmq %s, ipc %s, fds %s, metrics %s, kv events %s, protocol v%d, "
+        "L1 %.3g GiB, L2 %s, pid %d",
+        daemon.endpoint, daemon.ipc_endpoint or "off", daemon.fd_inbox.path, _metrics_url(obs),
+        kv_events or "off", PROTOCOL_VERSION, settings.engine.l1_size_bytes / GiB,
+        _l2_summary(settings.engine), os.getpid(),
     )  # fmt: skip
     try:
         daemon.serve()

@@ -1,5 +1,10 @@
 """The daemon's I/O loop: one ZMQ ROUTER, two lanes of worker threads, and a reaper.
 
+The ROUTER listens on a Unix socket (``ipc://``, in a directory only the daemon's user can
+enter, peers checked by uid) and on TCP (loopback, or CURVE-authenticated beyond it); a ZAP
+handler (``auth``) vets each connection and names its principal, which ZMQ stamps on every
+message. Next to it, the fd socket (``fdpass.FdInbox``) receives the memfds of CPU engines.
+
 Separate from the handlers (what each request does) and the CLI (how the process starts),
 so that tests can run a daemon in a thread on an ephemeral port.
 
@@ -21,17 +26,24 @@ Replies to one client may overtake each other; clients match them by request id.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
+import os
 import queue
+import shutil
+import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
+from kvcache.errors import AccessDeniedError
+from kvcache.netaddr import is_loopback
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
+from kvcache.server import auth
 from kvcache.server.handlers import Handlers
 
 log = logging.getLogger("kvcache.server")
@@ -39,6 +51,8 @@ log = logging.getLogger("kvcache.server")
 _INLINE = (m.Ping, m.ReportBlockAllocations, m.EndSession)
 _FAST = (m.Lookup, m.Status)
 _STOP = None
+_Job = tuple[bytes, int, m.RequestBody, auth.Principal]
+"""A queued request: ROUTER identity, request id, body, and who sent it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +63,18 @@ class DaemonConfig:
     port: int = 5555
     """0 picks a free port (``Daemon.endpoint`` tells which)."""
     allow_remote: bool = False
-    """Binding a non-loopback address exposes the cache to the network; it must be asked for."""
+    """Binding a non-loopback address exposes the cache to the network; it must be asked for,
+    and it needs CURVE (``curve_secret_key`` and an allow-list with public keys)."""
+    listen_tcp: bool = True
+    runtime_dir: str | None = None
+    """Private directory (0700) for the Unix sockets: ``daemon.sock`` (the ``ipc://`` request
+    endpoint) and ``fds.sock`` (memfd hand-over). None: a fresh temporary directory, removed
+    at exit; the CLI passes ``auth.default_runtime_dir()``, where clients look by default."""
+    listen_ipc: bool = True
+    curve_secret_key: str | None = None
+    """A ``*.key_secret`` certificate (``kvcache keys``): the TCP endpoint then speaks CURVE."""
+    clients_file: str | None = None
+    """Allow-list TOML (``auth.load_clients``): CURVE public keys and extra uids, with tenants."""
     bulk_workers: int = 4
     fast_workers: int = 2
     heartbeat_timeout_s: float = 30.0
@@ -68,20 +93,20 @@ class DaemonConfig:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if not self.allow_remote and not is_loopback(self.host):
-            raise ValueError(
-                f"refusing to listen on non-loopback address {self.host!r}: anyone who can "
-                "reach it can read and overwrite the cache; pass --allow-remote to do it anyway"
-            )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        if not self.listen_tcp and not self.listen_ipc:
+            raise ValueError("the daemon needs at least one of the TCP and ipc:// endpoints")
+        if self.listen_tcp and not is_loopback(self.host):
+            if not self.allow_remote:
+                raise ValueError(
+                    f"refusing to listen on non-loopback address {self.host!r}: anyone who can "
+                    "reach it could read and overwrite the cache; pass --allow-remote (with "
+                    "CURVE keys) to do it anyway"
+                )
+            if self.curve_secret_key is None or self.clients_file is None:
+                raise ValueError(
+                    f"listening on {self.host!r} needs CURVE authentication and encryption: "
+                    "pass --curve-secret-key and --clients (keys from `kvcache keys`)"
+                )
 
 
 class Daemon:
@@ -90,35 +115,99 @@ class Daemon:
     def __init__(self, config: DaemonConfig, handlers: Handlers) -> None:
         self.config = config
         self.handlers = handlers
+        clients = auth.load_clients(config.clients_file) if config.clients_file else []
+        self.policy = auth.AccessPolicy(clients)
+        self._own_dir = config.runtime_dir is None
+        self.runtime_dir = (
+            tempfile.mkdtemp(prefix="kvcache-") if config.runtime_dir is None
+            else auth.ensure_private_dir(config.runtime_dir)
+        )  # fmt: skip
         self._ctx = zmq.Context()
+        self._zap = auth.ZapHandler(self._ctx, self.policy)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 1000)
         # Hard cap well above the soft limit: past it ZMQ drops the peer instead of replying.
         self._router.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes + 4096)
-        host = f"[{config.host}]" if ":" in config.host else config.host
+        self._router.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN)
+        self.endpoints: list[str] = []
+        self.fd_inbox: Any = None
         try:
-            self._router.bind(f"tcp://{host}:{config.port}")
-        except zmq.ZMQError as exc:
-            self._router.close(linger=0)
-            self._ctx.term()
-            raise OSError(
-                f"cannot listen on tcp://{host}:{config.port}: {exc} "
-                "(another kvcache daemon on that port? pick one with --port)"
-            ) from None
-        self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        if not is_loopback(config.host):
-            log.warning("listening on %s: reachable from the network", self.endpoint)
+            if config.listen_ipc:
+                self.endpoints.append(self._bind_ipc())
+            if config.listen_tcp:
+                self.endpoints.append(self._bind_tcp())
+            self.fd_inbox = self._open_fd_inbox()
+        except BaseException:
+            self._close_sockets()
+            raise
+        handlers.fd_inbox = self.fd_inbox
+        self.endpoint: str = self.endpoints[-1]
+        """The TCP endpoint when there is one, else the ipc:// one."""
+        self.ipc_endpoint: str | None = self.endpoints[0] if config.listen_ipc else None
         self._reply_addr = f"inproc://kvcache-replies-{id(self)}"
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind(self._reply_addr)
         self._stop = threading.Event()
         self._in_flight = 0
-        self._lanes: dict[str, queue.SimpleQueue[tuple[bytes, int, m.RequestBody] | None]] = {
+        self._lanes: dict[str, queue.SimpleQueue[_Job | None]] = {
             "fast": queue.SimpleQueue(),
             "bulk": queue.SimpleQueue(),
         }
         self._threads: list[threading.Thread] = []
         self._inline_lookups = config.inline_lookups
+
+    def _bind_ipc(self) -> str:
+        path = os.path.join(self.runtime_dir, "daemon.sock")
+        if _unix_socket_live(path):
+            raise OSError(
+                f"another kvcache daemon listens on ipc://{path}; stop it or pick another "
+                "--runtime-dir"
+            )
+        endpoint = auth.ipc_endpoint(self.runtime_dir)
+        try:
+            self._router.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise OSError(f"cannot listen on {endpoint}: {exc}") from None
+        os.chmod(path, 0o600)
+        return endpoint
+
+    def _bind_tcp(self) -> str:
+        config = self.config
+        if config.curve_secret_key is not None:
+            public, secret = auth.load_secret_key(config.curve_secret_key)
+            self._router.setsockopt(zmq.CURVE_SERVER, 1)
+            self._router.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self._router.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        try:
+            self._router.bind(f"tcp://{host}:{config.port}")
+        except zmq.ZMQError as exc:
+            raise OSError(
+                f"cannot listen on tcp://{host}:{config.port}: {exc} "
+                "(another kvcache daemon on that port? pick one with --port)"
+            ) from None
+        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if not is_loopback(config.host):
+            log.warning("listening on %s: reachable from the network (CURVE required)", endpoint)
+        return endpoint
+
+    def _open_fd_inbox(self) -> Any:
+        from kvcache.server.fdpass import FdInbox
+
+        inbox = FdInbox(auth.fd_socket_path(self.runtime_dir), self.policy.allowed_uids)
+        inbox.start()
+        return inbox
+
+    def _close_sockets(self, linger: int | None = 0) -> None:
+        """Close everything; ``linger=None`` lets queued replies (SHUTTING_DOWN ones included)
+        leave for up to the ROUTER's LINGER first."""
+        if self.fd_inbox is not None:
+            self.fd_inbox.close()
+        self._router.close(linger=linger)
+        self._zap.close()
+        self._ctx.term()
+        if self._own_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     @property
     def port(self) -> int:
@@ -143,14 +232,14 @@ class Daemon:
         reaper = threading.Thread(target=self._reap, name="kvcache-reaper", daemon=True)
         reaper.start()
 
-    def _work(self, lane: queue.SimpleQueue[tuple[bytes, int, m.RequestBody] | None]) -> None:
+    def _work(self, lane: queue.SimpleQueue[_Job | None]) -> None:
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, -1)
         push.connect(self._reply_addr)
         try:
             while (item := lane.get()) is not _STOP:
-                identity, request_id, body = item
-                reply = self.handlers.handle(body)
+                identity, request_id, body, principal = item
+                reply = self.handlers.handle(body, principal)
                 instance_id = getattr(body, "instance_id", None)
                 if isinstance(instance_id, int):
                     self.handlers.registry.end(instance_id)
@@ -180,6 +269,7 @@ class Daemon:
             while True:
                 if self._stop.is_set() and deadline is None:
                     deadline = time.monotonic() + self.config.drain_timeout_s
+                    self._refuse_queued()
                     log.info("stopping: finishing %d in-flight requests", self._in_flight)
                 if deadline is not None and (self._in_flight == 0 or time.monotonic() > deadline):
                     break
@@ -201,10 +291,9 @@ class Daemon:
 
     def _accept(self, draining: bool) -> None:
         while int(self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            # Copying is cheaper than zero-copy frames at request sizes (a 32k-token lookup is
-            # 128 KiB), and the decoder copies the byte fields anyway.
-            frames = self._router.recv_multipart(zmq.NOBLOCK)
-            identity = frames[0]
+            # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
+            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            identity = frames[0].bytes
             if len(frames) != 2:
                 error = m.Error(
                     code=m.ErrorCode.BAD_MESSAGE,
@@ -213,27 +302,51 @@ class Daemon:
                 self._reply_now(identity, 0, error)
                 continue
             try:
-                envelope = decode_request(frames[1], self.config.max_message_bytes)
+                envelope = decode_request(frames[1].buffer, self.config.max_message_bytes)
             except DecodeFailure as failure:
                 self._reply_now(identity, failure.request_id, failure.error)
                 continue
             if draining:
-                error = m.Error(code=m.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping")
+                self._reply_now(identity, envelope.id, _SHUTTING_DOWN)
+                continue
+            try:
+                principal = self.policy.principal(_user_id(frames[1]))
+            except AccessDeniedError as exc:
+                error = m.Error(code=m.ErrorCode.ACCESS_DENIED, message=str(exc))
                 self._reply_now(identity, envelope.id, error)
                 continue
             body = envelope.body
             instance_id = getattr(body, "instance_id", None)
             if isinstance(body, _INLINE) or (self._inline_lookups and isinstance(body, m.Lookup)):
-                reply = self.handlers.handle(body)
+                reply = self.handlers.handle(body, principal)
                 self._router.send_multipart([identity, encode_reply(envelope.id, reply)])
-                if isinstance(instance_id, int):
+                if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id)
                 continue
             if isinstance(instance_id, int):
                 self.handlers.registry.begin(instance_id)
             lane = "fast" if isinstance(body, _FAST) else "bulk"
             self._in_flight += 1
-            self._lanes[lane].put((identity, envelope.id, body))
+            self._lanes[lane].put((identity, envelope.id, body, principal))
+
+    def _refuse_queued(self) -> None:
+        """Answer every request still waiting for a worker with ``SHUTTING_DOWN`` at once, so
+        its client does not wait out its timeout for a reply that will never come."""
+        for lane in self._lanes.values():
+            while True:
+                try:
+                    item = lane.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    lane.put(_STOP)
+                    break
+                identity, request_id, body, _ = item
+                self._in_flight -= 1
+                instance_id = getattr(body, "instance_id", None)
+                if isinstance(instance_id, int):
+                    self.handlers.registry.end(instance_id)
+                self._reply_now(identity, request_id, _SHUTTING_DOWN)
 
     def _reply_now(self, identity: bytes, request_id: int, error: m.Error) -> None:
         self._router.send_multipart([identity, encode_reply(request_id, error)])
@@ -250,8 +363,28 @@ class Daemon:
                 log.warning("%s still busy after the drain timeout; stopping without it", t.name)
         self._forward_replies()
         self._replies.close(linger=0)
-        self._router.close()
-        self._ctx.term()
+        self._close_sockets(linger=None)
 
 
-__all__ = ["Daemon", "DaemonConfig", "is_loopback"]
+_SHUTTING_DOWN = m.Error(code=m.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping")
+
+
+def _user_id(frame: Any) -> str | None:
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:  # no ZAP on this connection (inproc)
+        return None
+
+
+def _unix_socket_live(path: str) -> bool:
+    """True if something accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+__all__ = ["Daemon", "DaemonConfig"]

@@ -10,20 +10,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import torch
 
-from kvcache.errors import LayoutError
+from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import ipc
+from kvcache.server.auth import LOOPBACK, Principal
 from kvcache.server.registry import Instance, InstanceRegistry
+
+if TYPE_CHECKING:
+    from kvcache.server.fdpass import FdInbox
 
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
@@ -31,17 +38,50 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcache.server")
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one client can make the daemon hold; each is a server flag.
+
+    Hitting one is a ``LIMIT`` error reply and changes nothing."""
+
+    max_instances: int = 256
+    max_tensors: int = 1024
+    """KV tensors per registration (each is a mapping; vLLM uses one per layer)."""
+    max_registration_bytes: int = 1 << 40
+    """Engine memory one registration may map (1 TiB)."""
+    max_ids: int = 1 << 22
+    """Token ids, block ids or block hashes in one request (4 Mi: a 4M-token prompt)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_instances", "max_tensors", "max_registration_bytes", "max_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
 class Handlers:
-    """Serves decoded requests; ``handle`` never raises (errors become ``Error`` replies)."""
+    """Serves decoded requests; ``handle`` never raises (errors become ``Error`` replies).
+
+    Every handler is a function of (request, principal): the principal is who ZMQ says sent
+    it, and the registry decides what that principal may do with the instance it names.
+    """
 
     def __init__(
-        self, engine: CacheEngine, registry: InstanceRegistry, heartbeat_timeout_s: float
+        self,
+        engine: CacheEngine,
+        registry: InstanceRegistry,
+        heartbeat_timeout_s: float,
+        *,
+        limits: Limits | None = None,
+        fd_inbox: FdInbox | None = None,
     ) -> None:
         self.engine = engine
         self.registry = registry
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.limits = limits if limits is not None else Limits()
+        self.fd_inbox = fd_inbox
         self.started = time.monotonic()
-        self._table: dict[type, Callable[[Any], m.ReplyBody]] = {
+        self._register_lock = threading.Lock()  # a check-then-replace of one instance id
+        self._table: dict[type, Callable[[Any, Principal], m.ReplyBody]] = {
             m.Register: self.register,
             m.Unregister: self.unregister,
             m.Lookup: self.lookup,
@@ -53,9 +93,9 @@ class Handlers:
             m.Ping: self.ping,
         }
 
-    def handle(self, body: m.RequestBody) -> m.ReplyBody:
+    def handle(self, body: m.RequestBody, principal: Principal = LOOPBACK) -> m.ReplyBody:
         try:
-            return self._table[type(body)](body)
+            return self._table[type(body)](body, principal)
         except Exception as exc:  # every failure becomes a typed reply, never a dead worker
             error = error_from_exception(exc)
             if error.code is m.ErrorCode.INTERNAL:
@@ -64,27 +104,41 @@ class Handlers:
 
     # -- registration ------------------------------------------------------------------
 
-    def register(self, req: m.Register) -> m.ReplyBody:
-        imported = [ipc.import_tensor(desc) for desc in req.tensors]
+    def register(self, req: m.Register, principal: Principal) -> m.ReplyBody:
+        principal.check_model(req.model_name)
+        self._check_registration_size(req)
+        received = self.fd_inbox.take(req.fd_ticket) if req.fd_ticket and self.fd_inbox else None
+        try:
+            if received is None and any(isinstance(d, m.FdTensor) for d in req.tensors):
+                raise LayoutError(
+                    "CPU tensors arrive as memfds over the daemon's fd socket; this request "
+                    "names none (fd_ticket empty, or the daemon has no fd socket)"
+                )
+            imported = [ipc.import_tensor(desc, received) for desc in req.tensors]
+        finally:
+            if received is not None:
+                received.close()  # the mappings keep the memory; the descriptors can go
         kv_caches = _rebuild(req, [t.tensor for t in imported])
         fmt = _format_from_name(req.fmt)
-        if req.instance_id in self.registry:
-            log.warning("instance %d registered again; replacing its caches", req.instance_id)
-            self._release(req.instance_id)
-        ctx = self.engine.register(
-            req.instance_id,
-            req.model_name,
-            kv_caches,
-            engine=req.engine,
-            fmt=fmt,
-            block_size=req.block_size,
-        )
-        device = str(imported[0].tensor.device)
-        self.registry.add(Instance(req.instance_id, req.model_name, device, imported))
+        with self._register_lock:
+            self._make_room_for(req, principal)
+            ctx = self.engine.register(
+                req.instance_id,
+                req.model_name,
+                kv_caches,
+                engine=req.engine,
+                fmt=fmt,
+                block_size=req.block_size,
+            )
+            device = str(imported[0].tensor.device)
+            instance = Instance(
+                req.instance_id, req.model_name, device, imported, principal, req.client_nonce
+            )
+            self.registry.add(instance)
         log.info(
-            "registered instance %d (%s): %s, %d layers x %d blocks of %d tokens on %s",
-            req.instance_id, req.model_name, ctx.format.name, ctx.num_layers, ctx.num_blocks,
-            ctx.block_size, device,
+            "registered instance %d (%s) for %s: %s, %d layers x %d blocks of %d tokens on %s",
+            req.instance_id, req.model_name, principal.name, ctx.format.name, ctx.num_layers,
+            ctx.num_blocks, ctx.block_size, device,
         )  # fmt: skip
         return m.Registered(
             instance_id=req.instance_id,
@@ -94,10 +148,49 @@ class Handlers:
             chunk_size=ctx.chunk_size,
             fmt=ctx.format.name,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            token=instance.token,
         )
 
-    def unregister(self, req: m.Unregister) -> m.ReplyBody:
-        self.registry.get(req.instance_id)
+    def _check_registration_size(self, req: m.Register) -> None:
+        lim = self.limits
+        if len(req.tensors) > lim.max_tensors:
+            raise LimitExceededError(
+                f"{len(req.tensors)} KV tensors in one registration; the limit is "
+                f"{lim.max_tensors} (--max-tensors)"
+            )
+        total = sum(ipc.descriptor_bytes(desc) for desc in req.tensors)
+        if total > lim.max_registration_bytes:
+            raise LimitExceededError(
+                f"the registration maps {total} bytes; the limit is {lim.max_registration_bytes} "
+                "(--max-registration-gb)"
+            )
+
+    def _make_room_for(self, req: m.Register, principal: Principal) -> None:
+        """Refuse a live instance id held by another client; release it if the same client
+        registers again (say, after its previous reply was lost). Caller holds the lock."""
+        existing = self.registry.find(req.instance_id)
+        if existing is None:
+            if len(self.registry) >= self.limits.max_instances:
+                raise LimitExceededError(
+                    f"{len(self.registry)} instances are registered; the limit is "
+                    f"{self.limits.max_instances} (--max-instances)"
+                )
+            return
+        same = (
+            bool(req.client_nonce)
+            and secrets.compare_digest(existing.client_nonce, req.client_nonce)
+            and existing.principal.name == principal.name
+        )
+        if not same:
+            raise AccessDeniedError(
+                f"instance id {req.instance_id} is registered by another live client; pick "
+                "another instance_id (KVCacheClient picks a unique one when none is given)"
+            )
+        log.info("instance %d registered again by the same client; replacing it", req.instance_id)
+        self._release(req.instance_id)
+
+    def unregister(self, req: m.Unregister, principal: Principal) -> m.ReplyBody:
+        self.registry.authorize(req.instance_id, req.token, principal, token_required=True)
         self._release(req.instance_id)
         return m.Done()
 
@@ -108,44 +201,47 @@ class Handlers:
             instance.instance_id, instance.model_name, self.heartbeat_timeout_s,
         )  # fmt: skip
         self._unregister_engine(instance.instance_id)
-        self._remove_orphans(instance)
 
     def _release(self, instance_id: int) -> None:
-        instance = self.registry.remove(instance_id)
+        self.registry.remove(instance_id)
         self._unregister_engine(instance_id)
-        if instance is not None:
-            self._remove_orphans(instance)
 
     def _unregister_engine(self, instance_id: int) -> None:
         with contextlib.suppress(KeyError):  # the engine never accepted it (a failed register)
             self.engine.unregister(instance_id)
 
-    @staticmethod
-    def _remove_orphans(instance: Instance) -> None:
-        for path in {(t.path, t.owner_pid) for t in instance.tensors if t.path}:
-            if ipc.remove_orphaned_segment(*path):
-                log.info("removed %s left behind by exited pid %d", *path)
-
     # -- data path ---------------------------------------------------------------------
 
-    def lookup(self, req: m.Lookup) -> m.ReplyBody:
-        self.registry.get(req.instance_id)
+    def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> Instance:
+        instance = self.registry.authorize(
+            req.instance_id, req.token, principal, token_required=token_required
+        )
+        salt = getattr(req, "cache_salt", None)
+        if salt is not None:
+            principal.check_salt(salt)
+        return instance
+
+    def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
+        self._instance(req, principal, token_required=False)
         hit = self.engine.lookup(
             req.instance_id,
-            _ids(req.token_ids),
+            self._ids(req.token_ids),
             cache_salt=req.cache_salt,
             request_id=req.request_id,
         )
         return m.LookupResult(hit_tokens=hit)
 
-    def store(self, req: m.Store) -> m.ReplyBody:
-        instance = self.registry.get(req.instance_id)
+    def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
+        instance = self._instance(req, principal, token_required=True)
+        token_ids, block_ids = self._ids(req.token_ids), self._ids(req.block_ids)
+        if req.block_hashes is not None and len(req.block_hashes) > self.limits.max_ids:
+            raise LimitExceededError(f"{len(req.block_hashes)} block hashes exceed --max-ids")
         if req.cuda_event is not None:
             ipc.wait_ipc_event(req.cuda_event, torch.device(instance.device))
         result = self.engine.store(
             req.instance_id,
-            _ids(req.token_ids),
-            _ids(req.block_ids),
+            token_ids,
+            block_ids,
             cache_salt=req.cache_salt,
             request_id=req.request_id,
             block_hashes=req.block_hashes,
@@ -157,12 +253,12 @@ class Handlers:
             stored_tokens=result.stored_tokens,
         )
 
-    def retrieve(self, req: m.Retrieve) -> m.ReplyBody:
-        instance = self.registry.get(req.instance_id)
+    def retrieve(self, req: m.Retrieve, principal: Principal) -> m.ReplyBody:
+        instance = self._instance(req, principal, token_required=True)
         got = self.engine.retrieve(
             req.instance_id,
-            _ids(req.token_ids),
-            _ids(req.block_ids),
+            self._ids(req.token_ids),
+            self._ids(req.block_ids),
             req.skip_tokens,
             cache_salt=req.cache_salt,
             request_id=req.request_id,
@@ -174,19 +270,19 @@ class Handlers:
             event = ipc.record_ipc_event(torch.device(instance.device))
         return m.RetrieveResult(retrieved_tokens=got, cuda_event=event)
 
-    def report_block_allocations(self, req: m.ReportBlockAllocations) -> m.ReplyBody:
-        self.registry.get(req.instance_id)
+    def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
+        self._instance(req, principal, token_required=False)
         self.engine.report_block_allocations(req.instance_id, req.records)
         return m.Done()
 
-    def end_session(self, req: m.EndSession) -> m.ReplyBody:
-        self.registry.get(req.instance_id)
+    def end_session(self, req: m.EndSession, principal: Principal) -> m.ReplyBody:
+        self._instance(req, principal, token_required=False)
         self.engine.end_session(req.instance_id, req.request_id)
         return m.Done()
 
     # -- health ------------------------------------------------------------------------
 
-    def status(self, req: m.Status) -> m.ReplyBody:
+    def status(self, req: m.Status, principal: Principal) -> m.ReplyBody:
         engine_status = msgspec.to_builtins(self.engine.status(), enc_hook=str, str_keys=True)
         return m.StatusResult(
             protocol_version=m.PROTOCOL_VERSION,
@@ -197,13 +293,21 @@ class Handlers:
             in_flight=self.registry.in_flight(),
         )
 
-    def ping(self, req: m.Ping) -> m.ReplyBody:
-        registered = req.instance_id is not None and self.registry.touch(req.instance_id)
-        return m.Pong(protocol_version=m.PROTOCOL_VERSION, registered=registered)
+    def ping(self, req: m.Ping, principal: Principal) -> m.ReplyBody:
+        registered = req.instance_id is not None and self.registry.touch(
+            req.instance_id, token=req.token or None
+        )
+        fd_socket = self.fd_inbox.path if self.fd_inbox is not None else ""
+        return m.Pong(protocol_version=m.PROTOCOL_VERSION, registered=registered, fd_socket=fd_socket)
 
-
-def _ids(ids: m.IdArray) -> np.ndarray:
-    return unpack_ids(ids)
+    def _ids(self, ids: m.IdArray) -> np.ndarray:
+        """The one place ids from the wire are unpacked, and bounded."""
+        count = len(ids.data) // ids.width
+        if count > self.limits.max_ids:
+            raise LimitExceededError(
+                f"{count} ids in one request; the limit is {self.limits.max_ids} (--max-ids)"
+            )
+        return unpack_ids(ids)
 
 
 def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:
@@ -238,4 +342,4 @@ def _format_from_name(name: str | None) -> Any:
         ) from None
 
 
-__all__ = ["Handlers"]
+__all__ = ["Handlers", "Limits"]

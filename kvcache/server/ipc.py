@@ -1,34 +1,38 @@
 """Moving tensors between an engine process and the daemon without copying or pickling them.
 
 Both ends live here because export and import must agree byte for byte: the engine side
-(``empty_shared``, ``export_tensor``, ``record_ipc_event``) and the daemon side
-(``import_tensor``, ``wait_ipc_event``, ``remove_orphaned_segment``).
+(``empty_shared``, ``export_tensors``, ``record_ipc_event``) and the daemon side
+(``import_tensor``, ``wait_ipc_event``).
 
-CPU tensors travel as a file under /dev/shm plus shape, stride, dtype and byte offset; the
-daemon maps the same file, so a store reads the engine's memory directly. GPU tensors
+CPU tensors live in memfds sealed against shrinking and growing; they travel as an index
+into the descriptors handed over by ``fdpass`` plus shape, stride, dtype and byte offset, and
+the daemon maps the same memory, so a store reads the engine's memory directly. The seal is
+what keeps a buggy engine from truncating the memory under the daemon (SIGBUS). GPU tensors
 travel as CUDA IPC handle bytes plus typed fields, mapped by device UUID (two processes may
-number their GPUs differently). A CPU tensor not backed by a /dev/shm file cannot be shared:
-allocate the engine's KV cache with ``empty_shared``.
+number their GPUs differently). A CPU tensor not in such a memfd cannot be shared: allocate
+the engine's KV cache with ``empty_shared``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import mmap
 import os
 import secrets
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcache.errors import CudaUnavailableError, LayoutError
-from kvcache.protocol.messages import CudaIpcTensor, ShmTensor, TensorDesc, TensorNesting
+from kvcache.protocol.messages import CudaIpcTensor, FdTensor, TensorDesc, TensorNesting
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "kvcache-"
+if TYPE_CHECKING:
+    from kvcache.server.fdpass import ReceivedFds
+
+MEMFD_PREFIX = "kvcache-"
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -57,31 +61,25 @@ def dtype_from_name(name: str) -> torch.dtype:
 # -- engine side: CPU ------------------------------------------------------------------
 
 
-class _Segment(mmap.mmap):
-    """An mmap that can carry a weakref finalizer (plain ``mmap.mmap`` cannot)."""
-
-
 def empty_shared(shape: Sequence[int], dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """A zero-filled CPU tensor in a fresh /dev/shm file that the daemon can map.
+    """A zero-filled CPU tensor in a fresh sealed memfd that the daemon can map.
 
-    The file is removed when the last tensor viewing it is freed (or at interpreter exit);
-    if the process is killed instead, the daemon removes it once the owner pid is gone.
+    The memfd can neither shrink nor grow (``F_SEAL_SHRINK | F_SEAL_GROW``, then
+    ``F_SEAL_SEAL`` so no one can change that), so no process can pull the pages from under a
+    mapping. It has no name in any file system: its memory goes when the last mapping and
+    descriptor go, in whichever process that is; nothing is left behind if the engine dies.
     """
     numel = 1
     for dim in shape:
         numel *= int(dim)
     nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.memfd_create(f"{MEMFD_PREFIX}{secrets.token_hex(8)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
-        segment = _Segment(fd, nbytes)
-    except BaseException:
-        os.unlink(path)
-        raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        segment = mmap.mmap(fd, nbytes)  # keeps its own duplicate of the descriptor
     finally:
         os.close(fd)
-    weakref.finalize(segment, _unlink_quietly, path)
     flat = torch.frombuffer(segment, dtype=torch.uint8)[: numel * _itemsize(dtype)]
     return flat.view(dtype).view(tuple(int(d) for d in shape))
 
@@ -108,46 +106,71 @@ def flatten_kv_caches(kv_caches: Any) -> tuple[list[torch.Tensor], TensorNesting
     raise LayoutError("kv_caches must be a tensor, a list of tensors, or a list of such lists")
 
 
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _find_shm_mapping(address: int) -> tuple[str, int] | None:
-    """(file path, file offset of ``address``) when ``address`` lies in a /dev/shm mapping."""
+def _memfd_mappings() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, memfd name) of this process's kvcache memfd mappings."""
+    out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith(SHM_DIR + "/"):
+            if len(parts) < 6 or not parts[5].startswith(f"/memfd:{MEMFD_PREFIX}"):
                 continue
             start_s, end_s = parts[0].split("-")
-            start, end = int(start_s, 16), int(end_s, 16)
-            if start <= address < end:
-                path = parts[5].rstrip("\n")
-                if path.endswith(" (deleted)"):
-                    return None
-                return path, int(parts[2], 16) + (address - start)
-    return None
+            name = parts[5].rstrip("\n").removesuffix(" (deleted)")
+            out.append((int(start_s, 16), int(end_s, 16), int(parts[2], 16), name))
+    return out
 
 
-def export_cpu_tensor(tensor: torch.Tensor) -> ShmTensor:
-    if tensor.numel() == 0:
-        raise LayoutError("cannot share an empty KV tensor")
-    found = _find_shm_mapping(tensor.data_ptr())
-    if found is None:
-        raise LayoutError(
-            "CPU KV tensors must live in shared memory for the daemon to map them; "
-            "allocate them with kvcache.client.empty_shared(shape, dtype)"
+def _memfd_descriptors() -> dict[str, int]:
+    """memfd name -> an open descriptor of it in this process (the one each mmap keeps).
+
+    Read from /proc rather than a table kept here: the mapping itself is the one record of
+    which memfd a tensor lives in, and it cannot go stale."""
+    out: dict[str, int] = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{MEMFD_PREFIX}"):
+            out.setdefault(target.removesuffix(" (deleted)"), int(entry))
+    return out
+
+
+def export_cpu_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[FdTensor], list[int]]:
+    """Descriptors for CPU tensors made by ``empty_shared``, and the distinct memfds they use
+    (``FdTensor.fd_index`` points into that list). The descriptors stay this process's: the
+    hand-over duplicates them into the daemon."""
+    mappings = _memfd_mappings()
+    fds_by_name = _memfd_descriptors()
+    descs: list[FdTensor] = []
+    fds: list[int] = []
+    index: dict[str, int] = {}
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            raise LayoutError("cannot share an empty KV tensor")
+        address = tensor.data_ptr()
+        found = next(
+            ((off + address - lo, name) for lo, hi, off, name in mappings if lo <= address < hi), None
         )
-    path, offset = found
-    return ShmTensor(
-        path=path,
-        offset=offset,
-        shape=list(tensor.shape),
-        stride=list(tensor.stride()),
-        dtype=dtype_name(tensor.dtype),
-        owner_pid=os.getpid(),
-    )
+        if found is None or found[1] not in fds_by_name:
+            raise LayoutError(
+                "CPU KV tensors must live in a kvcache memfd for the daemon to map them; "
+                "allocate them with kvcache.client.empty_shared(shape, dtype)"
+            )
+        offset, name = found
+        if name not in index:
+            index[name] = len(fds)
+            fds.append(fds_by_name[name])
+        descs.append(
+            FdTensor(
+                fd_index=index[name],
+                offset=offset,
+                shape=list(tensor.shape),
+                stride=list(tensor.stride()),
+                dtype=dtype_name(tensor.dtype),
+            )
+        )
+    return descs, fds
 
 
 # -- engine side: CUDA -----------------------------------------------------------------
@@ -178,8 +201,14 @@ def export_cuda_tensor(tensor: torch.Tensor) -> CudaIpcTensor:
     )
 
 
-def export_tensor(tensor: torch.Tensor) -> TensorDesc:
-    return export_cuda_tensor(tensor) if tensor.is_cuda else export_cpu_tensor(tensor)
+def export_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], list[int]]:
+    """Descriptors for an engine's KV tensors, and the memfds to hand over (CPU only)."""
+    if tensors and all(t.is_cuda for t in tensors):
+        return [export_cuda_tensor(t) for t in tensors], []
+    if any(t.is_cuda for t in tensors):
+        raise LayoutError("KV tensors must be all on GPUs or all on the CPU")
+    descs, fds = export_cpu_tensors(tensors)
+    return list(descs), fds
 
 
 def record_ipc_event(device: torch.device) -> bytes:
@@ -203,16 +232,15 @@ def wait_ipc_event(handle: bytes, device: torch.device) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ImportedTensor:
-    """A tensor mapped from another process; ``owner_pid``/``path`` serve orphan cleanup."""
+    """A tensor mapped from another process (its storage keeps the mapping alive)."""
 
     tensor: torch.Tensor
-    path: str = ""
-    owner_pid: int = 0
 
 
-def import_tensor(desc: TensorDesc) -> ImportedTensor:
-    if isinstance(desc, ShmTensor):
-        return ImportedTensor(_import_shm(desc), desc.path, desc.owner_pid)
+def import_tensor(desc: TensorDesc, received: ReceivedFds | None = None) -> ImportedTensor:
+    """Map one descriptor; ``received`` holds the memfds an ``FdTensor`` points into."""
+    if isinstance(desc, FdTensor):
+        return ImportedTensor(_import_fd(desc, received))
     return ImportedTensor(_import_cuda(desc))
 
 
@@ -228,10 +256,14 @@ def _span_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
     return sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1
 
 
-def _import_shm(desc: ShmTensor) -> torch.Tensor:
-    path = os.path.realpath(desc.path)
-    if os.path.dirname(path) != SHM_DIR:
-        raise LayoutError(f"shared-memory tensors must be files directly under {SHM_DIR}")
+def descriptor_bytes(desc: TensorDesc) -> int:
+    """Bytes a descriptor's view spans, from its shape and strides (before mapping anything)."""
+    return _span_elements(desc.shape, desc.stride) * _itemsize(dtype_from_name(desc.dtype))
+
+
+def _import_fd(desc: FdTensor, received: ReceivedFds | None) -> torch.Tensor:
+    if received is None or desc.fd_index >= len(received.fds):
+        raise LayoutError(f"tensor names descriptor {desc.fd_index}, which was not handed over")
     dtype = dtype_from_name(desc.dtype)
     itemsize = _itemsize(dtype)
     span = _span_elements(desc.shape, desc.stride) * itemsize
@@ -239,20 +271,16 @@ def _import_shm(desc: ShmTensor) -> torch.Tensor:
         raise LayoutError("cannot map an empty KV tensor")
     if desc.offset % itemsize:
         raise LayoutError(f"offset {desc.offset} is not aligned to {desc.dtype}")
+    size = received.sizes[desc.fd_index]  # sealed: it cannot shrink after this was read
+    if desc.offset + span > size:
+        raise LayoutError(
+            f"tensor needs bytes [{desc.offset}, {desc.offset + span}) of a memfd of {size} bytes"
+        )
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise LayoutError(f"cannot open shared-memory tensor {path}: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if desc.offset + span > size:
-            raise LayoutError(
-                f"tensor needs bytes [{desc.offset}, {desc.offset + span}) of {path}, "
-                f"which has {size}"
-            )
-        segment = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+        segment = mmap.mmap(received.fds[desc.fd_index], size, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+    except (OSError, ValueError) as exc:  # e.g. write-sealed or read-only memory
+        raise LayoutError(f"cannot map the engine's memfd read-write: {exc}") from None
     flat = torch.frombuffer(segment, dtype=torch.uint8)[desc.offset : desc.offset + span]
     return flat.view(dtype).as_strided(desc.shape, desc.stride)
 
@@ -283,42 +311,19 @@ def _import_cuda(desc: CudaIpcTensor) -> torch.Tensor:
     return tensor.set_(storage, desc.storage_offset, desc.shape, desc.stride)
 
 
-def remove_orphaned_segment(path: str, owner_pid: int) -> bool:
-    """Remove a kvcache /dev/shm file whose creator has exited; True if it was removed.
-
-    Only files named by ``empty_shared`` are touched, and only when the owner pid is gone,
-    so a live engine's cache (or anyone else's shared memory) is never removed.
-    """
-    name = os.path.basename(path)
-    if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or owner_pid <= 0:
-        return False
-    try:
-        os.kill(owner_pid, 0)
-        return False
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        return False  # a live process of another user
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 __all__ = [
     "ImportedTensor",
+    "descriptor_bytes",
     "device_uuid",
     "dtype_from_name",
     "dtype_name",
     "empty_shared",
-    "export_cpu_tensor",
+    "export_cpu_tensors",
     "export_cuda_tensor",
-    "export_tensor",
+    "export_tensors",
     "flatten_kv_caches",
     "import_tensor",
     "record_ipc_event",
-    "remove_orphaned_segment",
     "to_shared",
     "wait_ipc_event",
 ]

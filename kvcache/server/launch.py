@@ -10,14 +10,18 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 
-_READY = re.compile(r"kvcache daemon ready: zmq (?P<zmq>\S+), metrics (?P<metrics>[^,]+),")
+_READY = re.compile(
+    r"kvcache daemon ready: zmq (?P<zmq>\S+), ipc (?P<ipc>\S+), fds \S+, metrics (?P<metrics>[^,]+),"
+)
 
 
 class DaemonStartError(RuntimeError):
@@ -27,8 +31,10 @@ class DaemonStartError(RuntimeError):
 class DaemonProcess:
     """A daemon child process; its stderr is collected in ``lines`` (and echoed if asked).
 
-    ``endpoint`` is the ZMQ address clients connect to; ``metrics_url`` is the Prometheus
-    URL, or ``"off"``.
+    ``endpoint`` is the ZMQ address clients connect to (TCP unless ``--no-tcp``);
+    ``ipc_endpoint`` the Unix socket one (or ``"off"``); ``metrics_url`` is the Prometheus
+    URL, or ``"off"``. Without ``runtime_dir`` the daemon gets a fresh private directory for
+    its sockets (removed with the process object), so concurrent daemons never collide.
     """
 
     def __init__(
@@ -40,9 +46,13 @@ class DaemonProcess:
         ready_timeout_s: float = 60.0,
         echo: bool = False,
         env: dict[str, str] | None = None,
+        runtime_dir: str | None = None,
     ) -> None:
+        self._own_dir = runtime_dir is None
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-") if runtime_dir is None else runtime_dir
         # The ready line is logged at INFO; its log is captured here, not shown unless ``echo``.
-        cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), *args, "--log-level", "INFO"]
+        cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port),
+               "--runtime-dir", self.runtime_dir, *args, "--log-level", "INFO"]  # fmt: skip
         if prometheus_port is not None:
             cmd += ["--prometheus-port", str(prometheus_port)]
         self.lines: list[str] = []
@@ -58,7 +68,7 @@ class DaemonProcess:
         )
         self._reader = threading.Thread(target=self._read, name="kvcache-daemon-log", daemon=True)
         self._reader.start()
-        self.endpoint, self.metrics_url = self._wait_ready(ready_timeout_s)
+        self.endpoint, self.ipc_endpoint, self.metrics_url = self._wait_ready(ready_timeout_s)
 
     @property
     def pid(self) -> int:
@@ -77,7 +87,7 @@ class DaemonProcess:
                 sys.stderr.write(line)
         self._queue.put(None)
 
-    def _wait_ready(self, timeout_s: float) -> tuple[str, str]:
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str]:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -90,7 +100,7 @@ class DaemonProcess:
                     f"kvcache daemon exited with status {self.proc.returncode}:\n{self.log}"
                 )
             if match := _READY.search(line):
-                return match["zmq"], match["metrics"].strip()
+                return match["zmq"], match["ipc"], match["metrics"].strip()
         self.kill()
         raise DaemonStartError(f"kvcache daemon not ready after {timeout_s:g} s:\n{self.log}")
 
@@ -111,6 +121,11 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def remove_runtime_dir(self) -> None:
+        """Remove the socket directory this object created (never a caller's)."""
+        if self._own_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
     def __enter__(self) -> DaemonProcess:
         return self
 
@@ -118,6 +133,7 @@ class DaemonProcess:
         if self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.stop()
+        self.remove_runtime_dir()
 
 
 __all__ = ["DaemonProcess", "DaemonStartError"]

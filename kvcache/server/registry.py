@@ -7,22 +7,32 @@ table and nothing else.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
-from kvcache.errors import UnknownInstanceError
+from kvcache.errors import AccessDeniedError, UnknownInstanceError
+from kvcache.server.auth import Principal
 from kvcache.server.ipc import ImportedTensor
 
 
 @dataclass(slots=True)
 class Instance:
-    """One registered engine instance; ``tensors`` keep its mapped KV memory alive."""
+    """One registered engine instance; ``tensors`` keep its mapped KV memory alive.
+
+    ``token`` is the secret the registration returned; ``client_nonce`` identifies the client
+    object that registered (so it alone may replace the registration); ``principal`` is the
+    peer that registered (a ``Principal.name``) and ``cache_salts`` what that peer may use.
+    """
 
     instance_id: int
     model_name: str
     device: str
     tensors: list[ImportedTensor]
+    principal: Principal = field(default_factory=lambda: Principal("loopback"))
+    client_nonce: bytes = b""
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     last_seen: float = field(default_factory=time.monotonic)
     in_flight: int = 0
 
@@ -47,6 +57,10 @@ class InstanceRegistry:
             self._instances[instance.instance_id] = instance
             return old
 
+    def find(self, instance_id: int) -> Instance | None:
+        with self._lock:
+            return self._instances.get(instance_id)
+
     def get(self, instance_id: int) -> Instance:
         with self._lock:
             instance = self._instances.get(instance_id)
@@ -56,6 +70,35 @@ class InstanceRegistry:
                 "(never registered, unregistered, or reaped after missing heartbeats)"
             )
         return instance
+
+    def authorize(
+        self, instance_id: int, token: bytes, principal: Principal, *, token_required: bool
+    ) -> Instance:
+        """The instance, if ``principal`` may act for it; raises otherwise.
+
+        Operations that move bytes or change the registration need the registration token.
+        Metadata operations (lookup, block reports, end of request, heartbeat) may instead
+        come from the same principal without it: a vLLM scheduler looks up the instance its
+        worker registered, in another process that never saw the token.
+        """
+        instance = self.get(instance_id)
+        if token:
+            if not secrets.compare_digest(token, instance.token):
+                raise AccessDeniedError(
+                    f"wrong registration token for instance {instance_id}: only the client "
+                    "that registered it may use it"
+                )
+            return instance
+        if token_required or principal.name != instance.principal.name:
+            raise AccessDeniedError(
+                f"instance {instance_id} was registered by another client; this request needs "
+                "the registration token that client received"
+            )
+        return instance
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._instances)
 
     def __contains__(self, instance_id: object) -> bool:
         with self._lock:
@@ -73,11 +116,14 @@ class InstanceRegistry:
         with self._lock:
             return self._instances.pop(instance_id, None)
 
-    def touch(self, instance_id: int, now: float | None = None) -> bool:
-        """Record that the instance was heard from; False if it is not registered."""
+    def touch(self, instance_id: int, now: float | None = None, token: bytes | None = None) -> bool:
+        """Record that the instance was heard from; False if it is not registered (or, when
+        ``token`` is given, registered under another token)."""
         with self._lock:
             instance = self._instances.get(instance_id)
             if instance is None:
+                return False
+            if token is not None and not secrets.compare_digest(token, instance.token):
                 return False
             instance.last_seen = time.monotonic() if now is None else now
             return True

@@ -8,13 +8,22 @@ Atomicity: a chunk is written to a temp file in its final directory and ``os.rep
 place, so a reader sees the whole record or none (a crash leaves only ``*.tmp`` files, removed
 on the next start). No fsync: this is a cache; after a power loss a torn file fails its CRC and
 is dropped like any other corrupt record.
+
+Privacy: cached KV is as sensitive as the prompts it came from, so files are 0600 and
+directories 0700 whatever the umask.
+
+A full disk (ENOSPC, EDQUOT) is not the end of the tier: it evicts its own oldest chunks and
+retries once, and from then on bounds itself by what the disk really has free (re-read every
+``_PROBE_EVERY`` writes, so the bound grows back when space is freed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import shutil
 import threading
 import uuid
 from collections import OrderedDict
@@ -29,6 +38,9 @@ from kvcache.storage import codec
 from kvcache.storage.base import Announce, L2Adapter, storage_error
 
 _SUFFIX = ".kvc"
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_PROBE_EVERY = 64
+log = logging.getLogger(__name__)
 
 
 class DiskL2Adapter(L2Adapter):
@@ -43,7 +55,12 @@ class DiskL2Adapter(L2Adapter):
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file bytes, LRU first
         self.used_bytes = 0
-        os.makedirs(self.path, exist_ok=True)
+        self.capacity_bytes = size_bytes
+        """The bound in force: ``size_bytes``, or less while the disk has less free."""
+        self._writes = 0
+        self._full_logged = False
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        _make_private(self.path)
         self._scan()
 
     # -- L2Adapter ------------------------------------------------------------------------
@@ -59,11 +76,30 @@ class DiskL2Adapter(L2Adapter):
         size = len(header) + len(payload)
         if size > self.size_bytes:
             raise storage_error(f"chunk of {size} bytes exceeds the disk tier ({self.size_bytes})", "io")
+        try:
+            self._write(key, header, payload, size, announce)
+        except OSError as err:
+            if err.errno not in _FULL:  # EFBIG: this file is too big, evicting will not help
+                reason = "full" if err.errno == errno.EFBIG else "io"
+                raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
+            self._shrink_to_disk(size)  # evict our oldest chunks, bound ourselves by the disk
+            try:
+                self._write(key, header, payload, size, announce)
+            except OSError as again:
+                reason = "full" if again.errno in (*_FULL, errno.EFBIG) else "io"
+                raise storage_error(f"disk write of {key:032x} failed: {again}", reason) from again
+        self._full_logged = False
+        return size
+
+    def _write(
+        self, key: ChunkKey, header: bytes, payload: memoryview, size: int, announce: Announce | None
+    ) -> None:
         final = self._file(key)
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:  # the slow part, outside the lock
+            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "wb", buffering=0) as f:  # the slow part, outside the lock
                 f.write(header)
                 view = payload
                 while view:  # raw writes may be short
@@ -78,12 +114,40 @@ class DiskL2Adapter(L2Adapter):
                     self.used_bytes += size
                 if announce is not None:
                     announce(size)
+                self._writes += 1
+                if self._writes % _PROBE_EVERY == 0:
+                    self._probe_capacity(0)
                 self._evict_over_limit()
-        except OSError as err:
+        except BaseException:
             _unlink(tmp)
-            reason = "full" if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
-            raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
-        return size
+            raise
+
+    def _shrink_to_disk(self, need: int) -> None:
+        """After ENOSPC: bound the tier by what the disk can hold, keeping room for ``need``
+        more bytes, and evict down to it now. Logged once per full-disk episode."""
+        with self._lock:
+            before = self.used_bytes
+            self._probe_capacity(need)
+            # The probe may say there is room (space freed meanwhile, or reserved blocks):
+            # still free at least this chunk's worth, oldest first, so the retry can fit.
+            self.capacity_bytes = min(self.capacity_bytes, max(0, self.used_bytes - need))
+            self._evict_over_limit()
+            freed = before - self.used_bytes
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning(
+                "disk tier %s: the disk is full; evicted %d bytes of the oldest chunks, now "
+                "bounded at %d bytes (of %d configured) while the disk stays this full",
+                self.path, freed, self.capacity_bytes, self.size_bytes,
+            )  # fmt: skip
+
+    def _probe_capacity(self, need: int) -> None:
+        """Re-read the disk's free space; the caller holds the lock."""
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return
+        self.capacity_bytes = min(self.size_bytes, max(0, self.used_bytes + free - need))
 
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
         with self._lock:
@@ -137,7 +201,8 @@ class DiskL2Adapter(L2Adapter):
                 "path": self.path,
                 "num_chunks": len(self._index),
                 "used_bytes": self.used_bytes,
-                "capacity_bytes": self.size_bytes,
+                "capacity_bytes": self.capacity_bytes,
+                "configured_bytes": self.size_bytes,
             }
 
     # -- internals ------------------------------------------------------------------------
@@ -176,7 +241,7 @@ class DiskL2Adapter(L2Adapter):
     def _evict_over_limit(self) -> None:
         """Drop least-recently-used files until the tier fits; the caller holds the lock."""
         evicted: list[tuple[ChunkKey, int]] = []
-        while self.used_bytes > self.size_bytes and self._index:
+        while self.used_bytes > self.capacity_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.used_bytes -= size
             _unlink(self._file(key))
@@ -195,6 +260,16 @@ class DiskL2Adapter(L2Adapter):
             for key in removed:
                 self.used_bytes -= self._index.pop(key)
         return removed
+
+
+def _make_private(path: str) -> None:
+    """Close a tier directory we own to other users (chunks are as private as prompts)."""
+    try:
+        st = os.stat(path)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    except OSError as exc:
+        log.warning("cannot make %s private: %s", path, exc)
 
 
 def _unlink(path: str) -> None:

@@ -18,6 +18,7 @@ evicted: the policy only ever holds READY, unpinned keys.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ class L1Pool:
         self._policy = policy if policy is not None else LRUPolicy()
         self._bus: EventSink = bus if bus is not None else NullEventSink()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
         self._entries: dict[ChunkKey, L1Entry] = {}
         self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
         self.used_bytes = 0  # slots holding an entry (any state), in slot strides
@@ -61,26 +63,50 @@ class L1Pool:
         return self._slabs.allocated_bytes
 
     # -- reservations ---------------------------------------------------------------------
-    def begin_write(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> WriteReservation:
-        """Reserve pinned WRITING slots for the absent keys, in order, until memory runs out."""
+    def begin_write(
+        self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0
+    ) -> WriteReservation:
+        """Reserve pinned WRITING slots for the absent keys, in order, until memory runs out.
+
+        When memory is held by pinned chunks of other operations (write-through to L2 in
+        flight, retrieves copying), wait up to ``wait_s`` for them to let go before giving up:
+        a store under pressure is slowed down, not silently dropped. Chunks this reservation
+        pinned itself never count as "will be released", so a store larger than L1 does not
+        wait for itself.
+        """
         new: list[tuple[int, L1Entry]] = []
         present: list[int] = []
         events: list[Event] = []
+        failed = 0
+        deadline = time.monotonic() + wait_s
         with self._lock:
             for i, key in enumerate(keys):
                 if key in self._entries:
                     present.append(i)
                     continue
                 entry = self._allocate(geometry, key, events)
+                while entry is None and self._others_pinned(len(new)):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._room.wait(left):
+                        break
+                    if key in self._entries:  # written by someone else meanwhile
+                        break
+                    entry = self._allocate(geometry, key, events)
+                if entry is None and key in self._entries:
+                    present.append(i)
+                    continue
                 if entry is None:
                     failed = len(keys) - i
                     events.append(self._alloc_failed_event(failed, failed * geometry.nbytes))
                     break
                 new.append((i, entry))
-            else:
-                failed = 0
         self._publish(events)
         return WriteReservation(new, present, failed)
+
+    def _others_pinned(self, own: int) -> bool:
+        """Whether entries other than the caller's ``own`` fresh reservations hold pins (so
+        waiting can free room). Lock held."""
+        return sum(1 for e in self._entries.values() if e.pins > 0) > own
 
     def begin_load(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> list[L1Entry]:
         """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
@@ -133,6 +159,7 @@ class L1Pool:
                     entry.ok = False
                     self._remove(entry)
                 entry._done.set()
+            self._room.notify_all()
             if written:
                 written.reverse()
                 more = extra if extra is not None and len(written) == len(entries) else {}
@@ -181,6 +208,7 @@ class L1Pool:
                 entry.pins -= 1
                 if entry.pins == 0 and entry.state is EntryState.READY:
                     self._policy.add(entry.key)
+            self._room.notify_all()
         if read_bytes is not None and entries:
             self._publish(
                 [

@@ -1,9 +1,11 @@
 """Runs an ``L2Adapter`` off the caller's thread: bounded in-flight work, back-off, events.
 
 Written once for every tier so adapters stay simple synchronous code. Three promises to the
-engine: a store or lookup never waits on a slow tier (stores beyond ``max_inflight`` are dropped
-and counted, a down tier answers "miss" at once); every completed operation is published as an
-``L2_*`` event with its duration; and ``flush`` lets tests and ``close`` wait for what is queued.
+engine: a lookup never waits on a slow tier and a store waits at most the bound it passes
+(a healthy tier that is only busy gets that long for a place; past it, or when the tier is
+down, the write is dropped and counted, and a down tier answers "miss" at once); every
+completed operation is published as an ``L2_*`` event with its duration; and ``flush`` lets
+tests and ``close`` wait for what is queued.
 
 Back-off: a ``timeout``/``unavailable`` failure marks the tier down for ``retry_interval_s``;
 the first operation after that interval tries again (and re-arms the back-off if it fails).
@@ -93,13 +95,15 @@ class AsyncL2:
             logger.warning("L2 %s lookup failed (%s): %s", self.backend, reason, exc)
             return [False] * len(keys)
 
-    def submit_store(self, key: ChunkKey, chunk: torch.Tensor, done: Done) -> bool:
+    def submit_store(self, key: ChunkKey, chunk: torch.Tensor, done: Done, wait_s: float = 0.0) -> bool:
         """Queue a write of ``chunk`` (which must stay valid until ``done`` runs).
 
-        Returns False, without calling ``done``, when the write was refused (tier down or
-        too much in flight); the refusal is published as ``L2_STORE_FAILED``.
+        A healthy tier with ``max_inflight`` writes queued gets up to ``wait_s`` to make room
+        (back-pressure rather than loss). Returns False, without calling ``done``, when the
+        write was refused (tier down, or still full after ``wait_s``); the refusal is published
+        as ``L2_STORE_FAILED``.
         """
-        reason = self._admit("store")
+        reason = self._admit("store", wait_s)
         if reason is not None:
             with self._cond:
                 self.counters["stores_dropped"] += 1
@@ -110,12 +114,13 @@ class AsyncL2:
         self._pool.submit(self._run, "store", key, chunk, done)
         return True
 
-    def submit_load(self, key: ChunkKey, out: torch.Tensor, done: Done) -> bool:
+    def submit_load(self, key: ChunkKey, out: torch.Tensor, done: Done, wait_s: float = 0.0) -> bool:
         """Queue a read into ``out``; ``done(True)`` only when ``out`` holds the verified chunk.
 
-        Returns False, without calling ``done``, when the tier is down or too busy.
+        Returns False, without calling ``done``, when the tier is down, or still too busy after
+        ``wait_s`` (a lookup's prefetch does not wait; a retrieve waits within its bound).
         """
-        if self._admit("load") is not None:
+        if self._admit("load", wait_s) is not None:
             return False
         self._pool.submit(self._run, "load", key, out, done)
         return True
@@ -143,11 +148,11 @@ class AsyncL2:
         self.adapter.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _admit(self, op: str) -> str | None:
+    def _admit(self, op: str, wait_s: float = 0.0) -> str | None:
         if self._closed or not self.available:
             return "unavailable"
         with self._cond:
-            if self._inflight[op] >= self.max_inflight:
+            if not self._cond.wait_for(lambda: self._inflight[op] < self.max_inflight, wait_s):
                 return "busy"
             self._inflight[op] += 1
         return None

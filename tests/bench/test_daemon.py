@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvcache.bench.daemon import main
 
 
@@ -15,8 +17,12 @@ def test_daemon_bench_reports_rtt_throughput_and_concurrency(tmp_path: Path) -> 
             "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = {r["what"]: r for r in json.loads(out.read_text())["results"]}
-    for name in ("ping (transport floor)", "lookup via daemon", "lookup in-process"):
+    for name in ("ping ipc:// (floor)", "ping tcp:// (floor)", "lookup via daemon, ipc://",
+                 "lookup via daemon, tcp://", "lookup in-process"):  # fmt: skip
         assert 0 < rows[name]["p50_us"] <= rows[name]["p99_us"]
+    ratio = rows["lookup p50 ipc/tcp"]
+    want = rows["lookup via daemon, ipc://"]["p50_us"] / rows["lookup via daemon, tcp://"]["p50_us"]
+    assert ratio["ratio"] == pytest.approx(want) and ratio["target"] == 0.7
     for op in ("store GB/s", "retrieve GB/s"):
         assert rows[op]["daemon"] > 0 and rows[op]["in_process"] > 0 and rows[op]["ratio"] > 0
     conc = rows["2 concurrent clients"]

@@ -26,7 +26,7 @@ SAMPLE_REQUESTS: list[m.RequestBody] = [
         instance_id=3,
         model_name="llama",
         tensors=[
-            m.ShmTensor(path="/dev/shm/x", offset=64, shape=[2, 4], stride=[4, 1], dtype="float16"),
+            m.FdTensor(fd_index=0, offset=64, shape=[2, 4], stride=[4, 1], dtype="float16"),
             m.CudaIpcTensor(
                 device_uuid="GPU-1", ipc_handle=b"\x00\x01", storage_size_bytes=10,
                 storage_offset_bytes=0, ref_counter_handle=b"rc", ref_counter_offset=0,

@@ -24,6 +24,7 @@ def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
     yield start
     for d in started:
         d.kill()
+        d.remove_runtime_dir()
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +33,4 @@ def shared_daemon() -> Iterator[DaemonProcess]:
     d = DaemonProcess([*BASE_ARGS, "--heartbeat-timeout", "1.0", "--max-message-mb", "1"])
     yield d
     assert d.stop() == 0, d.log
+    d.remove_runtime_dir()

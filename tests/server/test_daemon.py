@@ -89,7 +89,8 @@ def _raw_call(endpoint: str, *frames: bytes, timeout_ms: int = 5000) -> m.ReplyB
         ((encode_request(5, m.Ping(), version=m.PROTOCOL_VERSION + 1),), m.ErrorCode.VERSION_MISMATCH),
         ((b"x" * (1 << 20 + 1),), m.ErrorCode.TOO_LARGE),
         ((encode_request(5, m.Ping()), b"extra"), m.ErrorCode.BAD_MESSAGE),
-        ((msgspec.msgpack.encode({"v": 1, "id": 1, "body": {"op": "unheard_of"}}),), m.ErrorCode.BAD_MESSAGE),
+        ((msgspec.msgpack.encode({"v": m.PROTOCOL_VERSION, "id": 1, "body": {"op": "unheard_of"}}),),
+         m.ErrorCode.BAD_MESSAGE),
         ((encode_request(5, m.Lookup(instance_id=4242, token_ids=pack_ids([1]))),),
          m.ErrorCode.UNKNOWN_INSTANCE),
         ((encode_request(5, m.Store(instance_id=4242, token_ids=pack_ids([1]), block_ids=pack_ids([0]))),),
@@ -131,7 +132,7 @@ def test_ragged_id_buffer_is_a_bad_request(shared_daemon: DaemonProcess) -> None
 
 
 def test_register_with_a_bad_descriptor_is_a_layout_error(shared_daemon: DaemonProcess) -> None:
-    bogus = m.ShmTensor(path="/etc/passwd", offset=0, shape=[4], stride=[1], dtype="float16")
+    bogus = m.FdTensor(fd_index=0, offset=0, shape=[4], stride=[1], dtype="float16")  # no fds sent
     reply = _raw_call(
         shared_daemon.endpoint,
         encode_request(1, m.Register(instance_id=9, model_name="x", tensors=[bogus])),

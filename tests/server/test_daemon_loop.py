@@ -7,16 +7,20 @@ The engine is the real ``CacheEngine``; only its ``store`` waits on a gate the t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import ShuttingDownError
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
@@ -97,3 +101,53 @@ def test_stop_refuses_new_work_but_finishes_the_store_in_flight(
         assert not thread.is_alive()
         assert engine.lookup(1, TOKENS) == 64  # the store really happened
         c.close(unregister=False)
+
+
+def test_requests_queued_at_stop_are_refused_at_once(
+    daemon: tuple[Daemon, GatedEngine, threading.Thread],
+) -> None:
+    """Both bulk workers hold a store; two more stores wait in the lane. On stop, those two
+    get ``SHUTTING_DOWN`` right away instead of waiting out their clients' timeouts."""
+    d, engine, thread = daemon
+    with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
+        c.register_kv_caches(_cache())
+        socks = [_raw_store(d.endpoint, c) for _ in range(4)]  # 2 run (held), 2 wait in the lane
+        assert engine.entered.wait(5)
+        for _ in range(500):  # until all four reached the daemon (status is on the fast lane)
+            if c.status()["in_flight"] == 4:
+                break
+        assert c.status()["in_flight"] == 4
+        d.request_stop()
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        refused: list[Any] = []
+        deadline = time.monotonic() + 5
+        while len(refused) < 2 and time.monotonic() < deadline:  # no reply may take 20 s
+            for sock, _ in poller.poll(100):
+                reply = decode_reply(sock.recv()).body
+                assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.SHUTTING_DOWN, reply
+                refused.append(sock)
+                poller.unregister(sock)
+        assert len(refused) == 2, "the queued requests were not refused at once"
+        engine.gate.set()
+        for sock in socks:
+            if sock not in refused:  # the two in flight finish normally
+                assert sock.poll(10000)
+                assert isinstance(decode_reply(sock.recv()).body, m.StoreResult)
+        for sock in socks:
+            sock.close()
+        thread.join(10)
+        assert not thread.is_alive()
+        c.close(unregister=False)
+
+
+def _raw_store(endpoint: str, c: KVCacheClient) -> Any:
+    """A store sent on its own socket, then left waiting (the reply is read by the caller)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    body = m.Store(instance_id=c.instance_id, token=c._token, token_ids=pack_ids(TOKENS),
+                   block_ids=pack_ids(BLOCKS))  # fmt: skip
+    sock.send(encode_request(1, body))
+    return sock

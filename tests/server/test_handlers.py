@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,17 +18,30 @@ from kvcache.layouts import GPUKVFormat
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
+from kvcache.server.fdpass import FdInbox, send_fds
 from kvcache.server.handlers import Handlers
-from kvcache.server.ipc import export_tensor, to_shared
+from kvcache.server.ipc import export_tensors, to_shared
 from kvcache.server.registry import InstanceRegistry
 from kvcache.testing import ENGINE_OF, make_kv_caches
 
 
 @pytest.fixture
-def handlers() -> Iterator[Handlers]:
+def handlers(tmp_path: Path) -> Iterator[Handlers]:
     engine = CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
-    yield Handlers(engine, InstanceRegistry(), heartbeat_timeout_s=7.0)
+    inbox = FdInbox(str(tmp_path / "fds.sock"), frozenset({os.getuid()}))
+    inbox.start()
+    yield Handlers(engine, InstanceRegistry(), heartbeat_timeout_s=7.0, fd_inbox=inbox)
+    inbox.close()
     engine.close()
+
+
+def _register(handlers: Handlers, leaves: list[torch.Tensor], **fields: Any) -> m.Register:
+    """A ``Register`` for ``leaves`` whose memfds were really handed over to the inbox."""
+    descs, fds = export_tensors(leaves)
+    ticket = secrets.token_bytes(16)
+    assert handlers.fd_inbox is not None
+    send_fds(handlers.fd_inbox.path, ticket, fds, 5.0)
+    return m.Register(**{"tensors": descs, "fd_ticket": ticket, **fields})
 
 
 @pytest.mark.parametrize(
@@ -39,14 +56,14 @@ def test_register_rebuilds_every_nesting(handlers: Handlers, fmt: GPUKVFormat) -
     nesting = "tensor" if isinstance(kv, torch.Tensor) else ("list" if isinstance(kv[0], torch.Tensor)
                                                               else "nested")  # fmt: skip
     groups = [len(g) for g in kv] if nesting == "nested" else []
-    descs = [export_tensor(t) for t in leaves]
-    reply = handlers.handle(m.Register(instance_id=1, model_name="m", tensors=descs, nesting=nesting,  # type: ignore[arg-type]
-                                       group_sizes=groups, engine=ENGINE_OF[fmt], block_size=4))  # fmt: skip
+    reply = handlers.handle(_register(handlers, leaves, instance_id=1, model_name="m", nesting=nesting,
+                                      group_sizes=groups, engine=ENGINE_OF[fmt], block_size=4))  # fmt: skip
     assert isinstance(reply, m.Registered), reply
     assert (reply.fmt, reply.num_layers, reply.num_blocks, reply.block_size) == (fmt.name, 2, 8, 4)
     assert reply.heartbeat_timeout_s == 7.0
     tokens = pack_ids(range(32))
-    stored = handlers.handle(m.Store(instance_id=1, token_ids=tokens, block_ids=pack_ids(range(8))))
+    stored = handlers.handle(m.Store(instance_id=1, token_ids=tokens, block_ids=pack_ids(range(8)),
+                                     token=reply.token))  # fmt: skip
     assert isinstance(stored, m.StoreResult) and stored.stored_tokens == 32
 
 
@@ -63,8 +80,8 @@ def test_bad_registrations_are_layout_errors(handlers: Handlers, changes: dict[s
                                             needle: str) -> None:  # fmt: skip
     kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
                                   block_size=4, head_size=8))  # fmt: skip
-    fields = {"instance_id": 1, "model_name": "m", "tensors": [export_tensor(t) for t in kv], **changes}
-    reply = handlers.handle(m.Register(**fields))  # type: ignore[arg-type]
+    fields = {"instance_id": 1, "model_name": "m", **changes}
+    reply = handlers.handle(_register(handlers, kv, **fields))
     assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.LAYOUT and needle in reply.message
     assert handlers.registry.ids() == []
 
@@ -84,11 +101,16 @@ def test_requests_for_unknown_instances_are_typed_errors(handlers: Handlers) -> 
 def test_lifecycle_register_report_reap(handlers: Handlers) -> None:
     kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
                                   block_size=4, head_size=8))  # fmt: skip
-    reg = m.Register(instance_id=3, model_name="m", tensors=[export_tensor(t) for t in kv])
-    assert isinstance(handlers.handle(reg), m.Registered)
-    assert isinstance(handlers.handle(reg), m.Registered)  # again: replaced, not refused
-    assert handlers.handle(m.Ping(instance_id=3)) == m.Pong(protocol_version=m.PROTOCOL_VERSION,
-                                                            registered=True)  # fmt: skip
+    nonce = b"n" * 16
+    first = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m", client_nonce=nonce))
+    assert isinstance(first, m.Registered)
+    again = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m", client_nonce=nonce))
+    assert isinstance(again, m.Registered)  # the same client again: replaced, not refused
+    assert again.token != first.token
+    other = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m"))
+    assert isinstance(other, m.Error) and other.code is m.ErrorCode.ACCESS_DENIED  # not the same client
+    pong = handlers.handle(m.Ping(instance_id=3, token=again.token))
+    assert isinstance(pong, m.Pong) and pong.registered and pong.fd_socket
     report = m.ReportBlockAllocations(instance_id=3, records=[BlockAllocationRecord("r", [1], [9] * 4)])
     assert isinstance(handlers.handle(report), m.Done)
     assert isinstance(handlers.handle(m.EndSession(instance_id=3, request_id="r")), m.Done)

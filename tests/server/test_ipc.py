@@ -1,7 +1,8 @@
-"""Shared-memory export/import: the daemon's view aliases the engine's bytes exactly."""
+"""Sealed-memfd export/import: the daemon's view aliases the engine's bytes exactly."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import subprocess
@@ -11,8 +12,16 @@ import pytest
 import torch
 
 from kvcache.errors import CudaUnavailableError, LayoutError
-from kvcache.protocol.messages import CudaIpcTensor, ShmTensor
+from kvcache.protocol.messages import CudaIpcTensor, FdTensor
 from kvcache.server import ipc
+from kvcache.server.fdpass import ReceivedFds
+
+
+def _received(tensors: list[torch.Tensor]) -> tuple[list[FdTensor], ReceivedFds]:
+    """What the daemon holds after a hand-over, without the socket: duplicated memfds."""
+    descs, fds = ipc.export_cpu_tensors(tensors)
+    dups = [os.dup(fd) for fd in fds]
+    return descs, ReceivedFds(dups, [os.fstat(fd).st_size for fd in dups], os.getuid(), os.getpid())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
@@ -20,77 +29,80 @@ def test_import_aliases_the_exported_view(dtype: torch.dtype) -> None:
     base = ipc.empty_shared((3, 2, 8, 4), dtype)
     base.copy_(torch.randint(0, 100, base.shape).to(dtype))
     view = base[1, :, 2:6]  # non-contiguous, non-zero offset
-    desc = ipc.export_tensor(view)
-    assert isinstance(desc, ShmTensor)
+    (desc,), received = _received([view])
     assert desc.offset == (1 * 64 + 2 * 4) * base.element_size()
-    assert desc.stride == list(view.stride()) and desc.owner_pid == os.getpid()
-    mapped = ipc.import_tensor(desc).tensor
+    assert desc.stride == list(view.stride()) and desc.fd_index == 0
+    mapped = ipc.import_tensor(desc, received).tensor
+    received.close()  # the mapping outlives the descriptor
     assert torch.equal(mapped, view)
     mapped.fill_(7)  # writes through to the engine's tensor (retrieve depends on it)
     assert bool((base[1, :, 2:6] == 7).all()) and not bool((base[0] == 7).all())
 
 
-def test_segment_is_removed_when_the_last_view_dies() -> None:
+def test_tensors_sharing_a_memfd_share_one_descriptor() -> None:
+    a, b = ipc.empty_shared((2, 8), torch.float16), ipc.empty_shared((4,), torch.float32)
+    descs, fds = ipc.export_cpu_tensors([a[0], b, a[1]])
+    assert [d.fd_index for d in descs] == [0, 1, 0] and len(fds) == 2
+
+
+def test_memory_is_sealed_and_leaves_nothing_in_dev_shm() -> None:
+    before = set(os.listdir("/dev/shm"))
+    t = ipc.empty_shared((1024,), torch.float32)
+    _, (fd,) = ipc.export_cpu_tensors([t])
+    with pytest.raises(PermissionError):  # F_SEAL_SHRINK: no truncation, no SIGBUS later
+        os.ftruncate(fd, 0)
+    with pytest.raises(PermissionError):  # F_SEAL_GROW
+        os.ftruncate(fd, 1 << 20)
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_memory_goes_when_the_last_view_dies() -> None:
     t = ipc.empty_shared((16,), torch.float32)
-    path = ipc.export_cpu_tensor(t).path
-    assert os.path.exists(path)
+    _, (fd,) = ipc.export_cpu_tensors([t])
+    link = os.readlink(f"/proc/self/fd/{fd}")
     del t
     gc.collect()
-    assert not os.path.exists(path)
+    assert link not in {os.readlink(f"/proc/self/fd/{e}") for e in os.listdir("/proc/self/fd")
+                        if os.path.exists(f"/proc/self/fd/{e}")}  # fmt: skip
 
 
 def test_plain_cpu_tensor_is_refused_with_a_hint() -> None:
     with pytest.raises(LayoutError, match="empty_shared"):
-        ipc.export_tensor(torch.zeros(8))
+        ipc.export_tensors([torch.zeros(8)])
 
 
-def _desc(**kw: object) -> ShmTensor:
-    base = {"path": "", "offset": 0, "shape": [4], "stride": [1], "dtype": "float32"}
-    return ShmTensor(**{**base, **kw})  # type: ignore[arg-type]
+def _desc(**kw: object) -> FdTensor:
+    base = {"fd_index": 0, "offset": 0, "shape": [4], "stride": [1], "dtype": "float32"}
+    return FdTensor(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def test_import_refuses_paths_outside_dev_shm() -> None:
-    with pytest.raises(LayoutError, match="/dev/shm"):
-        ipc.import_tensor(_desc(path="/etc/passwd"))
-    with pytest.raises(LayoutError, match="/dev/shm"):
-        ipc.import_tensor(_desc(path="/dev/shm/../../etc/passwd"))
-
-
-def test_import_refuses_spans_past_the_end_of_the_file() -> None:
-    t = ipc.empty_shared((4,), torch.float32)
-    path = ipc.export_cpu_tensor(t).path
+def test_import_refuses_what_the_memfd_does_not_hold() -> None:
+    _, received = _received([ipc.empty_shared((4,), torch.float32)])
     with pytest.raises(LayoutError, match="needs bytes"):
-        ipc.import_tensor(_desc(path=path, shape=[5]))
+        ipc.import_tensor(_desc(shape=[5]), received)
     with pytest.raises(LayoutError, match="needs bytes"):
-        ipc.import_tensor(_desc(path=path, shape=[2, 2], stride=[3, 1]))
+        ipc.import_tensor(_desc(shape=[2, 2], stride=[3, 1]), received)
     with pytest.raises(LayoutError, match="aligned"):
-        ipc.import_tensor(_desc(path=path, offset=2, shape=[1]))
+        ipc.import_tensor(_desc(offset=2, shape=[1]), received)
     with pytest.raises(LayoutError, match="unknown dtype"):
-        ipc.import_tensor(_desc(path=path, dtype="object"))
-    with pytest.raises(LayoutError, match="cannot open"):
-        ipc.import_tensor(_desc(path="/dev/shm/kvcache-does-not-exist"))
+        ipc.import_tensor(_desc(dtype="object"), received)
+    with pytest.raises(LayoutError, match="not handed over"):
+        ipc.import_tensor(_desc(fd_index=1), received)
+    with pytest.raises(LayoutError, match="not handed over"):
+        ipc.import_tensor(_desc(), None)
+    received.close()
 
 
-def test_orphaned_segment_of_a_dead_process_is_removed() -> None:
-    code = (
-        "import os, torch\n"
-        "from kvcache.server import ipc\n"
-        "t = ipc.empty_shared((8,), torch.float32)\n"
-        "print(ipc.export_cpu_tensor(t).path, flush=True)\n"
-        "os._exit(0)\n"  # no finalizers: the file stays behind, as after a SIGKILL
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    path, pid = out.stdout.strip(), None
-    pid = int(os.path.basename(path).split("-")[1])
-    assert os.path.exists(path)
-    assert not ipc.remove_orphaned_segment(path, os.getpid())  # a live owner keeps its file
-    assert ipc.remove_orphaned_segment(path, pid)
-    assert not os.path.exists(path)
-
-
-def test_foreign_files_are_never_removed(tmp_path: object) -> None:
-    assert not ipc.remove_orphaned_segment("/dev/shm/someone-else", 2**22 + 12345)
-    assert not ipc.remove_orphaned_segment("/tmp/kvcache-1-abc", 2**22 + 12345)
+def test_write_sealed_memory_is_a_layout_error_not_a_crash() -> None:
+    fd = os.memfd_create("kvcache-ro", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 64)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    received = ReceivedFds([fd], [64], os.getuid(), os.getpid())
+    with pytest.raises(LayoutError, match="read-write"):
+        ipc.import_tensor(_desc(), received)
+    received.close()
 
 
 def test_cuda_descriptor_without_a_gpu_is_a_typed_error() -> None:
@@ -109,7 +121,7 @@ def test_cuda_descriptor_without_a_gpu_is_a_typed_error() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ipc_round_trip_in_another_process() -> None:
     t = torch.arange(64, dtype=torch.float16, device="cuda").view(4, 16)[1:3]
-    desc = ipc.export_tensor(t)
+    (desc,), _ = ipc.export_tensors([t])
     assert isinstance(desc, CudaIpcTensor)
     from kvcache.protocol.codec import encode_request
     from kvcache.protocol.messages import Register

@@ -35,6 +35,25 @@ def test_storage_flags_reach_the_engine_config() -> None:
     assert s.daemon.inline_lookups is False  # a Redis lookup waits on the network
 
 
+def test_redis_timeouts_back_off_and_store_wait_are_flags() -> None:
+    e = parse_settings(["--l2-redis-timeout", "0.25", "--l2-redis-connect-timeout", "2",
+                        "--l2-redis-ttl", "600", "--l2-retry-interval", "1.5",
+                        "--store-wait-timeout", "0"]).engine  # fmt: skip
+    assert (e.l2_redis_socket_timeout_s, e.l2_redis_connect_timeout_s, e.l2_redis_ttl_s) == (0.25, 2, 600)
+    assert (e.l2_retry_interval_s, e.store_wait_timeout_s) == (1.5, 0)
+    d = parse_settings([]).engine
+    assert (d.l2_redis_socket_timeout_s, d.l2_retry_interval_s, d.store_wait_timeout_s) == (1.0, 5.0, 5.0)
+
+
+def test_security_and_limit_flags_reach_the_daemon() -> None:
+    s = parse_settings(["--runtime-dir", "/run/kvc", "--no-ipc", "--max-ids", "99", "--max-tensors", "7",
+                        "--max-instances", "3", "--max-registration-gb", "2"])  # fmt: skip
+    assert (s.daemon.runtime_dir, s.daemon.listen_ipc, s.daemon.listen_tcp) == ("/run/kvc", False, True)
+    assert (s.limits.max_ids, s.limits.max_tensors, s.limits.max_instances) == (99, 7, 3)
+    assert s.limits.max_registration_bytes == 2 * GiB
+    assert parse_settings([]).daemon.runtime_dir  # the default clients look in
+
+
 def test_toml_file_then_flags_override_it(tmp_path: Path) -> None:
     cfg = tmp_path / "kvcache.toml"
     cfg.write_text(
@@ -74,11 +93,18 @@ def test_invalid_values_exit_with_a_usage_error(capsys: pytest.CaptureFixture[st
     assert "l1_evict_watermark" in capsys.readouterr().err
 
 
-def test_non_loopback_needs_allow_remote(capsys: pytest.CaptureFixture[str]) -> None:
+def test_non_loopback_needs_allow_remote_and_curve(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--host", "0.0.0.0"])
     assert "--allow-remote" in capsys.readouterr().err
-    assert parse_settings(["--host", "0.0.0.0", "--allow-remote"]).daemon.host == "0.0.0.0"
+    with pytest.raises(SystemExit):
+        parse_settings(["--host", "0.0.0.0", "--allow-remote"])
+    assert "CURVE" in capsys.readouterr().err
+    s = parse_settings(["--host", "0.0.0.0", "--allow-remote", "--curve-secret-key", "d.key_secret",
+                        "--clients", "c.toml"])  # fmt: skip
+    assert s.daemon.host == "0.0.0.0" and s.daemon.curve_secret_key == "d.key_secret"
+    # --no-tcp: no TCP endpoint, so no network exposure whatever --host says
+    assert parse_settings(["--no-tcp", "--host", "0.0.0.0"]).daemon.listen_tcp is False
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         assert DaemonConfig(host=host).host == host
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -210,3 +212,53 @@ def test_concurrent_writers_events_agree_with_the_files(tmp_path: Path) -> None:
     on_disk = {int(p.name.removesuffix(".kvc"), 16) for p in (tmp_path / "l2").rglob("*.kvc")}
     assert held == on_disk
     assert d.contains(sorted(on_disk)) == [True] * len(on_disk)
+
+
+def test_a_full_disk_evicts_its_own_oldest_chunks_and_keeps_accepting_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that fills up (other files, a smaller volume than configured) used to stop the
+    tier for good: every later write failed. Now it evicts its own oldest chunks and retries,
+    bounds itself by the free space, and grows back when space returns."""
+    d = DiskL2Adapter(str(tmp_path), 1 << 30)
+    size = d.store(0, chunk(0))
+    disk = {"holds": 4 * size}  # the real volume: room for 4 chunks, whatever we configured
+    real_write = DiskL2Adapter._write
+
+    def write(self: DiskL2Adapter, key: int, *args: object) -> None:
+        if self.used_bytes + size > disk["holds"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskL2Adapter, "_write", write)
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda _: shutil._ntuple_diskusage(disk["holds"], d.used_bytes,  # type: ignore[attr-defined]
+                                                           max(0, disk["holds"] - d.used_bytes)))  # fmt: skip
+    for key in range(1, 12):
+        assert d.store(key, chunk(key)) == size, key  # never refused
+    assert d.contains([11]) == [True] and d.contains([0]) == [False]  # oldest went first
+    assert d.info()["num_chunks"] <= 4 and d.info()["capacity_bytes"] <= 4 * size
+    out = torch.empty_like(chunk(11))
+    assert d.load(11, out) and torch.equal(out.view(torch.uint8), chunk(11).view(torch.uint8))
+    disk["holds"] = 100 * size  # space freed by someone else
+    for key in range(12, 12 + 64):  # the periodic probe sees it
+        d.store(key, chunk(key))
+    assert d.info()["capacity_bytes"] > 4 * size and d.info()["num_chunks"] > 4
+
+
+def test_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        root = tmp_path / "tier"
+        d = DiskL2Adapter(str(root), 1 << 20)
+        d.store(7, chunk(7))
+    finally:
+        os.umask(old)
+    (f,) = files(root)
+    assert f.stat().st_mode & 0o777 == 0o600
+    assert root.stat().st_mode & 0o777 == 0o700 and f.parent.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    DiskL2Adapter(str(shared), 1 << 20)  # an existing directory of ours is closed too
+    assert shared.stat().st_mode & 0o777 == 0o700

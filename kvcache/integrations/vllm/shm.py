@@ -1,7 +1,8 @@
-"""Put vLLM's CPU KV cache in /dev/shm, so the daemon can map it.
+"""Put vLLM's CPU KV cache in sealed memfds, so the daemon can map it.
 
-The daemon reads and writes the engine's KV blocks in place; for CPU tensors that needs a
-file both processes map, and vLLM allocates its cache with a plain ``torch.zeros``. vLLM
+The daemon reads and writes the engine's KV blocks in place; for CPU tensors that needs
+memory both processes map (a memfd handed to the daemon over its Unix fd socket), and vLLM
+allocates its cache with a plain ``torch.zeros``. vLLM
 lets a connector wrap that allocation in a context manager (``get_mem_pool_context``), so
 ``SharedKVAllocation`` is a ``TorchFunctionMode`` that answers the CPU ``torch.zeros`` calls
 made inside it with ``empty_shared`` buffers (zero-filled, like ``torch.zeros``). Nothing is
@@ -30,9 +31,9 @@ def _shape(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | None:
 
 
 class SharedKVAllocation(TorchFunctionMode):
-    """Inside ``with``, CPU ``torch.zeros`` of at least ``min_bytes`` lands in /dev/shm.
+    """Inside ``with``, CPU ``torch.zeros`` of at least ``min_bytes`` lands in a sealed memfd.
 
-    ``buffers`` keeps what was allocated (and so the files) alive as long as this object.
+    ``buffers`` keeps what was allocated (and so the memfds) alive as long as this object.
     """
 
     def __init__(self, min_bytes: int = 1 << 20) -> None:

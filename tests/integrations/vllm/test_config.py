@@ -9,7 +9,7 @@ from kvcache.integrations.vllm.config import ConnectorConfig
 
 def test_defaults_and_unknown_keys() -> None:
     cfg = ConnectorConfig.from_extra(None)
-    assert cfg.endpoint == "tcp://127.0.0.1:5555" and cfg.load and cfg.store and cfg.shared_memory
+    assert cfg.endpoint is None and cfg.load and cfg.store and cfg.shared_memory  # None: ipc default
     with pytest.raises(ValueError, match="unknown"):
         ConnectorConfig.from_extra({"endpiont": "x"})
     with pytest.raises(ValueError):

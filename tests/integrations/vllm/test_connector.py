@@ -91,6 +91,7 @@ def start_daemon(tmp: Path, l2: Path, name: str, extra: Sequence[str] = ()) -> D
     port, mport = _free_port(), _free_port()
     log = tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), "--l1-size-gb", "0.25",
+           "--runtime-dir", str(tmp / "run"),
            "--l2-disk-path", str(l2), "--l2-disk-size-gb", "1", "--prometheus-port", str(mport),
            "--metrics-sample-rate", "1.0", *extra]  # fmt: skip
     with open(log, "w") as f:
@@ -122,7 +123,10 @@ def tracker() -> Iterator[TierTracker]:
 
 def drive(py: str, tmp: Path, name: str, *args: str) -> dict[str, Any]:
     out = tmp / f"{name}.json"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    # The connector finds the daemon on its default transport: the Unix socket in the
+    # runtime directory (the daemons of these tests use tmp/run instead of /tmp/kvcache-UID).
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+               KVCACHE_RUNTIME_DIR=str(tmp / "run"))  # fmt: skip
     proc = subprocess.run(
         [py, str(DRIVER), "--model", str(tmp / "model"), "--out", str(out), *args],
         capture_output=True, text=True, timeout=300, env=env, cwd="/",
@@ -185,7 +189,7 @@ def test_vllm_prefix_served_from_kvcache(
               "--kv-events-format", "array", "--metrics-sample-rate", "1"]  # fmt: skip
     d1 = start_daemon(tmp_path, l2, "daemon1", flags)
     daemons.append(d1)
-    run = drive(vllm_python, tmp_path, "cached", "--endpoint", d1.endpoint, "--rounds", "2",
+    run = drive(vllm_python, tmp_path, "cached", "--endpoint", "default", "--rounds", "2",
                 "--ttft-reps", "5", "--kv-events-endpoint", tracker.endpoint)  # fmt: skip
     first, second = run["rounds"]
     assert first["outputs"] == ref["outputs"] and second["outputs"] == ref["outputs"]
@@ -209,7 +213,7 @@ def test_vllm_prefix_served_from_kvcache(
 
     d2 = start_daemon(tmp_path, l2, "daemon2")  # empty L1: the prefix comes from disk
     daemons.append(d2)
-    from_l2 = drive(vllm_python, tmp_path, "from_l2", "--endpoint", d2.endpoint)["rounds"][0]
+    from_l2 = drive(vllm_python, tmp_path, "from_l2", "--endpoint", "default")["rounds"][0]
     assert from_l2["first_cached_tokens"] == 1024
     assert from_l2["outputs"] == ref["outputs"]
     assert d2.metric("kvcache_retrieve_l2_tokens_total") >= 1024
@@ -218,7 +222,7 @@ def test_vllm_prefix_served_from_kvcache(
     rewrite_one_chunk(l2)
     d3 = start_daemon(tmp_path, l2, "daemon3")
     daemons.append(d3)
-    bad = drive(vllm_python, tmp_path, "corrupted", "--endpoint", d3.endpoint)["rounds"][0]
+    bad = drive(vllm_python, tmp_path, "corrupted", "--endpoint", "default")["rounds"][0]
     assert bad["first_cached_tokens"] == 1024
     assert bad["outputs"] != ref["outputs"], "a rewritten chunk left the output unchanged"
     d3.stop()

@@ -1,11 +1,14 @@
-"""vLLM's CPU KV buffer, allocated inside SharedKVAllocation, lands in /dev/shm."""
+"""vLLM's CPU KV buffer, allocated inside SharedKVAllocation, lands in a sealed memfd."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from kvcache.integrations.vllm.shm import SharedKVAllocation
-from kvcache.server.ipc import export_cpu_tensor, import_tensor
+from kvcache.server.fdpass import ReceivedFds
+from kvcache.server.ipc import export_cpu_tensors, import_tensor
 
 
 def test_large_cpu_zeros_go_to_shared_memory_and_the_daemon_side_sees_writes() -> None:
@@ -15,9 +18,12 @@ def test_large_cpu_zeros_go_to_shared_memory_and_the_daemon_side_sees_writes() -
         small = torch.zeros(10)
     assert len(mode.buffers) == 1 and int(buf.abs().sum()) == 0
     layer = buf.view(torch.float32).view(2, 32, 2, 32, 64)[1]  # like vLLM's per-layer view
-    desc = export_cpu_tensor(layer)
-    assert desc.path.startswith("/dev/shm/")
-    peer = import_tensor(desc).tensor
+    (desc,), (fd,) = export_cpu_tensors([layer])
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvcache-")
+    dup = os.dup(fd)
+    received = ReceivedFds([dup], [os.fstat(dup).st_size], os.getuid(), os.getpid())
+    peer = import_tensor(desc, received).tensor
+    received.close()
     layer[3].fill_(1.5)
     assert torch.equal(peer, layer)
     assert small.shape == (10,)  # below min_bytes: an ordinary tensor
@@ -26,7 +32,7 @@ def test_large_cpu_zeros_go_to_shared_memory_and_the_daemon_side_sees_writes() -
 
 def export_cpu_tensor_raises(t: torch.Tensor) -> bool:
     try:
-        export_cpu_tensor(t)
+        export_cpu_tensors([t])
     except Exception:
         return True
     return False

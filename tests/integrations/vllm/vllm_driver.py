@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     make_model(model)
     kw: dict[str, Any] = {}
     if args.endpoint:
-        extra = {"endpoint": args.endpoint, "instance_id": args.instance_id, "timeout_s": 30.0}
+        extra: dict[str, Any] = {"instance_id": args.instance_id, "timeout_s": 30.0}
+        if args.endpoint != "default":  # "default": the connector's own choice (the Unix socket)
+            extra["endpoint"] = args.endpoint
         kw["kv_transfer_config"] = {
             "kv_connector": "KVCacheConnector",
             "kv_connector_module_path": "kvcache.integrations.vllm",

@@ -68,8 +68,13 @@ class L0LifecycleSubscriber(EventSubscriber):
         sample_rate: float = 0.01,
         registry: CollectorRegistry | None = REGISTRY,
         instances: Iterable[tuple[int, str]] = (),
+        max_requests: int = 1 << 16,
     ) -> None:
+        """``max_requests``: requests followed at once; an engine that never reports their
+        end (a bug, a crash) cannot grow this state: the oldest is treated as ended."""
         self.sampler = Sampler(sample_rate)
+        self.max_requests = max_requests
+        self.requests_dropped = 0
         m = self.metrics = MetricSet()
         self._lifetime = m.add(
             "kvcache_l0_block_lifetime_seconds",
@@ -93,6 +98,11 @@ class L0LifecycleSubscriber(EventSubscriber):
             self._histograms(instance_id, model_name)
         if registry is not None:
             m.register(registry)
+
+    @property
+    def tracked_requests(self) -> int:
+        """Requests followed now (bounded by ``max_requests``)."""
+        return len(self._by_request)
 
     @property
     def tracked_blocks(self) -> int:
@@ -125,6 +135,10 @@ class L0LifecycleSubscriber(EventSubscriber):
         assert now is not None
         for record in records:
             self._process_record(instance_id, record, block_size, now, hists)
+        while len(self._by_request) > self.max_requests:  # oldest first (insertion order)
+            (old_instance, old_req) = next(iter(self._by_request))
+            self._end(old_instance, old_req, now)
+            self.requests_dropped += 1
 
     def _process_record(
         self,
@@ -177,10 +191,11 @@ class L0LifecycleSubscriber(EventSubscriber):
 
     def _on_end_session(self, event: Event) -> None:
         md = event.metadata
-        instance_id: int = md["instance_id"]
-        req: str = md["request_id"]
         now = event.timestamp
         assert now is not None
+        self._end(md["instance_id"], md["request_id"], now)
+
+    def _end(self, instance_id: int, req: str, now: float) -> None:
         for block_id in self._by_request.pop((instance_id, req), ()):
             block = self._blocks.get((instance_id, block_id))
             if block is not None and req in block.owners:

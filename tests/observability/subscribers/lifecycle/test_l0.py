@@ -172,3 +172,15 @@ def test_series_exist_at_zero(registry: CollectorRegistry) -> None:
     for name in (LIFETIME, IDLE, REUSE):
         assert registry.get_sample_value(f"{name}_count", labels) == 0
         assert registry.get_sample_value(f"{name}_bucket", {**labels, "le": "+Inf"}) == 0
+
+
+def test_requests_that_never_end_cannot_grow_the_state_without_bound(registry: CollectorRegistry) -> None:
+    """A buggy engine reports 100k requests sharing one prefix block and never ends any."""
+    sub = L0LifecycleSubscriber(1.0, registry, max_requests=1000)
+    for i in range(100_000):
+        records = [BlockAllocationRecord(f"r{i}", [0, 1], [7, 7])]
+        md = {"instance_id": 1, "model_name": "m", "records": records}
+        sub._on_allocation(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=float(i)))
+    assert sub.tracked_requests == 1000 and sub.requests_dropped == 99_000
+    assert sub.tracked_blocks == 2
+    assert max(len(b.owners) for b in sub._blocks.values()) <= 1000  # shared-block owners too

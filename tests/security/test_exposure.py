@@ -1,0 +1,70 @@
+"""What each listening socket exposes: KV events and metrics beyond loopback are explicit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from kvcache.kv_events.config import add_kv_events_args, build_kv_events_subscriber, check_exposure
+from kvcache.netaddr import endpoint_is_local, is_loopback
+from kvcache.observability import init_observability
+from kvcache.observability.config import ObservabilityConfig
+
+
+def _ns(*argv: str) -> argparse.Namespace:
+    return add_kv_events_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_hosts(host: str) -> None:
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "::", "10.0.0.5", "example.com", ""])
+def test_everything_else_is_exposed(host: str) -> None:
+    assert not is_loopback(host)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "replay"),
+    [("tcp://*:5557", None), ("tcp://[::]:5557", None), ("ipc:///tmp/x.sock", "tcp://*:5558"),
+     ("ipc:///tmp/x.sock", "tcp://0.0.0.0:5558")],
+)  # fmt: skip
+def test_kv_events_beyond_loopback_need_the_flag(endpoint: str, replay: str | None) -> None:
+    with pytest.raises(ValueError, match="--kv-events-allow-remote"):
+        check_exposure(endpoint, replay, allow_remote=False)
+    args = ["--kv-events-endpoint", endpoint] + (["--kv-events-replay-endpoint", replay] if replay else [])
+    with pytest.raises(ValueError, match="reveals which prompts are cached"):
+        build_kv_events_subscriber(_ns(*args))
+
+
+def test_local_binds_and_connects_need_no_flag(caplog: pytest.LogCaptureFixture) -> None:
+    for endpoint, replay in [("ipc:///tmp/kv.sock", None), ("tcp://127.0.0.1:*", "tcp://127.0.0.1:0"),
+                             ("tcp://router.example:5557", None)]:  # fmt: skip
+        check_exposure(endpoint, replay, allow_remote=False)  # a plain host connects: not a bind
+    assert endpoint_is_local("inproc://x") and not endpoint_is_local("tcp://10.1.2.3:1")
+    with caplog.at_level(logging.WARNING, logger="kvcache.kv_events"):
+        check_exposure("tcp://*:5557", None, allow_remote=True)
+    assert "reachable from the network" in caplog.text
+
+
+def test_allowed_wildcard_bind_really_binds_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcache.kv_events"):
+        sub = build_kv_events_subscriber(_ns("--kv-events-endpoint", "tcp://*:0", "--kv-events-allow-remote"))
+    assert sub is not None
+    sub.shutdown()
+    assert "reachable from the network" in caplog.text
+
+
+def test_metrics_beyond_loopback_are_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        obs = init_observability(ObservabilityConfig(prometheus_host="0.0.0.0", prometheus_port=0))
+    obs.shutdown()
+    assert "reachable from the network" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        obs = init_observability(ObservabilityConfig(prometheus_host="127.0.0.1", prometheus_port=0))
+    obs.shutdown()
+    assert "reachable from the network" not in caplog.text
