@@ -67,11 +67,14 @@ class L1Entry:
 
 @dataclass(frozen=True, slots=True)
 class WriteReservation:
-    """Result of ``begin_write``: which chunk indices got a fresh slot, which were present."""
+    """Result of ``begin_write``: which chunk indices got a fresh slot, which were present,
+    how many trailing chunks failed, and how many leading keys it ``settled`` (all of them,
+    except for a partial reservation that stopped to let its caller write what it holds)."""
 
     new: list[tuple[int, L1Entry]]
     present: list[int]
     failed: int
+    settled: int
 
 
 __all__ = ["EntryState", "L1Entry", "WriteReservation"]

@@ -38,6 +38,16 @@ def _cache(seed: int = 0) -> list[torch.Tensor]:
     return to_shared(kv)
 
 
+def _open_files(pid: int) -> set[str]:
+    out = set()
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.add(os.readlink(f"/proc/{pid}/fd/{entry}"))
+        except OSError:  # closed meanwhile
+            continue
+    return out
+
+
 def _fd_socket(d: DaemonProcess) -> str:
     pong = raw_call(d.endpoint, m.Ping())
     assert isinstance(pong, m.Pong) and pong.fd_socket
@@ -112,8 +122,7 @@ def test_the_daemon_never_opens_a_file_a_client_names(
         reply = raw_call(d.endpoint, m.Register(instance_id=5, model_name="x", tensors=[desc],
                                                 fd_ticket=secrets.token_bytes(16)))  # fmt: skip
         assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.ACCESS_DENIED
-        assert not any(secret in os.readlink(f"/proc/{d.pid}/fd/{e}")
-                       for e in os.listdir(f"/proc/{d.pid}/fd"))  # fmt: skip
+        assert secret not in _open_files(d.pid)
     finally:
         os.unlink(secret)
 
