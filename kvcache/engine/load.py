@@ -1,8 +1,9 @@
 """The load path: lookup of the cached prefix, L2 -> L1 prefetch, and retrieve into engine blocks.
 
 Separate from the engine facade because these three share one rule, kept in one place: the
-prefix is L1 first, then the continuation present in L2 (tiers asked in order), and the first
-missing chunk, refused load or failed load ends it; a retrieve waits for the loads a lookup began.
+prefix is made of chunks in L1 and chunks present in L2 (tiers asked in order), in any
+alternation (a prompt's tail may stay in L1 after its head left for L2), and the first missing
+chunk, refused load or failed load ends it; a retrieve waits for the loads a lookup began.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ def lookup(
     num_tokens = len(token_ids)
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(num_tokens=num_tokens))
     keys = inst.keys(token_ids, cache_salt)
-    l1 = parts.pool.prefix(keys)
-    l2 = prefetch(parts, inst, keys[l1:])
+    l1 = l2 = 0
+    while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
+        run = parts.pool.prefix(keys[l1 + l2 :])
+        l1 += run
+        loaded = prefetch(parts, inst, keys[l1 + l2 :]) if l1 + l2 < len(keys) else 0
+        if not loaded:
+            break
+        l2 += loaded
     cs = parts.config.chunk_size
     hit = (l1 + l2) * cs
     parts.stats.record_lookup(num_tokens, hit)
@@ -149,8 +156,11 @@ def _acquire_ready(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey])
     any load still running; the first miss or failed load ends the list."""
     deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
     entries = parts.pool.acquire(keys)
-    if len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :], deadline):
-        entries += parts.pool.acquire(keys[len(entries) :])
+    while len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :], deadline):
+        more = parts.pool.acquire(keys[len(entries) :])  # the loads just begun, and what follows
+        if not more:  # they failed already
+            break
+        entries += more
     for i, entry in enumerate(entries):
         if not entry.wait(max(0.0, deadline - time.monotonic())):
             parts.pool.release(entries[i:])

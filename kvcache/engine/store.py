@@ -40,7 +40,13 @@ def store(
     request_id: str,
     block_hashes: Sequence[int] | None,
 ) -> StoreResult:
-    """See ``CacheEngine.store``."""
+    """See ``CacheEngine.store``.
+
+    Chunks are reserved, copied and written through in batches: when L1 runs out while this
+    store holds fresh slots, it writes those through first and then asks for the rest, so it
+    only ever waits (within ``store_wait_timeout_s``, in all) holding nothing of its own.
+    Without an L2 tier there is nothing to write through, and the first shortage ends it.
+    """
     ctx = inst.ctx
     num_tokens = len(token_ids)
     check_cover(ctx, num_tokens, block_ids)
@@ -49,48 +55,65 @@ def store(
     sid = parts.events.session(inst.instance_id, request_id)
     start = inst.meta(num_tokens=num_tokens, num_chunks=len(keys))
     parts.events.publish(EventType.MP_STORE_START, sid, start)
-    wait_s = parts.config.store_wait_timeout_s
-    deadline = time.monotonic() + wait_s
-    res = parts.pool.begin_write(inst.geometry, keys, wait_s=wait_s) if keys else None
-    new = [e for _, e in res.new] if res else []
+    deadline = time.monotonic() + parts.config.store_wait_timeout_s
+    stored = skipped = failed = pos = 0
     elapsed = 0.0
-    if new:
-        assert res is not None
-        bpc = ctx.blocks_per_chunk
-        sel = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i, _ in res.new])
-        t0 = time.perf_counter()
-        try:
-            ctx.copy_to_chunks(sel, [e.tensor for e in new])
-        except Exception:
-            parts.pool.finish(new, False)
-            parts.events.store_end(inst, sid, num_tokens, StoreResult(failed_chunks=len(keys)), 0, 0.0, False)
-            raise
-        elapsed = time.perf_counter() - t0
-        for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
-            parts.pool.pin(new)
-        extra = None
-        if block_hashes is not None:
-            extra = engine_block_metadata(
-                [i for i, _ in res.new],
-                bpc,
-                ctx.block_size,
-                parts.config.chunk_size,
-                block_hashes,
-                token_ids,
-            )
-        parts.pool.finish(new, True, extra)
-        _write_through(parts, new, deadline)
-    cs = parts.config.chunk_size
-    result = StoreResult(
-        stored_chunks=len(new),
-        skipped_chunks=len(res.present) if res else 0,
-        failed_chunks=res.failed if res else 0,
-        stored_tokens=len(new) * cs,
-    )
-    nbytes = len(new) * inst.geometry.nbytes
+    while pos < len(keys):
+        left = max(0.0, deadline - time.monotonic())
+        res = parts.pool.begin_write(inst.geometry, keys[pos:], wait_s=left, partial=False)
+        new = [e for _, e in res.new]
+        skipped += len(res.present)
+        failed += res.failed
+        if new:
+            indices = [pos + i for i, _ in res.new]
+            try:
+                elapsed += _copy_in(parts, inst, ids, indices, new, token_ids, block_hashes)
+            except Exception:  # earlier batches stay stored; the rest of the request is lost
+                cs = parts.config.chunk_size
+                lost = StoreResult(stored, skipped, len(keys) - stored - skipped, stored * cs)
+                parts.events.store_end(inst, sid, num_tokens, lost, 0, elapsed, False)
+                raise
+            _write_through(parts, new, deadline)
+        stored += len(new)
+        pos += res.settled
+    result = StoreResult(stored, skipped, failed, stored * parts.config.chunk_size)
+    nbytes = stored * inst.geometry.nbytes
     parts.stats.record_store(nbytes, elapsed, result.stored_tokens)
     parts.events.store_end(inst, sid, num_tokens, result, nbytes, elapsed, True, block_hashes)
     return result
+
+
+def _copy_in(
+    parts: EngineParts,
+    inst: Instance,
+    ids: np.ndarray,
+    chunk_indices: list[int],
+    new: list[L1Entry],
+    token_ids: IntArray,
+    block_hashes: Sequence[int] | None,
+) -> float:
+    """Copy the engine blocks of ``chunk_indices`` into their fresh slots and publish them
+    (pinned once per tier for the write-through first); returns the copy's seconds. On a
+    failed copy the slots are freed and the error propagates."""
+    ctx = inst.ctx
+    bpc = ctx.blocks_per_chunk
+    sel = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i in chunk_indices])
+    t0 = time.perf_counter()
+    try:
+        ctx.copy_to_chunks(sel, [e.tensor for e in new])
+    except Exception:
+        parts.pool.finish(new, False)
+        raise
+    elapsed = time.perf_counter() - t0
+    for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
+        parts.pool.pin(new)
+    extra = None
+    if block_hashes is not None:
+        extra = engine_block_metadata(
+            chunk_indices, bpc, ctx.block_size, parts.config.chunk_size, block_hashes, token_ids
+        )
+    parts.pool.finish(new, True, extra)
+    return elapsed
 
 
 def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float) -> None:

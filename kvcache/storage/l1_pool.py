@@ -53,6 +53,7 @@ class L1Pool:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
         self._entries: dict[ChunkKey, L1Entry] = {}
+        self._pinned = 0  # entries holding at least one pin: what a waiting writer can hope for
         self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
         self.used_bytes = 0  # slots holding an entry (any state), in slot strides
         self.allocation_failures = 0
@@ -64,7 +65,7 @@ class L1Pool:
 
     # -- reservations ---------------------------------------------------------------------
     def begin_write(
-        self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0
+        self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0, partial: bool = False
     ) -> WriteReservation:
         """Reserve pinned WRITING slots for the absent keys, in order, until memory runs out.
 
@@ -73,11 +74,19 @@ class L1Pool:
         a store under pressure is slowed down, not silently dropped. Chunks this reservation
         pinned itself never count as "will be released", so a store larger than L1 does not
         wait for itself.
+
+        With ``partial`` (the caller writes its chunks through to L2, which releases them), a
+        reservation that already holds fresh slots stops at the first allocation failure
+        instead of waiting (``settled`` < ``len(keys)``): the caller copies and writes those
+        through, then asks again for the rest. NOTE: waiting while holding part of a
+        reservation lets concurrent stores wait on each other's reservations until the bound
+        runs out, all of them together.
         """
         new: list[tuple[int, L1Entry]] = []
         present: list[int] = []
         events: list[Event] = []
         failed = 0
+        settled = len(keys)
         deadline = time.monotonic() + wait_s
         with self._lock:
             for i, key in enumerate(keys):
@@ -85,7 +94,10 @@ class L1Pool:
                     present.append(i)
                     continue
                 entry = self._allocate(geometry, key, events)
-                while entry is None and self._others_pinned(len(new)):
+                if entry is None and partial and new:
+                    settled = i
+                    break
+                while entry is None and self._pinned > len(new):  # others hold pins: wait
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._room.wait(left):
                         break
@@ -101,12 +113,7 @@ class L1Pool:
                     break
                 new.append((i, entry))
         self._publish(events)
-        return WriteReservation(new, present, failed)
-
-    def _others_pinned(self, own: int) -> bool:
-        """Whether entries other than the caller's ``own`` fresh reservations hold pins (so
-        waiting can free room). Lock held."""
-        return sum(1 for e in self._entries.values() if e.pins > 0) > own
+        return WriteReservation(new, present, failed, settled)
 
     def begin_load(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> list[L1Entry]:
         """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
@@ -148,7 +155,7 @@ class L1Pool:
         with self._lock:
             # Reversed: the head of a prefix becomes the most recent, so the tail leaves first.
             for entry, good in reversed(list(zip(entries, oks, strict=True))):
-                entry.pins -= 1
+                self._unpin(entry)
                 if good:
                     entry.state = EntryState.READY
                     written.append(entry.key)
@@ -205,7 +212,7 @@ class L1Pool:
         entries = list(entries)
         with self._lock:
             for entry in reversed(entries):  # head of the prefix = most recently used
-                entry.pins -= 1
+                self._unpin(entry)
                 if entry.pins == 0 and entry.state is EntryState.READY:
                     self._policy.add(entry.key)
             self._room.notify_all()
@@ -262,6 +269,7 @@ class L1Pool:
                 "used_bytes": self.used_bytes,
                 "num_chunks": len(self._entries),
                 "evictable_chunks": len(self._policy),
+                "pinned_chunks": self._pinned,
                 "pinned_memory": self.pin_memory,
                 "allocation_failures": self.allocation_failures,
                 "slabs": self._slabs.slab_info(),
@@ -271,7 +279,13 @@ class L1Pool:
     def _pin(self, entry: L1Entry) -> None:
         if entry.pins == 0:
             self._policy.discard(entry.key)
+            self._pinned += 1
         entry.pins += 1
+
+    def _unpin(self, entry: L1Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._pinned -= 1
 
     def _allocate(self, geometry: SlotGeometry, key: ChunkKey, events: list[Event]) -> L1Entry | None:
         evicted: list[L1Entry] = []
@@ -291,7 +305,8 @@ class L1Pool:
         if slot is None:
             self.allocation_failures += 1
             return None
-        entry = L1Entry(key, geometry, slot.tensor, slot.extent, slot.offset)
+        entry = L1Entry(key, geometry, slot.tensor, slot.extent, slot.offset)  # born pinned
+        self._pinned += 1
         self._entries[key] = entry
         self.used_bytes += geometry.stride
         return entry

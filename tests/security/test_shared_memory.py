@@ -73,7 +73,11 @@ for fd in fds:
         except PermissionError:
             refused += 1
 print("refused", refused, "of", 2 * len(fds), flush=True)
-c.store(list(range(64)), list(range(16)))   # the daemon copies from the (intact) memory
+try:
+    c.store(list(range(64)), list(range(16)))   # the daemon copies from the (intact) memory
+except Exception as exc:
+    print("store failed:", type(exc).__name__, exc, flush=True)
+    raise
 print("stored", flush=True)
 os._exit(0)                                 # dies without unregistering
 """
@@ -85,7 +89,7 @@ def test_an_engine_cannot_truncate_its_memory_under_the_daemon(
     d = start_daemon()
     out = subprocess.run([sys.executable, "-c", TRUNCATING_ENGINE, d.endpoint], capture_output=True,
                          text=True, timeout=60)  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.split("\n")
     n = int(lines[0].split()[-1])
     assert lines[0] == f"refused {n} of {n}" and lines[1] == "stored"
