@@ -60,7 +60,7 @@ def store(
     elapsed = 0.0
     while pos < len(keys):
         left = max(0.0, deadline - time.monotonic())
-        res = parts.pool.begin_write(inst.geometry, keys[pos:], wait_s=left, partial=False)
+        res = parts.pool.begin_write(inst.geometry, keys[pos:], wait_s=left, partial=bool(parts.tiers))
         new = [e for _, e in res.new]
         skipped += len(res.present)
         failed += res.failed

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvcache.client import KVCacheClient
@@ -43,6 +44,23 @@ class KVCacheMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVCacheWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: requests whose chunks are stored only up to a point the
+    plan assumed higher (a store cut short after a failed load, or a failed store)."""
+
+    def __init__(self, not_stored: dict[str, int]) -> None:
+        self.not_stored = not_stored
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Tensor-parallel ranks: a chunk is stored only if every rank stored its part."""
+        if isinstance(other, KVCacheWorkerMeta):
+            merged = dict(self.not_stored)
+            for req, upto in other.not_stored.items():
+                merged[req] = min(upto, merged.get(req, upto))
+            return KVCacheWorkerMeta(merged)
+        return self
 
 
 def _tp() -> tuple[int, int]:
@@ -111,6 +129,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             log.error("kvcache: cannot register the KV cache, running without it: %s", exc)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.begin_step()
         meta = self._connector_metadata
         if isinstance(meta, KVCacheMetadata) and meta.plan.loads and self._worker.registered:
             self._worker.load(meta.plan)
@@ -129,6 +148,10 @@ class KVCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        not_stored = self._worker.take_not_stored()
+        return KVCacheWorkerMeta(not_stored) if not_stored else None
 
     def shutdown(self) -> None:
         self.client.close(unregister=self._worker.registered)
@@ -151,14 +174,19 @@ class KVCacheConnector(KVConnectorBase_V1):
             return 0, False
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
-        try:
-            hit = self.client.lookup(
-                prompt, cache_salt=request.cache_salt or "", request_id=request.request_id
-            )
-        except Exception as exc:  # a miss, not an error, for the engine
-            log.warning("kvcache: lookup failed: %s", exc)
-            return 0, False
-        self._last_hit[request.request_id] = (num_computed_tokens, hit)
+        cached = self._last_hit.get(request.request_id)
+        if cached is not None and cached[0] == num_computed_tokens:
+            # Asked again while the request waits for memory: one lookup per admission.
+            hit = cached[1]
+        else:
+            try:
+                hit = self.client.lookup(
+                    prompt, cache_salt=request.cache_salt or "", request_id=request.request_id
+                )
+            except Exception as exc:  # a miss, not an error, for the engine
+                log.warning("kvcache: lookup failed: %s", exc)
+                return 0, False
+            self._last_hit[request.request_id] = (num_computed_tokens, hit)
         return planner.external_tokens(len(prompt), num_computed_tokens, hit), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -174,10 +202,18 @@ class KVCacheConnector(KVConnectorBase_V1):
             request.cache_salt or "",
         )  # fmt: skip
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVCacheWorkerMeta) and self._planner is not None:
+            for req_id, upto in meta.not_stored.items():
+                self._planner.not_stored(req_id, upto)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         planner = self._planner
         if planner is None:
             return KVCacheMetadata(StepPlan())
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            planner.preempted(req_id)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         rows = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -216,4 +252,4 @@ class KVCacheConnector(KVConnectorBase_V1):
         return False, None
 
 
-__all__ = ["KVCacheConnector", "KVCacheMetadata"]
+__all__ = ["KVCacheConnector", "KVCacheMetadata", "KVCacheWorkerMeta"]

@@ -48,6 +48,8 @@ class StoreSpec:
     block_ids: list[int]
     block_hashes: list[int] | None = None
     cache_salt: str = ""
+    stored_before: int = 0
+    """The request's stored watermark before this store (what to fall back to if it fails)."""
 
 
 @dataclass(slots=True)
@@ -145,10 +147,25 @@ class Planner:
                         list(block_ids[:nblocks]),
                         ints if len(ints) == nblocks else None,
                         state.cache_salt,
+                        state.stored_tokens,
                     )
                 )
                 state.stored_tokens = target
         return plan, records
+
+    def not_stored(self, req_id: str, stored_upto: int) -> None:
+        """The workers report that ``req_id``'s chunks are stored only up to ``stored_upto``
+        tokens (a store skipped after a failed load, or failed): lower the watermark so a
+        later step stores the rest, from the bytes vLLM recomputed."""
+        state = self._reqs.get(req_id)
+        if state is not None:
+            state.stored_tokens = min(state.stored_tokens, stored_upto // self.chunk_size * self.chunk_size)
+
+    def preempted(self, req_id: str) -> None:
+        """vLLM freed the request's blocks; on resumption it gets new ones, all to be reported."""
+        state = self._reqs.get(req_id)
+        if state is not None:
+            state.reported_blocks = 0
 
     def finish(self, req_id: str) -> bool:
         """Forget a finished request; True if it was known."""

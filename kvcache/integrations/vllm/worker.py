@@ -5,9 +5,13 @@ No vLLM import: it takes the tensors and a ``StepPlan`` and talks to the daemon 
 blocks); stores are synchronous too, at the end of the step, because vLLM may hand the
 blocks to another request as soon as the step's output is processed.
 
-Failures never stop the engine: a load that returns fewer tokens than planned reports the
-blocks it did not fill (vLLM recomputes them); a failed store is logged and dropped (a
-later miss, not a wrong answer).
+Failures never stop the engine, and never poison the cache: a load that returns fewer
+tokens than planned reports the blocks it did not fill (vLLM recomputes them), and the same
+step's stores of that request stop before the chunk holding the first unfilled block (those
+blocks, and everything computed on top of them in this step, are garbage until vLLM has
+recomputed them). Whatever the plan counted as stored but was not (skipped this way, or a
+store that failed) is handed back to the scheduler (``take_not_stored``) so a later step
+stores the right bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class WorkerStats:
     stores: int = 0
     stored_tokens: int = 0
     store_failures: int = 0
+    poisoned_skipped: int = 0
+    """Stores cut short (or skipped) because the same step's load of that request failed."""
     load_seconds: float = 0.0
     store_seconds: float = 0.0
 
@@ -56,13 +62,23 @@ def unique_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
 class ConnectorWorker:
     """One tensor-parallel rank's half of the connector."""
 
-    def __init__(self, client: KVCacheClient, block_size: int, kv_format: str | None = None) -> None:
+    def __init__(
+        self, client: KVCacheClient, block_size: int, kv_format: str | None = None, chunk_size: int = 0
+    ) -> None:
         self.client = client
         self.block_size = block_size
+        self.chunk_size = chunk_size or block_size
+        """Set from the daemon's reply at registration."""
         self.kv_format = kv_format
         self.registered = False
         self.stats = WorkerStats()
         self._load_errors: set[int] = set()
+        self._poisoned_from: dict[str, int] = {}  # req -> index of its first unfilled block
+        self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
+
+    def begin_step(self) -> None:
+        """Forget the previous step's failed loads (vLLM recomputes those blocks now)."""
+        self._poisoned_from.clear()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = unique_layers(kv_caches)
@@ -74,6 +90,7 @@ class ConnectorWorker:
             # each layer's block as one opaque page.
             fmt = GPUKVFormat.NL_X_NB_PAGE.name
         reply = self.client.register_kv_caches(layers, engine="vllm", block_size=self.block_size, fmt=fmt)
+        self.chunk_size = reply.chunk_size
         self.registered = True
         log.info(
             "kvcache: registered %d layers x %d blocks of %d tokens as %s (chunk %d tokens)",
@@ -101,6 +118,10 @@ class ConnectorWorker:
                 self.stats.load_failures += 1
                 first_bad = max(got, spec.skip_tokens) // self.block_size
                 self._load_errors.update(spec.block_ids[first_bad:])
+                self._poisoned_from[spec.req_id] = first_bad
+                self._not_stored[spec.req_id] = min(
+                    self._not_stored.get(spec.req_id, 1 << 62), self._chunk_floor(first_bad)
+                )
                 log.warning(
                     "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest",
                     got, want, spec.req_id,
@@ -109,23 +130,50 @@ class ConnectorWorker:
 
     def store(self, plan: StepPlan) -> None:
         for spec in plan.stores:
+            token_ids, block_ids = spec.token_ids, spec.block_ids
+            bad = self._poisoned_from.get(spec.req_id)
+            if bad is not None and bad < len(block_ids):
+                # Blocks from ``bad`` on hold garbage (and so does what this step computed on
+                # top of them): store only the whole chunks before the first of them.
+                keep = self._chunk_floor(bad)
+                self.stats.poisoned_skipped += 1
+                self._mark_not_stored(spec.req_id, keep)
+                if keep == 0:
+                    continue
+                token_ids, block_ids = token_ids[:keep], block_ids[: keep // self.block_size]
             t0 = time.perf_counter()
             try:
                 result = self.client.store(
-                    spec.token_ids,
-                    spec.block_ids,
+                    token_ids,
+                    block_ids,
                     cache_salt=spec.cache_salt,
                     request_id=spec.req_id,
-                    block_hashes=spec.block_hashes,
+                    block_hashes=None if spec.block_hashes is None else spec.block_hashes[: len(block_ids)],
                 )
             except Exception as exc:  # a dropped store is a later miss, never a wrong answer
                 self.stats.store_failures += 1
+                self._mark_not_stored(spec.req_id, spec.stored_before)
                 log.warning("kvcache: store for %s failed: %s", spec.req_id, exc)
                 continue
             finally:
                 self.stats.store_seconds += time.perf_counter() - t0
             self.stats.stores += 1
             self.stats.stored_tokens += result.stored_tokens
+            if result.failed_chunks:  # the daemon dropped some (memory): store them later
+                self._mark_not_stored(spec.req_id, len(token_ids) - result.failed_chunks * self.chunk_size)
+
+    def _chunk_floor(self, blocks: int) -> int:
+        """Tokens of the whole chunks that fit in the first ``blocks`` blocks."""
+        return blocks * self.block_size // self.chunk_size * self.chunk_size
+
+    def _mark_not_stored(self, req_id: str, stored_upto: int) -> None:
+        self._not_stored[req_id] = min(self._not_stored.get(req_id, 1 << 62), max(0, stored_upto))
+
+    def take_not_stored(self) -> dict[str, int]:
+        """Per request, the token count up to which its chunks really are stored, when lower
+        than the scheduler's plan assumed (it lowers its watermark to this)."""
+        out, self._not_stored = self._not_stored, {}
+        return out
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

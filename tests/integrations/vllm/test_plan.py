@@ -93,3 +93,26 @@ def test_block_hash_to_int_matches_vllm_int_hashes() -> None:
     h = bytes(range(32))
     assert block_hash_to_int(h) == int.from_bytes(h, "big") & ((1 << 64) - 1)
     assert block_hash_to_int(-1) == (1 << 64) - 1
+
+
+def test_chunks_the_workers_did_not_store_are_planned_again() -> None:
+    p = Planner(BS, CS)
+    blocks = list(range(10))
+    p.on_alloc("r", PROMPT, blocks, local_hit=0, external=0)
+    plan, _ = p.step([("r", 0, 300, PROMPT, blocks, [])])
+    (store,) = plan.stores
+    assert len(store.token_ids) == 256 and store.stored_before == 0
+    assert p.step([("r", 300, 0, PROMPT, blocks, [])])[0].stores == []  # planned once ...
+    p.not_stored("r", 130)  # ... but the workers stored only the first chunk (rounded down)
+    (again,) = p.step([("r", 300, 0, PROMPT, blocks, [])])[0].stores
+    assert len(again.token_ids) == 256 and again.stored_before == 128
+
+
+def test_a_resumed_request_reports_its_new_blocks() -> None:
+    p = Planner(BS, CS)
+    p.on_alloc("r", PROMPT, [1, 2, 3], local_hit=0, external=0)
+    _, records = p.step([("r", 0, 96, PROMPT, [1, 2, 3], [])])
+    assert [r.new_block_ids for r in records] == [[1, 2, 3]]
+    p.preempted("r")  # vLLM freed blocks 1-3; the request comes back with other blocks
+    _, records = p.step([("r", 0, 64, PROMPT, [7, 8], [])])
+    assert [r.new_block_ids for r in records] == [[7, 8]]

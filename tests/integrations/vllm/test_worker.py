@@ -1,0 +1,79 @@
+"""The connector's worker half against a real daemon: a failed load never poisons the cache.
+
+No vLLM needed: ``ConnectorWorker`` takes plain ``StepPlan`` values. The scene: the scheduler
+planned a load of three chunks (the daemon's lookup said so), but two were evicted before the
+load; in the same step vLLM computed a fourth chunk on top of the unfilled blocks, and the
+plan stores all four. Before, all four were stored: garbage under the prompt's keys, served to
+every other engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvcache.client import KVCacheClient, to_shared
+from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvcache.integrations.vllm.worker import ConnectorWorker
+from kvcache.layouts import GPUKVFormat
+from kvcache.server.launch import DaemonProcess
+from kvcache.testing import make_kv_caches
+
+BS, CS = 4, 16
+PROMPT = list(range(500, 500 + 4 * CS))
+BLOCKS = list(range(4 * CS // BS))
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess(["--chunk-size", str(CS), "--l1-size-gb", "0.1"])
+    yield d
+    d.stop()
+    d.remove_runtime_dir()
+
+
+def _kv(seed: int) -> list[torch.Tensor]:
+    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+                                    block_size=BS, num_heads=2, head_size=8, dtype=torch.float16,
+                                    seed=seed))  # fmt: skip
+
+
+def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) -> None:
+    with KVCacheClient(daemon.endpoint, 1, "m", timeout_s=5) as source:
+        source.register_kv_caches(_kv(1))
+        source.store(PROMPT[:CS], BLOCKS[: CS // BS])  # only the first chunk is still cached
+    client = KVCacheClient(daemon.endpoint, 2, "m", timeout_s=5)
+    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker.register({f"l{i}": t for i, t in enumerate(_kv(2))})
+    assert worker.chunk_size == CS
+    plan = StepPlan(
+        loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)],
+        stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=3 * CS)],
+    )
+    worker.begin_step()
+    worker.load(plan)
+    assert worker.take_load_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
+    worker.store(plan)
+    assert worker.stats.poisoned_skipped == 1
+    with KVCacheClient(daemon.endpoint, 3, "m", timeout_s=5) as reader:
+        reader.register_kv_caches(_kv(3))
+        assert reader.lookup(PROMPT) == CS  # nothing computed on garbage was stored
+    assert worker.take_not_stored() == {"r": CS}  # the scheduler plans chunks 2-4 again
+    # The next step (blocks recomputed by vLLM) stores them, now from the right bytes.
+    worker.begin_step()
+    worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=CS)]))
+    assert worker.stats.poisoned_skipped == 1 and worker.take_not_stored() == {}
+    client.close()
+
+
+def test_a_failed_store_is_handed_back_to_the_scheduler(daemon: DaemonProcess) -> None:
+    client = KVCacheClient(daemon.endpoint, 4, "m", timeout_s=5)
+    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker.register({f"l{i}": t for i, t in enumerate(_kv(4))})
+    worker.begin_step()
+    bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", stored_before=CS)  # refused ids
+    worker.store(StepPlan(stores=[bad]))
+    assert worker.stats.store_failures == 1 and worker.take_not_stored() == {"q": CS}
+    client.close()
