@@ -31,6 +31,7 @@ import zmq
 from kvcache.errors import UnknownInstanceError
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
+from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
@@ -116,6 +117,11 @@ class KVCacheClient:
         self._jobs: queue.SimpleQueue[tuple[m.RequestBody, Future[Any]] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._worker_lock = threading.Lock()
+        self.breaker = CircuitBreaker(probe_interval_s=min(1.0, timeout_s))
+        """Open after a call timed out: calls fail at once until a background probe answers."""
+        self.dropped_notices = 0
+        """Block reports and end-of-request notices dropped (daemon down, or too many queued)."""
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -128,7 +134,24 @@ class KVCacheClient:
 
     def _call_on(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
         """One call; if a restarted daemon has forgotten this instance, register again and
-        retry once (the tensors are still shared, so nothing is lost but the daemon's L1)."""
+        retry once (the tensors are still shared, so nothing is lost but the daemon's L1).
+
+        While the breaker is open the call fails at once, unsent; a timeout opens it."""
+        if self.breaker.refuse():
+            raise DaemonUnavailableError(
+                f"the kvcache daemon at {self.endpoint} did not answer "
+                f"{self.breaker.open_for():.1f} s ago; failing fast until it does"
+            )
+        try:
+            return self._call_once(chan, body)
+        except DaemonUnavailableError:
+            if self.breaker.trip():
+                log.warning("kvcache daemon at %s unreachable: failing fast until it answers",
+                            self.endpoint)  # fmt: skip
+                self._ensure_worker()  # the background thread probes
+            raise
+
+    def _call_once(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
         reply = chan.call(self._with_token(body), self.timeout_s)
         if (
             isinstance(reply, m.Error)
@@ -179,8 +202,8 @@ class KVCacheClient:
         return future
 
     def _ensure_worker(self) -> None:
-        with self._lock:
-            if self._worker is None:
+        with self._worker_lock:
+            if self._worker is None and not self._closed:
                 self._worker = threading.Thread(
                     target=self._background, name=f"kvcache-client-{self.instance_id}", daemon=True
                 )
@@ -210,11 +233,15 @@ class KVCacheClient:
             chan.close()
 
     def _heartbeat_interval(self) -> float:
+        if self.breaker.open:
+            return self.breaker.probe_interval_s
         reg = self._registered
         return max(reg.heartbeat_timeout_s / 3, 0.05) if reg is not None else 1.0
 
     def _heartbeat(self, chan: Channel) -> None:
-        if self._register_msg is None:
+        if self.breaker.open:
+            self._probe(chan)
+        if self._register_msg is None or self.breaker.open:
             return
         reg = self._registered
         # A beat waits no longer than the daemon's patience, so a restart is noticed quickly.
@@ -230,6 +257,15 @@ class KVCacheClient:
                 log.info("re-registered instance %d with the daemon", self.instance_id)
             except Exception as exc:
                 log.warning("re-registering instance %d failed: %s", self.instance_id, exc)
+
+    def _probe(self, chan: Channel) -> None:
+        """Ask the daemon once whether it is back; close the breaker if it answers."""
+        try:
+            chan.call(m.Ping(), self.breaker.probe_interval_s)
+        except DaemonUnavailableError:
+            return
+        if self.breaker.close():
+            log.info("kvcache daemon at %s answers again", self.endpoint)
 
     # -- registration ------------------------------------------------------------------
 
@@ -412,12 +448,38 @@ class KVCacheClient:
         raw.add_done_callback(done)
         return out
 
-    def report_block_allocations(self, records: Sequence[BlockAllocationRecord]) -> None:
+    def report_block_allocations(
+        self, records: Sequence[BlockAllocationRecord], *, wait: bool = True
+    ) -> None:
+        """Report a step's block allocations (L0 lifecycle metrics). ``wait=False`` queues it
+        on the background thread and returns at once: a scheduler must never block on it."""
         msg = m.ReportBlockAllocations(instance_id=self.instance_id, records=list(records))
-        self._call(msg, m.Done)
+        if wait:
+            self._call(msg, m.Done)
+        else:
+            self._notify(msg)
 
-    def end_session(self, request_id: str) -> None:
-        self._call(m.EndSession(instance_id=self.instance_id, request_id=request_id), m.Done)
+    def end_session(self, request_id: str, *, wait: bool = True) -> None:
+        """Tell the daemon a request ended; ``wait=False`` as for ``report_block_allocations``."""
+        msg = m.EndSession(instance_id=self.instance_id, request_id=request_id)
+        if wait:
+            self._call(msg, m.Done)
+        else:
+            self._notify(msg)
+
+    _MAX_QUEUED_NOTICES = 1024
+
+    def _notify(self, body: m.RequestBody) -> None:
+        """Fire and forget: dropped (and counted) while the daemon is down or the queue is long."""
+        if self._closed or self.breaker.open or self._jobs.qsize() >= self._MAX_QUEUED_NOTICES:
+            self.dropped_notices += 1
+            return
+        future = self._submit(body)
+        future.add_done_callback(self._count_failed_notice)
+
+    def _count_failed_notice(self, future: Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.dropped_notices += 1
 
     # -- health ------------------------------------------------------------------------
 

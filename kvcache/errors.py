@@ -13,6 +13,7 @@ Each error also derives from the matching builtin, so callers that already catch
     ├── UnknownInstanceError (KeyError)   a request names an instance that never registered
     ├── AccessDeniedError (PermissionError)  a wrong registration token, an unknown peer, a tenant limit
     ├── LimitExceededError (ValueError)   a configured bound (tensors, ids, instances) was hit
+    ├── DeadlineExceededError (TimeoutError)  the caller's deadline passed before a copy began
     └── ProtocolError (ValueError)        a daemon message that cannot be decoded or is of another version
 """
 
@@ -64,6 +65,10 @@ class LimitExceededError(KvcacheError, ValueError):
     registered instances, descriptors); nothing was changed."""
 
 
+class DeadlineExceededError(KvcacheError, TimeoutError):
+    """The request's deadline passed before its copy could start; no byte was moved."""
+
+
 class ProtocolError(KvcacheError, ValueError):
     """A wire message could not be decoded, or speaks another protocol version."""
 
@@ -74,6 +79,7 @@ __all__ = [
     "ChunkMismatchError",
     "CorruptChunkError",
     "CudaUnavailableError",
+    "DeadlineExceededError",
     "KvcacheError",
     "LayoutError",
     "LimitExceededError",

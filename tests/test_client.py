@@ -148,9 +148,16 @@ def test_daemon_down_fails_within_the_timeout_then_recovers(
     with pytest.raises(DaemonUnavailableError, match=r"python -m kvcache\.server"):
         c.ping()
     assert 0.45 <= time.monotonic() - start < 1.5
-    with pytest.raises(TimeoutError):  # DaemonUnavailableError is a TimeoutError too
-        c.lookup([1, 2, 3])
+    assert c.breaker.open and c.breaker.trips == 1
+    for _ in range(20):  # the breaker is open: each fails at once, unsent (no 20 timeouts)
+        with pytest.raises(TimeoutError, match="failing fast"):  # a DaemonUnavailableError
+            c.lookup([1, 2, 3])
+    assert c.breaker.short_circuited == 20
+    c.report_block_allocations([], wait=False)  # a scheduler's notices never block: dropped
+    c.end_session("r", wait=False)
+    assert c.dropped_notices == 2
     with DaemonProcess(ARGS, port=port):
+        _wait_for(lambda: not c.breaker.open, 10, "the background probe to close the breaker")
         c.timeout_s = 5
         assert c.ping() is False  # a fresh socket: no stale replies, not registered yet
         kv = [empty_shared((2, 8, 4, 2, 8), torch.float16) for _ in range(2)]

@@ -12,6 +12,7 @@ from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
     CudaUnavailableError,
+    DeadlineExceededError,
     KvcacheError,
     LayoutError,
     LimitExceededError,
@@ -51,6 +52,7 @@ _CODE_TO_CLASS: dict[ErrorCode, type[Exception]] = {
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
     ErrorCode.ACCESS_DENIED: AccessDeniedError,
     ErrorCode.LIMIT: LimitExceededError,
+    ErrorCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 # Most specific first: CorruptChunkError is a StorageError, UnknownInstanceError a KeyError.
@@ -58,6 +60,7 @@ _CLASS_TO_CODE: list[tuple[type[BaseException], ErrorCode]] = [
     (UnknownInstanceError, ErrorCode.UNKNOWN_INSTANCE),
     (AccessDeniedError, ErrorCode.ACCESS_DENIED),
     (LimitExceededError, ErrorCode.LIMIT),
+    (DeadlineExceededError, ErrorCode.DEADLINE_EXCEEDED),
     (BlockIdError, ErrorCode.BLOCK_ID),
     (LayoutError, ErrorCode.LAYOUT),
     (ChunkMismatchError, ErrorCode.CHUNK_MISMATCH),

@@ -52,6 +52,7 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     ACCESS_DENIED = "access_denied"  # wrong or missing registration token, tenant restriction
     LIMIT = "limit"  # a per-registration or per-request bound was hit
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the client's deadline passed before the copy began
     INTERNAL = "internal"
 
 
@@ -174,6 +175,9 @@ class Store(Request, tag="store"):
     block_hashes: list[int] | None = None
     cuda_event: bytes | None = None
     token: bytes = b""
+    deadline_ms: NonNegInt = 0
+    """Unix time (ms) at which the client stops waiting; 0 = none. The daemon moves no byte
+    after it (less a safety margin), so a late copy never lands on reused engine blocks."""
 
 
 class Retrieve(Request, tag="retrieve"):
@@ -184,6 +188,9 @@ class Retrieve(Request, tag="retrieve"):
     cache_salt: str = ""
     request_id: str = ""
     token: bytes = b""
+    deadline_ms: NonNegInt = 0
+    """Unix time (ms) at which the client stops waiting; 0 = none. The daemon moves no byte
+    after it (less a safety margin), so a late copy never lands on reused engine blocks."""
 
 
 class ReportBlockAllocations(Request, tag="report_block_allocations"):

@@ -235,7 +235,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             plan.stores = []
         if records:
             try:
-                self.client.report_block_allocations(records)
+                self.client.report_block_allocations(records, wait=False)
             except Exception as exc:
                 log.debug("kvcache: allocation report dropped: %s", exc)
         return KVCacheMetadata(plan)
@@ -246,7 +246,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._last_hit.pop(req_id, None)
         if self._planner is not None and self._planner.finish(req_id):
             try:
-                self.client.end_session(req_id)
+                self.client.end_session(req_id, wait=False)
             except Exception as exc:
                 log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
         return False, None
