@@ -19,6 +19,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ class KVCacheClient:
             raise
 
     def _call_once(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
-        reply = chan.call(self._with_token(body), self.timeout_s)
+        reply = chan.call(self._stamped(body), self.timeout_s)
         if (
             isinstance(reply, m.Error)
             and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
@@ -161,8 +162,17 @@ class KVCacheClient:
         ):
             self._register_on(chan)
             log.info("re-registered instance %d after a daemon restart", self.instance_id)
-            reply = chan.call(self._with_token(body), self.timeout_s)
+            reply = chan.call(self._stamped(body), self.timeout_s)
         return reply
+
+    def _stamped(self, body: m.RequestBody) -> m.RequestBody:
+        """``body`` with the current token and, for byte-moving requests, the moment this
+        client stops waiting: the daemon moves no byte after it (the blocks may be reused)."""
+        body = self._with_token(body)
+        if isinstance(body, (m.Store, m.Retrieve)):
+            deadline_ms = int((time.time() + self.timeout_s) * 1000)
+            body = msgspec.structs.replace(body, deadline_ms=deadline_ms)
+        return body
 
     def _with_token(self, body: m.RequestBody) -> m.RequestBody:
         """``body`` carrying the current registration token (it changes on re-registration)."""

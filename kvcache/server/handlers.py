@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
+from kvcache.errors import AccessDeniedError, DeadlineExceededError, LayoutError, LimitExceededError
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
@@ -233,6 +233,7 @@ class Handlers:
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
         instance = self._instance(req, principal, token_required=True)
+        _check_deadline(req.deadline_ms, "store")
         token_ids, block_ids = self._ids(req.token_ids), self._ids(req.block_ids)
         if req.block_hashes is not None and len(req.block_hashes) > self.limits.max_ids:
             raise LimitExceededError(f"{len(req.block_hashes)} block hashes exceed --max-ids")
@@ -255,6 +256,7 @@ class Handlers:
 
     def retrieve(self, req: m.Retrieve, principal: Principal) -> m.ReplyBody:
         instance = self._instance(req, principal, token_required=True)
+        _check_deadline(req.deadline_ms, "retrieve")
         got = self.engine.retrieve(
             req.instance_id,
             self._ids(req.token_ids),
@@ -308,6 +310,22 @@ class Handlers:
                 f"{count} ids in one request; the limit is {self.limits.max_ids} (--max-ids)"
             )
         return unpack_ids(ids)
+
+
+DEADLINE_MARGIN_S = 0.05
+"""A request is refused this long before its client's deadline: the copy itself takes time,
+and it must be over before the client gives up on it and reuses the blocks."""
+
+
+def _check_deadline(deadline_ms: int, op: str) -> None:
+    """Refuse a request whose client has stopped (or is about to stop) waiting for it: one
+    that sat in a queue, or in the socket of a stalled daemon. Same-host clients share the
+    wall clock; a remote one's skew eats into the margin."""
+    if deadline_ms and time.time() > deadline_ms / 1000 - DEADLINE_MARGIN_S:
+        raise DeadlineExceededError(
+            f"{op} arrived after its client's deadline; no byte was moved (the engine may "
+            "have reused the blocks by now)"
+        )
 
 
 def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:
