@@ -330,14 +330,18 @@ class KVCacheClient:
     # -- data path ---------------------------------------------------------------------
 
     def lookup(
-        self, token_ids: Sequence[int], *, cache_salt: str = "", request_id: str = ""
+        self, token_ids: Sequence[int], *, cache_salt: str = "", request_id: str = "", key_extra: str = ""
     ) -> int:
-        """Leading tokens of ``token_ids`` the cache holds (whole chunks)."""
+        """Leading tokens of ``token_ids`` the cache holds (whole chunks).
+
+        ``key_extra`` (here and in ``store``/``retrieve``): whatever besides the tokens decides
+        the KV (a LoRA adapter, multimodal inputs); chunks are keyed by it too."""
         msg = m.Lookup(
             instance_id=self.instance_id,
             token_ids=pack_ids(token_ids),
             cache_salt=cache_salt,
             request_id=request_id,
+            key_extra=key_extra,
         )
         return self._call(msg, m.LookupResult).hit_tokens
 
@@ -348,6 +352,7 @@ class KVCacheClient:
         cache_salt: str,
         request_id: str,
         block_hashes: Sequence[int] | None,
+        key_extra: str = "",
     ) -> m.Store:
         event = record_ipc_event(self._device) if self._device.type == "cuda" else None
         return m.Store(
@@ -358,6 +363,7 @@ class KVCacheClient:
             request_id=request_id,
             block_hashes=None if block_hashes is None else list(block_hashes),
             cuda_event=event,
+            key_extra=key_extra,
         )
 
     def store(
@@ -368,9 +374,10 @@ class KVCacheClient:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
+        key_extra: str = "",
     ) -> m.StoreResult:
         """Copy the engine blocks ``block_ids`` (holding ``token_ids`` in order) into the cache."""
-        msg = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes)
+        msg = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra)
         return self._call(msg, m.StoreResult)
 
     def store_async(
@@ -381,8 +388,9 @@ class KVCacheClient:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
+        key_extra: str = "",
     ) -> Future[m.StoreResult]:
-        msg = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes)
+        msg = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra)
         return self._chain(self._submit(msg), m.StoreResult)
 
     def _retrieve_msg(
@@ -392,6 +400,7 @@ class KVCacheClient:
         skip_tokens: int,
         cache_salt: str,
         request_id: str,
+        key_extra: str = "",
     ) -> m.Retrieve:
         return m.Retrieve(
             instance_id=self.instance_id,
@@ -400,6 +409,7 @@ class KVCacheClient:
             skip_tokens=skip_tokens,
             cache_salt=cache_salt,
             request_id=request_id,
+            key_extra=key_extra,
         )
 
     def retrieve(
@@ -410,9 +420,10 @@ class KVCacheClient:
         *,
         cache_salt: str = "",
         request_id: str = "",
+        key_extra: str = "",
     ) -> int:
         """Copy cached chunks into ``block_ids``; returns the valid prefix length in tokens."""
-        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id)
+        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
         return self._finish_retrieve(self._call(msg, m.RetrieveResult))
 
     def retrieve_async(
@@ -423,8 +434,9 @@ class KVCacheClient:
         *,
         cache_salt: str = "",
         request_id: str = "",
+        key_extra: str = "",
     ) -> Future[int]:
-        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id)
+        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
         out: Future[int] = Future()
         inner = self._chain(self._submit(msg), m.RetrieveResult)
 

@@ -158,6 +158,9 @@ class Lookup(Request, tag="lookup"):
     cache_salt: str = ""
     request_id: str = ""
     token: bytes = b""
+    key_extra: str = ""
+    """What besides the tokens decides the KV (LoRA adapter, multimodal inputs, ...), as the
+    engine states it; chunks are keyed by it too. Not a tenant namespace: ``cache_salt`` is."""
 
 
 class Store(Request, tag="store"):
@@ -178,6 +181,9 @@ class Store(Request, tag="store"):
     deadline_ms: NonNegInt = 0
     """Unix time (ms) at which the client stops waiting; 0 = none. The daemon moves no byte
     after it (less a safety margin), so a late copy never lands on reused engine blocks."""
+    key_extra: str = ""
+    """What besides the tokens decides the KV (LoRA adapter, multimodal inputs, ...), as the
+    engine states it; chunks are keyed by it too. Not a tenant namespace: ``cache_salt`` is."""
 
 
 class Retrieve(Request, tag="retrieve"):
@@ -191,6 +197,9 @@ class Retrieve(Request, tag="retrieve"):
     deadline_ms: NonNegInt = 0
     """Unix time (ms) at which the client stops waiting; 0 = none. The daemon moves no byte
     after it (less a safety margin), so a late copy never lands on reused engine blocks."""
+    key_extra: str = ""
+    """What besides the tokens decides the KV (LoRA adapter, multimodal inputs, ...), as the
+    engine states it; chunks are keyed by it too. Not a tenant namespace: ``cache_salt`` is."""
 
 
 class ReportBlockAllocations(Request, tag="report_block_allocations"):

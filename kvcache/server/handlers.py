@@ -221,12 +221,20 @@ class Handlers:
             principal.check_salt(salt)
         return instance
 
+    @staticmethod
+    def _key_salt(req: m.Lookup | m.Store | m.Retrieve) -> str:
+        """The salt the engine keys chunks with: the tenant's ``cache_salt`` and the request's
+        ``key_extra``, joined by a separator neither may contain (so no two pairs collide)."""
+        if _SEP in req.cache_salt or _SEP in req.key_extra:
+            raise ValueError("cache_salt and key_extra may not contain \\x1f")
+        return f"{req.cache_salt}{_SEP}{req.key_extra}" if req.key_extra else req.cache_salt
+
     def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)
         hit = self.engine.lookup(
             req.instance_id,
             self._ids(req.token_ids),
-            cache_salt=req.cache_salt,
+            cache_salt=self._key_salt(req),
             request_id=req.request_id,
         )
         return m.LookupResult(hit_tokens=hit)
@@ -243,7 +251,7 @@ class Handlers:
             req.instance_id,
             token_ids,
             block_ids,
-            cache_salt=req.cache_salt,
+            cache_salt=self._key_salt(req),
             request_id=req.request_id,
             block_hashes=req.block_hashes,
         )
@@ -262,7 +270,7 @@ class Handlers:
             self._ids(req.token_ids),
             self._ids(req.block_ids),
             req.skip_tokens,
-            cache_salt=req.cache_salt,
+            cache_salt=self._key_salt(req),
             request_id=req.request_id,
         )
         event = None
@@ -312,6 +320,7 @@ class Handlers:
         return unpack_ids(ids)
 
 
+_SEP = "\x1f"
 DEADLINE_MARGIN_S = 0.05
 """A request is refused this long before its client's deadline: the copy itself takes time,
 and it must be over before the client gives up on it and reuses the blocks."""

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig
 from kvcache.integrations.vllm.plan import Planner, StepPlan
+from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.integrations.vllm.shm import SharedKVAllocation
 from kvcache.integrations.vllm.worker import ConnectorWorker
 
@@ -106,6 +107,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
         self._last_hit: dict[str, tuple[int, int]] = {}  # req_id -> (local, daemon hit)
+        self.uncacheable_requests = 0
+        """Requests neither looked up nor stored: kvcache cannot key them (prompt embeddings)."""
         # worker half
         self._worker = ConnectorWorker(self.client, self.block_size, self.config.kv_format)
         self._shm: SharedKVAllocation | None = None
@@ -172,6 +175,9 @@ class KVCacheConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids
         if planner is None or prompt is None or len(prompt) <= planner.chunk_size:
             return 0, False
+        key_extra = request_key_extra(request)
+        if key_extra is None:  # cannot be keyed faithfully (prompt embeddings): not offered
+            return 0, False
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
         cached = self._last_hit.get(request.request_id)
@@ -181,8 +187,9 @@ class KVCacheConnector(KVConnectorBase_V1):
         else:
             try:
                 hit = self.client.lookup(
-                    prompt, cache_salt=request.cache_salt or "", request_id=request.request_id
-                )
+                    prompt, cache_salt=request.cache_salt or "", request_id=request.request_id,
+                    key_extra=key_extra,
+                )  # fmt: skip
             except Exception as exc:  # a miss, not an error, for the engine
                 log.warning("kvcache: lookup failed: %s", exc)
                 return 0, False
@@ -194,12 +201,16 @@ class KVCacheConnector(KVConnectorBase_V1):
         if planner is None:
             return
         req_id = request.request_id
+        key_extra = request_key_extra(request)
+        if key_extra is None:  # never stored either
+            self.uncacheable_requests += 1
+            return
         self._requests[req_id] = request
         local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         planner.on_alloc(
             req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
-            request.cache_salt or "",
+            request.cache_salt or "", key_extra,
         )  # fmt: skip
 
     def update_connector_output(self, connector_output: Any) -> None:

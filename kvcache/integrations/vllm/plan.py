@@ -36,6 +36,7 @@ class LoadSpec:
     block_ids: list[int]
     skip_tokens: int
     cache_salt: str = ""
+    key_extra: str = ""
 
 
 @dataclass(slots=True)
@@ -50,6 +51,7 @@ class StoreSpec:
     cache_salt: str = ""
     stored_before: int = 0
     """The request's stored watermark before this store (what to fall back to if it fails)."""
+    key_extra: str = ""
 
 
 @dataclass(slots=True)
@@ -63,6 +65,7 @@ class StepPlan:
 @dataclass(slots=True)
 class _Request:
     cache_salt: str
+    key_extra: str = ""
     stored_tokens: int = 0
     reported_blocks: int = 0
 
@@ -98,11 +101,12 @@ class Planner:
         local_hit: int,
         external: int,
         cache_salt: str = "",
+        key_extra: str = "",
     ) -> None:
         """A request got its blocks; queue its load (if any) for the next step's plan."""
         state = self._reqs.get(req_id)
         if state is None or external:
-            state = self._reqs[req_id] = _Request(cache_salt)
+            state = self._reqs[req_id] = _Request(cache_salt, key_extra)
         if external <= 0:
             return
         hit = local_hit + external
@@ -111,9 +115,8 @@ class Planner:
         end = -(-hit // self.chunk_size) * self.chunk_size
         end = min(end, len(prompt))
         nblocks = -(-end // self.block_size)
-        self._loads.append(
-            LoadSpec(req_id, list(prompt[:end]), list(block_ids[:nblocks]), local_hit, cache_salt)
-        )
+        tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
+        self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra))
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 
     def step(
@@ -148,6 +151,7 @@ class Planner:
                         ints if len(ints) == nblocks else None,
                         state.cache_salt,
                         state.stored_tokens,
+                        state.key_extra,
                     )
                 )
                 state.stored_tokens = target

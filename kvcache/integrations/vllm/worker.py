@@ -108,6 +108,7 @@ class ConnectorWorker:
                     spec.skip_tokens,
                     cache_salt=spec.cache_salt,
                     request_id=spec.req_id,
+                    key_extra=spec.key_extra,
                 )
             except Exception as exc:  # the daemon is down or refused: recompute instead
                 log.warning("kvcache: load for %s failed: %s", spec.req_id, exc)
@@ -149,6 +150,7 @@ class ConnectorWorker:
                     cache_salt=spec.cache_salt,
                     request_id=spec.req_id,
                     block_hashes=None if spec.block_hashes is None else spec.block_hashes[: len(block_ids)],
+                    key_extra=spec.key_extra,
                 )
             except Exception as exc:  # a dropped store is a later miss, never a wrong answer
                 self.stats.store_failures += 1
