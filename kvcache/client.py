@@ -119,6 +119,8 @@ class KVCacheClient:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._worker_lock = threading.Lock()
+        self._reg_lock = threading.Lock()
+        self._reg_generation = 0  # registrations done by this client; see _register_again
         self.breaker = CircuitBreaker(probe_interval_s=min(1.0, timeout_s))
         """Open after a call timed out: calls fail at once until a background probe answers."""
         self.dropped_notices = 0
@@ -153,15 +155,26 @@ class KVCacheClient:
             raise
 
     def _call_once(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
+        generation = self._reg_generation
         reply = chan.call(self._stamped(body), self.timeout_s)
+        if (
+            isinstance(reply, m.Error)
+            and reply.code is m.ErrorCode.ACCESS_DENIED
+            and (self._reg_lock.locked() or generation != self._reg_generation)
+        ):
+            # Sent with the token of a registration another thread was replacing (a daemon
+            # restart noticed by the heartbeat): wait for it, then once more with the new one.
+            with self._reg_lock:
+                pass
+            reply = chan.call(self._stamped(body), self.timeout_s)
         if (
             isinstance(reply, m.Error)
             and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
             and self._register_msg is not None
             and not isinstance(body, (m.Register, m.Unregister))
         ):
-            self._register_on(chan)
-            log.info("re-registered instance %d after a daemon restart", self.instance_id)
+            if self._register_again(chan, generation):
+                log.info("re-registered instance %d after a daemon restart", self.instance_id)
             reply = chan.call(self._stamped(body), self.timeout_s)
         return reply
 
@@ -179,6 +192,16 @@ class KVCacheClient:
         if self._token and getattr(body, "instance_id", None) == self.instance_id:
             return msgspec.structs.replace(body, token=self._token)
         return body
+
+    def _register_again(self, chan: Channel, seen_generation: int) -> bool:
+        """Re-register unless another thread already did since ``seen_generation`` was read
+        (the heartbeat and a call may both notice a restarted daemon; registering twice would
+        leave one of them holding a token the daemon already replaced)."""
+        with self._reg_lock:
+            if self._reg_generation != seen_generation:
+                return False
+            self._register_on(chan)
+            return True
 
     def _register_on(self, chan: Channel) -> m.Registered:
         """Register (again) on ``chan``: hand the memfds over, then send ``Register``."""
@@ -201,6 +224,7 @@ class KVCacheClient:
         msg = msgspec.structs.replace(registration.msg, tensors=descs, fd_ticket=ticket)
         reply = _unwrap(chan.call(msg, self.timeout_s), m.Registered)
         self._token, self._registered = reply.token, reply
+        self._reg_generation += 1
         return reply
 
     def _submit(self, body: m.RequestBody) -> Future[Any]:
@@ -256,6 +280,7 @@ class KVCacheClient:
         reg = self._registered
         # A beat waits no longer than the daemon's patience, so a restart is noticed quickly.
         wait = min(self.timeout_s, reg.heartbeat_timeout_s) if reg is not None else self.timeout_s
+        generation = self._reg_generation
         try:
             pong = chan.call(m.Ping(instance_id=self.instance_id, token=self._token), wait)
         except DaemonUnavailableError as exc:  # the next beat retries; sync calls report it
@@ -263,8 +288,8 @@ class KVCacheClient:
             return
         if isinstance(pong, m.Pong) and not pong.registered:
             try:
-                self._register_on(chan)
-                log.info("re-registered instance %d with the daemon", self.instance_id)
+                if self._register_again(chan, generation):
+                    log.info("re-registered instance %d with the daemon", self.instance_id)
             except Exception as exc:
                 log.warning("re-registering instance %d failed: %s", self.instance_id, exc)
 
@@ -310,7 +335,8 @@ class KVCacheClient:
         with self._lock:
             self._register_msg = _Registration(msg, leaves)
             try:
-                reply = self._register_on(self._chan)
+                with self._reg_lock:
+                    reply = self._register_on(self._chan)
             except BaseException:
                 self._register_msg = None
                 raise
@@ -322,9 +348,10 @@ class KVCacheClient:
         return reply
 
     def unregister(self) -> None:
-        msg, self._register_msg = self._register_msg, None
+        with self._reg_lock:  # not while a re-registration is in flight: its token would win
+            msg, self._register_msg = self._register_msg, None
         if msg is not None:
-            self._call(m.Unregister(instance_id=self.instance_id, token=self._token), m.Done)
+            self._call(m.Unregister(instance_id=self.instance_id), m.Done)  # token: _stamped
             self._token = b""
 
     # -- data path ---------------------------------------------------------------------

@@ -67,6 +67,10 @@ class EngineConfig:
     through to L2 (or read by retrieves), and for a place in a busy L2 tier's queue. Under
     pressure stores slow down instead of losing chunks; only past this bound is a chunk
     dropped, reported in ``failed_chunks`` and counted. 0 = never wait."""
+    max_report_records: int = 4096
+    """Records one ``report_block_allocations`` call may carry (about one per request the
+    serving engine scheduled in that step); a larger report is refused whole, since every
+    record becomes lifecycle state."""
 
     def __post_init__(self) -> None:
         _positive_int(self, "chunk_size")
@@ -75,6 +79,7 @@ class EngineConfig:
         _positive_int(self, "l2_disk_size_bytes")
         _positive_int(self, "l2_max_inflight")
         _positive_int(self, "l2_workers")
+        _positive_int(self, "max_report_records")
         w = self.l1_evict_watermark
         if not isinstance(w, (int, float)) or not (0.0 < w <= 1.0) or math.isnan(w):
             raise ConfigError(f"l1_evict_watermark must be in (0, 1], got {w!r}")

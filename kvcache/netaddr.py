@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import ipaddress
 
+# ZMQ transports whose address is HOST:PORT; any other transport but ipc/inproc is exposed.
+_HOST_PORT_SCHEMES = ("tcp", "ws", "wss")
+_LOCAL_SCHEMES = ("ipc", "inproc")
+# Every transport libzmq knows (some only in some builds); anything else it refuses to open.
+ZMQ_TRANSPORTS = frozenset(
+    {"tcp", "ipc", "inproc", "ws", "wss", "udp", "pgm", "epgm", "norm", "tipc", "vmci"}
+)
+
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IPs (``127.0.0.0/8``, ``::1``); False for anything
-    else, wildcards (``*``, ``0.0.0.0``, ``::``) and names included."""
-    host = host.strip("[]")
-    if host == "localhost":
+    """True for ``localhost`` and loopback IPs (``127.0.0.0/8``, ``::1``, bracketed or not);
+    False for anything else, wildcards (``*``, ``0.0.0.0``, ``::``, ``""``) and names included."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost."):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -21,15 +29,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def endpoint_host(endpoint: str) -> tuple[str, str | None]:
+    """``(transport, host)`` of a ZMQ endpoint: ``("tcp", "*")`` for ``tcp://*:5557``,
+    ``("tcp", "[::1]")`` for ``tcp://[::1]:5557``; host is None for transports without one
+    (``ipc://``, ``inproc://``, or anything unparsable)."""
+    scheme, sep, rest = endpoint.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in _HOST_PORT_SCHEMES:
+        return scheme, None
+    rest = rest.split("/", 1)[0]  # ws://host:port/path
+    if rest.startswith("["):  # [v6]:port
+        end = rest.find("]")
+        return scheme, rest[: end + 1] if end > 0 else None
+    return scheme, rest.rsplit(":", 1)[0]
+
+
 def endpoint_is_local(endpoint: str) -> bool:
     """Whether binding the ZMQ ``endpoint`` keeps it on this host: ``ipc://`` and
-    ``inproc://`` always, ``tcp://HOST:PORT`` when HOST is loopback."""
-    if endpoint.startswith(("ipc://", "inproc://")):
+    ``inproc://`` always, ``tcp://``/``ws://``/``wss://`` when the host is loopback; any
+    other transport (pgm, udp, ...) or an address this cannot read counts as exposed."""
+    scheme, host = endpoint_host(endpoint)
+    if scheme in _LOCAL_SCHEMES:
         return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    return is_loopback(host)
+    return host is not None and is_loopback(host)
 
 
-__all__ = ["endpoint_is_local", "is_loopback"]
+__all__ = ["ZMQ_TRANSPORTS", "endpoint_host", "endpoint_is_local", "is_loopback"]

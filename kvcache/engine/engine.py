@@ -8,11 +8,12 @@ Policies, stated once:
 
 * **Only full chunks** are stored and looked up; a trailing partial chunk is ignored.
 * **Write-through:** every chunk newly written to L1 is also queued to every L2 tier; the L1
-  slot stays pinned until each write finishes. A tier that is down or saturated drops the write
-  (counted), so a slow tier never slows a store.
-* **Lookup** counts the L1 prefix, then the continuation present in L2 (disk first, then Redis),
-  and starts loading that continuation into L1 (prefetch) before it returns; ``retrieve`` waits
-  for those loads. The first missing chunk ends the prefix.
+  slot stays pinned until each write finishes. A tier that is down drops the write at once
+  (counted); a healthy but busy one, or an L1 held by such writes, slows the store down for at
+  most ``store_wait_timeout_s``, after which the chunk is dropped, reported and counted.
+* **Lookup** counts the prefix of chunks in L1 or present in L2 (disk first, then Redis), and
+  starts loading the L2 ones into L1 (prefetch) before it returns; ``retrieve`` waits for those
+  loads. The first missing chunk ends the prefix.
 * **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
   lookup never waits behind another thread's copy.
 
@@ -38,7 +39,7 @@ from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.engine.store import StoreResult
-from kvcache.errors import BlockIdError, LayoutError, UnknownInstanceError
+from kvcache.errors import BlockIdError, LayoutError, LimitExceededError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import BlockAllocationRecord, Event, EventSink, EventType, NullEventSink
 from kvcache.storage.factory import create_policy, l2_adapters_from_config
@@ -98,9 +99,13 @@ class CacheEngine:
         return ctx
 
     def unregister(self, instance_id: int) -> None:
+        """Forget an instance; subscribers holding per-instance state drop it on the event."""
         with self._lock:
-            if self._instances.pop(instance_id, None) is None:
-                raise UnknownInstanceError(f"instance {instance_id} is not registered")
+            inst = self._instances.pop(instance_id, None)
+        if inst is None:
+            raise UnknownInstanceError(f"instance {instance_id} is not registered")
+        meta = {"instance_id": instance_id, "model_name": inst.model_name}
+        self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
 
     def _instance(self, instance_id: int) -> Instance:
         try:
@@ -128,9 +133,11 @@ class CacheEngine:
     ) -> StoreResult:
         """Copy the full chunks of ``token_ids`` (held in ``block_ids``) into the cache.
 
-        Chunks already cached are skipped; when memory runs out the leading chunks that fit are
-        stored and the rest reported as failed. ``block_hashes`` (the engine's own per-block
-        hashes) are passed through on the end event for KV-event publishers.
+        Chunks already cached are skipped. When L1 is held by chunks still being written
+        through, the store waits for room (``store_wait_timeout_s`` in all); what still does not
+        fit is reported in ``failed_chunks`` (a trailing run: the leading chunks are stored).
+        ``block_hashes`` (the engine's own per-block hashes) are passed through on the end
+        event for KV-event publishers.
         """
         inst = self._instance(instance_id)
         return store_path.store(
@@ -165,17 +172,31 @@ class CacheEngine:
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:
         """Publish the engine's block allocations for lifecycle tracking.
 
-        Every block id is checked against the registered cache first and a bad one refuses the
-        whole report (``BlockIdError``, nothing published): subscribers keep state per
-        (instance, block), which stays bounded only if the ids are."""
+        The whole report is checked before anything is published, and one bad part refuses it
+        all: a block id outside the registered cache (``BlockIdError``), more records than
+        ``max_report_records`` or a record with more new blocks than the cache has
+        (``LimitExceededError``). Subscribers keep state per (instance, block) and per record,
+        which stays bounded only if these are."""
         inst = self._instance(instance_id)
         num_blocks = inst.ctx.num_blocks
+        limit = self.config.max_report_records
+        if len(records) > limit:
+            raise LimitExceededError(
+                f"{len(records)} records in one allocation report of instance {instance_id}; "
+                f"the limit is {limit} (max_report_records); report refused"
+            )
         for record in records:
-            bad = next((b for b in record.new_block_ids if not 0 <= b < num_blocks), None)
-            if bad is not None:
+            ids = record.new_block_ids
+            if ids and (min(ids) < 0 or max(ids) >= num_blocks):  # builtins: fast on many ids
+                bad = next(b for b in ids if not 0 <= b < num_blocks)
                 raise BlockIdError(
                     f"block id {bad} in the allocation report of request {record.req_id!r} is "
                     f"outside [0, {num_blocks}) of instance {instance_id}; report refused"
+                )
+            if len(ids) > num_blocks:  # valid ids, repeated: still more than a request can get
+                raise LimitExceededError(
+                    f"request {record.req_id!r} reports {len(ids)} new blocks; "
+                    f"instance {instance_id} has {num_blocks}; report refused"
                 )
         meta = {
             "instance_id": instance_id,

@@ -20,7 +20,7 @@ from kvcache.kv_events.publisher import (
     should_bind,
 )
 from kvcache.kv_events.subscriber import KVEventsSubscriber
-from kvcache.netaddr import endpoint_is_local
+from kvcache.netaddr import ZMQ_TRANSPORTS, endpoint_host, endpoint_is_local
 from kvcache.observability.config import positive_int
 
 log = logging.getLogger("kvcache.kv_events")
@@ -44,15 +44,18 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """Add the ``kv events`` flag group to ``parser``; returns it."""
     g = parser.add_argument_group("kv events (vLLM-compatible, for cluster routers)")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
-                   help="ZMQ PUB address: ipc:// and wildcards (tcp://*:5557) bind, a plain host "
-                        "(tcp://router:5557) connects to a router that binds; a wildcard needs "
-                        "--kv-events-allow-remote. Default: KV events off")
+                   help="ZMQ PUB address (vLLM's convention): ipc://, tcp://[::1]:5557 and "
+                        "wildcards (tcp://*:5557) bind, a plain host (tcp://router:5557, "
+                        "tcp://127.0.0.1:5557) connects to a router that binds; a bind beyond "
+                        "loopback needs --kv-events-allow-remote. Default: KV events off")
     g.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR",
-                   help="ZMQ ROUTER address (bound) where routers ask for missed batches, "
-                        "e.g. tcp://127.0.0.1:5558 (default: no replay)")
+                   help="ZMQ ROUTER address (always bound) where routers ask for missed "
+                        "batches, e.g. tcp://127.0.0.1:5558; beyond loopback needs "
+                        "--kv-events-allow-remote (default: no replay)")
     g.add_argument("--kv-events-allow-remote", action="store_true",
-                   help="allow binding the KV-events sockets beyond loopback (they tell anyone "
-                        "who connects which prompts are cached)")
+                   help="allow binding the KV-events sockets beyond loopback (tcp://*:N, "
+                        "0.0.0.0, [::], a network address); logged as a warning: anyone who "
+                        "connects learns which prompts are cached (default: refused)")
     g.add_argument("--kv-events-topic", default=DEFAULT_TOPIC,
                    help="topic frame of every message (default %(default)s)")
     g.add_argument("--kv-events-format", choices=FORMATS, default="map",
@@ -76,11 +79,10 @@ def build_kv_events_subscriber(
     ``ns.chunk_size`` (the daemon's ``--chunk-size``) sets ``block_size`` of chunk-keyed
     events. Raises ``ValueError`` for inconsistent flags or an endpoint that cannot be opened.
     """
+    validate_kv_events_args(ns)
     endpoint = getattr(ns, "kv_events_endpoint", None)
     replay = getattr(ns, "kv_events_replay_endpoint", None)
     if endpoint is None:
-        if replay is not None:
-            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         return None
     check_exposure(endpoint, replay, getattr(ns, "kv_events_allow_remote", False))
     publisher = default_factory().create(
@@ -103,15 +105,29 @@ def build_kv_events_subscriber(
         raise
 
 
-def check_exposure(endpoint: str, replay: str | None, allow_remote: bool) -> None:
+def exposed_binds(endpoint: str | None, replay: str | None) -> list[str]:
+    """The KV-events addresses the daemon would bind beyond this host.
+
+    The PUB ``endpoint`` binds only by vLLM's convention (wildcard, ``ipc://``, ``inproc://``;
+    a plain host connects to a router that binds, which exposes nothing here); the replay
+    ``ROUTER`` always binds. Local means ``netaddr.endpoint_is_local``: ipc/inproc or a
+    loopback host; every other address or ZMQ transport counts as exposed. A scheme that is
+    no ZMQ transport binds nothing (ZMQ refuses to open it), so it is not listed.
+    """
+    bound = [e for e in (endpoint if endpoint and should_bind(endpoint) else None, replay) if e]
+    return [
+        e for e in bound
+        if endpoint_host(e)[0] in ZMQ_TRANSPORTS and not endpoint_is_local(e)
+    ]  # fmt: skip
+
+
+def check_exposure(endpoint: str | None, replay: str | None, allow_remote: bool) -> None:
     """Refuse to bind a KV-events socket beyond loopback unless asked; warn when asked.
 
-    A connecting PUB (a plain host) is not checked: it goes to the router the operator
-    named. Binding ``tcp://*`` would tell anyone who reaches the port which prompts are cached.
+    Raises ``ValueError`` naming ``--kv-events-allow-remote``. Binding ``tcp://*`` tells
+    anyone who reaches the port which prompts are cached.
     """
-    bound = [e for e in (endpoint if should_bind(endpoint) else None, replay) if e is not None]
-    # Only TCP reaches other hosts; an unknown scheme is left to ZMQ to refuse.
-    exposed = [e for e in bound if e.startswith("tcp://") and not endpoint_is_local(e)]
+    exposed = exposed_binds(endpoint, replay)
     if not exposed:
         return
     if not allow_remote:
@@ -120,7 +136,32 @@ def check_exposure(endpoint: str, replay: str | None, allow_remote: bool) -> Non
             "network and reveals which prompts are cached; bind ipc:// or loopback, let the "
             "router bind (a plain host connects to it), or pass --kv-events-allow-remote"
         )
-    log.warning("KV events bound on %s: reachable from the network", ", ".join(exposed))
+    log.warning(
+        "KV events bound on %s: reachable from the network; anyone who connects learns which "
+        "prompts are cached (block hashes, and token ids with engine block hashes). Firewall "
+        "it to the routers", ", ".join(exposed),
+    )  # fmt: skip
 
 
-__all__ = ["DEFAULT_TOPIC", "add_kv_events_args", "build_kv_events_subscriber", "check_exposure"]
+def validate_kv_events_args(ns: argparse.Namespace) -> None:
+    """Check the KV-events flags without opening anything (for the daemon's flag parsing).
+
+    Raises ``ValueError`` for a replay endpoint without an endpoint, or a bind beyond
+    loopback without ``--kv-events-allow-remote``; logs nothing.
+    """
+    endpoint = getattr(ns, "kv_events_endpoint", None)
+    replay = getattr(ns, "kv_events_replay_endpoint", None)
+    if endpoint is None and replay is not None:
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if not getattr(ns, "kv_events_allow_remote", False):
+        check_exposure(endpoint, replay, allow_remote=False)  # raises if exposed, never logs
+
+
+__all__ = [
+    "DEFAULT_TOPIC",
+    "add_kv_events_args",
+    "build_kv_events_subscriber",
+    "check_exposure",
+    "exposed_binds",
+    "validate_kv_events_args",
+]

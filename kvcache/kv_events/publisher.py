@@ -89,6 +89,11 @@ def should_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def wants_ipv6(endpoint: str) -> bool:
+    """A bracketed IPv6 host (``tcp://[::1]:5557``): ZMQ opens it only with ``ZMQ_IPV6`` set."""
+    return "://[" in endpoint
+
+
 def _merge(batches: list[EventBatch]) -> EventBatch:
     """One wire batch holding ``batches``' events in order; stamped with the latest ``ts``."""
     if len(batches) == 1:
@@ -166,6 +171,8 @@ class ZmqEventPublisher(EventPublisher):
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._replay: zmq.Socket[Any] | None = None
         try:
+            if wants_ipv6(endpoint):
+                self._pub.setsockopt(zmq.IPV6, 1)
             if should_bind(endpoint):
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -175,6 +182,8 @@ class ZmqEventPublisher(EventPublisher):
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                if wants_ipv6(replay_endpoint):
+                    self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:

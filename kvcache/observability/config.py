@@ -116,7 +116,9 @@ def add_observability_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--otlp-endpoint", default=None,
                    help="OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318 (/v1/traces is added).")
     g.add_argument("--prometheus-host", default=DEFAULT_PROMETHEUS_HOST,
-                   help="Address the /metrics endpoint binds to (default %(default)s).")
+                   help="Address the /metrics endpoint binds to (default %(default)s); "
+                        "0.0.0.0 or another non-loopback address lets other hosts scrape it "
+                        "and is logged as a warning.")
     g.add_argument("--prometheus-port", type=int, default=DEFAULT_PROMETHEUS_PORT,
                    help="Port of the /metrics endpoint (default %(default)s; 0 = any free).")
     g.add_argument("--metrics-sample-rate", type=_sample_rate, default=DEFAULT_SAMPLE_RATE,

@@ -43,6 +43,7 @@ class EventType(enum.Enum):
     # -- serving-engine block bookkeeping (publisher: CacheEngine / daemon) -------------
     MP_VLLM_BLOCK_ALLOCATION = "mp.vllm.block_allocation"
     MP_VLLM_END_SESSION = "mp.vllm.end_session"
+    INSTANCE_UNREGISTERED = "instance.unregistered"
 
 
 class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):

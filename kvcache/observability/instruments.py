@@ -116,6 +116,10 @@ class Family:
             self.series[values] = series
         return series
 
+    def remove(self, *values: str) -> None:
+        """Forget the series for ``values`` (no longer exposed); absent is fine."""
+        self.series.pop(values, None)
+
     def counter(self, *values: str) -> Counter:
         inst = self.labels(*values)
         assert isinstance(inst, Counter), self.name

@@ -7,15 +7,24 @@ serves; a library user may scrape the registry another way). Started only by
 
 from __future__ import annotations
 
+import logging
 import threading
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
 
+from kvcache.netaddr import is_loopback
+
+logger = logging.getLogger(__name__)
+
 
 class PrometheusEndpoint:
-    """A running ``/metrics`` server; ``stop()`` closes the socket and is idempotent."""
+    """A running ``/metrics`` server; ``stop()`` closes the socket and is idempotent.
+
+    Any host is allowed (scraping from another machine is the normal setup); a host that is
+    not loopback (``0.0.0.0``, ``::``, an interface address) is logged as a warning at start.
+    """
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
         server, thread = start_http_server(port, addr=host, registry=registry)
@@ -23,6 +32,11 @@ class PrometheusEndpoint:
         self._thread: threading.Thread = thread
         self.host = host
         self.port: int = server.server_address[1]  # the real port when 0 was asked for
+        if not is_loopback(host):
+            logger.warning(
+                "metrics on %s are reachable from the network (counters and histograms "
+                "only: no keys, no tokens); firewall it to the scrapers", self.url,
+            )  # fmt: skip
 
     @property
     def url(self) -> str:

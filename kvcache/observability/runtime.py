@@ -14,7 +14,6 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from kvcache.netaddr import is_loopback
 from kvcache.observability.bus import DisabledEventBus, EventBus, EventSubscriber
 from kvcache.observability.config import ObservabilityConfig
 from kvcache.observability.prometheus import PrometheusEndpoint
@@ -106,11 +105,6 @@ def init_observability(
                 config.prometheus_host, config.prometheus_port, registry
             )
             logger.info("serving Prometheus metrics on %s", obs.endpoint.url)
-            if not is_loopback(config.prometheus_host):
-                logger.warning(
-                    "metrics on %s are reachable from the network (counters and histograms "
-                    "only: no keys, no tokens)", obs.endpoint.url,
-                )  # fmt: skip
         bus.start()
     except BaseException:
         obs.shutdown()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvcache.config import EngineConfig, GiB
-from kvcache.kv_events.config import add_kv_events_args
+from kvcache.kv_events.config import add_kv_events_args, validate_kv_events_args
 from kvcache.observability.config import ObservabilityConfig, add_observability_args
 from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
 from kvcache.plugins import add_plugin_args
@@ -251,6 +251,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             store_wait_timeout_s=ns.store_wait_timeout,
         )
         obs = ObservabilityConfig.from_args(ns)
+        validate_kv_events_args(ns)  # refuse an exposed KV-events bind before anything binds
     except ValueError as exc:
         parser.error(str(exc))
     if not obs.enabled and (ns.kv_events_endpoint or ns.request_trace_file or ns.subscriber):

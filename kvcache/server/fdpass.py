@@ -8,8 +8,9 @@ share no /proc.
 
 Protocol, one exchange per connection on an ``AF_UNIX`` ``SOCK_SEQPACKET`` socket: the client
 sends one message whose payload is a random ticket (16 to 64 bytes) and whose ancillary data
-carries the descriptors; the daemon answers one ``FdReply``. The client then names the ticket
-in its ``Register`` request; ``FdInbox.take`` hands the checked descriptors to the handler.
+carries the descriptors (at most ``MAX_FDS_PER_MESSAGE``, the kernel's ``SCM_MAX_FD``); the
+daemon answers one ``FdReply``. The client then names the ticket in its ``Register`` request;
+``FdInbox.take`` hands the checked descriptors to the handler.
 """
 
 from __future__ import annotations
@@ -19,28 +20,34 @@ import contextlib
 import fcntl
 import logging
 import os
+import selectors
 import socket
 import stat
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
-from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
+from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError, ProtocolError
 
 log = logging.getLogger("kvcache.server")
 
 MIN_TICKET, MAX_TICKET = 16, 64
+MAX_FDS_PER_MESSAGE = 253
+"""Linux's ``SCM_MAX_FD``: ``sendmsg`` refuses more descriptors in one message (EINVAL)."""
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_FD_SIZE = array.array("i").itemsize
+
+RefusalCode = Literal["", "access_denied", "limit", "layout"]
 
 
 class FdReply(msgspec.Struct, frozen=True):
-    """The daemon's answer to a hand-over: ``code`` is "" on success."""
+    """The daemon's answer to a hand-over: ``code`` is "" on success, else why it refused."""
 
-    code: str = ""
+    code: RefusalCode = ""
     message: str = ""
 
 
@@ -57,10 +64,16 @@ _REPLY_DECODER = msgspec.msgpack.Decoder(FdReply)
 
 def send_fds(socket_path: str, ticket: bytes, fds: list[int], timeout_s: float) -> None:
     """Hand ``fds`` to the daemon under ``ticket``; raises the daemon's refusal as the
-    matching kvcache error, ``ConnectionError`` when the socket cannot be reached."""
+    matching kvcache error (``AccessDeniedError``, ``LimitExceededError``, ``LayoutError``),
+    ``ConnectionError`` when the socket cannot be reached or closes without an answer."""
     if not MIN_TICKET <= len(ticket) <= MAX_TICKET:
         raise ValueError(f"a ticket is {MIN_TICKET}..{MAX_TICKET} bytes, got {len(ticket)}")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+    if len(fds) > MAX_FDS_PER_MESSAGE:
+        raise LimitExceededError(
+            f"{len(fds)} memfds to hand over; the kernel passes at most {MAX_FDS_PER_MESSAGE} in "
+            "one message: allocate the KV cache in fewer empty_shared buffers"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout_s)
         try:
             sock.connect(socket_path)
@@ -69,13 +82,19 @@ def send_fds(socket_path: str, ticket: bytes, fds: list[int], timeout_s: float) 
                 f"cannot reach the daemon's fd socket {socket_path}: {exc.strerror}; CPU engines "
                 "must run on the daemon's host, as its user (or a uid in its --clients)"
             ) from None
-        socket.send_fds(sock, [ticket], fds)
-        data = sock.recv(4096)
+        try:
+            socket.send_fds(sock, [ticket], fds)
+            data = sock.recv(4096)
+        except OSError as exc:
+            raise ConnectionError(f"handing memfds to {socket_path} failed: {exc}") from None
     if not data:
         raise ConnectionError(f"the daemon closed {socket_path} without answering")
-    reply = _REPLY_DECODER.decode(data)
+    try:
+        reply = _REPLY_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"{socket_path} answered something that is no FdReply: {exc}") from None
     if reply.code:
-        raise _ERRORS.get(reply.code, LayoutError)(reply.message)
+        raise _ERRORS[reply.code](reply.message)
 
 
 # -- daemon side --------------------------------------------------------------------------
@@ -85,7 +104,8 @@ def send_fds(socket_path: str, ticket: bytes, fds: list[int], timeout_s: float) 
 class ReceivedFds:
     """Checked descriptors of one hand-over, with their sizes and the sender's credentials.
 
-    The sizes were read after the seals were checked, so they can only grow."""
+    Each size was read after its shrink seal was seen, so the memfd can never be smaller.
+    The descriptors are the holder's to close (``close``); mappings made from them stay."""
 
     fds: list[int]
     sizes: list[int]
@@ -100,22 +120,33 @@ class ReceivedFds:
                 os.close(fd)
 
 
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    deadline: float
+
+
 class FdInbox:
     """The daemon's fd socket: receives, checks and holds descriptors until ``take``.
 
-    Bounded in every way a client controls: descriptors per hand-over, tickets pending, time a
-    ticket waits, time a connection may take; whatever is refused is closed at once.
+    One thread multiplexes every connection (``selectors``) and never blocks on a peer: a
+    SEQPACKET message arrives whole, so a connection is served, in a few syscalls per
+    descriptor, only once its message is there. Bounded in every way a client controls:
+    descriptors per hand-over, tickets pending, time a ticket waits (``ticket_ttl_s``), time a
+    connection may stay silent (``connection_timeout_s``), connections open at once
+    (``max_connections``; the oldest is dropped for a new one). Whatever is refused, timed out
+    or expired is closed at once.
     """
 
     def __init__(
         self,
         socket_path: str,
         allowed_uids: frozenset[int],
-        *,
         max_fds_per_ticket: int = 1024,
         max_pending: int = 64,
         ticket_ttl_s: float = 60.0,
         connection_timeout_s: float = 2.0,
+        max_connections: int = 64,
     ) -> None:
         self.path = socket_path
         self.allowed_uids = allowed_uids
@@ -123,99 +154,145 @@ class FdInbox:
         self.max_pending = max_pending
         self.ticket_ttl_s = ticket_ttl_s
         self.connection_timeout_s = connection_timeout_s
+        self.max_connections = max_connections
         self.refused = 0
         self._pending: dict[bytes, ReceivedFds] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvcache-fds")
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = -1, -1
 
     def start(self) -> None:
         _remove_stale_socket(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.bind(self.path)
             os.chmod(self.path, 0o600)
             sock.listen(64)
-            sock.settimeout(0.2)  # so close() is noticed promptly
+            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
         self._sock = sock
-        self._thread = threading.Thread(target=self._accept_loop, name="kvcache-fd-inbox", daemon=True)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        sel = selectors.DefaultSelector()
+        sel.register(sock, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._loop, args=(sel,), name="kvcache-fd-inbox", daemon=True)
         self._thread.start()
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            self._pool.submit(self._serve, conn)
+    # -- the loop ----------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
-        """One hand-over; never raises, never keeps a descriptor it refused."""
-        fds: list[int] = []
-        with conn:
-            conn.settimeout(self.connection_timeout_s)
+    def _loop(self, sel: selectors.BaseSelector) -> None:
+        conns: dict[int, _Conn] = {}  # by fileno, in accept order (oldest first)
+        with sel:
             try:
-                pid, uid, _ = _UCRED.unpack(
-                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-                )
-                # Read first, refuse after: closing with a message unread resets the
-                # connection, and the peer would never see why it was refused.
-                ticket, fds = self._receive(conn)
-                if uid not in self.allowed_uids:
-                    raise AccessDeniedError(f"uid {uid} may not hand memory to this daemon")
-                sizes = [_checked_size(fd) for fd in fds]
-                self._keep(ticket, ReceivedFds(fds, sizes, uid, pid))
-                fds = []  # kept: no longer ours to close
-                reply = FdReply()
-            except (AccessDeniedError, LimitExceededError, LayoutError) as exc:
-                self.refused += 1
-                log.warning("fd socket: refused a hand-over: %s", exc)
-                reply = FdReply(code=_code(exc), message=str(exc))
-            except OSError as exc:  # timeout, peer gone: nothing to answer
-                log.info("fd socket: dropped a connection: %s", exc)
-                reply = None
+                while not self._stop.is_set():
+                    now = time.monotonic()
+                    timeout = min([c.deadline for c in conns.values()], default=now + 1.0) - now
+                    for key, _ in sel.select(max(0.0, min(timeout, 1.0))):
+                        if key.fileobj is self._sock:
+                            self._accept(sel, conns)
+                        elif key.fileobj == self._wake_r:
+                            continue
+                        else:
+                            conn = conns.get(key.fd)
+                            if conn is not None and self._serve(conn.sock):
+                                self._drop(sel, conns, key.fd)
+                    now = time.monotonic()
+                    for fileno in [f for f, c in conns.items() if c.deadline <= now]:
+                        log.info("fd socket: dropped a connection that sent nothing in time")
+                        self._drop(sel, conns, fileno)
+                    with self._lock:
+                        self._expire(now)
             finally:
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-            if reply is not None:
-                with contextlib.suppress(OSError):
-                    conn.send(msgspec.msgpack.encode(reply))
+                for fileno in list(conns):
+                    self._drop(sel, conns, fileno)
+
+    def _accept(self, sel: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the others are still served
+                log.warning("fd socket: accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            if len(conns) >= self.max_connections:
+                log.warning("fd socket: %d connections open; dropping the oldest", len(conns))
+                self._drop(sel, conns, next(iter(conns)))
+            conns[sock.fileno()] = _Conn(sock, time.monotonic() + self.connection_timeout_s)
+            sel.register(sock, selectors.EVENT_READ)
+
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector, conns: dict[int, _Conn], fileno: int) -> None:
+        conn = conns.pop(fileno)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def _serve(self, conn: socket.socket) -> bool:
+        """One hand-over (the message is there); never raises, never keeps a descriptor it
+        refused. False when there was nothing to read after all (the connection stays)."""
+        fds: list[int] = []
+        try:
+            pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            # Read first, refuse after: closing with a message unread resets the
+            # connection, and the peer would never see why it was refused.
+            ticket, fds = self._receive(conn)
+            if uid not in self.allowed_uids:
+                raise AccessDeniedError(f"uid {uid} may not hand memory to this daemon")
+            sizes = [_checked_size(fd) for fd in fds]
+            self._keep(ticket, ReceivedFds(fds, sizes, uid, pid))
+            fds = []  # kept: no longer ours to close
+            reply = FdReply()
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (AccessDeniedError, LimitExceededError, LayoutError) as exc:
+            self.refused += 1
+            log.warning("fd socket: refused a hand-over: %s", exc)
+            reply = FdReply(code=_code(exc), message=str(exc))
+        except OSError as exc:  # peer gone: nothing to answer
+            log.info("fd socket: dropped a connection: %s", exc)
+            return True
+        except Exception:  # a bug here must not stop the inbox for everyone else
+            log.exception("fd socket: internal error serving a hand-over")
+            return True
+        finally:
+            _close_all(fds)
+        with contextlib.suppress(OSError):  # a few bytes into an empty buffer: never blocks
+            conn.send(msgspec.msgpack.encode(reply), socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+        return True
 
     def _receive(self, conn: socket.socket) -> tuple[bytes, list[int]]:
-        fd_bytes = self.max_fds_per_ticket * array.array("i").itemsize
-        msg, ancdata, flags, _ = conn.recvmsg(MAX_TICKET + 1, socket.CMSG_SPACE(fd_bytes))
+        fd_bytes = max(self.max_fds_per_ticket, 1) * _FD_SIZE
+        msg, ancdata, flags, _ = conn.recvmsg(
+            MAX_TICKET + 1, socket.CMSG_SPACE(fd_bytes), socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+        )
+        if not msg and not ancdata and not flags:
+            raise ConnectionResetError("the peer left without sending anything")
         fds: list[int] = []
         for level, kind, data in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 arr = array.array("i")
-                arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+                arr.frombytes(data[: len(data) - len(data) % _FD_SIZE])
                 fds += list(arr)
         try:
-            if flags & socket.MSG_CTRUNC:
-                raise LimitExceededError(
-                    f"more than {self.max_fds_per_ticket} descriptors in one hand-over"
-                )
+            if flags & socket.MSG_CTRUNC or len(fds) > self.max_fds_per_ticket:
+                raise LimitExceededError(f"more than {self.max_fds_per_ticket} descriptors in one hand-over")
             if flags & socket.MSG_TRUNC or not MIN_TICKET <= len(msg) <= MAX_TICKET:
                 raise LayoutError(f"a ticket is {MIN_TICKET}..{MAX_TICKET} bytes")
             if not fds:
                 raise LayoutError("a hand-over must carry at least one descriptor")
         except BaseException:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            _close_all(fds)
             raise
         return bytes(msg), fds
+
+    # -- tickets -----------------------------------------------------------------------
 
     def _keep(self, ticket: bytes, received: ReceivedFds) -> None:
         now = time.monotonic()
@@ -229,11 +306,13 @@ class FdInbox:
             self._pending[ticket] = received
 
     def _expire(self, now: float) -> None:
+        """Close and drop the tickets past their time (the caller holds the lock)."""
         for ticket in [t for t, r in self._pending.items() if r.expires <= now]:
             self._pending.pop(ticket).close()
 
     def take(self, ticket: bytes) -> ReceivedFds:
-        """The descriptors handed over under ``ticket`` (now the caller's to close)."""
+        """The descriptors handed over under ``ticket`` (now the caller's to close);
+        ``AccessDeniedError`` for a ticket unknown, already taken or expired."""
         with self._lock:
             self._expire(time.monotonic())
             received = self._pending.pop(ticket, None)
@@ -248,38 +327,59 @@ class FdInbox:
             return len(self._pending)
 
     def close(self) -> None:
+        """Stop the thread, close every open connection and pending descriptor, unlink."""
         self._stop.set()
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
         if self._thread is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=5)
+            self._thread = None
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r, self._wake_w = -1, -1
         with self._lock:
             for received in self._pending.values():
                 received.close()
             self._pending.clear()
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _checked_size(fd: int) -> int:
-    """The size of ``fd`` if it is a memfd sealed against shrinking; ``LayoutError`` if not."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise LayoutError("a handed-over descriptor is not a memory file")
+    """The size of ``fd`` if it is a memfd sealed against shrinking; ``LayoutError`` if not.
+
+    The seals are read before the size: read the other way round, a peer could shrink an
+    unsealed memfd between the two reads and seal it after, and the daemon would trust a size
+    larger than the memory (SIGBUS on the first copy past the end)."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        seals = 0  # not a sealable file (disk files, /dev/shm files)
+        seals = 0  # not a sealable file (disk files, pipes, sockets)
+    # Only memfds (and hugetlbfs ones) take seals; other shmem files (/dev/shm) report
+    # F_SEAL_SEAL alone, never F_SEAL_SHRINK.
     if not seals & fcntl.F_SEAL_SHRINK:
         raise LayoutError(
             "a handed-over descriptor is not a memfd sealed against shrinking; allocate CPU KV "
             "tensors with kvcache.client.empty_shared"
         )
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise LayoutError("a handed-over descriptor is not a memory file")
     return st.st_size
 
 
-def _code(exc: Exception) -> str:
+def _code(exc: Exception) -> RefusalCode:
     if isinstance(exc, AccessDeniedError):
         return "access_denied"
     if isinstance(exc, LimitExceededError):
@@ -301,4 +401,4 @@ def _remove_stale_socket(path: str) -> None:
     raise OSError(f"another kvcache daemon listens on {path}; stop it or pick another --runtime-dir")
 
 
-__all__ = ["FdInbox", "FdReply", "ReceivedFds", "send_fds"]
+__all__ = ["MAX_FDS_PER_MESSAGE", "FdInbox", "FdReply", "ReceivedFds", "send_fds"]

@@ -109,6 +109,11 @@ class Handlers:
         self._check_registration_size(req)
         received = self.fd_inbox.take(req.fd_ticket) if req.fd_ticket and self.fd_inbox else None
         try:
+            ipc_user = principal.name.startswith("uid:")
+            if received is not None and ipc_user and principal.name != f"uid:{received.uid}":
+                # A ticket is a bearer secret; still, memory handed over by one local user is
+                # registered by that user only.
+                raise AccessDeniedError("the memory was handed over by another user")
             if received is None and any(isinstance(d, m.FdTensor) for d in req.tensors):
                 raise LayoutError(
                     "CPU tensors arrive as memfds over the daemon's fd socket; this request "

@@ -276,12 +276,14 @@ def _import_fd(desc: FdTensor, received: ReceivedFds | None) -> torch.Tensor:
         raise LayoutError(
             f"tensor needs bytes [{desc.offset}, {desc.offset + span}) of a memfd of {size} bytes"
         )
+    # Map only the pages this view spans: many tensors often share one large memfd.
+    start = desc.offset - desc.offset % mmap.ALLOCATIONGRANULARITY
     try:
-        segment = mmap.mmap(received.fds[desc.fd_index], size, mmap.MAP_SHARED,
-                            mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+        segment = mmap.mmap(received.fds[desc.fd_index], desc.offset + span - start,
+                            mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
     except (OSError, ValueError) as exc:  # e.g. write-sealed or read-only memory
         raise LayoutError(f"cannot map the engine's memfd read-write: {exc}") from None
-    flat = torch.frombuffer(segment, dtype=torch.uint8)[desc.offset : desc.offset + span]
+    flat = torch.frombuffer(segment, dtype=torch.uint8)[desc.offset - start : desc.offset - start + span]
     return flat.view(dtype).as_strided(desc.shape, desc.stride)
 
 

@@ -13,8 +13,9 @@ Privacy: cached KV is as sensitive as the prompts it came from, so files are 060
 directories 0700 whatever the umask.
 
 A full disk (ENOSPC, EDQUOT) is not the end of the tier: it evicts its own oldest chunks and
-retries once, and from then on bounds itself by what the disk really has free (re-read every
-``_PROBE_EVERY`` writes, so the bound grows back when space is freed).
+retries once, and from then on bounds itself by what the disk really has free: re-read at every
+write while the disk (not the configured size) is the bound, so the bound grows back as soon as
+space is freed, and every ``_PROBE_EVERY`` writes otherwise (someone else may fill the disk).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class DiskL2Adapter(L2Adapter):
                 if announce is not None:
                     announce(size)
                 self._writes += 1
-                if self._writes % _PROBE_EVERY == 0:
+                if self.capacity_bytes < self.size_bytes or self._writes % _PROBE_EVERY == 0:
                     self._probe_capacity(0)
                 self._evict_over_limit()
         except BaseException:

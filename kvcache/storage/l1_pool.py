@@ -54,6 +54,7 @@ class L1Pool:
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
         self._entries: dict[ChunkKey, L1Entry] = {}
         self._pinned = 0  # entries holding at least one pin: what a waiting writer can hope for
+        self._waiting_writers = 0
         self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
         self.used_bytes = 0  # slots holding an entry (any state), in slot strides
         self.allocation_failures = 0
@@ -99,8 +100,13 @@ class L1Pool:
                     break
                 while entry is None and self._pinned > len(new):  # others hold pins: wait
                     left = deadline - time.monotonic()
-                    if left <= 0 or not self._room.wait(left):
+                    if left <= 0:
                         break
+                    self._waiting_writers += 1
+                    try:
+                        self._room.wait(left)
+                    finally:
+                        self._waiting_writers -= 1
                     if key in self._entries:  # written by someone else meanwhile
                         break
                     entry = self._allocate(geometry, key, events)
@@ -270,6 +276,7 @@ class L1Pool:
                 "num_chunks": len(self._entries),
                 "evictable_chunks": len(self._policy),
                 "pinned_chunks": self._pinned,
+                "waiting_writers": self._waiting_writers,
                 "pinned_memory": self.pin_memory,
                 "allocation_failures": self.allocation_failures,
                 "slabs": self._slabs.slab_info(),

@@ -9,6 +9,10 @@ tests and ``close`` wait for what is queued.
 
 Back-off: a ``timeout``/``unavailable`` failure marks the tier down for ``retry_interval_s``;
 the first operation after that interval tries again (and re-arms the back-off if it fails).
+
+Logging: a failure is logged once per episode (per operation and reason, until an operation of
+that kind succeeds); the repeats go to DEBUG. Every failure is still an event, so the metrics
+count each one: a full disk or a dead server must not turn the log into one line per chunk.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class AsyncL2:
         self._inflight = {"store": 0, "load": 0}
         self._down_until = 0.0
         self._closed = False
+        self._warned: set[tuple[str, str]] = set()  # (op, reason) episodes already logged
         self.counters = {
             "stores": 0,
             "store_failures": 0,
@@ -81,7 +86,7 @@ class AsyncL2:
         if not self.available or self._closed:
             return [False] * len(keys)
         try:
-            return self.adapter.contains(keys)
+            found = self.adapter.contains(keys)
         except Exception as exc:
             reason = failure_reason(exc)
             self._failed(reason)
@@ -92,8 +97,10 @@ class AsyncL2:
                     EventType.L2_LOAD_FAILED, {"backend": self.backend, "keys": list(keys), "reason": reason}
                 )
             )
-            logger.warning("L2 %s lookup failed (%s): %s", self.backend, reason, exc)
+            self._log_failure("lookup", reason, "L2 %s lookup failed (%s): %s", self.backend, reason, exc)
             return [False] * len(keys)
+        self._succeeded("lookup")
+        return found
 
     def submit_store(self, key: ChunkKey, chunk: torch.Tensor, done: Done, wait_s: float = 0.0) -> bool:
         """Queue a write of ``chunk`` (which must stay valid until ``done`` runs).
@@ -157,6 +164,22 @@ class AsyncL2:
             self._inflight[op] += 1
         return None
 
+    def _succeeded(self, op: str) -> None:
+        """End ``op``'s failure episodes: its next failure is news again."""
+        if self._warned:  # read without the lock: the common case costs nothing
+            with self._cond:
+                self._warned = {w for w in self._warned if w[0] != op}
+
+    def _log_failure(self, op: str, reason: str, msg: str, *args: object) -> None:
+        """WARNING for the first failure of an episode, DEBUG for its repeats."""
+        with self._cond:
+            first = (op, reason) not in self._warned
+            self._warned.add((op, reason))
+        if first:
+            logger.warning(msg + " (repeats are logged at DEBUG until a %s succeeds)", *args, op)
+        else:
+            logger.debug(msg, *args)
+
     def _run(self, op: str, key: ChunkKey, tensor: torch.Tensor, done: Done) -> None:
         ok = False
         t0 = time.perf_counter()
@@ -178,10 +201,12 @@ class AsyncL2:
                 ok = True
                 with self._cond:
                     self.counters["stores"] += 1
+                self._succeeded(op)
             else:
                 ok = self.adapter.load(key, tensor)
                 with self._cond:
                     self.counters["loads" if ok else "load_misses"] += 1
+                self._succeeded(op)  # a miss is an answer too
                 if ok:
                     meta = {
                         "backend": self.backend,
@@ -197,7 +222,9 @@ class AsyncL2:
                 self.counters[f"{op}_failures"] += 1
             failed = EventType.L2_STORE_FAILED if op == "store" else EventType.L2_LOAD_FAILED
             self._bus.publish(Event(failed, {"backend": self.backend, "keys": [key], "reason": reason}))
-            logger.warning("L2 %s %s of %032x failed (%s): %s", self.backend, op, key, reason, exc)
+            self._log_failure(
+                op, reason, "L2 %s %s of %032x failed (%s): %s", self.backend, op, key, reason, exc
+            )
         finally:
             try:
                 done(ok)

@@ -14,7 +14,13 @@ import torch
 from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
 from kvcache.engine import CacheEngine, StoreResult
-from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError, UnknownInstanceError
+from kvcache.errors import (
+    BlockIdError,
+    ChunkMismatchError,
+    LayoutError,
+    LimitExceededError,
+    UnknownInstanceError,
+)
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import BlockAllocationRecord, EventType
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, caches_equal, make_kv_caches
@@ -189,6 +195,27 @@ def test_bad_requests_change_nothing() -> None:
     reg(e, 1)  # the id is free again
 
 
+def test_block_reports_are_checked_whole_before_anything_is_published() -> None:
+    """Observed before: ids far beyond the cache were published as given, and the L0
+    lifecycle state grew with them (1.6 GB after 90 M ids). A bad report now changes nothing."""
+    sink = Sink()
+    e = engine(sink, max_report_records=3)
+    reg(e, 1)  # 8 blocks
+    good = BlockAllocationRecord("r1", [0, 7], [5, 6])
+    for bad_id in (8, 10**9, -1):
+        with pytest.raises(BlockIdError, match=rf"block id {bad_id}\b") as info:
+            e.report_block_allocations(1, [good, BlockAllocationRecord("r2", [1, bad_id], [])])
+        assert isinstance(info.value, IndexError) and "'r2'" in str(info.value)
+    with pytest.raises(LimitExceededError, match="max_report_records"):
+        e.report_block_allocations(1, [good] * 4)
+    with pytest.raises(LimitExceededError, match="r3"):  # more new blocks than the cache has
+        e.report_block_allocations(1, [BlockAllocationRecord("r3", [0] * 9, [])])
+    assert not sink.of(EventType.MP_VLLM_BLOCK_ALLOCATION)
+    e.report_block_allocations(1, [good] * 3)
+    (published,) = sink.of(EventType.MP_VLLM_BLOCK_ALLOCATION)
+    assert published.metadata["records"] == [good] * 3
+
+
 def _contract() -> dict[str, tuple[set[str], set[str]]]:
     """EVENTS.md's metadata tables for the engine's MP_* events: (required, optional) keys."""
     text = (Path(__file__).parents[2] / "EVENTS.md").read_text()
@@ -264,3 +291,15 @@ def test_engine_block_hashes_ride_on_l1_write_finished() -> None:
     assert len(second.metadata["keys"]) == 2
     e.store(1, TOKENS, list(range(8)), block_hashes=[1, 2])  # too short: published without them
     e.close()
+
+
+def test_unregister_tells_subscribers_the_instance_is_gone() -> None:
+    sink = Sink()
+    e = engine(sink)
+    reg(e, 5)
+    e.unregister(5)
+    (gone,) = sink.of(EventType.INSTANCE_UNREGISTERED)
+    assert gone.metadata == {"instance_id": 5, "model_name": "m"}
+    with pytest.raises(UnknownInstanceError):
+        e.unregister(5)
+    assert len(sink.of(EventType.INSTANCE_UNREGISTERED)) == 1

@@ -85,10 +85,12 @@ class Consumer:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.sub.setsockopt(zmq.IPV6, int("://[" in endpoint))  # tcp://[::1]:N needs it
         self.sub.connect(endpoint)
         self.dealer = None
         if replay is not None:
             self.dealer = self.ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.IPV6, int("://[" in replay))
             self.dealer.connect(replay)
         self.decoder = msgspec.msgpack.Decoder(MapBatch if fmt == "map" else ArrayBatch)
         self.next_seq = 0

@@ -7,6 +7,7 @@ which runs with the defaults.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -237,3 +238,30 @@ def test_factory_null_default_duplicates_and_unknown_kinds() -> None:
 def test_bad_endpoint_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="cannot open"):
         ZmqEventPublisher("bogus://*:1")
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_ipv6_loopback_binds_and_delivers() -> None:
+    """``tcp://[::1]:N`` is the loopback TCP bind for the PUB (a plain IPv4 host connects)."""
+    p = ZmqEventPublisher("tcp://[::1]:*", "tcp://[::1]:*", topic="kv", max_merge=1)
+    c = Consumer(p.endpoint, p.replay_endpoint, topic="kv")
+    try:
+        assert p.endpoint.startswith("tcp://[::1]:") and p.replay_endpoint is not None
+        wait_connected(lambda: p.publish(EventBatch(0.0, [])), c)
+        p.publish(batch("map", 7))
+        assert p.flush(5)
+        c.follow_until(p.published_batches - 1)
+        assert 7 in c.held["CPU"]
+        assert c.replay_from(0) == list(range(p.published_batches))  # the replay socket too
+    finally:
+        c.close()
+        p.shutdown()

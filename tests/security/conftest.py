@@ -10,6 +10,7 @@ import zmq
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
 from kvcache.server.launch import DaemonProcess
+from tests.helpers import daemon_starter
 
 BASE_ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--heartbeat-timeout", "5"]
 
@@ -17,17 +18,7 @@ BASE_ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--heartbeat-timeout",
 @pytest.fixture
 def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
     """Factory for daemon processes that are killed (and their socket dirs removed) at the end."""
-    started: list[DaemonProcess] = []
-
-    def start(*args: str, **kw: object) -> DaemonProcess:
-        d = DaemonProcess([*BASE_ARGS, *args], **kw)  # type: ignore[arg-type]
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.kill()
-        d.remove_runtime_dir()
+    yield from daemon_starter(BASE_ARGS)
 
 
 def raw_call(endpoint: str, body: m.RequestBody, timeout_ms: int = 5000) -> m.ReplyBody:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from kvcache.kv_events.config import add_kv_events_args, build_kv_events_subscriber, check_exposure
+from kvcache.kv_events.config import (
+    add_kv_events_args,
+    build_kv_events_subscriber,
+    check_exposure,
+    validate_kv_events_args,
+)
 from kvcache.netaddr import endpoint_is_local, is_loopback
 from kvcache.observability import init_observability
 from kvcache.observability.config import ObservabilityConfig
+from kvcache.observability.prometheus import start_prometheus_endpoint
+from kvcache.server.launch import DaemonProcess, DaemonStartError
 
 
 def _ns(*argv: str) -> argparse.Namespace:
@@ -68,3 +77,40 @@ def test_metrics_beyond_loopback_are_a_warning(caplog: pytest.LogCaptureFixture)
         obs = init_observability(ObservabilityConfig(prometheus_host="127.0.0.1", prometheus_port=0))
     obs.shutdown()
     assert "reachable from the network" not in caplog.text
+
+
+def test_the_warning_says_what_an_allowed_bind_exposes(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcache.kv_events"):
+        check_exposure("ipc:///tmp/kv.sock", "tcp://10.0.0.5:5558", allow_remote=True)
+    assert "tcp://10.0.0.5:5558" in caplog.text and "which prompts are cached" in caplog.text
+
+
+@pytest.mark.parametrize("endpoint", ["ws://*:5557", "wss://0.0.0.0:5557", "epgm://eth0;239.1.1.1:5557"])
+def test_other_transports_fail_closed(endpoint: str) -> None:
+    """A transport this gate does not know is exposed unless its host is loopback."""
+    assert not endpoint_is_local(endpoint)
+    with pytest.raises(ValueError, match="--kv-events-allow-remote"):
+        check_exposure("ipc:///tmp/kv.sock", endpoint, allow_remote=False)
+    assert endpoint_is_local("ws://127.0.0.1:5557") and endpoint_is_local("tcp://[::1]:5557")
+
+
+def test_validation_needs_no_socket() -> None:
+    """The daemon can refuse the flags while parsing them, before anything is bound."""
+    with pytest.raises(ValueError, match="--kv-events-allow-remote"):
+        validate_kv_events_args(_ns("--kv-events-endpoint", "tcp://*:5557"))
+    validate_kv_events_args(_ns("--kv-events-endpoint", "tcp://*:5557", "--kv-events-allow-remote"))
+    validate_kv_events_args(_ns("--kv-events-endpoint", "tcp://router:5557"))
+    validate_kv_events_args(_ns())
+
+
+def test_metrics_endpoint_warns_whoever_starts_it(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcache.observability"):
+        endpoint = start_prometheus_endpoint("0.0.0.0", 0, CollectorRegistry())
+    endpoint.stop()
+    assert f"http://0.0.0.0:{endpoint.port}/metrics" in caplog.text
+    assert "reachable from the network" in caplog.text
+
+
+def test_the_daemon_refuses_a_wildcard_kv_events_bind(start_daemon: Callable[..., DaemonProcess]) -> None:
+    with pytest.raises(DaemonStartError, match="--kv-events-allow-remote"):
+        start_daemon("--kv-events-endpoint", "tcp://*:0")

@@ -7,24 +7,15 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvcache.server.launch import DaemonProcess
+from tests.helpers import daemon_starter
 
 from .helpers import BASE_ARGS
 
 
 @pytest.fixture
 def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
-    """Factory for daemons that are stopped (or killed) when the test ends."""
-    started: list[DaemonProcess] = []
-
-    def start(*args: str, port: int = 0) -> DaemonProcess:
-        d = DaemonProcess([*BASE_ARGS, *args], port=port)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.kill()
-        d.remove_runtime_dir()
+    """Factory for daemons that are killed when the test ends."""
+    yield from daemon_starter(BASE_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,21 @@ import fcntl
 import os
 import secrets
 import socket
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
-from kvcache.server import ipc
-from kvcache.server.fdpass import FdInbox, send_fds
+from kvcache.protocol.messages import FdTensor
+from kvcache.server import fdpass, ipc
+from kvcache.server.fdpass import MAX_FDS_PER_MESSAGE, FdInbox, send_fds
 
 
 def _fds_open() -> set[tuple[str, str]]:
@@ -152,3 +158,194 @@ def test_a_live_socket_is_never_taken_over_but_a_stale_one_is(tmp_path: Path, in
     box.start()
     box.close()
     assert not stale.exists()
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_many_silent_peers_do_not_delay_a_good_one(tmp_path: Path) -> None:
+    box = FdInbox(str(tmp_path / "fds.sock"), frozenset({os.getuid()}), connection_timeout_s=5)
+    box.start()
+    silent = []
+    try:
+        for _ in range(20):  # more than any worker pool: each would hold a worker for 5 s
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(box.path)
+            silent.append(s)
+        ticket, fd = secrets.token_bytes(16), _memfd()
+        began = time.monotonic()
+        send_fds(box.path, ticket, [fd], 2)
+        assert time.monotonic() - began < 1.0
+        box.take(ticket).close()
+        os.close(fd)
+    finally:
+        for s in silent:
+            s.close()
+        box.close()
+
+
+def test_open_connections_are_bounded_oldest_dropped_first(tmp_path: Path) -> None:
+    box = FdInbox(str(tmp_path / "fds.sock"), frozenset({os.getuid()}), connection_timeout_s=30,
+                  max_connections=4)  # fmt: skip
+    box.start()
+    conns = []
+    try:
+        for _ in range(10):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(box.path)
+            s.settimeout(3)
+            conns.append(s)
+            time.sleep(0.02)  # accepted in this order
+        # The six oldest were closed by the daemon (EOF), long before their 30 s timeout.
+        assert [c.recv(16) for c in conns[:6]] == [b""] * 6
+        ticket = secrets.token_bytes(16)
+        send_fds(box.path, ticket, [_memfd()], 2)  # and a good peer still gets in
+        box.take(ticket).close()
+    finally:
+        for s in conns:
+            s.close()
+        box.close()
+
+
+def test_a_silent_peer_is_dropped_after_the_connection_timeout(inbox: FdInbox) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(inbox.path)
+    s.settimeout(5)
+    began = time.monotonic()
+    assert s.recv(16) == b""  # closed without an answer: it said nothing
+    assert time.monotonic() - began < 2.0  # connection_timeout_s=0.5 in the fixture
+    s.close()
+
+
+def test_tickets_expire_and_close_their_descriptors_without_any_traffic(tmp_path: Path) -> None:
+    box = FdInbox(str(tmp_path / "fds.sock"), frozenset({os.getuid()}), ticket_ttl_s=0.3)
+    box.start()
+    try:
+        fd = _memfd()
+        before = _fds_open()
+        ticket = secrets.token_bytes(16)
+        send_fds(box.path, ticket, [fd], 5)
+        assert box.pending() == 1 and _fds_open() - before  # the daemon holds a copy
+        # Nobody calls take: the inbox's own loop closes the expired copy.
+        assert _wait_for(lambda: not _fds_open() - before, 3.0)
+        with pytest.raises(AccessDeniedError, match="expired"):
+            box.take(ticket)
+        os.close(fd)
+    finally:
+        box.close()
+
+
+def test_received_descriptors_do_not_leak_into_child_processes(inbox: FdInbox) -> None:
+    fd = _memfd()
+    ticket = secrets.token_bytes(16)
+    send_fds(inbox.path, ticket, [fd], 5)
+    received = inbox.take(ticket)
+    assert fcntl.fcntl(received.fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    received.close()
+    os.close(fd)
+
+
+def test_seals_are_read_before_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that shrinks an unsealed memfd and seals it while the daemon checks it must not
+    leave the daemon with a size larger than the memory (the next copy would SIGBUS)."""
+    fd = _memfd(size=1 << 16, seals=0)
+    real_fstat, real_fcntl = os.fstat, fcntl.fcntl
+    acted = []
+
+    def peer_acts(first_call_on: int) -> None:
+        if first_call_on == fd and not acted:
+            acted.append(True)
+            os.ftruncate(fd, 0)
+            real_fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+
+    def fstat(f: int) -> os.stat_result:
+        result = real_fstat(f)
+        peer_acts(f)
+        return result
+
+    def fcntl_(f: int, cmd: int, arg: Any = 0) -> Any:
+        result = real_fcntl(f, cmd, arg)
+        peer_acts(f)
+        return result
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_)
+    try:
+        size = fdpass._checked_size(fd)
+    except LayoutError:
+        pass  # refused: it was not sealed when the daemon looked
+    else:
+        assert size <= real_fstat(fd).st_size, "the daemon trusts a size the memfd no longer has"
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert acted
+
+
+def test_a_missing_socket_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConnectionError, match="cannot reach the daemon's fd socket"):
+        send_fds(str(tmp_path / "nobody.sock"), secrets.token_bytes(16), [0], 1)
+
+
+def test_more_descriptors_than_the_kernel_passes_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(LimitExceededError, match=str(MAX_FDS_PER_MESSAGE)):
+        send_fds(str(tmp_path / "x.sock"), secrets.token_bytes(16), [0] * (MAX_FDS_PER_MESSAGE + 1), 1)
+
+
+ENGINE = r"""
+import fcntl, os, sys, msgspec, torch
+from kvcache.server import ipc
+from kvcache.server.fdpass import send_fds
+socket_path, ticket = sys.argv[1], bytes.fromhex(sys.argv[2])
+base = ipc.empty_shared((4, 4096), torch.float32)         # 64 KiB: the view below crosses pages
+base.copy_(torch.arange(base.numel(), dtype=torch.float32).view(base.shape))
+view = base[1:3, 1000:3000]
+descs, fds = ipc.export_cpu_tensors([view])
+send_fds(socket_path, ticket, fds, 5)
+print(msgspec.json.encode(descs[0]).decode(), flush=True)
+assert sys.stdin.readline() == "written\n"
+assert bool((view == -1).all()) and float(base[0, 0]) == 0.0  # sees the daemon's writes, only there
+refused = []
+for size in (0, 4096, 1 << 20):                          # shrink (SIGBUS before), grow
+    try:
+        os.ftruncate(fds[0], size)
+    except PermissionError:
+        refused.append(size)
+print("refused", refused, flush=True)
+view.fill_(5)
+print("filled", flush=True)
+sys.stdin.readline()                                     # stay alive until the daemon has read
+"""
+
+
+def test_round_trip_with_an_engine_process_that_tries_to_truncate(inbox: FdInbox) -> None:
+    ticket = secrets.token_bytes(16)
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, inbox.path, ticket.hex()],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert engine.stdin is not None and engine.stdout is not None
+        desc = msgspec.json.decode(engine.stdout.readline(), type=FdTensor)
+        received = inbox.take(ticket)
+        assert received.pid == engine.pid and received.uid == os.getuid()
+        mapped = ipc.import_tensor(desc, received).tensor
+        received.close()
+        want = torch.arange(4 * 4096, dtype=torch.float32).view(4, 4096)[1:3, 1000:3000]
+        assert torch.equal(mapped, want)  # the engine's bytes, through the daemon's mapping
+        mapped.fill_(-1)
+        engine.stdin.write("written\n")
+        engine.stdin.flush()
+        assert engine.stdout.readline() == "refused [0, 4096, 1048576]\n"  # sealed: EPERM
+        assert engine.stdout.readline() == "filled\n"
+        assert bool((mapped == 5).all())  # every page still there: no SIGBUS, and live bytes
+        engine.stdin.write("done\n")
+        engine.stdin.flush()
+        assert engine.wait(10) == 0
+    finally:
+        engine.kill()
+        engine.wait()

@@ -105,6 +105,32 @@ def test_write_sealed_memory_is_a_layout_error_not_a_crash() -> None:
     received.close()
 
 
+def test_a_read_only_descriptor_is_a_layout_error_not_a_crash() -> None:
+    t = ipc.empty_shared((16,), torch.float32)
+    _, (fd,) = ipc.export_cpu_tensors([t])
+    ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # the same sealed memfd, opened read-only
+    received = ReceivedFds([ro], [os.fstat(ro).st_size], os.getuid(), os.getpid())
+    with pytest.raises(LayoutError, match="read-write"):
+        ipc.import_tensor(_desc(), received)
+    received.close()
+
+
+def test_a_view_deep_inside_a_large_memfd_maps_only_its_own_pages() -> None:
+    base = ipc.empty_shared((64, 4096), torch.float16)  # 512 KiB
+    base.copy_(torch.randn(base.shape).to(torch.float16))
+    view = base[40:43, 100:4000]
+    (desc,), received = _received([view])
+    assert desc.offset > 16 * 4096
+    mapped = ipc.import_tensor(desc, received).tensor
+    received.close()
+    assert torch.equal(mapped, view)
+    mapped.fill_(3)
+    assert bool((base[40:43, 100:4000] == 3).all()) and not bool((base[39] == 3).any())
+    address = mapped.data_ptr()
+    lo, hi = next((lo, hi) for lo, hi, _, _ in ipc._memfd_mappings() if lo <= address < hi)
+    assert hi - lo < base.nbytes // 8  # the daemon does not map the whole memfd per tensor
+
+
 def test_cuda_descriptor_without_a_gpu_is_a_typed_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("machine has a GPU")

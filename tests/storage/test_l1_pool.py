@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from kvcache.observability.event import EventType
-from kvcache.storage.l1_pool import EntryState, L1Pool, SlotGeometry
+from kvcache.storage.l1_pool import EntryState, L1Pool, SlotGeometry, WriteReservation
 from tests.helpers import RecordingSink as Sink
 
 G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
@@ -146,6 +149,44 @@ def test_exhaustion_when_all_pinned() -> None:
     assert len(res.new) == 2 and res.failed == 2
     assert sink.of(EventType.L1_ALLOCATION_FAILED)[0].metadata["num_bytes"] == 2 * G.nbytes
     p.finish([e for _, e in res.new])
+
+
+def test_a_partial_reservation_stops_with_its_slots_instead_of_waiting() -> None:
+    """A store that waits while sitting on part of its reservation can wait on every other
+    store doing the same; a partial one hands back what it has for writing through first."""
+    sink = Sink()
+    p = pool(4, sink=sink)
+    write(p, [1, 2])
+    held = p.acquire([1, 2])  # a retrieve is copying out of them
+    t0 = time.monotonic()
+    res = p.begin_write(G, [3, 4, 5, 6], wait_s=60, partial=True)
+    assert time.monotonic() - t0 < 30  # it did not wait out the bound
+    assert [i for i, _ in res.new] == [0, 1] and res.settled == 2 and res.failed == 0
+    assert not sink.of(EventType.L1_ALLOCATION_FAILED)  # nothing was given up
+    assert p.info()["pinned_chunks"] == 4
+    p.finish([e for _, e in res.new])
+    p.release(held)
+    assert p.info()["pinned_chunks"] == 0
+
+
+def test_a_writer_with_nothing_in_hand_waits_for_a_pin_to_go() -> None:
+    p = pool(2)
+    write(p, [1, 2])
+    held = p.acquire([1, 2])
+    got: list[WriteReservation] = []
+    writer = threading.Thread(target=lambda: got.append(p.begin_write(G, [3], wait_s=60, partial=True)))
+    writer.start()
+    deadline = time.monotonic() + 30
+    while p.info()["waiting_writers"] == 0 and time.monotonic() < deadline:
+        writer.join(0.001)  # no event to await: the writer is parked on the pool's condition
+    assert p.info()["waiting_writers"] == 1
+    t0 = time.monotonic()
+    p.release(held[:1])  # the release wakes it; the 60 s bound does not
+    writer.join(30)
+    assert not writer.is_alive() and time.monotonic() - t0 < 30
+    (res,) = got
+    assert [i for i, _ in res.new] == [0] and res.failed == 0
+    assert 1 not in p and 2 in p  # the released chunk made the room
 
 
 def test_chunk_larger_than_pool_fails_cleanly() -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from kvcache.observability.event import EventType
@@ -130,4 +134,41 @@ def test_unexpected_errors_are_io_failures_without_backoff() -> None:
         ("l2.store.failed", "io"),
     ]
     assert tier.available and tier.info()["inflight"] == {"store": 0, "load": 0}
+    tier.close()
+
+
+def test_a_full_disk_warns_once_per_episode_and_every_loss_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Observed before: each write to a full disk logged two warnings, for ever. Every failed
+    write is still an event (and a metric); the log says it once until a write succeeds."""
+    full = {"on": True}
+    real_write = DiskL2Adapter._write
+
+    def write(self: DiskL2Adapter, *args: Any) -> None:
+        if full["on"]:  # filled by someone else: evicting our own chunks cannot help
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, *args)
+
+    monkeypatch.setattr(DiskL2Adapter, "_write", write)
+    sink = Sink()
+    tier = AsyncL2(DiskL2Adapter(str(tmp_path), 1 << 20), workers=1, bus=sink)
+    caplog.set_level(logging.WARNING)
+
+    def episode(first_key: int) -> list[logging.LogRecord]:
+        caplog.clear()
+        for key in range(first_key, first_key + 10):
+            assert tier.submit_store(key, chunk(), lambda ok: None, 5)
+        assert tier.flush(5)
+        return [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert len(episode(0)) == 2  # the tier's "disk is full" and the failed write, once each
+    failed = sink.of(EventType.L2_STORE_FAILED)
+    assert len(failed) == 10 and {e.metadata["reason"] for e in failed} == {"full"}
+    full["on"] = False
+    assert tier.submit_store(100, chunk(), lambda ok: None) and tier.flush(5)
+    assert tier.adapter.contains([100]) == [True]
+    full["on"] = True
+    assert len(episode(200)) == 2  # a new episode is news again
+    assert tier.counters["store_failures"] == 20
     tier.close()

@@ -21,10 +21,20 @@ Per sampled key:
 Remembered evictions expire after ``max_evict_reuse_wait`` seconds; they are kept in
 eviction order and expired from the oldest end on every event, so each entry is removed
 once (amortised O(1), no scan of the whole map).
+
+Bounded state. An eviction removes its tracked chunk, so tracked chunks are those resident
+in L1 -- as long as every eviction arrives after its write. One that is lost (a full bus
+drops it) or overtakes its write (published by another thread) would leave an entry
+forever, so tracked chunks are also capped by what L1 can hold: ``capacity_bytes`` over the
+smallest chunk seen in L1_WRITE_FINISHED (and by ``max_tracked`` in any case); past the
+cap the least recently accessed goes first. Remembered evictions are capped by
+``max_tracked`` too, oldest first. Drops are counted in
+``kvcache_l1_lifecycle_dropped_total{reason}``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -35,6 +45,8 @@ from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import Event, EventType
 from kvcache.observability.instruments import LIFETIME_SECONDS, MetricSet
 from kvcache.observability.sampling import Sampler, mix64
+
+DEFAULT_MAX_TRACKED = 1 << 20
 
 EVICT_REUSE_SECONDS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0)
 
@@ -47,11 +59,19 @@ class L1LifecycleSubscriber(EventSubscriber):
         sample_rate: float = 0.01,
         max_evict_reuse_wait: float = 300.0,
         registry: CollectorRegistry | None = REGISTRY,
+        max_tracked: int = DEFAULT_MAX_TRACKED,
     ) -> None:
+        """``max_tracked``: most chunks tracked, and most evictions remembered, at once
+        (tracked chunks are also capped by L1's capacity, learnt from the events)."""
         self.sampler = Sampler(sample_rate)
         if max_evict_reuse_wait <= 0:
             raise ValueError(f"max_evict_reuse_wait must be > 0, got {max_evict_reuse_wait}")
+        if max_tracked < 1:
+            raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
         self.max_evict_reuse_wait = max_evict_reuse_wait
+        self.max_tracked = max_tracked
+        self._chunk_cap = max_tracked  # lowered by what L1 can hold
+        self._min_chunk_bytes = math.inf
         self._threshold = self.sampler.threshold
         m = self.metrics = MetricSet()
         self._lifetime = m.histogram(
@@ -71,8 +91,17 @@ class L1LifecycleSubscriber(EventSubscriber):
             "L1 chunk: eviction to the next write of the same key, up to the cap (sampled).",
             EVICT_REUSE_SECONDS,
         )
-        # key -> [created, last_access]
-        self._chunks: dict[int, list[float]] = {}
+        dropped = m.add(
+            "kvcache_l1_lifecycle_dropped_total",
+            "L1 lifecycle state dropped at a cap: chunks beyond what L1 holds (their eviction "
+            "was lost), evictions beyond max_tracked.",
+            "counter", ("reason",),
+        )
+        self._dropped_chunks = dropped.counter("chunk_cap")
+        self._dropped_evictions = dropped.counter("eviction_cap")
+        # key -> [created, last_access]; least recently accessed first. OrderedDict, not
+        # dict: dropping the first entry of a dict over and over is quadratic.
+        self._chunks: OrderedDict[int, list[float]] = OrderedDict()
         # key -> eviction time, oldest first
         self._evicted: OrderedDict[int, float] = OrderedDict()
         if registry is not None:
@@ -82,6 +111,11 @@ class L1LifecycleSubscriber(EventSubscriber):
     def tracked_chunks(self) -> int:
         """Chunks currently tracked (resident in L1 and sampled)."""
         return len(self._chunks)
+
+    @property
+    def chunk_cap(self) -> int:
+        """The most chunks tracked at once: ``max_tracked``, or fewer if L1 holds fewer."""
+        return self._chunk_cap
 
     @property
     def remembered_evictions(self) -> int:
@@ -105,15 +139,28 @@ class L1LifecycleSubscriber(EventSubscriber):
                 return
             evicted.popitem(last=False)
 
+    def _learn_capacity(self, capacity: int, per_chunk: float) -> None:
+        """Lower the chunk cap to what L1 can hold: capacity / smallest chunk written."""
+        self._min_chunk_bytes = per_chunk
+        self._chunk_cap = max(1, min(self.max_tracked, int(capacity // per_chunk)))
+
     def _on_write(self, event: Event) -> None:
         now = event.timestamp
         assert now is not None
         self._expire(now)
+        md = event.metadata
+        keys = md.get("keys", ())
+        capacity = md.get("capacity_bytes")
+        if capacity is not None and keys:  # a smaller chunk than any so far: fewer fit in L1
+            nbytes = md.get("num_bytes") or 0
+            if 0 < nbytes < self._min_chunk_bytes * len(keys):
+                self._learn_capacity(capacity, nbytes / len(keys))
         chunks = self._chunks
         threshold = self._threshold
-        for key in event.metadata.get("keys", ()):
+        for key in keys:
             state = chunks.get(key)
-            if state is not None:  # rewrite of a tracked chunk
+            if state is not None:  # rewrite of a tracked chunk; now the most recent
+                chunks.move_to_end(key)
                 self._reuse_gap.observe(now - state[1])
                 state[1] = now
                 continue
@@ -123,6 +170,10 @@ class L1LifecycleSubscriber(EventSubscriber):
             if evicted_at is not None and now - evicted_at <= self.max_evict_reuse_wait:
                 self._evict_reuse_gap.observe(now - evicted_at)
             chunks[key] = [now, now]
+        cap = self._chunk_cap
+        while len(chunks) > cap:  # its eviction never came: least recently accessed first
+            chunks.popitem(last=False)
+            self._dropped_chunks.inc()
 
     def _on_read(self, event: Event) -> None:
         now = event.timestamp
@@ -131,6 +182,7 @@ class L1LifecycleSubscriber(EventSubscriber):
         for key in event.metadata.get("keys", ()):
             state = chunks.get(key)
             if state is not None:
+                chunks.move_to_end(key)  # now the most recent
                 self._reuse_gap.observe(now - state[1])
                 state[1] = now
 
@@ -147,10 +199,14 @@ class L1LifecycleSubscriber(EventSubscriber):
             self._idle.observe(now - state[1])
             self._evicted.pop(key, None)
             self._evicted[key] = now
+        evicted = self._evicted
+        while len(evicted) > self.max_tracked:
+            evicted.popitem(last=False)
+            self._dropped_evictions.inc()
 
     def _on_cleared(self, event: Event) -> None:
         self._chunks.clear()
         self._evicted.clear()
 
 
-__all__ = ["EVICT_REUSE_SECONDS", "L1LifecycleSubscriber"]
+__all__ = ["DEFAULT_MAX_TRACKED", "EVICT_REUSE_SECONDS", "L1LifecycleSubscriber"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -174,13 +177,116 @@ def test_series_exist_at_zero(registry: CollectorRegistry) -> None:
         assert registry.get_sample_value(f"{name}_bucket", {**labels, "le": "+Inf"}) == 0
 
 
-def test_requests_that_never_end_cannot_grow_the_state_without_bound(registry: CollectorRegistry) -> None:
+def _alloc(sub: L0LifecycleSubscriber, t: float, instance: int, *records: BlockAllocationRecord) -> None:
+    md = {"instance_id": instance, "model_name": "m", "records": list(records), "block_size": 1}
+    sub._on_allocation(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=t))
+
+
+def _dropped(registry: CollectorRegistry, reason: str) -> float | None:
+    return registry.get_sample_value("kvcache_l0_lifecycle_dropped_total", {"reason": reason})
+
+
+def _series(registry: CollectorRegistry, name: str) -> int:
+    return sum(1 for fam in registry.collect() for s in fam.samples if s.name == f"{name}_count")
+
+
+def test_requests_that_never_end_cannot_grow_the_state_without_bound(
+    registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
     """A buggy engine reports 100k requests sharing one prefix block and never ends any."""
     sub = L0LifecycleSubscriber(1.0, registry, max_requests=1000)
-    for i in range(100_000):
-        records = [BlockAllocationRecord(f"r{i}", [0, 1], [7, 7])]
-        md = {"instance_id": 1, "model_name": "m", "records": records}
-        sub._on_allocation(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=float(i)))
+    with caplog.at_level(logging.WARNING, logger="kvcache.observability"):
+        for i in range(100_000):  # one event per second of (explicit) event time
+            _alloc(sub, float(i), 1, BlockAllocationRecord(f"r{i}", [0, 1], [7, 7]))
     assert sub.tracked_requests == 1000 and sub.requests_dropped == 99_000
     assert sub.tracked_blocks == 2
-    assert max(len(b.owners) for b in sub._blocks.values()) <= 1000  # shared-block owners too
+    assert max(len(b.owners) for b in sub._instances[1].blocks.values()) <= 1000  # shared-block owners too
+    assert _dropped(registry, "request_cap") == 99_000
+    # Logged, but not once per drop: at most once a minute of event time.
+    warnings = [r for r in caplog.records if "never ended" in r.getMessage()]
+    assert 1 <= len(warnings) <= 100_000 / 60 + 1
+
+
+def test_default_caps_hold_under_a_flood(registry: CollectorRegistry) -> None:
+    """100k never-ended requests sharing the prefixes of a 4096-block cache, default caps."""
+    sub = L0LifecycleSubscriber(1.0, registry)
+    for i in range(100_000):
+        _alloc(sub, float(i), 1, BlockAllocationRecord(f"r{i}", [i % 4096], [i % 4096]))
+    assert sub.tracked_requests == sub.max_requests == 1 << 16
+    assert sub.tracked_blocks == 4096  # bounded by the cache, not by the requests
+
+
+def test_dropping_at_the_cap_costs_the_same_whatever_the_cap() -> None:
+    """Each drop is O(1): a plain dict emptied from the front rescans its deleted slots, which
+    made a 65k-request flood ~100x slower per drop than a 1k one (a stalled dispatcher)."""
+
+    def seconds_per_drop(cap: int) -> float:
+        sub = L0LifecycleSubscriber(1.0, None, max_requests=cap)
+        for i in range(cap):
+            _alloc(sub, 0.0, 1, BlockAllocationRecord(f"r{i}", [0], [1]))
+        start = time.perf_counter()
+        for i in range(cap, cap + 20_000):
+            _alloc(sub, 0.0, 1, BlockAllocationRecord(f"r{i}", [0], [1]))
+        assert sub.requests_dropped == 20_000
+        return (time.perf_counter() - start) / 20_000
+
+    assert seconds_per_drop(1 << 16) < 5 * seconds_per_drop(1 << 10)
+
+
+def test_a_request_still_reporting_is_dropped_last(registry: CollectorRegistry) -> None:
+    sub = L0LifecycleSubscriber(1.0, registry, max_requests=100)
+    _alloc(sub, 0.0, 1, BlockAllocationRecord("live", [0], [1]))
+    for i in range(10_000):
+        _alloc(sub, float(i), 1, BlockAllocationRecord(f"leak{i}", [1 + i % 50], [1 + i % 50]))
+        if i % 50 == 0:  # the live request keeps decoding into its block
+            _alloc(sub, float(i), 1, BlockAllocationRecord("live", [0], [2]))
+    assert sub.tracked_requests == 100
+    assert (1, "live") in sub._requests
+    # Its block is still owned (no spurious release, hence no spurious reuse later).
+    assert sub._instances[1].blocks[0].owners == {"live"}
+
+
+def test_unregistering_an_instance_releases_its_state_but_keeps_its_series(
+    registry: CollectorRegistry,
+) -> None:
+    sub = L0LifecycleSubscriber(1.0, registry)
+    for instance in (1, 2):
+        _alloc(sub, 0.0, instance, BlockAllocationRecord("A", [0, 1, 2], [1, 2, 3]))
+    assert sub.tracked_instances == 2 and sub.tracked_blocks == 6 and sub.tracked_requests == 2
+    md = {"instance_id": 1, "model_name": "m"}
+    sub.subscriptions()[EventType.INSTANCE_UNREGISTERED](
+        Event(EventType.INSTANCE_UNREGISTERED, md, timestamp=1.0)
+    )
+    assert sub.tracked_blocks == 3 and sub.tracked_requests == 1
+    # The finished engine's histograms still reach the next scrape (the instance cap retires them).
+    assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "1", "model_name": "m"}) == 0
+    assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "2", "model_name": "m"}) == 0
+    # An unknown or repeated unregister is harmless.
+    sub.subscriptions()[EventType.INSTANCE_UNREGISTERED](
+        Event(EventType.INSTANCE_UNREGISTERED, md, timestamp=2.0)
+    )
+    assert sub.tracked_blocks == 3
+
+
+def test_instances_that_never_unregister_are_bounded(registry: CollectorRegistry) -> None:
+    """10k instance ids (engines restarting with random ids, unregister events lost)."""
+    sub = L0LifecycleSubscriber(1.0, registry, max_instances=100)
+    for instance in range(10_000):
+        _alloc(sub, float(instance), instance, BlockAllocationRecord("A", [0, 1], [1, 2]))
+    assert sub.tracked_instances == 100
+    assert sub.tracked_blocks == 200 and sub.tracked_requests == 100
+    assert sorted(sub._instances) == list(range(9_900, 10_000))  # the most recent stay
+    for name in (LIFETIME, IDLE, REUSE):  # and so does the exposition: no series per dead id
+        assert _series(registry, name) == 100
+    assert _dropped(registry, "instance_cap") == 9_900
+
+
+def test_an_instance_id_reused_for_another_model_starts_over(registry: CollectorRegistry) -> None:
+    sub = L0LifecycleSubscriber(1.0, registry)
+    _alloc(sub, 0.0, 1, BlockAllocationRecord("A", [0], [1]))
+    md = {"instance_id": 1, "model_name": "other", "records": [BlockAllocationRecord("B", [0], [9])]}
+    sub._on_allocation(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=5.0))
+    # Block 0 of another model's cache is another block: no eviction of the old content.
+    assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "1", "model_name": "other"}) == 0
+    assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "1", "model_name": "m"}) is None
+    assert sub.tracked_requests == 1 and sub.tracked_blocks == 1

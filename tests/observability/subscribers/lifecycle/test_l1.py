@@ -154,3 +154,60 @@ def test_memory_bounded_at_one_million_keys() -> None:
     assert sub.remembered_evictions < 700
     # Tracking all 500k resident keys would take well over 50 MB; sampled, it stays small.
     assert grown < 8 * 1024 * 1024, f"RSS grew {grown} bytes over 1M keys"
+
+
+CHUNK = 1 << 20
+
+
+def _write(sub: L1LifecycleSubscriber, t: float, keys: list[int], capacity: int | None = None) -> None:
+    md: dict[str, object] = {"keys": keys, "num_bytes": CHUNK * len(keys)}
+    if capacity is not None:
+        md["capacity_bytes"], md["used_bytes"] = capacity, capacity
+    sub._on_write(Event(EventType.L1_WRITE_FINISHED, md, timestamp=t))
+
+
+def _dropped(registry: CollectorRegistry, reason: str) -> float | None:
+    return registry.get_sample_value("kvcache_l1_lifecycle_dropped_total", {"reason": reason})
+
+
+def test_evictions_remove_tracked_chunks(registry: CollectorRegistry) -> None:
+    sub = L1LifecycleSubscriber(1.0, registry=registry)
+    for i in range(1000):
+        if i >= 100:  # L1 holds 100 chunks: room for each write comes from the oldest
+            sub._on_evict(Event(EventType.L1_KEYS_EVICTED, {"keys": [i - 100]}, timestamp=float(i)))
+        _write(sub, float(i), [i], capacity=100 * CHUNK)
+    assert sub.tracked_chunks == 100
+    assert _dropped(registry, "chunk_cap") == 0
+
+
+def test_lost_evictions_cannot_grow_the_state_beyond_l1_capacity(registry: CollectorRegistry) -> None:
+    """100k chunks written into a 100-chunk L1 whose evictions never reach the subscriber
+    (dropped by a full bus, or delivered before the write): tracking stays within L1."""
+    sub = L1LifecycleSubscriber(1.0, registry=registry)
+    for i in range(100_000):
+        _write(sub, float(i), [i], capacity=100 * CHUNK)
+    assert sub.tracked_chunks == 100
+    assert sorted(sub._chunks) == list(range(99_900, 100_000))  # the most recently used stay
+    assert _dropped(registry, "chunk_cap") == 99_900
+
+
+def test_a_chunk_still_read_is_dropped_last(registry: CollectorRegistry) -> None:
+    sub = L1LifecycleSubscriber(1.0, registry=registry)
+    hot = 2**128 - 1
+    _write(sub, 0.0, [hot], capacity=10 * CHUNK)
+    for i in range(1000):
+        _write(sub, float(i), [i], capacity=10 * CHUNK)
+        sub._on_read(Event(EventType.L1_READ_FINISHED, {"keys": [hot]}, timestamp=float(i)))
+    assert hot in sub._chunks and sub.tracked_chunks == 10
+
+
+def test_without_capacity_the_explicit_cap_bounds_chunks_and_evictions(registry: CollectorRegistry) -> None:
+    sub = L1LifecycleSubscriber(1.0, registry=registry, max_tracked=1000)
+    for start in range(0, 100_000, 1000):
+        keys = list(range(start, start + 1000))
+        sub._on_write(Event(EventType.L1_WRITE_FINISHED, {"keys": keys}, timestamp=start / 1000))
+        sub._on_evict(Event(EventType.L1_KEYS_EVICTED, {"keys": keys}, timestamp=start / 1000))
+    # 100k evictions within the 300 s reuse window: only the latest 1000 are remembered.
+    assert sub.remembered_evictions == 1000
+    assert sub.tracked_chunks <= 1000
+    assert _dropped(registry, "eviction_cap") == 99_000
