@@ -51,7 +51,8 @@ log = logging.getLogger("kvcache.server")
 _INLINE = (m.Ping, m.ReportBlockAllocations, m.EndSession)
 _FAST = (m.Lookup, m.Status)
 _STOP = None
-_Job = tuple[bytes, int, m.RequestBody, auth.Principal]
+_Job = tuple[bytes, int, m.RequestBody, auth.Principal, int | None]
+"""Reply identity, request id, body, sender, and the instance that counts it in flight."""
 """A queued request: ROUTER identity, request id, body, and who sent it."""
 
 
@@ -238,11 +239,10 @@ class Daemon:
         push.connect(self._reply_addr)
         try:
             while (item := lane.get()) is not _STOP:
-                identity, request_id, body, principal = item
+                identity, request_id, body, principal, pinned = item
                 reply = self.handlers.handle(body, principal)
-                instance_id = getattr(body, "instance_id", None)
-                if isinstance(instance_id, int):
-                    self.handlers.registry.end(instance_id)
+                if pinned is not None:
+                    self.handlers.registry.end(pinned)
                 push.send_multipart([identity, encode_reply(request_id, reply)], copy=False)
         finally:
             push.close()
@@ -317,17 +317,20 @@ class Daemon:
                 continue
             body = envelope.body
             instance_id = getattr(body, "instance_id", None)
-            if isinstance(body, _INLINE) or (self._inline_lookups and isinstance(body, m.Lookup)):
+            if isinstance(body, _INLINE) or (self._inline_lookups and _small_lookup(body)):
                 reply = self.handlers.handle(body, principal)
                 self._router.send_multipart([identity, encode_reply(envelope.id, reply)])
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
-                    self.handlers.registry.touch(instance_id)
+                    self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
-            if isinstance(instance_id, int):
-                self.handlers.registry.begin(instance_id)
+            pinned = None
+            if isinstance(instance_id, int) and self.handlers.registry.begin(
+                instance_id, principal, getattr(body, "token", b"")
+            ):
+                pinned = instance_id  # only a request that may speak for it keeps it alive
             lane = "fast" if isinstance(body, _FAST) else "bulk"
             self._in_flight += 1
-            self._lanes[lane].put((identity, envelope.id, body, principal))
+            self._lanes[lane].put((identity, envelope.id, body, principal, pinned))
 
     def _refuse_queued(self) -> None:
         """Answer every request still waiting for a worker with ``SHUTTING_DOWN`` at once, so
@@ -341,11 +344,10 @@ class Daemon:
                 if item is _STOP:
                     lane.put(_STOP)
                     break
-                identity, request_id, body, _ = item
+                identity, request_id, _, _, pinned = item
                 self._in_flight -= 1
-                instance_id = getattr(body, "instance_id", None)
-                if isinstance(instance_id, int):
-                    self.handlers.registry.end(instance_id)
+                if pinned is not None:
+                    self.handlers.registry.end(pinned)
                 self._reply_now(identity, request_id, _SHUTTING_DOWN)
 
     def _reply_now(self, identity: bytes, request_id: int, error: m.Error) -> None:
@@ -367,6 +369,17 @@ class Daemon:
 
 
 _SHUTTING_DOWN = m.Error(code=m.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping")
+
+
+INLINE_LOOKUP_MAX_TOKENS = 1 << 16
+"""Lookups up to this many tokens run on the I/O thread (a hash per chunk: microseconds);
+longer ones go to the fast lane, so one huge prompt never stalls every other client's reply."""
+
+
+def _small_lookup(body: m.RequestBody) -> bool:
+    if not isinstance(body, m.Lookup):
+        return False
+    return len(body.token_ids.data) <= INLINE_LOOKUP_MAX_TOKENS * body.token_ids.width
 
 
 def _user_id(frame: Any) -> str | None:

@@ -132,10 +132,11 @@ class FdInbox:
     One thread multiplexes every connection (``selectors``) and never blocks on a peer: a
     SEQPACKET message arrives whole, so a connection is served, in a few syscalls per
     descriptor, only once its message is there. Bounded in every way a client controls:
-    descriptors per hand-over, tickets pending, time a ticket waits (``ticket_ttl_s``), time a
-    connection may stay silent (``connection_timeout_s``), connections open at once
-    (``max_connections``; the oldest is dropped for a new one). Whatever is refused, timed out
-    or expired is closed at once.
+    descriptors per hand-over, tickets and descriptors pending per uid (one client that hands
+    memory over and never registers fills only its own quota), tickets pending, time a ticket
+    waits (``ticket_ttl_s``), time a connection may stay silent (``connection_timeout_s``),
+    connections open at once (``max_connections``; the oldest is dropped for a new one).
+    Whatever is refused, timed out or expired is closed at once.
     """
 
     def __init__(
@@ -144,6 +145,8 @@ class FdInbox:
         allowed_uids: frozenset[int],
         max_fds_per_ticket: int = 1024,
         max_pending: int = 64,
+        max_pending_per_uid: int = 8,
+        max_fds_per_uid: int = 4096,
         ticket_ttl_s: float = 60.0,
         connection_timeout_s: float = 2.0,
         max_connections: int = 64,
@@ -152,6 +155,8 @@ class FdInbox:
         self.allowed_uids = allowed_uids
         self.max_fds_per_ticket = max_fds_per_ticket
         self.max_pending = max_pending
+        self.max_pending_per_uid = max_pending_per_uid
+        self.max_fds_per_uid = max_fds_per_uid
         self.ticket_ttl_s = ticket_ttl_s
         self.connection_timeout_s = connection_timeout_s
         self.max_connections = max_connections
@@ -301,6 +306,16 @@ class FdInbox:
             self._expire(now)
             if ticket in self._pending:
                 raise AccessDeniedError("that ticket is already in use")
+            mine = [r for r in self._pending.values() if r.uid == received.uid]
+            if len(mine) >= self.max_pending_per_uid:
+                raise LimitExceededError(
+                    f"uid {received.uid} already has {len(mine)} hand-overs waiting to be registered"
+                )
+            if sum(len(r.fds) for r in mine) + len(received.fds) > self.max_fds_per_uid:
+                raise LimitExceededError(
+                    f"uid {received.uid} would hold more than {self.max_fds_per_uid} descriptors "
+                    "waiting to be registered"
+                )
             if len(self._pending) >= self.max_pending:
                 raise LimitExceededError(f"{self.max_pending} hand-overs are waiting to be registered")
             self._pending[ticket] = received

@@ -298,19 +298,24 @@ class Handlers:
     # -- health ------------------------------------------------------------------------
 
     def status(self, req: m.Status, principal: Principal) -> m.ReplyBody:
-        engine_status = msgspec.to_builtins(self.engine.status(), enc_hook=str, str_keys=True)
+        """Daemon health for anyone who may connect, but only the caller's own instances."""
+        mine = self.registry.ids(principal)
+        engine_status = self.engine.status()
+        engine_status["instances"] = [
+            info for info in engine_status["instances"] if info["instance_id"] in mine
+        ]
         return m.StatusResult(
             protocol_version=m.PROTOCOL_VERSION,
             pid=os.getpid(),
             uptime_s=time.monotonic() - self.started,
-            instances=self.registry.ids(),
-            engine=engine_status,
+            instances=mine,
+            engine=msgspec.to_builtins(engine_status, enc_hook=str, str_keys=True),
             in_flight=self.registry.in_flight(),
         )
 
     def ping(self, req: m.Ping, principal: Principal) -> m.ReplyBody:
         registered = req.instance_id is not None and self.registry.touch(
-            req.instance_id, token=req.token or None
+            req.instance_id, principal, req.token
         )
         fd_socket = self.fd_inbox.path if self.fd_inbox is not None else ""
         return m.Pong(protocol_version=m.PROTOCOL_VERSION, registered=registered, fd_socket=fd_socket)

@@ -104,9 +104,14 @@ class InstanceRegistry:
         with self._lock:
             return instance_id in self._instances
 
-    def ids(self) -> list[int]:
+    def ids(self, principal: Principal | None = None) -> list[int]:
+        """Registered ids; only those ``principal`` registered when one is given (a client
+        learns nothing of other tenants' instances)."""
         with self._lock:
-            return sorted(self._instances)
+            return sorted(
+                i for i, inst in self._instances.items()
+                if principal is None or inst.principal.name == principal.name
+            )
 
     def in_flight(self) -> int:
         with self._lock:
@@ -116,24 +121,31 @@ class InstanceRegistry:
         with self._lock:
             return self._instances.pop(instance_id, None)
 
-    def touch(self, instance_id: int, now: float | None = None, token: bytes | None = None) -> bool:
-        """Record that the instance was heard from; False if it is not registered (or, when
-        ``token`` is given, registered under another token)."""
+    def touch(
+        self, instance_id: int, principal: Principal, token: bytes = b"", now: float | None = None
+    ) -> bool:
+        """Record that the instance was heard from; False (and nothing recorded) if it is not
+        registered or ``principal`` may not speak for it (see ``may_act``)."""
         with self._lock:
             instance = self._instances.get(instance_id)
-            if instance is None:
-                return False
-            if token is not None and not secrets.compare_digest(token, instance.token):
+            if instance is None or not _may_act(instance, principal, token):
                 return False
             instance.last_seen = time.monotonic() if now is None else now
             return True
 
-    def begin(self, instance_id: int, now: float | None = None) -> None:
+    def begin(
+        self, instance_id: int, principal: Principal, token: bytes = b"", now: float | None = None
+    ) -> bool:
+        """Mark a request for the instance in flight (the reaper waits for it); False, and
+        nothing marked, if ``principal`` may not speak for it. Only a request that began may
+        ``end``: a stranger naming an instance must not keep it alive."""
         with self._lock:
             instance = self._instances.get(instance_id)
-            if instance is not None:
-                instance.in_flight += 1
-                instance.last_seen = time.monotonic() if now is None else now
+            if instance is None or not _may_act(instance, principal, token):
+                return False
+            instance.in_flight += 1
+            instance.last_seen = time.monotonic() if now is None else now
+            return True
 
     def end(self, instance_id: int, now: float | None = None) -> None:
         with self._lock:
@@ -154,6 +166,14 @@ class InstanceRegistry:
             for inst in dead:
                 del self._instances[inst.instance_id]
         return dead
+
+
+def _may_act(instance: Instance, principal: Principal, token: bytes) -> bool:
+    """The lenient rule of ``authorize`` (metadata operations), as a yes/no: the right token,
+    or no token and the principal that registered."""
+    if token:
+        return secrets.compare_digest(token, instance.token)
+    return principal.name == instance.principal.name
 
 
 __all__ = ["Instance", "InstanceRegistry"]

@@ -8,6 +8,7 @@ byte-moving request, byte-exact isolation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -20,6 +21,7 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from tests.server.helpers import engine
 
 from .conftest import raw_call
 
@@ -115,3 +117,30 @@ def test_a_lookup_without_the_token_is_allowed_for_the_same_principal(
         # Over TCP the peer is another principal ("loopback"): it needs the token.
         reply = raw_call(d.endpoint, m.Lookup(instance_id=12, token_ids=pack_ids(TOKENS)))
         assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.ACCESS_DENIED
+
+
+def test_another_client_can_neither_keep_an_instance_alive_nor_list_it(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """A dead engine's instance is reaped even while a stranger pings it and sends requests
+    naming it; the daemon's status lists only the caller's own instances."""
+    d = start_daemon("--heartbeat-timeout", "1.5")
+    fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name
+    dead = engine("kill_mid_store", d.ipc_endpoint, 21, "victim", fmt, seed=1)
+    dead.wait(timeout=60)
+    stranger = m.Ping(instance_id=21)  # over TCP: the "loopback" principal, not the victim's uid
+    forged = m.Store(instance_id=21, token_ids=pack_ids(TOKENS), block_ids=pack_ids(BLOCKS))
+    with KVCacheClient(d.ipc_endpoint, 22, "m", timeout_s=5) as owner:
+        owner.register_kv_caches(_cache(7))
+        assert 22 in owner.status()["instances"]
+        assert 21 in owner.status()["instances"]  # same principal (this uid) as the dead engine
+        deadline = time.monotonic() + 20
+        while 21 in owner.status()["instances"]:
+            assert time.monotonic() < deadline, "a stranger's pings kept a dead instance alive"
+            pong = raw_call(d.endpoint, stranger)
+            assert isinstance(pong, m.Pong) and not pong.registered
+            reply = raw_call(d.endpoint, forged)
+            assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.ACCESS_DENIED
+            time.sleep(0.1)  # a stranger's pace; the reaper is what is awaited
+        hidden = raw_call(d.endpoint, m.Status())  # the owner's 22 is not the stranger's
+        assert isinstance(hidden, m.StatusResult) and hidden.instances == []

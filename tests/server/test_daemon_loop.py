@@ -22,7 +22,7 @@ from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import ShuttingDownError
-from kvcache.server.daemon import Daemon, DaemonConfig
+from kvcache.server.daemon import INLINE_LOOKUP_MAX_TOKENS, Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.registry import InstanceRegistry
 from kvcache.testing import make_kv_caches
@@ -37,12 +37,19 @@ class GatedEngine(CacheEngine):
         super().__init__(config)
         self.gate = threading.Event()
         self.entered = threading.Event()
+        self.lookup_entered = threading.Event()
 
     def store(self, instance_id: int, token_ids: Sequence[int], block_ids: Sequence[int],
               **kw: Any) -> Any:  # fmt: skip
         self.entered.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return super().store(instance_id, token_ids, block_ids, **kw)
+
+    def lookup(self, instance_id: int, token_ids: Any, **kw: Any) -> int:
+        if len(token_ids) > INLINE_LOOKUP_MAX_TOKENS:  # held, like a prompt of millions of tokens
+            self.lookup_entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return super().lookup(instance_id, token_ids, **kw)
 
 
 @pytest.fixture
@@ -81,6 +88,32 @@ def test_a_store_in_flight_never_delays_lookups_or_pings(
         engine.gate.set()
         assert pending.result(timeout=5).stored_tokens == 64
         assert reader.lookup(TOKENS) == 64  # same model: instance 2 sees instance 1's chunks
+
+
+def test_a_huge_lookup_never_stalls_the_io_thread(
+    daemon: tuple[Daemon, GatedEngine, threading.Thread],
+) -> None:
+    """Short lookups are answered on the I/O thread; a huge one goes to a worker, so pings,
+    short lookups and block reports keep flowing while it is hashed."""
+    d, engine, _ = daemon
+    with KVCacheClient(d.endpoint, 1, "m", timeout_s=5) as client:
+        client.register_kv_caches(_cache())
+        ctx = zmq.Context.instance()
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(d.endpoint)
+        try:
+            huge = list(range(INLINE_LOOKUP_MAX_TOKENS + 1))
+            big.send(encode_request(1, m.Lookup(instance_id=1, token_ids=pack_ids(huge))))
+            assert engine.lookup_entered.wait(10)
+            for _ in range(20):  # each would time out if the I/O thread were hashing the huge one
+                assert client.ping() is True
+                assert client.lookup(TOKENS) == 0
+            engine.gate.set()
+            assert big.poll(10_000)
+            assert decode_reply(big.recv()).body == m.LookupResult(hit_tokens=0)
+        finally:
+            big.close()
 
 
 def test_stop_refuses_new_work_but_finishes_the_store_in_flight(

@@ -349,3 +349,50 @@ def test_round_trip_with_an_engine_process_that_tries_to_truncate(inbox: FdInbox
     finally:
         engine.kill()
         engine.wait()
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as nobody")
+def test_one_uid_flooding_tickets_never_blocks_another(tmp_path: Path) -> None:
+    """A client that hands over descriptors and never registers fills only its own quota:
+    another uid's hand-over is still taken (before, 64 pending tickets of one uid refused all)."""
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="kvcache-fd-quota-", dir="/tmp")
+    os.chmod(home, 0o755)
+    box = FdInbox(os.path.join(home, "fds.sock"), frozenset({os.getuid(), NOBODY}),
+                  max_fds_per_ticket=8, max_pending=8, max_pending_per_uid=3)  # fmt: skip
+    box.start()
+    os.chmod(box.path, 0o777)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the flooder, as nobody: quota then refusals
+            code = 0
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                fd = _memfd()
+                for _ in range(3):
+                    send_fds(box.path, secrets.token_bytes(16), [fd] * 8, 5)
+                for _ in range(5):
+                    try:
+                        send_fds(box.path, secrets.token_bytes(16), [fd] * 8, 5)
+                        code = 4  # taken beyond its quota
+                    except LimitExceededError:
+                        pass
+            except BaseException:
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert box.pending() == 3
+        fd = _memfd()
+        ticket = secrets.token_bytes(16)
+        send_fds(box.path, ticket, [fd], 5)  # another uid: still served
+        box.take(ticket).close()
+        os.close(fd)
+    finally:
+        box.close()
+        os.rmdir(home)

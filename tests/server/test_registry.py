@@ -5,25 +5,29 @@ from __future__ import annotations
 import pytest
 
 from kvcache.errors import UnknownInstanceError
+from kvcache.server.auth import Principal
 from kvcache.server.registry import Instance, InstanceRegistry
+
+OWNER, STRANGER = Principal("uid:1000"), Principal("loopback")
 
 
 def _inst(i: int, t: float = 0.0) -> Instance:
-    return Instance(instance_id=i, model_name="m", device="cpu", tensors=[], last_seen=t)
+    return Instance(instance_id=i, model_name="m", device="cpu", tensors=[], last_seen=t,
+                    principal=OWNER)  # fmt: skip
 
 
 def test_unknown_instance_is_a_typed_error_naming_it() -> None:
     reg = InstanceRegistry()
     with pytest.raises(UnknownInstanceError, match="instance 7"):
         reg.get(7)
-    assert not reg.touch(7)
+    assert not reg.touch(7, OWNER)
 
 
 def test_silent_instances_expire_but_busy_ones_do_not() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
     reg.add(_inst(2))
-    reg.begin(2, now=0.0)  # e.g. the store of a client that then died
+    assert reg.begin(2, OWNER, now=0.0)  # e.g. the store of a client that then died
     assert reg.in_flight() == 1
     assert reg.pop_expired(5.0, now=4.0) == []
     assert [i.instance_id for i in reg.pop_expired(5.0, now=6.0)] == [1]
@@ -37,7 +41,7 @@ def test_silent_instances_expire_but_busy_ones_do_not() -> None:
 def test_touch_keeps_an_instance_alive() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
-    assert reg.touch(1, now=4.0)
+    assert reg.touch(1, OWNER, now=4.0)
     assert reg.pop_expired(5.0, now=8.0) == []
     assert len(reg.pop_expired(5.0, now=9.5)) == 1
 
@@ -45,8 +49,20 @@ def test_touch_keeps_an_instance_alive() -> None:
 def test_registering_again_replaces_and_keeps_in_flight() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
-    reg.begin(1, now=0.0)
+    assert reg.begin(1, OWNER, now=0.0)
     old = reg.add(Instance(1, "other", "cpu", []))
     assert old is not None and old.model_name == "m"
     assert reg.get(1).model_name == "other" and reg.get(1).in_flight == 1
     assert 1 in reg and 2 not in reg
+
+
+def test_a_stranger_neither_touches_nor_pins_an_instance() -> None:
+    reg = InstanceRegistry()
+    inst = _inst(1)
+    reg.add(inst)
+    assert not reg.touch(1, STRANGER, now=4.0)
+    assert not reg.begin(1, STRANGER, now=4.0)
+    assert not reg.touch(1, STRANGER, token=b"x" * 16, now=4.0)  # a guessed token
+    assert reg.in_flight() == 0 and reg.ids(STRANGER) == [] and reg.ids(OWNER) == [1]
+    assert reg.touch(1, STRANGER, token=inst.token, now=4.0)  # the token speaks for it anywhere
+    assert reg.pop_expired(5.0, now=8.0) == []
