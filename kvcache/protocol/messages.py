@@ -85,15 +85,15 @@ class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
 
     The fields mirror what ``torch.UntypedStorage._share_cuda_`` returns; ``device_uuid``
     replaces the ordinal because the two processes may number their GPUs differently.
-    ``storage_offset`` and ``stride`` are in elements, like ``Tensor.as_strided``.
+    ``storage_offset`` and ``stride`` are in elements, like ``Tensor.as_strided``. torch's
+    reference-counter file name and offset are not sent: the daemon never opens a
+    shared-memory name a client chose (see ``kvcache.server.ipc.NO_REF_COUNTER``).
     """
 
     device_uuid: str
     ipc_handle: bytes
     storage_size_bytes: NonNegInt
     storage_offset_bytes: NonNegInt
-    ref_counter_handle: bytes
-    ref_counter_offset: NonNegInt
     event_handle: bytes
     event_sync_required: bool
     storage_offset: NonNegInt

@@ -15,6 +15,7 @@ the engine's KV cache with ``empty_shared``.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -182,7 +183,7 @@ def device_uuid(index: int) -> str:
 
 def export_cuda_tensor(tensor: torch.Tensor) -> CudaIpcTensor:
     storage = tensor.untyped_storage()
-    (device, handle, size_bytes, offset_bytes, rc_handle, rc_offset, ev_handle, ev_sync) = (
+    (device, handle, size_bytes, offset_bytes, _, _, ev_handle, ev_sync) = (
         storage._share_cuda_()
     )
     return CudaIpcTensor(
@@ -190,8 +191,6 @@ def export_cuda_tensor(tensor: torch.Tensor) -> CudaIpcTensor:
         ipc_handle=bytes(handle),
         storage_size_bytes=int(size_bytes),
         storage_offset_bytes=int(offset_bytes),
-        ref_counter_handle=bytes(rc_handle),
-        ref_counter_offset=int(rc_offset),
         event_handle=bytes(ev_handle) if ev_handle else b"",
         event_sync_required=bool(ev_sync),
         storage_offset=int(tensor.storage_offset()),
@@ -296,21 +295,65 @@ def _cuda_device_for_uuid(uuid: str) -> int:
     raise CudaUnavailableError(f"no GPU with UUID {uuid} is visible to the daemon")
 
 
+NO_REF_COUNTER = b"/kvcache/no-ref-counter"
+"""What the daemon gives torch as the producer's reference-counter file. torch opens that
+shared-memory name when the mapping is released and decrements an int64 at an offset in it;
+from a client, name and offset would let any engine make the daemon write into any shm file
+(or past its end). ``shm_open`` refuses a name with an inner slash, so the decrement finds
+nothing and torch skips it: the engine's memory stays mapped until the engine exits, which is
+what a registered KV cache does anyway."""
+
+
 def _import_cuda(desc: CudaIpcTensor) -> torch.Tensor:
     index = _cuda_device_for_uuid(desc.device_uuid)
     dtype = dtype_from_name(desc.dtype)
-    storage = torch.UntypedStorage._new_shared_cuda(
-        index,
-        desc.ipc_handle,
-        desc.storage_size_bytes,
-        desc.storage_offset_bytes,
-        desc.ref_counter_handle,
-        desc.ref_counter_offset,
-        desc.event_handle or None,
-        desc.event_sync_required,
-    )
+    if desc.event_sync_required and not desc.event_handle:
+        raise LayoutError("the engine asks the daemon to wait on an event but sent no event handle")
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index,
+            desc.ipc_handle,
+            desc.storage_size_bytes,
+            desc.storage_offset_bytes,
+            NO_REF_COUNTER,
+            0,
+            desc.event_handle,
+            desc.event_sync_required,
+        )
+    except RuntimeError as exc:  # a handle that names no memory of this GPU, say
+        raise LayoutError(f"cannot open the engine's CUDA IPC handle: {exc}") from None
+    _check_within_allocation(index, storage.data_ptr(), desc.storage_size_bytes)
+    span = _span_elements(desc.shape, desc.stride) * _itemsize(dtype)
+    if (desc.storage_offset * _itemsize(dtype)) + span > desc.storage_size_bytes:
+        raise LayoutError(
+            f"tensor needs {span} bytes at element {desc.storage_offset} of a "
+            f"{desc.storage_size_bytes}-byte storage"
+        )
     tensor = torch.empty((0,), dtype=dtype, device=torch.device("cuda", index))
     return tensor.set_(storage, desc.storage_offset, desc.shape, desc.stride)
+
+
+def _check_within_allocation(index: int, address: int, nbytes: int) -> None:
+    """Refuse a storage the client claims larger than the device allocation its handle maps:
+    copies past the allocation would fault the daemon's context (every engine loses its
+    service) or touch memory the engine never shared."""
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    with torch.cuda.device(index):
+        result = _driver().cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)
+        )
+    if result != 0:
+        raise LayoutError(f"the CUDA IPC storage is not device memory (driver error {result})")
+    if address + nbytes > base.value + size.value:
+        raise LayoutError(
+            f"the storage claims {nbytes} bytes but its allocation ends "
+            f"{base.value + size.value - address} bytes after its start"
+        )
+
+
+def _driver() -> Any:
+    """The CUDA driver library torch already loaded (the runtime API has no address-range call)."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 __all__ = [

@@ -29,7 +29,7 @@ SAMPLE_REQUESTS: list[m.RequestBody] = [
             m.FdTensor(fd_index=0, offset=64, shape=[2, 4], stride=[4, 1], dtype="float16"),
             m.CudaIpcTensor(
                 device_uuid="GPU-1", ipc_handle=b"\x00\x01", storage_size_bytes=10,
-                storage_offset_bytes=0, ref_counter_handle=b"rc", ref_counter_offset=0,
+                storage_offset_bytes=0,
                 event_handle=b"", event_sync_required=False, storage_offset=0, shape=[1],
                 stride=[1], dtype="bfloat16",
             ),

@@ -136,7 +136,7 @@ def test_cuda_descriptor_without_a_gpu_is_a_typed_error() -> None:
         pytest.skip("machine has a GPU")
     desc = CudaIpcTensor(
         device_uuid="GPU-x", ipc_handle=b"h", storage_size_bytes=4, storage_offset_bytes=0,
-        ref_counter_handle=b"r", ref_counter_offset=0, event_handle=b"", event_sync_required=False,
+        event_handle=b"", event_sync_required=False,
         storage_offset=0, shape=[1], stride=[1], dtype="float32",
     )  # fmt: skip
     with pytest.raises(CudaUnavailableError):
@@ -164,3 +164,38 @@ def test_cuda_ipc_round_trip_in_another_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], input=frame, capture_output=True, check=True)
     total, device = out.stdout.decode().split()
     assert float(total) == float(t.float().sum().item()) and device == "cuda"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_descriptors_claiming_more_than_the_allocation_are_refused() -> None:
+    """A client may claim any storage size and offset; the daemon checks them against the
+    device allocation the handle maps, and never opens a reference-counter file it names."""
+    import msgspec
+
+    from kvcache.protocol.codec import encode_request
+    from kvcache.protocol.messages import Register
+
+    t = torch.arange(64, dtype=torch.float16, device="cuda")
+    (desc,), _ = ipc.export_tensors([t])
+    assert isinstance(desc, CudaIpcTensor)
+    hostile = [
+        msgspec.structs.replace(desc, storage_size_bytes=desc.storage_size_bytes + (1 << 30)),
+        msgspec.structs.replace(desc, storage_offset_bytes=desc.storage_offset_bytes + (1 << 34)),
+        msgspec.structs.replace(desc, shape=[1 << 20], stride=[1]),
+    ]
+    code = (
+        "import sys, torch\n"
+        "from kvcache.errors import LayoutError\n"
+        "from kvcache.protocol.codec import decode_request\n"
+        "from kvcache.server import ipc\n"
+        "desc = decode_request(sys.stdin.buffer.read()).body.tensors[0]\n"
+        "try:\n"
+        "    ipc.import_tensor(desc)\n"
+        "except LayoutError as exc:\n"
+        "    print('refused', exc)\n"
+    )
+    for bad in hostile:
+        frame = encode_request(1, Register(instance_id=0, model_name="m", tensors=[bad]))
+        out = subprocess.run([sys.executable, "-c", code], input=frame, capture_output=True, check=True)
+        assert out.stdout.decode().startswith("refused"), (bad, out.stderr.decode())
