@@ -363,6 +363,14 @@ class KVCacheClient:
 
         ``key_extra`` (here and in ``store``/``retrieve``): whatever besides the tokens decides
         the KV (a LoRA adapter, multimodal inputs); chunks are keyed by it too."""
+        return self.lookup_tiers(
+            token_ids, cache_salt=cache_salt, request_id=request_id, key_extra=key_extra
+        ).hit_tokens
+
+    def lookup_tiers(
+        self, token_ids: Sequence[int], *, cache_salt: str = "", request_id: str = "", key_extra: str = ""
+    ) -> m.LookupResult:
+        """``lookup``, also saying how many of the hit tokens come from L2."""
         msg = m.Lookup(
             instance_id=self.instance_id,
             token_ids=pack_ids(token_ids),
@@ -370,7 +378,7 @@ class KVCacheClient:
             request_id=request_id,
             key_extra=key_extra,
         )
-        return self._call(msg, m.LookupResult).hit_tokens
+        return self._call(msg, m.LookupResult)
 
     def _store_msg(
         self,

@@ -35,6 +35,7 @@ from kvcache.engine import load as load_path
 from kvcache.engine import store as store_path
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
+from kvcache.engine.load import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
@@ -118,6 +119,13 @@ class CacheEngine:
         self, instance_id: int, token_ids: IntArray, *, cache_salt: str = "", request_id: str = ""
     ) -> int:
         """Tokens of the longest cached prefix (whole chunks); starts L2 -> L1 prefetch of it."""
+        hit = self.lookup_tiers(instance_id, token_ids, cache_salt=cache_salt, request_id=request_id)
+        return hit.hit_tokens
+
+    def lookup_tiers(
+        self, instance_id: int, token_ids: IntArray, *, cache_salt: str = "", request_id: str = ""
+    ) -> LookupHit:
+        """``lookup``, also saying how much of the prefix comes from L2."""
         inst = self._instance(instance_id)
         return load_path.lookup(self._parts, inst, token_ids, cache_salt=cache_salt, request_id=request_id)
 
@@ -249,4 +257,4 @@ class CacheEngine:
         self.close()
 
 
-__all__ = ["CacheEngine", "StoreResult"]
+__all__ = ["CacheEngine", "LookupHit", "StoreResult"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
@@ -23,9 +24,17 @@ from kvcache.storage.l2_async import AsyncL2
 logger = logging.getLogger("kvcache.engine.engine")  # the engine's logger name, as before the split
 
 
+class LookupHit(NamedTuple):
+    """A lookup's answer: the cached prefix in tokens, and how much of it is in L2 (loading
+    into L1 now). Per-tier hits are what a serving engine's metrics show about the tiers."""
+
+    hit_tokens: int
+    l2_tokens: int
+
+
 def lookup(
     parts: EngineParts, inst: Instance, token_ids: IntArray, *, cache_salt: str, request_id: str
-) -> int:
+) -> LookupHit:
     """See ``CacheEngine.lookup``."""
     sid = parts.events.session(inst.instance_id, request_id)
     num_tokens = len(token_ids)
@@ -44,7 +53,7 @@ def lookup(
     parts.stats.record_lookup(num_tokens, hit)
     meta = inst.meta(num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs)
     parts.events.publish(EventType.MP_LOOKUP_END, sid, meta)
-    return hit
+    return LookupHit(hit, l2 * cs)
 
 
 def prefetch(

@@ -278,7 +278,10 @@ class Done(Reply, tag="done"):
 
 
 class LookupResult(Reply, tag="lookup"):
+    """``l2_hit_tokens``: how much of the hit is in L2 (being loaded into L1 now)."""
+
     hit_tokens: int
+    l2_hit_tokens: int = 0
 
 
 class StoreResult(Reply, tag="store"):

@@ -236,13 +236,13 @@ class Handlers:
 
     def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)
-        hit = self.engine.lookup(
+        hit = self.engine.lookup_tiers(
             req.instance_id,
             self._ids(req.token_ids),
             cache_salt=self._key_salt(req),
             request_id=req.request_id,
         )
-        return m.LookupResult(hit_tokens=hit)
+        return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_tokens)
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
         instance = self._instance(req, principal, token_required=True)

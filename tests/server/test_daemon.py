@@ -203,7 +203,8 @@ def test_sigterm_during_traffic_exits_cleanly_and_restart_finds_disk_chunks(
     for t in kv:
         t.zero_()
     # The same client object: it re-registers with the new daemon by itself.
-    assert client.lookup(tokens) == 64
+    hit = client.lookup_tiers(tokens)
+    assert (hit.hit_tokens, hit.l2_hit_tokens) == (64, 64)  # from the disk tier
     assert client.retrieve(tokens, blocks) == 64
     assert caches_equal(kv, expected)  # byte-exact (random bytes include NaN patterns)
     client.close()

@@ -45,11 +45,11 @@ class GatedEngine(CacheEngine):
         assert self.gate.wait(30), "the test never opened the gate"
         return super().store(instance_id, token_ids, block_ids, **kw)
 
-    def lookup(self, instance_id: int, token_ids: Any, **kw: Any) -> int:
+    def lookup_tiers(self, instance_id: int, token_ids: Any, **kw: Any) -> Any:
         if len(token_ids) > INLINE_LOOKUP_MAX_TOKENS:  # held, like a prompt of millions of tokens
             self.lookup_entered.set()
             assert self.gate.wait(30), "the test never opened the gate"
-        return super().lookup(instance_id, token_ids, **kw)
+        return super().lookup_tiers(instance_id, token_ids, **kw)
 
 
 @pytest.fixture
