@@ -85,7 +85,7 @@ class BuildNative(build_ext):
             if use_cuda:
                 self._add_cuda(ext, nvcc, home)  # type: ignore[arg-type]
             else:
-                ext.sources.append(str(CSRC / "kvc_cuda_stub.cpp"))
+                ext.sources.append(str((CSRC / "kvc_cuda_stub.cpp").relative_to(ROOT)))
                 _log("CUDA kernels not built (CPU twin only)")
         super().build_extensions()
 

@@ -131,3 +131,17 @@ def test_every_event_type_is_documented_and_vice_versa() -> None:
     assert sorted(set(actual) - set(documented)) == [], "EventTypes missing from EVENTS.md"
     assert sorted(set(documented) - set(actual)) == [], "EVENTS.md names unknown EventTypes"
     assert documented == actual, "EVENTS.md values differ from EventType values"
+
+
+def test_vllm_side_metrics_table_matches_the_connector() -> None:
+    """The METRICS.md rows for vLLM's /metrics name exactly the series the connector registers
+    (read from ``stats`` so this runs without vLLM), with their types."""
+    from kvcache.integrations.vllm.stats import HIT_SERIES, PROM_SERIES
+
+    documented = {
+        _cells(line)[0].strip("`"): _cells(line)[1]
+        for line in (ROOT / "METRICS.md").read_text().splitlines()
+        if line.startswith("| `vllm:")
+    }
+    registered = {name: kind for name, kind, _doc, _key in PROM_SERIES} | {HIT_SERIES[0]: "counter"}
+    assert documented == registered

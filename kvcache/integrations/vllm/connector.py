@@ -29,13 +29,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.integrations.vllm.plan import Planner, StepPlan
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.integrations.vllm.shm import SharedKVAllocation
+from kvcache.integrations.vllm.stats import ConnectorTally, merge
 from kvcache.integrations.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 log = logging.getLogger("kvcache.integrations.vllm")
 
@@ -107,8 +111,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
         self._last_hit: dict[str, tuple[int, int]] = {}  # req_id -> (local, daemon hit)
-        self.uncacheable_requests = 0
-        """Requests neither looked up nor stored: kvcache cannot key them (prompt embeddings)."""
+        self.tally = ConnectorTally()
+        """The scheduler half's statistics (lookups, requests not cached) for vLLM's metrics."""
         # worker half
         self._worker = ConnectorWorker(self.client, self.block_size, self.config.kv_format)
         self._shm: SharedKVAllocation | None = None
@@ -159,6 +163,28 @@ class KVCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         self.client.close(unregister=self._worker.registered)
 
+    # ------------------------------------------------------------ vLLM's metrics (both halves)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this half did since vLLM last asked (a delta; vLLM merges workers and scheduler)."""
+        data = self._worker.tally.take() if self._worker.registered else {}
+        merge(data, self.tally.take())
+        return KVCacheConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVCacheConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # --------------------------------------------------------------- scheduler half
 
     def _get_planner(self) -> Planner | None:
@@ -186,13 +212,16 @@ class KVCacheConnector(KVConnectorBase_V1):
             hit = cached[1]
         else:
             try:
-                hit = self.client.lookup(
+                found = self.client.lookup_tiers(
                     prompt, cache_salt=request.cache_salt or "", request_id=request.request_id,
                     key_extra=key_extra,
                 )  # fmt: skip
             except Exception as exc:  # a miss, not an error, for the engine
                 log.warning("kvcache: lookup failed: %s", exc)
+                self.tally.count("lookup_failures")
                 return 0, False
+            hit = found.hit_tokens
+            self.tally.lookup(len(prompt), hit, found.l2_hit_tokens)
             self._last_hit[request.request_id] = (num_computed_tokens, hit)
         return planner.external_tokens(len(prompt), num_computed_tokens, hit), False
 
@@ -203,7 +232,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         req_id = request.request_id
         key_extra = request_key_extra(request)
         if key_extra is None:  # never stored either
-            self.uncacheable_requests += 1
+            self.tally.count("requests_not_cached")
             return
         self._requests[req_id] = request
         local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))

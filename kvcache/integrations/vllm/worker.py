@@ -19,32 +19,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
 from kvcache.integrations.vllm.plan import StepPlan
+from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import GPUKVFormat
 
 log = logging.getLogger("kvcache.integrations.vllm")
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """Cumulative counters, for logs and tests."""
-
-    loads: int = 0
-    loaded_tokens: int = 0
-    load_failures: int = 0
-    stores: int = 0
-    stored_tokens: int = 0
-    store_failures: int = 0
-    poisoned_skipped: int = 0
-    """Stores cut short (or skipped) because the same step's load of that request failed."""
-    load_seconds: float = 0.0
-    store_seconds: float = 0.0
 
 
 def unique_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -71,7 +55,10 @@ class ConnectorWorker:
         """Set from the daemon's reply at registration."""
         self.kv_format = kv_format
         self.registered = False
-        self.stats = WorkerStats()
+        self.tally = ConnectorTally()
+        """What this rank loaded and stored: vLLM's connector stats (``metrics.py``)."""
+        self.bytes_per_token = 0
+        """KV bytes one token occupies on this rank (all layers), set at registration."""
         self._load_errors: set[int] = set()
         self._poisoned_from: dict[str, int] = {}  # req -> index of its first unfilled block
         self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
@@ -91,6 +78,7 @@ class ConnectorWorker:
             fmt = GPUKVFormat.NL_X_NB_PAGE.name
         reply = self.client.register_kv_caches(layers, engine="vllm", block_size=self.block_size, fmt=fmt)
         self.chunk_size = reply.chunk_size
+        self.bytes_per_token = sum(t.nbytes for t in layers) // max(1, reply.num_blocks * reply.block_size)
         self.registered = True
         log.info(
             "kvcache: registered %d layers x %d blocks of %d tokens as %s (chunk %d tokens)",
@@ -113,10 +101,10 @@ class ConnectorWorker:
             except Exception as exc:  # the daemon is down or refused: recompute instead
                 log.warning("kvcache: load for %s failed: %s", spec.req_id, exc)
                 got = spec.skip_tokens
-            self.stats.load_seconds += time.perf_counter() - t0
-            self.stats.loads += 1
+            loaded = max(0, got - spec.skip_tokens)
+            self.tally.transfer("load", loaded, loaded * self.bytes_per_token,
+                                time.perf_counter() - t0, ok=got >= want)  # fmt: skip
             if got < want:
-                self.stats.load_failures += 1
                 first_bad = max(got, spec.skip_tokens) // self.block_size
                 self._load_errors.update(spec.block_ids[first_bad:])
                 self._poisoned_from[spec.req_id] = first_bad
@@ -127,7 +115,6 @@ class ConnectorWorker:
                     "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest",
                     got, want, spec.req_id,
                 )  # fmt: skip
-            self.stats.loaded_tokens += max(0, got - spec.skip_tokens)
 
     def store(self, plan: StepPlan) -> None:
         for spec in plan.stores:
@@ -137,7 +124,7 @@ class ConnectorWorker:
                 # Blocks from ``bad`` on hold garbage (and so does what this step computed on
                 # top of them): store only the whole chunks before the first of them.
                 keep = self._chunk_floor(bad)
-                self.stats.poisoned_skipped += 1
+                self.tally.count("stores_poisoned")
                 self._mark_not_stored(spec.req_id, keep)
                 if keep == 0:
                     continue
@@ -153,14 +140,13 @@ class ConnectorWorker:
                     key_extra=spec.key_extra,
                 )
             except Exception as exc:  # a dropped store is a later miss, never a wrong answer
-                self.stats.store_failures += 1
+                self.tally.transfer("store", 0, 0, time.perf_counter() - t0, ok=False)
                 self._mark_not_stored(spec.req_id, spec.stored_before)
                 log.warning("kvcache: store for %s failed: %s", spec.req_id, exc)
                 continue
-            finally:
-                self.stats.store_seconds += time.perf_counter() - t0
-            self.stats.stores += 1
-            self.stats.stored_tokens += result.stored_tokens
+            # Bytes copied: every chunk not already cached (stored_tokens counts new tokens).
+            self.tally.transfer("store", result.stored_tokens, result.stored_tokens * self.bytes_per_token,
+                                time.perf_counter() - t0)  # fmt: skip
             if result.failed_chunks:  # the daemon dropped some (memory): store them later
                 self._mark_not_stored(spec.req_id, len(token_ids) - result.failed_chunks * self.chunk_size)
 
@@ -185,4 +171,4 @@ class ConnectorWorker:
         self.client.close()
 
 
-__all__ = ["ConnectorWorker", "WorkerStats", "unique_layers"]
+__all__ = ["ConnectorWorker", "unique_layers"]

@@ -56,7 +56,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
     worker.load(plan)
     assert worker.take_load_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
     worker.store(plan)
-    assert worker.stats.poisoned_skipped == 1
+    assert worker.tally.totals()["stores_poisoned"] == 1
     with KVCacheClient(daemon.endpoint, 3, "m", timeout_s=5) as reader:
         reader.register_kv_caches(_kv(3))
         assert reader.lookup(PROMPT) == CS  # nothing computed on garbage was stored
@@ -64,7 +64,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
     # The next step (blocks recomputed by vLLM) stores them, now from the right bytes.
     worker.begin_step()
     worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=CS)]))
-    assert worker.stats.poisoned_skipped == 1 and worker.take_not_stored() == {}
+    assert worker.tally.totals()["stores_poisoned"] == 1 and worker.take_not_stored() == {}
     client.close()
 
 
@@ -75,5 +75,5 @@ def test_a_failed_store_is_handed_back_to_the_scheduler(daemon: DaemonProcess) -
     worker.begin_step()
     bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", stored_before=CS)  # refused ids
     worker.store(StepPlan(stores=[bad]))
-    assert worker.stats.store_failures == 1 and worker.take_not_stored() == {"q": CS}
+    assert worker.tally.totals()["store_failures"] == 1 and worker.take_not_stored() == {"q": CS}
     client.close()
