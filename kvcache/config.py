@@ -46,7 +46,9 @@ class EngineConfig:
     l2_disk_size_bytes: int = 16 * GiB
     """Bound of the disk tier; least recently used files are deleted beyond it."""
     l2_redis_url: str | None = None
-    """``redis://host:port/db`` (or ``rediss://``, ``unix://``); None = no Redis tier."""
+    """``redis://host:port/db`` (or ``rediss://``, ``unix://``) for one server,
+    ``redis+cluster://host:port,host:port,...`` for a Redis / Valkey Cluster (docs/cluster.md);
+    None = no Redis tier. Checked by ``kvcache.storage.redis_url.parse_redis_url``."""
     l2_redis_key_prefix: str = "kvcache:"
     l2_redis_socket_timeout_s: float = 1.0
     l2_redis_connect_timeout_s: float = 1.0
@@ -101,11 +103,11 @@ class EngineConfig:
             not isinstance(self.l2_disk_path, str) or not self.l2_disk_path
         ):
             raise ConfigError(f"l2_disk_path must be a non-empty path, got {self.l2_disk_path!r}")
-        url = self.l2_redis_url
-        if url is not None and (
-            not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
-        ):
-            raise ConfigError(f"l2_redis_url must start with redis://, rediss:// or unix://: {url!r}")
+        if self.l2_redis_url is not None:
+            # Imported here: the parser's error type derives from ConfigError, defined above.
+            from kvcache.storage.redis_url import parse_redis_url
+
+            parse_redis_url(self.l2_redis_url)  # raises RedisURLError, a ConfigError
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (and validated)."""

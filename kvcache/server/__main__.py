@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 from kvcache.config import EngineConfig, GiB
 from kvcache.kv_events.config import add_kv_events_args, validate_kv_events_args
@@ -44,6 +43,7 @@ EPILOG = """\
 examples:
   python -m kvcache.server
   python -m kvcache.server --l1-size-gb 32 --l2-disk-path /var/cache/kvcache --l2-disk-size-gb 500
+  python -m kvcache.server --l2-redis-url redis+cluster://10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000
   python -m kvcache.server --config kvcache.toml --port 6000
 
 config file (TOML; flags given on the command line override it):
@@ -146,7 +146,9 @@ def build_parser(
     st.add_argument("--l2-disk-size-gb", type=float, default=defaults.l2_disk_size_bytes / GiB,
                     help="bound of the disk tier, GiB (default %(default)g)")
     st.add_argument("--l2-redis-url", default=None, metavar="URL",
-                    help="redis://host:port/db of a Redis/Valkey tier shared by hosts (default: off)")
+                    help="a Redis/Valkey tier shared by hosts: redis://host:port/db for one "
+                    "server, redis+cluster://host:port,host:port,... for a Redis/Valkey "
+                    "Cluster (docs/cluster.md); default: off")
     st.add_argument("--l2-redis-timeout", type=float, default=defaults.l2_redis_socket_timeout_s,
                     metavar="SECONDS", help="bound on one Redis command (default %(default)s)")
     st.add_argument("--l2-redis-connect-timeout", type=float,
@@ -367,14 +369,10 @@ def _l2_summary(cfg: EngineConfig) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """``url`` with any password replaced, fit for a log line (cluster URLs included)."""
+    from kvcache.storage.redis_url import redact
+
+    return redact(url)
 
 
 if __name__ == "__main__":

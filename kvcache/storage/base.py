@@ -13,7 +13,12 @@ Life of a chunk, in call order:
 5. ``L1Pool`` evicts ``EvictionPolicy.victim()`` when it needs room; the L2 copy stays.
 
 Adapters are synchronous and thread-safe; ``kvcache.storage.l2_async.AsyncL2`` adds the thread
-pool, the in-flight bound, the failure back-off and the events, once for every tier.
+pool, the in-flight bound, the failure back-off and the events, once for every tier. It hands
+queued work over in batches (``store_many``/``load_many``, at most ``max_batch`` chunks): a
+remote tier sends a batch in one pipelined round trip per server, a local one just loops.
+Batch results are per item, so a tier made of shards (Redis Cluster) can fail the items of a
+dead shard and serve the rest; such failures are tagged ``scope="shard"`` and do not make
+``AsyncL2`` skip the whole tier.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ Announce = Callable[[int], None]
 
 #: Failure reasons carried by ``StorageError.reason`` and published in ``L2_*_FAILED`` events.
 REASONS = ("corrupt", "timeout", "unavailable", "io", "full", "busy")
+#: How much of a tier a failure speaks for (``StorageError.scope``): the whole tier, or one
+#: shard of it (the other shards still answer, so the tier must not be skipped as a whole).
+SCOPES = ("tier", "shard")
+
+#: ``store_many`` items: the key, the chunk, and the announce callback of ``store``.
+StoreItem = tuple[ChunkKey, torch.Tensor, Announce | None]
+#: ``load_many`` items: the key and the tensor to fill.
+LoadItem = tuple[ChunkKey, torch.Tensor]
 
 
 class L2Adapter(ABC):
@@ -42,8 +55,12 @@ class L2Adapter(ABC):
     fails validation raises ``CorruptChunkError`` after deleting it. A plain miss is not an error.
     """
 
-    #: Short name used in events and metrics (``"disk"``, ``"redis"``).
+    #: Short name used in events and metrics (``"disk"``, ``"redis"``, ``"redis-cluster"``).
     backend: str = "l2"
+    #: Most chunks ``AsyncL2`` hands to one ``store_many``/``load_many`` call (1: no batching).
+    max_batch: int = 1
+    #: Most bytes of chunks in one batch (a batch always holds at least one chunk).
+    max_batch_bytes: int = 64 << 20
 
     @abstractmethod
     def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
@@ -71,6 +88,38 @@ class L2Adapter(ABC):
     @abstractmethod
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove the keys that exist; return how many were removed."""
+
+    # -- batches: per-item outcomes. The defaults loop; remote tiers pipeline. ------------
+    def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
+        """``store`` each item; per item the bytes written or the exception it failed with.
+
+        One item's failure must not stop the others. ``announce`` is called per stored item,
+        as ``store`` promises.
+        """
+        out: list[int | Exception] = []
+        for key, chunk, announce in items:
+            try:
+                out.append(self.store(key, chunk, announce))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
+        """``load`` each item; per item hit/miss or the exception it failed with."""
+        out: list[bool | Exception] = []
+        for key, tensor in items:
+            try:
+                out.append(self.load(key, tensor))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
+        """``contains``, per key; a failure of the one round trip fails every key."""
+        try:
+            return list(self.contains(keys))
+        except Exception as exc:
+            return [exc] * len(keys)
 
     def info(self) -> dict[str, Any]:
         """JSON-able description for ``CacheEngine.status()``."""
@@ -110,10 +159,12 @@ class EvictionPolicy(ABC):
     def __contains__(self, key: object) -> bool: ...
 
 
-def storage_error(message: str, reason: str) -> StorageError:
-    """A ``StorageError`` tagged with one of ``REASONS`` (read back by ``failure_reason``)."""
+def storage_error(message: str, reason: str, scope: str = "tier") -> StorageError:
+    """A ``StorageError`` tagged with one of ``REASONS`` and ``SCOPES`` (read back by
+    ``failure_reason`` and ``failure_scope``)."""
     err = StorageError(message)
     err.reason = reason  # type: ignore[attr-defined]
+    err.scope = scope  # type: ignore[attr-defined]
     return err
 
 
@@ -125,4 +176,19 @@ def failure_reason(exc: BaseException) -> str:
     return reason if isinstance(reason, str) else "io"
 
 
-__all__ = ["REASONS", "EvictionPolicy", "L2Adapter", "failure_reason", "storage_error"]
+def failure_scope(exc: BaseException) -> str:
+    """The ``SCOPES`` entry for an adapter failure (``"tier"`` when untagged)."""
+    return "shard" if getattr(exc, "scope", None) == "shard" else "tier"
+
+
+__all__ = [
+    "REASONS",
+    "SCOPES",
+    "EvictionPolicy",
+    "L2Adapter",
+    "LoadItem",
+    "StoreItem",
+    "failure_reason",
+    "failure_scope",
+    "storage_error",
+]

@@ -12,6 +12,7 @@ from typing import Any, Generic, TypeVar
 from kvcache.config import EngineConfig
 from kvcache.observability.event import EventSink
 from kvcache.storage.base import EvictionPolicy, L2Adapter
+from kvcache.storage.redis_url import parse_redis_url
 
 T = TypeVar("T")
 
@@ -50,6 +51,7 @@ class _Registry(Generic[T]):
 L2_ADAPTERS: _Registry[L2Adapter] = _Registry("L2 adapter", L2Adapter)
 L2_ADAPTERS.register("disk", "kvcache.storage.disk", "DiskL2Adapter")
 L2_ADAPTERS.register("redis", "kvcache.storage.redis", "RedisL2Adapter")
+L2_ADAPTERS.register("redis-cluster", "kvcache.storage.redis_cluster", "RedisClusterL2Adapter")
 
 EVICTION_POLICIES: _Registry[EvictionPolicy] = _Registry("eviction policy", EvictionPolicy)
 EVICTION_POLICIES.register("lru", "kvcache.storage.lru", "LRUPolicy")
@@ -60,7 +62,8 @@ def create_policy(name: str = "lru") -> EvictionPolicy:
 
 
 def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adapter]:
-    """The configured L2 tiers in lookup order (disk, then Redis)."""
+    """The configured L2 tiers in lookup order (disk, then Redis: one server or a cluster,
+    as the URL's scheme says)."""
     tiers: list[L2Adapter] = []
     if config.l2_disk_path is not None:
         tiers.append(
@@ -69,16 +72,19 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
             )
         )
     if config.l2_redis_url is not None:
-        tiers.append(
-            L2_ADAPTERS.create(
-                "redis",
-                url=config.l2_redis_url,
-                key_prefix=config.l2_redis_key_prefix,
-                socket_timeout_s=config.l2_redis_socket_timeout_s,
-                connect_timeout_s=config.l2_redis_connect_timeout_s,
-                ttl_s=config.l2_redis_ttl_s,
-            )
-        )
+        options: dict[str, Any] = {
+            "url": config.l2_redis_url,
+            "key_prefix": config.l2_redis_key_prefix,
+            "socket_timeout_s": config.l2_redis_socket_timeout_s,
+            "connect_timeout_s": config.l2_redis_connect_timeout_s,
+            "ttl_s": config.l2_redis_ttl_s,
+        }
+        if parse_redis_url(config.l2_redis_url).cluster:
+            # A dead shard fails fast for as long as a dead tier is skipped.
+            options["shard_retry_s"] = config.l2_retry_interval_s
+            tiers.append(L2_ADAPTERS.create("redis-cluster", **options))
+        else:
+            tiers.append(L2_ADAPTERS.create("redis", **options))
     return tiers
 
 

@@ -1,25 +1,31 @@
-"""Redis/Valkey L2: chunks shared by several machines, one string value per chunk.
+"""Redis/Valkey L2 on one server: chunks shared by several machines, one string value per chunk.
 
 Its own module so redis-py is imported only when a Redis tier is configured. Every redis-py
-error is translated here into a ``StorageError`` tagged ``timeout``/``unavailable``/``io`` so the
-engine can back off and keep serving from L1; records use the same header + CRC as the disk
-tier (``codec``), so a value truncated by ``maxmemory`` games or written by another build is a
-miss, never garbage.
+error is translated here (``storage_failure``, also used by the cluster tier) into a
+``StorageError`` tagged ``timeout``/``unavailable``/``full``/``busy``/``io`` so the engine can
+back off and keep serving from L1; records use the same header + CRC as the disk tier
+(``codec``), so a value truncated by ``maxmemory`` games or written by another build is a miss,
+never garbage. Batches go in one pipelined round trip (``max_batch`` chunks).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 import torch
+from redis import exceptions as rex
 
-from kvcache.errors import CorruptChunkError
+from kvcache.errors import CorruptChunkError, StorageError
 from kvcache.observability.event import ChunkKey
 from kvcache.storage import codec
-from kvcache.storage.base import Announce, L2Adapter, storage_error
+from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
+from kvcache.storage.redis_url import redact
+
+#: Chunks per pipelined batch: a prompt of 16 chunks (4k tokens at 256) goes in one round trip.
+DEFAULT_MAX_BATCH = 16
 
 
 class RedisL2Adapter(L2Adapter):
@@ -36,10 +42,12 @@ class RedisL2Adapter(L2Adapter):
         connect_timeout_s: float = 1.0,
         ttl_s: int | None = None,
         max_connections: int = 32,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         self.url = url
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
+        self.max_batch = max_batch
         pool = redis.ConnectionPool.from_url(
             url,
             socket_timeout=socket_timeout_s,
@@ -49,77 +57,170 @@ class RedisL2Adapter(L2Adapter):
         self._client = redis.Redis(connection_pool=pool)
 
     def _name(self, key: ChunkKey) -> bytes:
-        return f"{self.key_prefix}{key:032x}".encode()
+        return chunk_name(self.key_prefix, key)
 
     # -- L2Adapter ------------------------------------------------------------------------
     def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
-        payload = codec.tensor_bytes(chunk)
-        value = codec.encode_header(key, chunk, payload) + payload.tobytes()
-        with _translated("store"):
-            self._client.set(self._name(key), value, ex=self.ttl_s)
-        if announce is not None:
-            announce(len(value))
-        return len(value)
+        return unwrap(self.store_many([(key, chunk, announce)]))
 
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        with _translated("load"):
-            value = self._client.get(self._name(key))
-        if value is None:
-            return False
-        try:
-            data = memoryview(value)  # type: ignore[arg-type]
-            header = codec.decode_header(data)
-            codec.check_fits(header, key, out)
-            payload = data[header.header_len :]
-            codec.check_payload(header, payload)
-        except CorruptChunkError:
-            self.delete([key])
-            raise
-        codec.out_buffer(out)[:] = payload
-        return True
+        return unwrap(self.load_many([(key, out)]))
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not keys:
-            return []
-        with _translated("contains"):
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._name(key))
-            return [bool(n) for n in pipe.execute()]
+        return [unwrap([r]) for r in self.contains_many(keys)]
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         if not keys:
             return 0
-        with _translated("delete"):
+        try:
             return int(self._client.delete(*(self._name(k) for k in keys)))
+        except Exception as exc:
+            raise storage_failure(exc, "delete") from exc
+
+    def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
+        values = [encode_or_error(key, chunk) for key, chunk, _ in items]
+        commands = [
+            ("SET", self._name(key), v, *(("EX", self.ttl_s) if self.ttl_s else ()))
+            for (key, _, _), v in zip(items, values, strict=True)
+            if not isinstance(v, Exception)
+        ]
+        replies = iter(self._pipeline(commands, "store"))
+        out: list[int | Exception] = []
+        for (_, _, announce), value in zip(items, values, strict=True):
+            out.append(value if isinstance(value, Exception) else stored(next(replies), value, announce))
+        return out
+
+    def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
+        replies = self._pipeline([("GET", self._name(key)) for key, _ in items], "load")
+        out = [decoded(reply, key, tensor) for (key, tensor), reply in zip(items, replies, strict=True)]
+        corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
+        self._drop_corrupt(corrupt)
+        return out
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
+        replies = self._pipeline([("EXISTS", self._name(key)) for key in keys], "contains")
+        return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.backend, "url": _redact(self.url), "key_prefix": self.key_prefix}
+        return {"backend": self.backend, "url": redact(self.url), "key_prefix": self.key_prefix}
 
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
 
+    # -- internals ------------------------------------------------------------------------
+    def _pipeline(self, commands: Sequence[tuple[Any, ...]], op: str) -> list[Any]:
+        """Run ``commands`` in one round trip; per command the reply or a ``StorageError``
+        (a lost connection fails every command of the batch)."""
+        if not commands:
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            return [storage_failure(exc, op)] * len(commands)
+        return [storage_failure(r, op) if isinstance(r, Exception) else r for r in replies]
 
-@contextlib.contextmanager
-def _translated(op: str) -> Iterator[None]:
-    """redis-py errors -> ``StorageError`` tagged with a reason (``base.REASONS``)."""
+    def _drop_corrupt(self, keys: list[ChunkKey]) -> None:
+        # A failed delete leaves it a miss; the next load finds it corrupt again and retries.
+        if keys:
+            with contextlib.suppress(StorageError):
+                self.delete(keys)
+
+
+# -- shared with the cluster tier ------------------------------------------------------------
+
+
+def chunk_name(prefix: str, key: ChunkKey) -> bytes:
+    """The Redis key of a chunk. No hash tag: CRC16 of the whole name spreads the chunks of
+    one prompt over every slot, hence over every shard of a cluster."""
+    return f"{prefix}{key:032x}".encode()
+
+
+def encode_or_error(key: ChunkKey, chunk: torch.Tensor) -> bytes | Exception:
+    """The record (header + payload) of ``chunk``, or the error that one item fails with."""
     try:
-        yield
-    except redis.TimeoutError as exc:
-        raise storage_error(f"redis {op} timed out: {exc}", "timeout") from exc
-    except redis.ConnectionError as exc:
-        raise storage_error(f"redis {op}: server unavailable: {exc}", "unavailable") from exc
-    except redis.RedisError as exc:
-        raise storage_error(f"redis {op} failed: {exc}", "io") from exc
+        payload = codec.tensor_bytes(chunk)
+        return codec.encode_header(key, chunk, payload) + payload.tobytes()
+    except (ValueError, UnicodeError) as exc:
+        return storage_error(f"chunk {key:032x} cannot be encoded: {exc}", "io")
 
 
-def _redact(url: str) -> str:
-    """Hide a password in ``redis://user:pass@host``."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+def stored(reply: Any, value: bytes, announce: Announce | None) -> int | Exception:
+    """The outcome of one SET: its error, or the bytes written (announced first)."""
+    if isinstance(reply, Exception):
+        return reply
+    if announce is not None:
+        announce(len(value))
+    return len(value)
 
 
-__all__ = ["RedisL2Adapter"]
+def decoded(reply: Any, key: ChunkKey, out: torch.Tensor) -> bool | Exception:
+    """The outcome of one GET: a miss, its error, ``CorruptChunkError``, or ``out`` filled."""
+    if reply is None or isinstance(reply, Exception):
+        return False if reply is None else reply
+    try:
+        data = memoryview(reply)
+        header = codec.decode_header(data)
+        codec.check_fits(header, key, out)
+        payload = data[header.header_len :]
+        codec.check_payload(header, payload)
+    except CorruptChunkError as exc:
+        return exc
+    codec.out_buffer(out)[:] = payload
+    return True
+
+
+def unwrap(results: Sequence[Any]) -> Any:
+    """The one result of a single-item batch, raised if it is an error."""
+    (result,) = results
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def failure_reason_of(exc: BaseException) -> str:
+    """The ``base.REASONS`` entry for a redis-py error."""
+    if isinstance(exc, rex.TimeoutError):
+        return "timeout"
+    if isinstance(exc, rex.OutOfMemoryError):
+        return "full"  # maxmemory reached under the noeviction policy
+    if isinstance(exc, rex.MaxConnectionsError):
+        return "busy"
+    if isinstance(
+        exc,
+        (
+            rex.ConnectionError,  # refused, reset, auth, loading
+            rex.ClusterDownError,  # CLUSTERDOWN: slots not served (a shard lost, no replica)
+            rex.TryAgainError,  # a slot in migration
+            rex.ReadOnlyError,  # a write reached a master just demoted to replica
+            rex.RedisClusterException,  # no node answers, slot not covered
+        ),
+    ):
+        return "unavailable"
+    return "io"
+
+
+def storage_failure(exc: BaseException, op: str, scope: str = "tier", where: str = "redis") -> StorageError:
+    """``exc`` as a tagged ``StorageError`` (a ``StorageError`` is returned as it is)."""
+    if isinstance(exc, StorageError):
+        return exc
+    reason = failure_reason_of(exc)
+    err = storage_error(f"{where} {op} failed ({reason}): {type(exc).__name__}: {exc}", reason, scope)
+    err.__cause__ = exc
+    return err
+
+
+__all__ = [
+    "DEFAULT_MAX_BATCH",
+    "RedisL2Adapter",
+    "chunk_name",
+    "decoded",
+    "encode_or_error",
+    "failure_reason_of",
+    "storage_failure",
+    "stored",
+    "unwrap",
+]

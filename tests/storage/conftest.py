@@ -1,4 +1,5 @@
-"""A real redis-server per test module, on a free loopback port (killed and restarted by tests)."""
+"""Real Redis servers on free loopback ports, started and killed by the tests: one server per
+test, and Redis Clusters of six ``redis-server`` processes (3 masters + 3 replicas)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvcache.storage.redis_cluster_local import LocalRedisCluster
 from kvcache.storage.redis_local import LocalRedis
 
 
@@ -13,3 +15,33 @@ from kvcache.storage.redis_local import LocalRedis
 def redis_server() -> Iterator[LocalRedis]:
     with LocalRedis() as server:
         yield server
+
+
+def start_cluster() -> LocalRedisCluster:
+    """A started 3 + 3 cluster, or a skip naming what is missing (CI installs redis-server,
+    which brings redis-cli)."""
+    try:
+        cluster = LocalRedisCluster(masters=3, replicas=1, node_timeout_ms=1000)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    try:
+        return cluster.start()
+    except BaseException:
+        cluster.close()
+        raise
+
+
+@pytest.fixture(scope="module")
+def shared_cluster() -> Iterator[LocalRedisCluster]:
+    """One cluster for a module's tests that leave every node running."""
+    cluster = start_cluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture()
+def fresh_cluster() -> Iterator[LocalRedisCluster]:
+    """A cluster of the test's own, for tests that kill a node."""
+    cluster = start_cluster()
+    yield cluster
+    cluster.close()

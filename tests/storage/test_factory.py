@@ -10,7 +10,7 @@ from kvcache.storage.lru import LRUPolicy
 
 
 def test_names_and_lazy_load() -> None:
-    assert L2_ADAPTERS.names() == ["disk", "redis"]
+    assert L2_ADAPTERS.names() == ["disk", "redis", "redis-cluster"]
     assert isinstance(create_policy("lru"), LRUPolicy)
     with pytest.raises(ValueError, match="unknown eviction policy 'arc'"):
         create_policy("arc")
@@ -27,3 +27,11 @@ def test_from_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert [t.backend for t in tiers] == ["disk", "redis"]
     for t in tiers:
         t.close()
+
+
+def test_a_cluster_url_picks_the_cluster_tier_without_connecting() -> None:
+    cfg = EngineConfig(l2_redis_url="redis+cluster://127.0.0.1:1,127.0.0.1:2", l2_retry_interval_s=0.5)
+    (tier,) = l2_adapters_from_config(cfg, bus=None)  # type: ignore[arg-type]
+    assert tier.backend == "redis-cluster" and tier.shards.retry_s == 0.5  # type: ignore[attr-defined]
+    assert tier.info()["masters"] == []  # lazy: nothing reached yet
+    tier.close()

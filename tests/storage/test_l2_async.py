@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from kvcache.observability.event import EventType
-from kvcache.storage.base import Announce, L2Adapter
+from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
 from kvcache.storage.disk import DiskL2Adapter
 from kvcache.storage.l2_async import AsyncL2
 from kvcache.storage.redis import RedisL2Adapter
@@ -171,4 +172,88 @@ def test_a_full_disk_warns_once_per_episode_and_every_loss_is_counted(
     full["on"] = True
     assert len(episode(200)) == 2  # a new episode is news again
     assert tier.counters["store_failures"] == 20
+    tier.close()
+
+
+class BatchedDisk(DiskL2Adapter):
+    """A real disk tier that takes batches (as the Redis tiers do), records their sizes, and
+    can hold the first one at a gate; odd keys may fail as if their shard were down."""
+
+    def __init__(self, path: str, max_batch: int, shard_down: bool = False) -> None:
+        super().__init__(path, 1 << 24)
+        self.max_batch = max_batch
+        self.batches: list[int] = []
+        self.gate = threading.Event()
+        self.shard_down = shard_down
+
+    def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
+        self.batches.append(len(items))
+        self.gate.wait(10)
+        out = super().store_many(items)
+        return [self._maybe_down(key, r) for (key, _, _), r in zip(items, out, strict=True)]
+
+    def contains_many(self, keys: Sequence[int]) -> list[bool | Exception]:
+        return [self._maybe_down(k, r) for k, r in zip(keys, super().contains_many(keys), strict=True)]
+
+    def _maybe_down(self, key: int, result: Any) -> Any:
+        if self.shard_down and key % 2:
+            return storage_error(f"shard of {key} is down", "unavailable", "shard")
+        return result
+
+
+def test_queued_work_goes_in_batches_and_batch_events_add_up(tmp_path: Path) -> None:
+    sink = Sink()
+    disk = BatchedDisk(str(tmp_path), max_batch=4)
+    tier = AsyncL2(disk, workers=1, bus=sink)
+    done: list[bool] = []
+    t0 = time.perf_counter()
+    for key in range(10):  # the first batch waits at the gate while the rest queue up
+        assert tier.submit_store(key, chunk(), done.append)
+    disk.gate.set()
+    assert tier.flush(5) and done == [True] * 10
+    wall = time.perf_counter() - t0
+    *full, last = disk.batches[1:]
+    assert sum(disk.batches) == 10 and full and set(full) == {4} and 1 <= last <= 4
+    finished = sink.of(EventType.L2_STORE_FINISHED)
+    assert sorted(k for e in finished for k in e.metadata["keys"]) == list(range(10))
+    assert sum(e.metadata["duration_s"] for e in finished) <= wall  # not n x the batch time
+    outs = [torch.empty_like(chunk()) for _ in range(3)]
+    for key, out in enumerate(outs):
+        assert tier.submit_load(key, out, done.append)
+    assert tier.flush(5) and done[10:] == [True] * 3 and tier.counters["loads"] == 3
+    tier.close()
+
+
+def test_a_batch_respects_the_byte_bound(tmp_path: Path) -> None:
+    disk = BatchedDisk(str(tmp_path), max_batch=8)
+    disk.max_batch_bytes = chunk().numel() * 4 * 2  # two chunks
+    tier = AsyncL2(disk, workers=1)
+    for key in range(7):
+        tier.submit_store(key, chunk(), lambda ok: None)
+    disk.gate.set()
+    assert tier.flush(5) and max(disk.batches) == 2 and sum(disk.batches) == 7
+    tier.close()
+
+
+def test_shard_failures_are_counted_per_key_without_skipping_the_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sink = Sink()
+    disk = BatchedDisk(str(tmp_path), max_batch=16, shard_down=True)
+    disk.gate.set()
+    tier = AsyncL2(disk, workers=2, bus=sink)
+    done: dict[int, bool] = {}
+    caplog.set_level(logging.DEBUG, "kvcache.storage.l2_async")
+    for key in range(8):
+        assert tier.submit_store(key, chunk(), lambda ok, k=key: done.__setitem__(k, ok))
+    assert tier.flush(5) and done == {k: k % 2 == 0 for k in range(8)}
+    failed = sink.of(EventType.L2_STORE_FAILED)
+    assert sorted(k for e in failed for k in e.metadata["keys"]) == [1, 3, 5, 7]
+    assert {e.metadata["reason"] for e in failed} == {"unavailable"}
+    assert tier.available  # the other shards still answer
+    assert tier.contains([0, 1, 2]) == [True, False, True] and tier.counters["contains_failures"] == 1
+    (lookup,) = sink.of(EventType.L2_LOAD_FAILED)
+    assert lookup.metadata == {"backend": "disk", "keys": [1], "reason": "unavailable"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the adapter logs shards
+    assert tier.submit_store(9, chunk(), lambda ok: None)  # still admitted: no tier back-off
     tier.close()

@@ -71,3 +71,26 @@ def test_redacted_url() -> None:
     a = RedisL2Adapter("redis://user:secret@127.0.0.1:1/0")
     assert "secret" not in a.info()["url"]
     a.close()
+
+
+def test_batches_are_per_item_and_a_full_server_is_full(redis_server: LocalRedis) -> None:
+    a = adapter(redis_server)
+    chunks = [chunk(i) for i in range(4)]
+    sizes: list[int] = []
+    assert a.store_many([(k, t, sizes.append) for k, t in enumerate(chunks)]) == sizes
+    bad = torch.empty(4, 4).t()  # not contiguous: that item fails, the others are stored
+    res = a.store_many([(10, chunks[0], None), (11, bad, None)])
+    assert isinstance(res[0], int) and failure_reason(res[1]) == "io"  # type: ignore[arg-type]
+    outs = [torch.empty_like(t) for t in chunks]
+    assert a.load_many([*zip(range(4), outs, strict=True), (99, outs[0].clone())]) == [True] * 4 + [False]
+    pairs = zip(outs, chunks, strict=True)
+    assert all(torch.equal(o.view(torch.uint8), t.view(torch.uint8)) for o, t in pairs)
+    assert a.contains_many([0, 99]) == [True, False]
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", max(1 << 20, int(raw.info("memory")["used_memory"]) + (64 << 10)))
+    big = torch.zeros(1 << 19, dtype=torch.uint8)  # 512 KiB: beyond what is left
+    (full,) = a.store_many([(20, big, None)])
+    assert isinstance(full, StorageError) and failure_reason(full) == "full"
+    assert a.load(0, outs[0])  # reads still work
+    a.close()
