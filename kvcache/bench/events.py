@@ -61,8 +61,8 @@ def make_bus(max_queue_size: int, sample_rate: float) -> EventBus:
         OffloadMetricsSubscriber(registry),
         L1MetricsSubscriber(registry),
         L2MetricsSubscriber(registry),
-        L0LifecycleSubscriber(sample_rate, registry),
-        L1LifecycleSubscriber(sample_rate, 300.0, registry),
+        L0LifecycleSubscriber(sample_rate, registry=registry),
+        L1LifecycleSubscriber(sample_rate, 300.0, registry=registry),
     ):
         bus.register_subscriber(sub)
     return bus

@@ -33,7 +33,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus_metrics import BusMetrics, BusSnapshot
@@ -87,7 +86,8 @@ class EventBus:
     def __init__(
         self,
         max_queue_size: int = 10_000,
-        registry: CollectorRegistry | None = REGISTRY,
+        *,
+        registry: CollectorRegistry | None,
         poll_interval: float = 0.001,
     ) -> None:
         if max_queue_size < 1:

@@ -65,9 +65,9 @@ def _subscribers(config: ObservabilityConfig, registry: CollectorRegistry) -> li
         ]
     if config.lifecycle_metrics:
         subs += [
-            s.L0LifecycleSubscriber(config.metrics_sample_rate, registry),
+            s.L0LifecycleSubscriber(config.metrics_sample_rate, registry=registry),
             s.L1LifecycleSubscriber(
-                config.metrics_sample_rate, config.max_evict_reuse_wait, registry
+                config.metrics_sample_rate, config.max_evict_reuse_wait, registry=registry
             ),
         ]
     if config.logging:

@@ -45,7 +45,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
@@ -89,8 +88,8 @@ class L0LifecycleSubscriber(EventSubscriber):
 
     def __init__(
         self,
-        sample_rate: float = 0.01,
-        registry: CollectorRegistry | None = REGISTRY,
+        sample_rate: float,
+        registry: CollectorRegistry | None,
         instances: Iterable[tuple[int, str]] = (),
         max_requests: int = DEFAULT_MAX_REQUESTS,
         max_instances: int = DEFAULT_MAX_INSTANCES,

@@ -38,7 +38,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
@@ -56,9 +55,9 @@ class L1LifecycleSubscriber(EventSubscriber):
 
     def __init__(
         self,
-        sample_rate: float = 0.01,
-        max_evict_reuse_wait: float = 300.0,
-        registry: CollectorRegistry | None = REGISTRY,
+        sample_rate: float,
+        max_evict_reuse_wait: float,
+        registry: CollectorRegistry | None,
         max_tracked: int = DEFAULT_MAX_TRACKED,
     ) -> None:
         """``max_tracked``: most chunks tracked, and most evictions remembered, at once

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
@@ -76,7 +75,7 @@ class EngineMetricsSubscriber(EventSubscriber):
 
     def __init__(
         self,
-        registry: CollectorRegistry | None = REGISTRY,
+        registry: CollectorRegistry | None,
         instances: Iterable[tuple[int, str]] = (),
     ) -> None:
         self.metrics = MetricSet()

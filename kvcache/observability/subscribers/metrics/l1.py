@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
@@ -20,7 +19,7 @@ from kvcache.observability.instruments import MetricSet
 class L1MetricsSubscriber(EventSubscriber):
     """Counters and gauges from L1_* events; see METRICS.md."""
 
-    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
         m = self.metrics = MetricSet()
         self._write_chunks = m.counter("kvcache_l1_write_chunks_total", "Chunks written to L1.")
         self._write_bytes = m.counter("kvcache_l1_write_bytes_total", "Bytes written to L1.")

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
@@ -42,7 +41,7 @@ class L2MetricsSubscriber(EventSubscriber):
     """Counters from L2_* events; see METRICS.md."""
 
     def __init__(
-        self, registry: CollectorRegistry | None = REGISTRY, backends: Iterable[str] = ()
+        self, registry: CollectorRegistry | None, backends: Iterable[str] = ()
     ) -> None:
         m = self.metrics = MetricSet()
         self._families = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
@@ -46,7 +45,7 @@ class OffloadMetricsSubscriber(EventSubscriber):
 
     def __init__(
         self,
-        registry: CollectorRegistry | None = REGISTRY,
+        registry: CollectorRegistry | None,
         instances: Iterable[tuple[int, str]] = (),
     ) -> None:
         self.metrics = MetricSet()

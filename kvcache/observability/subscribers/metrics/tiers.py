@@ -26,7 +26,7 @@ _SOURCES = (("engine", "skip_tokens"), ("l1", "l1_tokens"), ("l2", "l2_tokens"),
 class TierMetricsSubscriber(EventSubscriber):
     """Adds each retrieve's per-tier token counts; every tier's series starts at 0 together."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
         self.metrics = MetricSet()
         self._family = self.metrics.add(
             "kvcache_tokens_served_total",

@@ -221,7 +221,7 @@ def test_dropping_at_the_cap_costs_the_same_whatever_the_cap() -> None:
     made a 65k-request flood ~100x slower per drop than a 1k one (a stalled dispatcher)."""
 
     def seconds_per_drop(cap: int) -> float:
-        sub = L0LifecycleSubscriber(1.0, None, max_requests=cap)
+        sub = L0LifecycleSubscriber(1.0, registry=None, max_requests=cap)
         for i in range(cap):
             _alloc(sub, 0.0, 1, BlockAllocationRecord(f"r{i}", [0], [1]))
         start = time.perf_counter()

@@ -136,7 +136,7 @@ def _rss_bytes() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_memory_bounded_at_one_million_keys() -> None:
-    sub = L1LifecycleSubscriber(0.001, registry=None)
+    sub = L1LifecycleSubscriber(0.001, 300.0, registry=None)
     on_write = sub.subscriptions()[EventType.L1_WRITE_FINISHED]
     on_evict = sub.subscriptions()[EventType.L1_KEYS_EVICTED]
     gc.collect()
@@ -171,7 +171,7 @@ def _dropped(registry: CollectorRegistry, reason: str) -> float | None:
 
 
 def test_evictions_remove_tracked_chunks(registry: CollectorRegistry) -> None:
-    sub = L1LifecycleSubscriber(1.0, registry=registry)
+    sub = L1LifecycleSubscriber(1.0, 300.0, registry=registry)
     for i in range(1000):
         if i >= 100:  # L1 holds 100 chunks: room for each write comes from the oldest
             sub._on_evict(Event(EventType.L1_KEYS_EVICTED, {"keys": [i - 100]}, timestamp=float(i)))
@@ -183,7 +183,7 @@ def test_evictions_remove_tracked_chunks(registry: CollectorRegistry) -> None:
 def test_lost_evictions_cannot_grow_the_state_beyond_l1_capacity(registry: CollectorRegistry) -> None:
     """100k chunks written into a 100-chunk L1 whose evictions never reach the subscriber
     (dropped by a full bus, or delivered before the write): tracking stays within L1."""
-    sub = L1LifecycleSubscriber(1.0, registry=registry)
+    sub = L1LifecycleSubscriber(1.0, 300.0, registry=registry)
     for i in range(100_000):
         _write(sub, float(i), [i], capacity=100 * CHUNK)
     assert sub.tracked_chunks == 100
@@ -192,7 +192,7 @@ def test_lost_evictions_cannot_grow_the_state_beyond_l1_capacity(registry: Colle
 
 
 def test_a_chunk_still_read_is_dropped_last(registry: CollectorRegistry) -> None:
-    sub = L1LifecycleSubscriber(1.0, registry=registry)
+    sub = L1LifecycleSubscriber(1.0, 300.0, registry=registry)
     hot = 2**128 - 1
     _write(sub, 0.0, [hot], capacity=10 * CHUNK)
     for i in range(1000):
@@ -202,7 +202,7 @@ def test_a_chunk_still_read_is_dropped_last(registry: CollectorRegistry) -> None
 
 
 def test_without_capacity_the_explicit_cap_bounds_chunks_and_evictions(registry: CollectorRegistry) -> None:
-    sub = L1LifecycleSubscriber(1.0, registry=registry, max_tracked=1000)
+    sub = L1LifecycleSubscriber(1.0, 300.0, registry=registry, max_tracked=1000)
     for start in range(0, 100_000, 1000):
         keys = list(range(start, start + 1000))
         sub._on_write(Event(EventType.L1_WRITE_FINISHED, {"keys": keys}, timestamp=start / 1000))
