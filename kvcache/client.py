@@ -38,6 +38,8 @@ from kvcache.protocol.codec import pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
 from kvcache.server.auth import default_runtime_dir, ipc_endpoint, load_public_key, load_secret_key
 from kvcache.server.ipc import (
+    EventKeeper,
+    ExportedEvent,
     empty_shared,
     export_tensors,
     flatten_kv_caches,
@@ -115,6 +117,7 @@ class KVCacheClient:
         self._kv_caches: Any = None
         self._registered: m.Registered | None = None
         self._device = torch.device("cpu")
+        self._events = EventKeeper()  # CUDA: a store's event outlives the daemon's wait on it
         self._jobs: queue.SimpleQueue[tuple[m.RequestBody, Future[Any]] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -388,18 +391,27 @@ class KVCacheClient:
         request_id: str,
         block_hashes: Sequence[int] | None,
         key_extra: str = "",
-    ) -> m.Store:
-        event = record_ipc_event(self._device) if self._device.type == "cuda" else None
-        return m.Store(
+    ) -> tuple[m.Store, ExportedEvent | None]:
+        """The message, and the CUDA event its handle names (held until ``_settled``)."""
+        exported = record_ipc_event(self._device) if self._device.type == "cuda" else None
+        if exported is not None:
+            self._events.hold(exported)
+        msg = m.Store(
             instance_id=self.instance_id,
             token_ids=pack_ids(token_ids),
             block_ids=pack_ids(block_ids),
             cache_salt=cache_salt,
             request_id=request_id,
             block_hashes=None if block_hashes is None else list(block_hashes),
-            cuda_event=event,
+            cuda_event=None if exported is None else exported.handle,
             key_extra=key_extra,
         )
+        return msg, exported
+
+    def _settled(self, exported: ExportedEvent | None) -> None:
+        """The store's reply arrived or the call gave up: the event only lingers now."""
+        if exported is not None:
+            self._events.release(exported)
 
     def store(
         self,
@@ -412,8 +424,13 @@ class KVCacheClient:
         key_extra: str = "",
     ) -> m.StoreResult:
         """Copy the engine blocks ``block_ids`` (holding ``token_ids`` in order) into the cache."""
-        msg = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra)
-        return self._call(msg, m.StoreResult)
+        msg, exported = self._store_msg(
+            token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra
+        )
+        try:
+            return self._call(msg, m.StoreResult)
+        finally:
+            self._settled(exported)
 
     def store_async(
         self,
@@ -425,8 +442,12 @@ class KVCacheClient:
         block_hashes: Sequence[int] | None = None,
         key_extra: str = "",
     ) -> Future[m.StoreResult]:
-        msg = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra)
-        return self._chain(self._submit(msg), m.StoreResult)
+        msg, exported = self._store_msg(
+            token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra
+        )
+        future = self._chain(self._submit(msg), m.StoreResult)
+        future.add_done_callback(lambda _f: self._settled(exported))
+        return future
 
     def _retrieve_msg(
         self,

@@ -292,7 +292,12 @@ class StoreResult(Reply, tag="store"):
 
 
 class RetrieveResult(Reply, tag="retrieve"):
-    """``cuda_event``: an interprocess event the engine waits on before reusing the blocks."""
+    """``cuda_event``: an interprocess event the engine waits on before reusing the blocks.
+
+    Today's daemon sends none: its copy has completed when it replies. An asynchronous
+    retrieve that sends one must keep the event alive until the engine says it waited
+    (destroying an exported event the peer still uses is undefined behaviour in CUDA IPC).
+    """
 
     retrieved_tokens: int
     cuda_event: bytes | None = None

@@ -268,7 +268,7 @@ class Handlers:
         )
 
     def retrieve(self, req: m.Retrieve, principal: Principal) -> m.ReplyBody:
-        instance = self._instance(req, principal, token_required=True)
+        self._instance(req, principal, token_required=True)
         _check_deadline(req.deadline_ms, "retrieve")
         got = self.engine.retrieve(
             req.instance_id,
@@ -278,12 +278,11 @@ class Handlers:
             cache_salt=self._key_salt(req),
             request_id=req.request_id,
         )
-        event = None
-        if instance.device.startswith("cuda"):
-            # The engine's copy has finished when retrieve returns (it frees the L1 slots right
-            # after); the event keeps the engine's side ordered should that ever become async.
-            event = ipc.record_ipc_event(torch.device(instance.device))
-        return m.RetrieveResult(retrieved_tokens=got, cuda_event=event)
+        # No event: the copy has completed on the host's side when retrieve returns (the
+        # context waits for its stream), so the engine may use the blocks on the reply. An
+        # exported event would have to outlive the client's wait on it (CUDA IPC), which the
+        # daemon cannot know; an asynchronous retrieve must bring a release handshake.
+        return m.RetrieveResult(retrieved_tokens=got)
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)

@@ -20,6 +20,7 @@ import fcntl
 import mmap
 import os
 import secrets
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -210,11 +211,51 @@ def export_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], l
     return list(descs), fds
 
 
-def record_ipc_event(device: torch.device) -> bytes:
-    """Record an interprocess event on ``device``'s current stream; returns its handle."""
+@dataclass(frozen=True)
+class ExportedEvent:
+    """An interprocess CUDA event and the handle sent for it.
+
+    The exporting process must keep ``event`` alive for as long as the peer may use the
+    handle: operating on an imported event after the exporter destroyed it is undefined
+    behaviour (CUDA IPC documentation, ``cudaIpcOpenEventHandle``). ``EventKeeper`` holds it.
+    """
+
+    event: Any
+    handle: bytes
+
+
+def record_ipc_event(device: torch.device) -> ExportedEvent:
+    """Record an interprocess event on ``device``'s current stream. Keep the result alive
+    (``EventKeeper``) until the peer has waited on it."""
     event = torch.cuda.Event(interprocess=True)
     event.record(torch.cuda.current_stream(device))
-    return bytes(event.ipc_handle())
+    return ExportedEvent(event, bytes(event.ipc_handle()))
+
+
+class EventKeeper:
+    """Keeps exported events alive while their requests are in flight, and a while after.
+
+    ``hold`` when the handle is sent; ``release`` when the reply arrived (the daemon waits
+    on a store's event before it answers) or the call gave up. A released event stays in a
+    ring of the last ``linger`` ones: a request the client stopped waiting for may still be
+    read by the daemon (one that reached it just before its deadline), and its event must
+    not be destroyed under it. Thread-safe through the GIL-atomic deque and dict operations.
+    """
+
+    def __init__(self, linger: int = 256) -> None:
+        self._held: dict[int, ExportedEvent] = {}
+        self._recent: deque[ExportedEvent] = deque(maxlen=linger)
+
+    def hold(self, exported: ExportedEvent) -> None:
+        self._held[id(exported)] = exported
+
+    def release(self, exported: ExportedEvent) -> None:
+        if self._held.pop(id(exported), None) is not None:
+            self._recent.append(exported)
+
+    def __len__(self) -> int:
+        """Events alive through this keeper (held or lingering)."""
+        return len(self._held) + len(self._recent)
 
 
 def wait_ipc_event(handle: bytes, device: torch.device) -> None:
@@ -357,6 +398,8 @@ def _driver() -> Any:
 
 
 __all__ = [
+    "EventKeeper",
+    "ExportedEvent",
     "ImportedTensor",
     "descriptor_bytes",
     "device_uuid",
