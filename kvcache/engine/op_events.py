@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
-from kvcache.observability.event import Event, EventSink, EventType
+from kvcache.observability.event import ChunkKey, Event, EventSink, EventType
 
 if TYPE_CHECKING:
     from kvcache.engine.store import StoreResult
@@ -84,18 +84,21 @@ class OpEvents:
         self.publish(EventType.MP_RETRIEVE_END, sid, meta)
 
 
-def engine_block_metadata(
+def chunk_write_metadata(
+    keys: Sequence[ChunkKey],
     chunk_indices: list[int],
     bpc: int,
     block_size: int,
     chunk_size: int,
-    block_hashes: Sequence[int],
     token_ids: IntArray,
-) -> dict[str, Any] | None:
-    """The ``L1_WRITE_FINISHED`` keys that let KV-event routers join the engine's own
-    block hashes (EVENTS.md); None when the hashes do not cover the chunks."""
-    if chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc:
-        return None
+    block_hashes: Sequence[int] | None,
+) -> dict[str, Any]:
+    """The ``L1_WRITE_FINISHED`` keys that tell KV-event routers where the written chunks
+    sit in their prompt (EVENTS.md): the chunk key before each (``parent_keys``) and, when the
+    store carried the engine's own block hashes that cover the chunks, those hashes."""
+    meta: dict[str, Any] = {"parent_keys": [keys[i - 1] if i > 0 else None for i in chunk_indices]}
+    if block_hashes is None or (chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc):
+        return meta
     hashes: list[int] = []
     parents: list[int | None] = []
     tokens: list[int] = []
@@ -103,12 +106,8 @@ def engine_block_metadata(
         hashes.extend(int(h) for h in block_hashes[i * bpc : (i + 1) * bpc])
         parents.append(int(block_hashes[i * bpc - 1]) if i > 0 else None)
         tokens.extend(int(t) for t in token_ids[i * chunk_size : (i + 1) * chunk_size])
-    return {
-        "block_hashes": hashes,
-        "block_size": block_size,
-        "parent_block_hashes": parents,
-        "token_ids": tokens,
-    }
+    meta.update(block_hashes=hashes, block_size=block_size, parent_block_hashes=parents, token_ids=tokens)
+    return meta
 
 
-__all__ = ["OpEvents", "engine_block_metadata"]
+__all__ = ["OpEvents", "chunk_write_metadata"]

@@ -15,9 +15,9 @@ import numpy as np
 
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
-from kvcache.engine.op_events import engine_block_metadata
+from kvcache.engine.op_events import chunk_write_metadata
 from kvcache.engine.parts import EngineParts
-from kvcache.observability.event import EventType
+from kvcache.observability.event import ChunkKey, EventType
 from kvcache.storage.l1_pool import L1Entry
 
 
@@ -67,7 +67,7 @@ def store(
         if new:
             indices = [pos + i for i, _ in res.new]
             try:
-                elapsed += _copy_in(parts, inst, ids, indices, new, token_ids, block_hashes)
+                elapsed += _copy_in(parts, inst, ids, keys, indices, new, token_ids, block_hashes)
             except Exception:  # earlier batches stay stored; the rest of the request is lost
                 cs = parts.config.chunk_size
                 lost = StoreResult(stored, skipped, len(keys) - stored - skipped, stored * cs)
@@ -87,6 +87,7 @@ def _copy_in(
     parts: EngineParts,
     inst: Instance,
     ids: np.ndarray,
+    keys: list[ChunkKey],
     chunk_indices: list[int],
     new: list[L1Entry],
     token_ids: IntArray,
@@ -107,11 +108,9 @@ def _copy_in(
     elapsed = time.perf_counter() - t0
     for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
         parts.pool.pin(new)
-    extra = None
-    if block_hashes is not None:
-        extra = engine_block_metadata(
-            chunk_indices, bpc, ctx.block_size, parts.config.chunk_size, block_hashes, token_ids
-        )
+    extra = chunk_write_metadata(
+        keys, chunk_indices, bpc, ctx.block_size, parts.config.chunk_size, token_ids, block_hashes
+    )
     parts.pool.finish(new, True, extra)
     return elapsed
 

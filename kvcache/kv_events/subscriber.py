@@ -21,9 +21,14 @@ the wire with its neighbours, in order; nothing is sent for an event that change
 Identity of a chunk on the wire: when the store that wrote it carried the engine's own
 block hashes (``L1_WRITE_FINISHED`` metadata ``block_hashes``, ``block_size``,
 ``parent_block_hashes``, optional ``token_ids``; see EVENTS.md), the chunk is
-published as those blocks (``block_size`` = engine block size), and keeps that identity in
-every later event, in every tier, for as long as some tier holds it. Otherwise it is one
-block whose hash is the chunk key folded to 64 bits (``block_size`` = chunk size).
+published as those blocks (``block_size`` = engine block size). Otherwise it is one
+block whose hash is the chunk key folded to 64 bits (``block_size`` = chunk size), and its
+parent is the wire hash of the chunk before it in its prompt (``parent_keys``), so a store
+that continues a cached prefix hangs under that prefix instead of starting a new root. The
+identity is fixed at the first write and kept in every later event, in every tier, for as
+long as some tier holds the chunk. One ``BlockStored`` chains only chunks that continue each
+other (each one's parent is the previous one's last hash); a write that skips a chunk it
+found already held is announced as several events.
 
 Runs on the bus dispatcher thread only; its state (which tier holds which key) is plain
 dicts with no lock.
@@ -59,8 +64,8 @@ from kvcache.observability.instruments import MetricSet
 _L1 = 1  # bit 0 of a holding mask; L2 backends get bits 1, 2, ... in order of first sight
 
 
-class _EngineBlocks:
-    """The engine's identity of one chunk: its block hashes and the hash before them."""
+class _Identity:
+    """How one chunk is announced: its block hashes, the hash before them, the block size."""
 
     __slots__ = ("block_size", "hashes", "parent")
 
@@ -87,7 +92,7 @@ class KVEventsSubscriber(EventSubscriber):
         self.chunk_size = chunk_size
         self._make = EventFactory(fmt)
         self._held: dict[ChunkKey, int] = {}
-        self._engine: dict[ChunkKey, _EngineBlocks] = {}
+        self._ident: dict[ChunkKey, _Identity] = {}
         self._backend_bits: dict[str, int] = {}
         self._l2_mask = 0
         self.metrics = self._build_metrics()
@@ -125,7 +130,7 @@ class KVEventsSubscriber(EventSubscriber):
     def _on_l1_write(self, event: Event) -> None:
         md = event.metadata
         keys: list[ChunkKey] = md.get("keys", [])
-        self._remember_engine_blocks(keys, md)
+        self._remember(keys, md)
         new = [k for k in keys if not self._held.get(k, 0) & _L1]
         for k in new:
             self._held[k] = self._held.get(k, 0) | _L1
@@ -201,33 +206,47 @@ class KVEventsSubscriber(EventSubscriber):
         return out
 
     def _forget(self, keys: Iterable[ChunkKey]) -> None:
-        """Drop the engine identity of keys no tier holds any more."""
-        if self._engine:
-            for k in keys:
-                if k not in self._held:
-                    self._engine.pop(k, None)
+        """Drop the identity of keys no tier holds any more."""
+        for k in keys:
+            if k not in self._held:
+                self._ident.pop(k, None)
 
-    def _remember_engine_blocks(self, keys: Sequence[ChunkKey], md: Mapping[str, Any]) -> None:
+    def _remember(self, keys: Sequence[ChunkKey], md: Mapping[str, Any]) -> None:
+        """Fix the identity of written keys seen for the first time (EVENTS.md,
+        ``L1_WRITE_FINISHED``); a key some tier still holds keeps the one it was announced with."""
         hashes = md.get("block_hashes")
-        if not hashes or not keys or len(hashes) % len(keys):
+        if hashes and keys and not len(hashes) % len(keys):
+            bpc = len(hashes) // len(keys)
+            parents = md.get("parent_block_hashes")
+            if parents is None or len(parents) != len(keys):
+                parents = [None, *(hashes[i * bpc - 1] for i in range(1, len(keys)))]
+            block_size = int(md.get("block_size", self.chunk_size // bpc))
+            for i, k in enumerate(keys):
+                if k not in self._ident:
+                    self._ident[k] = _Identity(tuple(hashes[i * bpc : (i + 1) * bpc]), parents[i], block_size)
             return
-        bpc = len(hashes) // len(keys)
-        parents = md.get("parent_block_hashes")
-        if parents is None or len(parents) != len(keys):
-            parents = [None, *(hashes[i * bpc - 1] for i in range(1, len(keys)))]
-        block_size = int(md.get("block_size", self.chunk_size // bpc))
-        for i, k in enumerate(keys):
-            self._engine[k] = _EngineBlocks(tuple(hashes[i * bpc : (i + 1) * bpc]), parents[i], block_size)
+        parent_keys = md.get("parent_keys")
+        if parent_keys is None or len(parent_keys) != len(keys):
+            return
+        for k, pk in zip(keys, parent_keys, strict=True):
+            if k not in self._ident:
+                self._ident[k] = _Identity((fold64(k),), self._wire_parent(pk), self.chunk_size)
+
+    def _wire_parent(self, parent_key: ChunkKey | None) -> int | None:
+        """The hash a chunk's parent was announced under (its last block's)."""
+        if parent_key is None:
+            return None
+        known = self._ident.get(parent_key)
+        return known.hashes[-1] if known is not None else fold64(parent_key)
+
+    def _identity(self, key: ChunkKey) -> _Identity:
+        known = self._ident.get(key)
+        return known if known is not None else _Identity((fold64(key),), None, self.chunk_size)
 
     def _ids(self, keys: Iterable[ChunkKey]) -> list[int]:
         out: list[int] = []
-        engine = self._engine
         for k in keys:
-            blocks = engine.get(k)
-            if blocks is None:
-                out.append(fold64(k))
-            else:
-                out.extend(blocks.hashes)
+            out.extend(self._identity(k).hashes)
         return out
 
     def _stored(
@@ -237,35 +256,30 @@ class KVEventsSubscriber(EventSubscriber):
         tokens: Sequence[int] | None = None,
         token_map: dict[ChunkKey, int] | None = None,
     ) -> list[AnyEvent]:
-        """BlockStored events for ``keys``: chunk-keyed ones together, engine-keyed ones per
-        run of chunks that continue each other (their parent is the previous chunk's last block)."""
-        plain = [fold64(k) for k in keys if k not in self._engine]
+        """BlockStored events for ``keys``, one per run of chunks that continue each other
+        (each one's parent is the previous one's last hash, with the same block size)."""
         events: list[AnyEvent] = []
-        if plain:
-            events.append(self._make.stored(plain, block_size=self.chunk_size, medium=medium))
         run: list[int] = []
         run_tokens: list[int] = []
         parent: int | None = None
         block_size = 0
         cs = self.chunk_size
         for k in keys:
-            blocks = self._engine.get(k)
-            if blocks is None:
-                continue
-            if run and (blocks.parent != run[-1] or blocks.block_size != block_size):
-                events.append(self._engine_stored(run, parent, run_tokens, block_size, medium))
+            ident = self._identity(k)
+            if run and (ident.parent != run[-1] or ident.block_size != block_size):
+                events.append(self._run_stored(run, parent, run_tokens, block_size, medium))
                 run, run_tokens = [], []
             if not run:
-                parent, block_size = blocks.parent, blocks.block_size
-            run.extend(blocks.hashes)
+                parent, block_size = ident.parent, ident.block_size
+            run.extend(ident.hashes)
             if token_map is not None and tokens is not None:
                 i = token_map[k]
                 run_tokens.extend(tokens[i * cs : (i + 1) * cs])
         if run:
-            events.append(self._engine_stored(run, parent, run_tokens, block_size, medium))
+            events.append(self._run_stored(run, parent, run_tokens, block_size, medium))
         return events
 
-    def _engine_stored(
+    def _run_stored(
         self, hashes: list[int], parent: int | None, tokens: list[int], block_size: int, medium: str
     ) -> AnyEvent:
         return self._make.stored(

@@ -1,0 +1,81 @@
+"""What a real CacheEngine's stores look like on the KV-event wire: parents, tokens, identity.
+
+In-process engine, real EventBus, the in-memory publisher of ``test_subscriber``: each test
+reads the BlockStored / BlockRemoved a router would get and checks them against the prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcache.config import EngineConfig
+from kvcache.engine import CacheEngine
+from kvcache.engine.instance import Instance
+from kvcache.keys import fold64
+from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.layouts import GPUKVFormat
+from kvcache.observability.bus import EventBus
+from kvcache.testing import make_kv_caches
+from tests.kv_events.test_subscriber import ListPublisher
+
+BS, CS, NB = 16, 32, 64
+CHUNK_BYTES = 2 * 2 * CS * 2 * 64 * 2  # KV x layers x tokens x (heads*head) x bf16
+
+
+class Rig:
+    """An engine, its bus and a KV-events subscriber publishing into a list."""
+
+    def __init__(self, tmp_path: Path | None = None, **sub_options: object) -> None:
+        self.reg = CollectorRegistry()
+        self.bus = EventBus(registry=self.reg)
+        self.pub = ListPublisher()
+        self.sub = KVEventsSubscriber(self.pub, chunk_size=CS, registry=self.reg, **sub_options)  # type: ignore[arg-type]
+        self.bus.register_subscriber(self.sub)
+        self.bus.start()
+        disk = {} if tmp_path is None else {"l2_disk_path": str(tmp_path), "l2_disk_size_bytes": 1 << 24}
+        cfg = EngineConfig(chunk_size=CS, l1_size_bytes=16 * CHUNK_BYTES, l1_pin_memory=False, **disk)  # type: ignore[arg-type]
+        self.engine = CacheEngine(cfg, bus=self.bus)
+        kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
+        self.ctx = self.engine.register(0, "m", kv)
+
+    def keys(self, tokens: list[int]) -> list[int]:
+        """The chunk keys the engine files ``tokens`` under (its key scoping, recomputed)."""
+        return Instance(0, "m", self.ctx).keys(tokens)
+
+    def settle(self) -> list[tuple[str, ...]]:
+        assert self.engine.flush(10)
+        assert self.bus.flush(10)
+        return self.pub.events()
+
+    def close(self) -> None:
+        self.engine.close()
+        self.bus.stop()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def prompt(n_chunks: int, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n_chunks * CS)]
+
+
+def test_a_continuation_store_hangs_under_the_previous_chunk(rig: Rig) -> None:
+    tokens = prompt(4)
+    k = rig.keys(tokens)
+    rig.engine.store(0, tokens[: 2 * CS], list(range(NB)))
+    rig.engine.store(0, tokens, list(range(NB)))  # chunks 0-1 present: 2-3 continue them
+    stored = [e for e in rig.settle() if e[0] == "BlockStored"]
+    assert [(e[2], e[4]) for e in stored] == [
+        ((fold64(k[0]), fold64(k[1])), None),
+        ((fold64(k[2]), fold64(k[3])), fold64(k[1])),
+    ]
