@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Everything CUDA in one go, for the day a machine with an NVIDIA GPU is at hand:
+#   1. builds kvcache._native with the CUDA kernels (KVCACHE_BUILD_CUDA=1, in place);
+#   2. runs every CUDA test (pytest -m cuda: kernels vs the CPU reference for every layout,
+#      CUDA IPC across processes, the daemon end to end over CUDA IPC, stream-ordered events)
+#      with KVCACHE_REQUIRE_CUDA=1, so nothing can pass by skipping;
+#   3. runs the GPU transfer benchmark (kernel vs cudaMemcpy ceilings);
+# and writes one report directory: summary.md, the logs, JUnit XML and the benchmark JSON.
+#
+#   bash scripts/gpu_check.sh [REPORT_DIR]        (default: $OUT if set, else gpu-report/)
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#
+# PYTHON must have a CUDA build of torch, pybind11, pytest and the project's dependencies
+# (default: .venv/bin/python if present, else python3). Exit status: non-zero when the build,
+# any CUDA test or the benchmark failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report="${1:-${OUT:-gpu-report}}"
+mkdir -p "$report"
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
+export PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME COMMAND...: run, log to $report/NAME.log, remember failures
+  local name="$1"; shift
+  echo "== $name: $*"
+  if "$@" >"$report/$name.log" 2>&1; then echo "   ok"; echo "| $name | ok |" >>"$report/.steps"
+  else local rc=$?; status=1; echo "   FAILED ($rc), see $report/$name.log"; tail -20 "$report/$name.log"
+    echo "| $name | FAILED ($rc) |" >>"$report/.steps"; fi
+}
+: >"$report/.steps"
+nvidia-smi >"$report/nvidia-smi.txt" 2>&1 || echo "nvidia-smi not found" >"$report/nvidia-smi.txt"
+step torch "$py" -c "import torch; assert torch.cuda.is_available(), 'torch has no usable CUDA'; \
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+if [ $status -ne 0 ]; then echo "no usable CUDA in $py: nothing else can run" >&2; fi
+[ $status -eq 0 ] && step build env KVCACHE_BUILD_CUDA=1 "$py" setup.py build_ext --inplace
+[ $status -eq 0 ] && step native "$py" -c "import kvcache._native as n; assert n.cuda_compiled(), 'built without CUDA'"
+[ $status -eq 0 ] && step cuda-tests env KVCACHE_REQUIRE_CUDA=1 "$py" -m pytest -v -rs -m cuda -p no:cacheprovider \
+  --junitxml "$report/cuda-tests.xml" tests
+[ $status -eq 0 ] || [ -f "$report/cuda-tests.log" ] && step transfer-bench "$py" -m kvcache.bench transfer --device cuda --out "$report/transfer.json"
+{
+  echo "# kvcache GPU check"
+  echo
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+  echo "- python: $py ($("$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null))"
+  echo
+  echo "| step | result |"
+  echo "|---|---|"
+  cat "$report/.steps"
+  echo
+  echo "## CUDA tests"
+  echo
+  grep -E "passed|failed|error" "$report/cuda-tests.log" | tail -1
+  echo
+  echo "## Transfer benchmark"
+  echo
+  echo '```'
+  cat "$report/transfer-bench.log" 2>/dev/null
+  echo '```'
+} >"$report/summary.md"
+rm -f "$report/.steps"
+echo "report: $report/summary.md"
+exit $status
