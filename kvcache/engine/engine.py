@@ -138,6 +138,7 @@ class CacheEngine:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
+        copy_by: float | None = None,
     ) -> StoreResult:
         """Copy the full chunks of ``token_ids`` (held in ``block_ids``) into the cache.
 
@@ -145,7 +146,9 @@ class CacheEngine:
         through, the store waits for room (``store_wait_timeout_s`` in all); what still does not
         fit is reported in ``failed_chunks`` (a trailing run: the leading chunks are stored).
         ``block_hashes`` (the engine's own per-block hashes) are passed through on the end
-        event for KV-event publishers.
+        event for KV-event publishers. ``copy_by`` (``time.monotonic()`` scale): when the caller
+        stops waiting; no copy of its blocks starts later (``DeadlineExceededError``), since
+        the engine may have reused them, and no wait lasts beyond it.
         """
         inst = self._instance(instance_id)
         return store_path.store(
@@ -156,6 +159,7 @@ class CacheEngine:
             cache_salt=cache_salt,
             request_id=request_id,
             block_hashes=block_hashes,
+            copy_by=copy_by,
         )
 
     def retrieve(
@@ -167,13 +171,22 @@ class CacheEngine:
         *,
         cache_salt: str = "",
         request_id: str = "",
+        copy_by: float | None = None,
     ) -> int:
         """Copy the cached prefix of ``token_ids`` into ``block_ids``, leaving the first
         ``skip_tokens`` (rounded down to whole blocks) alone; returns the prefix length now
-        valid in the engine (skip + copied)."""
+        valid in the engine (skip + copied). ``copy_by``: as for ``store``; waits for L2 loads
+        end there, and past it nothing is written into ``block_ids``."""
         inst = self._instance(instance_id)
         return load_path.retrieve(
-            self._parts, inst, token_ids, block_ids, skip_tokens, cache_salt=cache_salt, request_id=request_id
+            self._parts,
+            inst,
+            token_ids,
+            block_ids,
+            skip_tokens,
+            cache_salt=cache_salt,
+            request_id=request_id,
+            copy_by=copy_by,
         )
 
     # -- engine bookkeeping events ----------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
 from kvcache.engine.parts import EngineParts
-from kvcache.errors import ChunkMismatchError
+from kvcache.errors import ChunkMismatchError, DeadlineExceededError
 from kvcache.observability.event import ChunkKey, EventType
 from kvcache.storage.l1_pool import L1Entry
 from kvcache.storage.l2_async import AsyncL2
@@ -99,6 +99,7 @@ def retrieve(
     *,
     cache_salt: str,
     request_id: str,
+    copy_by: float | None = None,
 ) -> int:
     """See ``CacheEngine.retrieve``."""
     ctx = inst.ctx
@@ -123,9 +124,16 @@ def retrieve(
     start = inst.meta(num_tokens=num_tokens, skip_tokens=skip)
     parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
     first = skip_blocks // bpc  # the first chunk with a block to copy
-    good = _acquire_ready(parts, inst, keys[first:]) if first < len(keys) else []
+    good = _acquire_ready(parts, inst, keys[first:], copy_by) if first < len(keys) else []
     copied = nbytes = l2_tokens = 0
     elapsed = 0.0
+    if copy_by is not None and time.monotonic() > copy_by:
+        parts.pool.release(good)  # the caller gave up: its blocks may belong to another request
+        parts.events.retrieve_end(inst, sid, num_tokens, skip, skip, 0, 0, 0, 0.0, False)
+        raise DeadlineExceededError(
+            "retrieve: its client's deadline passed before the copy could start; no byte was "
+            "written into its blocks"
+        )
     if good:
         local_skip = skip_blocks - first * bpc
         sel = ids[first * bpc : (first + len(good)) * bpc]
@@ -160,10 +168,14 @@ def retrieve(
     return retrieved
 
 
-def _acquire_ready(parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey]) -> list[L1Entry]:
+def _acquire_ready(
+    parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey], copy_by: float | None
+) -> list[L1Entry]:
     """Pin the leading chunks of ``keys`` that are (or can be brought) in L1 and wait for
-    any load still running; the first miss or failed load ends the list."""
+    any load still running (not past ``copy_by``); the first miss or failed load ends the list."""
     deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
+    if copy_by is not None:
+        deadline = min(deadline, copy_by)
     entries = parts.pool.acquire(keys)
     while len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :], deadline):
         more = parts.pool.acquire(keys[len(entries) :])  # the loads just begun, and what follows

@@ -17,6 +17,7 @@ from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
 from kvcache.engine.op_events import chunk_write_metadata
 from kvcache.engine.parts import EngineParts
+from kvcache.errors import DeadlineExceededError
 from kvcache.observability.event import ChunkKey, EventType
 from kvcache.storage.l1_pool import L1Entry
 
@@ -39,6 +40,7 @@ def store(
     cache_salt: str,
     request_id: str,
     block_hashes: Sequence[int] | None,
+    copy_by: float | None = None,
 ) -> StoreResult:
     """See ``CacheEngine.store``.
 
@@ -56,6 +58,8 @@ def store(
     start = inst.meta(num_tokens=num_tokens, num_chunks=len(keys))
     parts.events.publish(EventType.MP_STORE_START, sid, start)
     deadline = time.monotonic() + parts.config.store_wait_timeout_s
+    if copy_by is not None:
+        deadline = min(deadline, copy_by)
     stored = skipped = failed = pos = 0
     elapsed = 0.0
     while pos < len(keys):
@@ -64,6 +68,17 @@ def store(
         new = [e for _, e in res.new]
         skipped += len(res.present)
         failed += res.failed
+        if copy_by is not None and time.monotonic() > copy_by and (new or res.failed):
+            # The caller gave up (its blocks may hold another request's KV by now): copy
+            # nothing more, and say why the rest is not stored.
+            parts.pool.finish(new, False)
+            cs = parts.config.chunk_size
+            late = StoreResult(stored, skipped, len(keys) - stored - skipped, stored * cs)
+            parts.events.store_end(inst, sid, num_tokens, late, 0, elapsed, False)
+            raise DeadlineExceededError(
+                f"store: its client's deadline passed before chunk {pos} could be copied "
+                f"({stored} chunks stored before it); the rest was not copied"
+            )
         if new:
             indices = [pos + i for i, _ in res.new]
             try:

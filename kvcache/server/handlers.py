@@ -259,6 +259,7 @@ class Handlers:
             cache_salt=self._key_salt(req),
             request_id=req.request_id,
             block_hashes=req.block_hashes,
+            copy_by=_copy_by(req.deadline_ms),
         )
         return m.StoreResult(
             stored_chunks=result.stored_chunks,
@@ -277,6 +278,7 @@ class Handlers:
             req.skip_tokens,
             cache_salt=self._key_salt(req),
             request_id=req.request_id,
+            copy_by=_copy_by(req.deadline_ms),
         )
         # No event: the copy has completed on the host's side when retrieve returns (the
         # context waits for its stream), so the engine may use the blocks on the reply. An
@@ -344,6 +346,14 @@ def _check_deadline(deadline_ms: int, op: str) -> None:
             f"{op} arrived after its client's deadline; no byte was moved (the engine may "
             "have reused the blocks by now)"
         )
+
+
+def _copy_by(deadline_ms: int) -> float | None:
+    """The client's deadline, less the margin, on the engine's ``time.monotonic()`` scale: the
+    engine's waits end there and no copy of the client's blocks starts after it."""
+    if not deadline_ms:
+        return None
+    return time.monotonic() + (deadline_ms / 1000 - DEADLINE_MARGIN_S - time.time())
 
 
 def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:
