@@ -87,22 +87,29 @@ class RunResult:
     windows: list[dict[str, float]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
     kv_event_batches: int = 0
+    kv_event_bytes: int = 0  # payload bytes of every batch received
+    kv_event_stored: int = 0  # BlockStored events in them
+    kv_event_stored_blocks: int = 0  # block hashes in those BlockStored events
     daemon_cpu_s: float | None = None  # CPU the daemon spent serving the timed requests
     repeat: int = 0  # which interleaved off/on pair this run belongs to
 
 
 class _EventCounter(threading.Thread):
-    """A SUB socket counting KV-event batches, so the 'on' run has a real consumer."""
+    """A SUB socket counting KV-event batches and their bytes, so the 'on' run has a real
+    consumer and the report can say what an event costs on the wire."""
 
     def __init__(self, endpoint: str) -> None:
         super().__init__(name="kv-events-consumer", daemon=True)
         import zmq
 
+        from kvcache.kv_events.messages import batch_decoder
+
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
-        self.batches = 0
+        self._decoder = batch_decoder("map")
+        self.batches = self.bytes = self.stored = self.stored_blocks = 0
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -112,8 +119,13 @@ class _EventCounter(threading.Thread):
             if self._sub.poll(50):
                 with contextlib.suppress(zmq.Again):
                     while True:  # drain what arrived: one wake-up for a burst, like a router
-                        self._sub.recv_multipart(zmq.NOBLOCK)
+                        payload = self._sub.recv_multipart(zmq.NOBLOCK)[-1]
                         self.batches += 1
+                        self.bytes += len(payload)
+                        for ev in self._decoder.decode(payload).events:
+                            if type(ev).__name__ == "BlockStored":
+                                self.stored += 1
+                                self.stored_blocks += len(ev.block_hashes)
 
     def close(self) -> None:
         self._halt.set()
@@ -138,6 +150,8 @@ def run_once(
         # The daemon binds a Unix socket (local, so no --kv-events-allow-remote); we connect.
         endpoint = f"ipc://{Path(tmp) / 'kv-events.sock'}" if kv_events else None
         log_path = str(Path(args.out) / f"daemon-kv-events-{'on' if kv_events else 'off'}.log")
+        if kv_events and not args.kv_events_token_ids:
+            flags.append("--no-kv-events-token-ids")
         daemon = DaemonProcess(flags, endpoint, log_path=log_path)
         counter = None
         try:
@@ -190,6 +204,8 @@ def run_once(
             if counter is not None:
                 counter.close()
                 res.kv_event_batches = counter.batches
+                res.kv_event_bytes = counter.bytes
+                res.kv_event_stored, res.kv_event_stored_blocks = counter.stored, counter.stored_blocks
             daemon.stop()
     return res
 
@@ -217,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=20, help="points on the time-series plot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-kv-events-compare", action="store_true", help="skip the KV events on run")
+    p.add_argument("--kv-events-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                   help="the daemon's --kv-events-token-ids in the 'on' runs (default: on); "
+                        "compare the reports' KV-event bytes with and without")
     p.add_argument("--repeats", type=int, default=1,
                    help="run off/on this many times, interleaved (off,on then on,off, ...); the "
                         "median run of each mode is reported")

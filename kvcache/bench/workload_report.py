@@ -54,6 +54,9 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "l1_evicted_chunks": f.get("kvcache_l1_evicted_chunks_total", 0.0),
         "l2_evicted_chunks": f.get("kvcache_l2_evicted_chunks_total", 0.0),
         "kv_event_batches_received": run.kv_event_batches,
+        "kv_event_bytes_received": run.kv_event_bytes,
+        "kv_event_bytes_per_stored_block": _ratio(run.kv_event_bytes, run.kv_event_stored_blocks),
+        "kv_event_blocks_per_block_stored": _ratio(run.kv_event_stored_blocks, run.kv_event_stored),
         "daemon_cpu_s": run.daemon_cpu_s,
         "repeat": run.repeat,
         "kv_event_batches_dropped": f.get("kvcache_kv_events_dropped_batches_total", 0.0),
@@ -161,6 +164,9 @@ def render(args: argparse.Namespace, runs: list[RunResult], console: Console) ->
         ("lookup p99 ms", "lookup_p99_ms", "{:.3f}"), ("L1 evicted chunks", "l1_evicted_chunks", "{:,.0f}"),
         ("L2 evicted chunks", "l2_evicted_chunks", "{:,.0f}"),
         ("KV-event batches received", "kv_event_batches_received", "{:,}"),
+        ("KV-event bytes received", "kv_event_bytes_received", "{:,}"),
+        ("KV-event bytes / stored block", "kv_event_bytes_per_stored_block", "{:,.1f}"),
+        ("blocks / BlockStored", "kv_event_blocks_per_block_stored", "{:.2f}"),
     ]  # fmt: skip
     for label, key, fmt in rows:
         table.add_row(label, *(fmt.format(s[key]) for s in summaries))

@@ -10,6 +10,8 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
 from kvcache.observability.event import ChunkKey, Event, EventSink, EventType
@@ -93,20 +95,23 @@ def chunk_write_metadata(
     token_ids: IntArray,
     block_hashes: Sequence[int] | None,
 ) -> dict[str, Any]:
-    """The ``L1_WRITE_FINISHED`` keys that tell KV-event routers where the written chunks
-    sit in their prompt (EVENTS.md): the chunk key before each (``parent_keys``) and, when the
-    store carried the engine's own block hashes that cover the chunks, those hashes."""
-    meta: dict[str, Any] = {"parent_keys": [keys[i - 1] if i > 0 else None for i in chunk_indices]}
+    """The ``L1_WRITE_FINISHED`` keys that tell KV-event routers what the written chunks are
+    (EVENTS.md): the chunk key before each in its prompt (``parent_keys``), their tokens and,
+    when the store carried the engine's own block hashes that cover the chunks, those hashes."""
+    tokens = np.asarray(token_ids)
+    parts = [tokens[i * chunk_size : (i + 1) * chunk_size] for i in chunk_indices]
+    meta: dict[str, Any] = {
+        "parent_keys": [keys[i - 1] if i > 0 else None for i in chunk_indices],
+        "token_ids": np.concatenate(parts).tolist() if parts else [],
+    }
     if block_hashes is None or (chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc):
         return meta
     hashes: list[int] = []
     parents: list[int | None] = []
-    tokens: list[int] = []
     for i in chunk_indices:
         hashes.extend(int(h) for h in block_hashes[i * bpc : (i + 1) * bpc])
         parents.append(int(block_hashes[i * bpc - 1]) if i > 0 else None)
-        tokens.extend(int(t) for t in token_ids[i * chunk_size : (i + 1) * chunk_size])
-    meta.update(block_hashes=hashes, block_size=block_size, parent_block_hashes=parents, token_ids=tokens)
+    meta.update(block_hashes=hashes, block_size=block_size, parent_block_hashes=parents)
     return meta
 
 

@@ -61,6 +61,11 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--kv-events-format", choices=FORMATS, default="map",
                    help="event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23); "
                         "default %(default)s")
+    g.add_argument("--kv-events-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                   help="send each stored block's token ids in BlockStored.token_ids, as vLLM "
+                        "does (routers that hash tokens themselves need them); about 3-5 bytes "
+                        "a token on the wire, 8 bytes a held token in the daemon "
+                        "(default: on; --no-kv-events-token-ids sends [])")
     g.add_argument("--kv-events-buffer-steps", type=positive_int, default=DEFAULT_BUFFER_STEPS,
                    help="batches kept for replay (default %(default)s)")
     g.add_argument("--kv-events-batch-window-ms", type=non_negative_ms,
@@ -99,6 +104,7 @@ def build_kv_events_subscriber(
             chunk_size=getattr(ns, "chunk_size", DEFAULT_CHUNK_SIZE),
             fmt=getattr(ns, "kv_events_format", "map"),
             registry=registry,
+            token_ids=getattr(ns, "kv_events_token_ids", True),
         )
     except BaseException:
         publisher.shutdown()
@@ -138,8 +144,8 @@ def check_exposure(endpoint: str | None, replay: str | None, allow_remote: bool)
         )
     log.warning(
         "KV events bound on %s: reachable from the network; anyone who connects learns which "
-        "prompts are cached (block hashes, and token ids with engine block hashes). Firewall "
-        "it to the routers", ", ".join(exposed),
+        "prompts are cached (block hashes and, unless --no-kv-events-token-ids, their token "
+        "ids). Firewall it to the routers", ", ".join(exposed),
     )  # fmt: skip
 
 

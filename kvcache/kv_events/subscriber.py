@@ -36,6 +36,7 @@ dicts with no lock.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -65,14 +66,18 @@ _L1 = 1  # bit 0 of a holding mask; L2 backends get bits 1, 2, ... in order of f
 
 
 class _Identity:
-    """How one chunk is announced: its block hashes, the hash before them, the block size."""
+    """How one chunk is announced: its block hashes, the hash before them, the block size and
+    (when known and wanted) its tokens, kept packed: 8 bytes a token, not a Python int each."""
 
-    __slots__ = ("block_size", "hashes", "parent")
+    __slots__ = ("block_size", "hashes", "parent", "tokens")
 
-    def __init__(self, hashes: tuple[int, ...], parent: int | None, block_size: int) -> None:
+    def __init__(
+        self, hashes: tuple[int, ...], parent: int | None, block_size: int, tokens: array[int] | None = None
+    ) -> None:
         self.hashes = hashes
         self.parent = parent
         self.block_size = block_size
+        self.tokens = tokens
 
 
 class KVEventsSubscriber(EventSubscriber):
@@ -85,11 +90,14 @@ class KVEventsSubscriber(EventSubscriber):
         chunk_size: int,
         fmt: EventFormat = "map",
         registry: CollectorRegistry | None = None,
+        token_ids: bool = True,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.publisher = publisher
         self.chunk_size = chunk_size
+        self.token_ids = token_ids
+        """Send each block's tokens in ``BlockStored.token_ids`` (vLLM does); off: ``[]``."""
         self._make = EventFactory(fmt)
         self._held: dict[ChunkKey, int] = {}
         self._ident: dict[ChunkKey, _Identity] = {}
@@ -134,11 +142,7 @@ class KVEventsSubscriber(EventSubscriber):
         new = [k for k in keys if not self._held.get(k, 0) & _L1]
         for k in new:
             self._held[k] = self._held.get(k, 0) | _L1
-        tokens = md.get("token_ids")
-        token_map = None
-        if tokens and "block_hashes" in md and len(tokens) == len(keys) * self.chunk_size:
-            token_map = {k: i for i, k in enumerate(keys)}
-        self._send(event, self._stored(new, MEDIUM_CPU, tokens, token_map))
+        self._send(event, self._stored(new, MEDIUM_CPU))
 
     def _on_l1_evicted(self, event: Event) -> None:
         gone = self._drop(event.metadata.get("keys", []), _L1)
@@ -214,23 +218,36 @@ class KVEventsSubscriber(EventSubscriber):
     def _remember(self, keys: Sequence[ChunkKey], md: Mapping[str, Any]) -> None:
         """Fix the identity of written keys seen for the first time (EVENTS.md,
         ``L1_WRITE_FINISHED``); a key some tier still holds keeps the one it was announced with."""
-        hashes = md.get("block_hashes")
-        if hashes and keys and not len(hashes) % len(keys):
+        if not keys:
+            return
+        cs = self.chunk_size
+        tokens: list[int] | None = md.get("token_ids") if self.token_ids else None
+        if tokens is not None and len(tokens) != len(keys) * cs:
+            tokens = None
+        hashes: list[int] = md.get("block_hashes") or []
+        parent_keys: list[ChunkKey | None] | None = md.get("parent_keys")
+        parents: list[int | None] | None = md.get("parent_block_hashes")
+        block_size = cs
+        if hashes and not len(hashes) % len(keys):
             bpc = len(hashes) // len(keys)
-            parents = md.get("parent_block_hashes")
             if parents is None or len(parents) != len(keys):
                 parents = [None, *(hashes[i * bpc - 1] for i in range(1, len(keys)))]
-            block_size = int(md.get("block_size", self.chunk_size // bpc))
-            for i, k in enumerate(keys):
-                if k not in self._ident:
-                    self._ident[k] = _Identity(tuple(hashes[i * bpc : (i + 1) * bpc]), parents[i], block_size)
+            block_size = int(md.get("block_size", cs // bpc))
+        elif parent_keys is not None and len(parent_keys) == len(keys):
+            bpc = 0
+        else:
             return
-        parent_keys = md.get("parent_keys")
-        if parent_keys is None or len(parent_keys) != len(keys):
-            return
-        for k, pk in zip(keys, parent_keys, strict=True):
-            if k not in self._ident:
-                self._ident[k] = _Identity((fold64(k),), self._wire_parent(pk), self.chunk_size)
+        for i, k in enumerate(keys):
+            if k in self._ident:
+                continue
+            toks = array("q", tokens[i * cs : (i + 1) * cs]) if tokens is not None else None
+            if bpc:
+                assert parents is not None
+                ident = _Identity(tuple(hashes[i * bpc : (i + 1) * bpc]), parents[i], block_size, toks)
+            else:
+                assert parent_keys is not None
+                ident = _Identity((fold64(k),), self._wire_parent(parent_keys[i]), cs, toks)
+            self._ident[k] = ident
 
     def _wire_parent(self, parent_key: ChunkKey | None) -> int | None:
         """The hash a chunk's parent was announced under (its last block's)."""
@@ -249,38 +266,36 @@ class KVEventsSubscriber(EventSubscriber):
             out.extend(self._identity(k).hashes)
         return out
 
-    def _stored(
-        self,
-        keys: Sequence[ChunkKey],
-        medium: str,
-        tokens: Sequence[int] | None = None,
-        token_map: dict[ChunkKey, int] | None = None,
-    ) -> list[AnyEvent]:
+    def _stored(self, keys: Sequence[ChunkKey], medium: str) -> list[AnyEvent]:
         """BlockStored events for ``keys``, one per run of chunks that continue each other
-        (each one's parent is the previous one's last hash, with the same block size)."""
+        (each one's parent is the previous one's last hash, with the same block size); a run
+        carries tokens only when every chunk of it has them (vLLM: ``block_size`` per hash)."""
         events: list[AnyEvent] = []
         run: list[int] = []
-        run_tokens: list[int] = []
+        run_tokens: list[int] | None = None
         parent: int | None = None
         block_size = 0
-        cs = self.chunk_size
         for k in keys:
             ident = self._identity(k)
-            if run and (ident.parent != run[-1] or ident.block_size != block_size):
+            if run and (
+                ident.parent != run[-1]
+                or ident.block_size != block_size
+                or (ident.tokens is None) != (run_tokens is None)
+            ):
                 events.append(self._run_stored(run, parent, run_tokens, block_size, medium))
-                run, run_tokens = [], []
+                run = []
             if not run:
                 parent, block_size = ident.parent, ident.block_size
+                run_tokens = None if ident.tokens is None else []
             run.extend(ident.hashes)
-            if token_map is not None and tokens is not None:
-                i = token_map[k]
-                run_tokens.extend(tokens[i * cs : (i + 1) * cs])
+            if run_tokens is not None and ident.tokens is not None:
+                run_tokens.extend(ident.tokens)
         if run:
             events.append(self._run_stored(run, parent, run_tokens, block_size, medium))
         return events
 
     def _run_stored(
-        self, hashes: list[int], parent: int | None, tokens: list[int], block_size: int, medium: str
+        self, hashes: list[int], parent: int | None, tokens: list[int] | None, block_size: int, medium: str
     ) -> AnyEvent:
         return self._make.stored(
             hashes,

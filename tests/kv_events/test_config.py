@@ -19,14 +19,16 @@ def test_off_by_default() -> None:
     ns = parse()
     assert ns.kv_events_endpoint is None and ns.kv_events_format == "map"
     assert ns.kv_events_topic == "kv-events" and ns.kv_events_buffer_steps == 10_000
-    assert ns.kv_events_batch_window_ms == 10.0
+    assert ns.kv_events_batch_window_ms == 10.0 and ns.kv_events_token_ids is True
+    assert parse("--no-kv-events-token-ids").kv_events_token_ids is False
     assert build_kv_events_subscriber(ns, CollectorRegistry()) is None
 
 
 def test_flags_build_a_publishing_subscriber() -> None:
     ns = parse("--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint",
                "tcp://127.0.0.1:*", "--kv-events-topic", "t", "--kv-events-format", "array",
-               "--kv-events-buffer-steps", "5", "--kv-events-batch-window-ms", "0.5")
+               "--kv-events-buffer-steps", "5", "--kv-events-batch-window-ms", "0.5",
+               "--no-kv-events-token-ids")
     ns.chunk_size = 64
     reg = CollectorRegistry()
     sub = build_kv_events_subscriber(ns, reg)
@@ -35,6 +37,7 @@ def test_flags_build_a_publishing_subscriber() -> None:
         assert isinstance(sub.publisher, ZmqEventPublisher)
         assert sub.publisher.topic == "t" and sub.publisher.replay_endpoint is not None
         assert sub.chunk_size == 64 and sub.publisher.batch_window_s == 0.0005
+        assert sub.token_ids is False
         assert reg.get_sample_value("kvcache_kv_events_dropped_batches_total") == 0.0
     finally:
         sub.shutdown()

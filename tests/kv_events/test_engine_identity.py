@@ -79,3 +79,34 @@ def test_a_continuation_store_hangs_under_the_previous_chunk(rig: Rig) -> None:
         ((fold64(k[0]), fold64(k[1])), None),
         ((fold64(k[2]), fold64(k[3])), fold64(k[1])),
     ]
+
+
+def test_chunk_keyed_blocks_carry_their_tokens_in_every_tier(tmp_path: Path) -> None:
+    """vLLM's BlockStored carries block_size x len(block_hashes) token ids; so do ours, in
+    both media (routers that hash tokens themselves need them)."""
+    rig = Rig(tmp_path)
+    try:
+        tokens = prompt(3)
+        rig.engine.store(0, tokens[:CS], list(range(NB)))
+        rig.engine.store(0, tokens, list(range(NB)))
+        stored = [e for e in rig.settle() if e[0] == "BlockStored"]
+        for _, medium, hashes, block_size, _, toks in stored:
+            assert len(toks) == block_size * len(hashes), medium
+        cpu = [e for e in stored if e[1] == "CPU"]
+        assert [e[5] for e in cpu] == [tuple(tokens[:CS]), tuple(tokens[CS:])]
+        by_hash = {e[2][0]: e[5] for e in stored if e[1] == "STORAGE"}
+        k = rig.keys(tokens)
+        assert by_hash == {fold64(k[i]): tuple(tokens[i * CS : (i + 1) * CS]) for i in range(3)}
+    finally:
+        rig.close()
+
+
+def test_token_ids_can_be_left_off_the_wire() -> None:
+    rig = Rig(token_ids=False)
+    try:
+        rig.engine.store(0, prompt(2), list(range(NB)), block_hashes=list(range(100, 104)))
+        rig.engine.store(0, prompt(2, seed=2), list(range(NB)))
+        stored = [e for e in rig.settle() if e[0] == "BlockStored"]
+        assert len(stored) == 2 and all(e[5] == () for e in stored)
+    finally:
+        rig.close()

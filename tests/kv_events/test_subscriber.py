@@ -184,9 +184,9 @@ def test_engine_block_hashes_become_the_identity_in_every_tier(setup) -> None:  
     assert pub.events() == [
         ("BlockStored", "CPU", (10, 11), 16, None, tuple(range(32))),
         ("BlockStored", "CPU", (30, 31), 16, 21, tuple(range(32, 64))),
-        ("BlockStored", "STORAGE", (10, 11), 16, None, ()),
+        ("BlockStored", "STORAGE", (10, 11), 16, None, tuple(range(32))),  # tokens kept while held
         ("BlockRemoved", "CPU", (10, 11)),
-        ("BlockStored", "CPU", (10, 11), 16, None, ()),
+        ("BlockStored", "CPU", (10, 11), 16, None, tuple(range(32))),
         ("BlockRemoved", "STORAGE", (10, 11)),
         ("BlockRemoved", "CPU", (10, 11)),
         ("BlockStored", "CPU", f(K1), CS, None, ()),
