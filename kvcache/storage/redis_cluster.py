@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 
 from kvcache.errors import CorruptChunkError, StorageError
@@ -49,6 +50,10 @@ from kvcache.storage.redis_url import RedisURLError, parse_redis_url
 
 logger = logging.getLogger(__name__)
 _SHARD_DOWN_REASONS = ("unavailable", "timeout")
+# Refusals that a live master answers with (CLUSTERDOWN while any slot is unserved under
+# cluster-require-full-coverage yes, TRYAGAIN during a migration): they fail the keys but
+# never put the master into fail-fast, or a failover elsewhere would silence it.
+_ANSWERED = (ClusterDownError, TryAgainError)
 
 
 class ShardHealth:
@@ -291,7 +296,9 @@ class RedisClusterL2Adapter(L2Adapter):
         for i, reply in zip(indices, replies, strict=True):
             if isinstance(reply, Exception):
                 reply = storage_failure(reply, op, "shard", where)
-                if failure_reason(reply) in _SHARD_DOWN_REASONS:
+                if failure_reason(reply) in _SHARD_DOWN_REASONS and not isinstance(
+                    reply.__cause__, _ANSWERED
+                ):
                     down = reply
             results[i] = reply
         if down is not None:

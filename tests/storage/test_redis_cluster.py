@@ -38,7 +38,11 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def adapter(cluster: LocalRedisCluster, **kw: object) -> RedisClusterL2Adapter:
     prefix = f"t{uuid.uuid4().hex[:8]}:"  # the module's tests share one cluster
     return RedisClusterL2Adapter(
-        cluster.url, key_prefix=prefix, socket_timeout_s=0.5, connect_timeout_s=0.5, **kw  # type: ignore[arg-type]
+        cluster.url,
+        key_prefix=prefix,
+        socket_timeout_s=0.5,
+        connect_timeout_s=0.5,
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -208,6 +212,41 @@ def test_unreachable_cluster_then_a_master_killed_mid_run() -> None:
     finally:
         tier.close()
         cluster.close()
+
+
+def test_a_live_master_refusing_during_a_failover_is_not_failed_fast(
+    fresh_cluster: LocalRedisCluster,
+) -> None:
+    """While a dead master's slots wait for its replica, the live masters answer CLUSTERDOWN
+    (``cluster-require-full-coverage yes``, Redis's default). That fails their keys for the
+    moment, but must not put them into fail-fast: the whole tier would stay silent for the
+    retry interval after the cluster is whole again."""
+    cluster = fresh_cluster
+    a = adapter(cluster, shard_retry_s=600)
+    try:
+        victim, live = cluster.masters()[:2]
+        table = cluster.slot_map()
+
+        def owner(k: int) -> int:
+            slot = key_slot(chunk_name(a.key_prefix, k))
+            return next(m for lo, hi, m, _ in table if lo <= slot <= hi)
+
+        keys = [k for k in range(1, 200) if owner(k) == live][:8]
+        chunks = {k: chunk(k) for k in keys}
+        assert len(keys) == 8
+        assert all(isinstance(r, int) for r in a.store_many([(k, chunks[k], None) for k in keys]))
+        cluster.kill(victim)
+        wait_until(lambda: cluster.client(live).cluster("info")["cluster_state"] == "fail", 10,
+                   "the live master to see the dead one's slots unserved")  # fmt: skip
+        refused = [r for r in a.load_many([(k, torch.empty_like(chunks[k])) for k in keys]) if r is not True]
+        assert all("ClusterDownError" in str(r) and failure_scope(r) == "shard" for r in refused), refused
+        cluster.wait_promoted(victim)
+        outs = {k: torch.empty_like(chunks[k]) for k in keys}
+        assert a.load_many([(k, outs[k]) for k in keys]) == [True] * len(keys)  # at once
+        assert all(same(outs[k], chunks[k]) for k in keys)
+        assert f"127.0.0.1:{live}" not in a.info()["shards_down"]
+    finally:
+        a.close()
 
 
 def test_start_cluster_helper_skips_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
