@@ -16,7 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "transfer": ("kvcache.bench.transfer", "main", "block-id copies vs memcpy / cudaMemcpy ceilings"),
     "events": ("kvcache.bench.events", "main", "event bus publish latency and dispatch rate"),
     "l1": ("kvcache.bench.storage", "main_l1", "engine store/retrieve through L1 vs raw transfer"),
-    "l2": ("kvcache.bench.storage", "main_l2", "disk and Redis L2 throughput"),
+    "l2": ("kvcache.bench.storage", "main_l2", "disk and Redis L2 throughput; --redis-cluster: vs a cluster"),
     "daemon": ("kvcache.bench.daemon", "main", "lookup RTT and throughput through the daemon"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
 }

@@ -4,7 +4,8 @@
 off) against the raw transfer (``GPUCacheContext`` copies into preallocated chunks) for the same
 bytes; the target is engine >= 0.7 x raw. Also the latency of a lookup of a 32k-token prompt
 (target <= 1 ms). ``l2``: the disk tier against a ``dd``-style sequential write of the same
-bytes, and Redis on loopback (a throwaway ``redis-server`` unless ``--redis-url`` is given).
+bytes, and Redis on loopback (a throwaway ``redis-server`` unless ``--redis-url`` is given);
+``l2 --redis-cluster``: one Redis server against a Redis Cluster (``l2_cluster``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def _args(argv: list[str], l2: bool) -> argparse.Namespace:
         p.add_argument("--dir", help="disk tier directory (default: a temp dir under /tmp)")
         p.add_argument("--redis-url", help="use this server instead of starting redis-server")
         p.add_argument("--no-redis", action="store_true")
+        from kvcache.bench.l2_cluster import add_cluster_args  # imports redis-py: l2 only
+
+        add_cluster_args(p)
     return p.parse_args(argv)
 
 
@@ -168,6 +172,11 @@ def main_l2(argv: list[str]) -> int:
     ctx = GPUCacheContext(_caches(a, a.chunk_size // a.block_size, 1), chunk_size=a.chunk_size)
     chunk = ctx.allocate_chunks(1)[0]
     chunk.view(torch.uint8).copy_(torch.randint(0, 256, chunk.view(torch.uint8).shape, dtype=torch.uint8))
+    if a.redis_cluster:  # one Redis server against a Redis Cluster, nothing else
+        from kvcache.bench.l2_cluster import run
+
+        _emit(run(a, chunk), a.json)
+        return 0
     nbytes = a.chunks * chunk.numel() * chunk.element_size()
     root = a.dir or tempfile.mkdtemp(prefix="kvcache-bench-l2-")
     rows: list[dict[str, Any]] = []
