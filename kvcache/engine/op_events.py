@@ -10,11 +10,12 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
-from kvcache.observability.event import ChunkKey, Event, EventSink, EventType
+from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType
 
 if TYPE_CHECKING:
     from kvcache.engine.store import StoreResult
@@ -115,4 +116,28 @@ def chunk_write_metadata(
     return meta
 
 
-__all__ = ["OpEvents", "chunk_write_metadata"]
+def chunk_identities(meta: dict[str, Any], chunk_size: int) -> list[bytes]:
+    """Per written chunk, its encoded ``ChunkIdentity``: the ``chunk_write_metadata`` facts of
+    that chunk, for the tiers that keep them with the chunk (``L2Adapter.keeps_meta``)."""
+    tokens: list[int] = meta["token_ids"]
+    hashes: list[int] = meta.get("block_hashes", [])
+    parents: list[int | None] = meta.get("parent_block_hashes", [])
+    block_size: int = meta.get("block_size", 0)
+    out: list[bytes] = []
+    n = len(meta["parent_keys"])
+    bpc = len(hashes) // n if n else 0
+    for i, parent_key in enumerate(meta["parent_keys"]):
+        ident = ChunkIdentity(
+            parent_key=parent_key.to_bytes(16, "little") if parent_key is not None else b"",
+            token_ids=tokens[i * chunk_size : (i + 1) * chunk_size],
+            block_hashes=hashes[i * bpc : (i + 1) * bpc],
+            block_size=block_size if bpc else 0,
+            parent_block_hash=parents[i] if bpc else None,
+        )
+        out.append(_encode(ident))
+    return out
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+__all__ = ["OpEvents", "chunk_identities", "chunk_write_metadata"]

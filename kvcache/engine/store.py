@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
-from kvcache.engine.op_events import chunk_write_metadata
+from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
 from kvcache.errors import DeadlineExceededError
 from kvcache.observability.event import ChunkKey, EventType
@@ -82,13 +82,14 @@ def store(
         if new:
             indices = [pos + i for i, _ in res.new]
             try:
-                elapsed += _copy_in(parts, inst, ids, keys, indices, new, token_ids, block_hashes)
+                seconds, metas = _copy_in(parts, inst, ids, keys, indices, new, token_ids, block_hashes)
+                elapsed += seconds
             except Exception:  # earlier batches stay stored; the rest of the request is lost
                 cs = parts.config.chunk_size
                 lost = StoreResult(stored, skipped, len(keys) - stored - skipped, stored * cs)
                 parts.events.store_end(inst, sid, num_tokens, lost, 0, elapsed, False)
                 raise
-            _write_through(parts, new, deadline)
+            _write_through(parts, new, deadline, metas)
         stored += len(new)
         pos += res.settled
     result = StoreResult(stored, skipped, failed, stored * parts.config.chunk_size)
@@ -107,10 +108,11 @@ def _copy_in(
     new: list[L1Entry],
     token_ids: IntArray,
     block_hashes: Sequence[int] | None,
-) -> float:
+) -> tuple[float, list[bytes]]:
     """Copy the engine blocks of ``chunk_indices`` into their fresh slots and publish them
-    (pinned once per tier for the write-through first); returns the copy's seconds. On a
-    failed copy the slots are freed and the error propagates."""
+    (pinned once per tier for the write-through first); returns the copy's seconds and, when
+    a tier keeps them, each chunk's encoded ``ChunkIdentity``. On a failed copy the slots are
+    freed and the error propagates."""
     ctx = inst.ctx
     bpc = ctx.blocks_per_chunk
     sel = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i in chunk_indices])
@@ -127,20 +129,23 @@ def _copy_in(
         keys, chunk_indices, bpc, ctx.block_size, parts.config.chunk_size, token_ids, block_hashes
     )
     parts.pool.finish(new, True, extra)
-    return elapsed
+    keep = any(tier.adapter.keeps_meta for tier in parts.tiers)
+    return elapsed, chunk_identities(extra, parts.config.chunk_size) if keep else []
 
 
-def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float) -> None:
+def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float, metas: list[bytes]) -> None:
     """Queue each new chunk to every tier; a busy tier gets until ``deadline`` (the store's
-    own wait bound) to make room, so a burst of stores is slowed down rather than dropped."""
+    own wait bound) to make room, so a burst of stores is slowed down rather than dropped.
+    ``metas`` (aligned with ``entries``, or empty) go to the tiers that keep them."""
     for tier in parts.tiers:
-        for entry in entries:
+        for i, entry in enumerate(entries):
 
             def done(ok: bool, entry: L1Entry = entry) -> None:
                 parts.pool.release([entry])
 
             wait_s = max(0.0, deadline - time.monotonic())
-            if not tier.submit_store(entry.key, entry.tensor, done, wait_s):
+            meta = metas[i] if metas and tier.adapter.keeps_meta else b""
+            if not tier.submit_store(entry.key, entry.tensor, done, wait_s, meta):
                 parts.pool.release([entry])
 
 

@@ -59,7 +59,7 @@ from kvcache.kv_events.messages import (
 )
 from kvcache.kv_events.publisher import EventPublisher
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import ChunkKey, Event, EventType
+from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventType
 from kvcache.observability.instruments import MetricSet
 
 _L1 = 1  # bit 0 of a holding mask; L2 backends get bits 1, 2, ... in order of first sight
@@ -117,7 +117,7 @@ class KVEventsSubscriber(EventSubscriber):
             EventType.L1_KEYS_EVICTED: self._on_l1_evicted,
             EventType.L1_CLEARED: self._on_l1_cleared,
             EventType.L2_STORE_FINISHED: self._on_l2_store,
-            EventType.L2_KEYS_FOUND: self._on_l2_store,  # a restarted disk tier's contents
+            EventType.L2_KEYS_FOUND: self._on_l2_found,  # a restarted disk tier's contents
             EventType.L2_KEYS_EVICTED: self._on_l2_evicted,
             EventType.L2_LOAD_FAILED: self._on_l2_load_failed,
             EventType.L2_CLEARED: self._on_l2_cleared,
@@ -159,6 +159,20 @@ class KVEventsSubscriber(EventSubscriber):
                 new.append(k)
             self._held[k] = mask | bit
         self._send(event, self._stored(new, MEDIUM_STORAGE))
+
+    def _on_l2_found(self, event: Event) -> None:
+        """A restarted tier's chunks, announced as they were before the restart (their
+        ``ChunkIdentity``; chunks without one are announced by key, as roots)."""
+        md = event.metadata
+        keys: list[ChunkKey] = md.get("keys", [])
+        identities: list[ChunkIdentity | None] = md.get("identities") or []
+        if len(identities) == len(keys):
+            found = [(k, i) for k, i in zip(keys, identities, strict=True) if i is not None]
+            # Engine-keyed first: a chunk-keyed continuation of one resolves its parent to it.
+            for k, ident in sorted(found, key=lambda ki: not ki[1].block_hashes):
+                if k not in self._ident:
+                    self._ident[k] = self._from_identity(k, ident)
+        self._on_l2_store(event)
 
     def _on_l2_evicted(self, event: Event) -> None:
         bit = self._bit(event.metadata.get("backend", ""))
@@ -248,6 +262,15 @@ class KVEventsSubscriber(EventSubscriber):
                 assert parent_keys is not None
                 ident = _Identity((fold64(k),), self._wire_parent(parent_keys[i]), cs, toks)
             self._ident[k] = ident
+
+    def _from_identity(self, key: ChunkKey, ident: ChunkIdentity) -> _Identity:
+        cs = self.chunk_size
+        tokens = ident.token_ids if self.token_ids and len(ident.token_ids) == cs else None
+        toks = array("q", tokens) if tokens is not None else None
+        if ident.block_hashes:
+            block_size = ident.block_size or cs // len(ident.block_hashes)
+            return _Identity(tuple(ident.block_hashes), ident.parent_block_hash, block_size, toks)
+        return _Identity((fold64(key),), self._wire_parent(ident.parent_chunk_key), cs, toks)
 
     def _wire_parent(self, parent_key: ChunkKey | None) -> int | None:
         """The hash a chunk's parent was announced under (its last block's)."""

@@ -58,6 +58,29 @@ class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):
     new_token_ids: list[int]
 
 
+class ChunkIdentity(msgspec.Struct, frozen=True, gc=False, array_like=True, omit_defaults=True):
+    """What KV events announce one chunk as, kept with the chunk by a tier that persists it
+    (the disk tier's record header) so a restarted daemon announces it as before.
+
+    Written by the store path from the same facts as ``L1_WRITE_FINISHED`` (EVENTS.md), read
+    back in ``L2_KEYS_FOUND``. Without ``block_hashes`` the chunk is announced as its key
+    folded to 64 bits, under the hash its parent chunk was announced with; with them, as
+    those engine blocks of ``block_size`` tokens under ``parent_block_hash``.
+    """
+
+    parent_key: bytes = b""
+    """The chunk key just before this chunk in its prompt, 16 bytes little-endian (msgpack
+    ints stop at 64 bits); empty at the prompt start."""
+    token_ids: list[int] = []
+    block_hashes: list[int] = []
+    block_size: int = 0
+    parent_block_hash: int | None = None
+
+    @property
+    def parent_chunk_key(self) -> ChunkKey | None:
+        return int.from_bytes(self.parent_key, "little") if self.parent_key else None
+
+
 @dataclass(slots=True)
 class Event:
     """One observable fact.
@@ -91,4 +114,12 @@ class NullEventSink:
         return None
 
 
-__all__ = ["BlockAllocationRecord", "ChunkKey", "Event", "EventSink", "EventType", "NullEventSink"]
+__all__ = [
+    "BlockAllocationRecord",
+    "ChunkIdentity",
+    "ChunkKey",
+    "Event",
+    "EventSink",
+    "EventType",
+    "NullEventSink",
+]

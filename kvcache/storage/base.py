@@ -61,6 +61,9 @@ class L2Adapter(ABC):
     max_batch: int = 1
     #: Most bytes of chunks in one batch (a batch always holds at least one chunk).
     max_batch_bytes: int = 64 << 20
+    #: Whether ``store_many_with_meta`` keeps each chunk's meta with it. The disk tier does:
+    #: it survives a restart of the daemon.
+    keeps_meta: bool = False
 
     @abstractmethod
     def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
@@ -103,6 +106,14 @@ class L2Adapter(ABC):
             except Exception as exc:
                 out.append(exc)
         return out
+
+    def store_many_with_meta(
+        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+    ) -> list[int | Exception]:
+        """``store_many``, keeping each item's ``meta`` (its encoded ``ChunkIdentity``) with
+        the chunk where the tier can (``keeps_meta``), so a restarted tier reports it in
+        ``L2_KEYS_FOUND`` and KV events announce the chunk as before. The default drops it."""
+        return self.store_many(items)
 
     def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
         """``load`` each item; per item hit/miss or the exception it failed with."""

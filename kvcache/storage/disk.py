@@ -31,12 +31,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from kvcache.errors import CorruptChunkError
-from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType, NullEventSink
 from kvcache.storage import codec
-from kvcache.storage.base import Announce, L2Adapter, storage_error
+from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
 
 _SUFFIX = ".kvc"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -48,6 +49,7 @@ class DiskL2Adapter(L2Adapter):
     """Chunk files under ``path``; at most ``size_bytes`` of them (LRU beyond that)."""
 
     backend = "disk"
+    keeps_meta = True
 
     def __init__(self, path: str, size_bytes: int, bus: EventSink | None = None) -> None:
         self.path = os.path.abspath(path)
@@ -66,6 +68,23 @@ class DiskL2Adapter(L2Adapter):
 
     # -- L2Adapter ------------------------------------------------------------------------
     def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
+        return self.store_with_meta(key, chunk, announce, b"")
+
+    def store_many_with_meta(
+        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+    ) -> list[int | Exception]:
+        out: list[int | Exception] = []
+        for (key, chunk, announce), meta in zip(items, metas, strict=True):
+            try:
+                out.append(self.store_with_meta(key, chunk, announce, meta))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def store_with_meta(
+        self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None, meta: bytes
+    ) -> int:
+        """``store``, with ``meta`` in the record's header (``codec``, version 2)."""
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -73,7 +92,7 @@ class DiskL2Adapter(L2Adapter):
                     announce(0)
                 return 0
         payload = codec.tensor_bytes(chunk)
-        header = codec.encode_header(key, chunk, payload)
+        header = codec.encode_header(key, chunk, payload, meta)
         size = len(header) + len(payload)
         if size > self.size_bytes:
             raise storage_error(f"chunk of {size} bytes exceeds the disk tier ({self.size_bytes})", "io")
@@ -162,6 +181,8 @@ class DiskL2Adapter(L2Adapter):
                 header = codec.decode_header(head)
                 codec.check_fits(header, key, out)
                 buf = codec.out_buffer(out)
+                if header.header_len > len(head):  # a long meta: the payload starts further on
+                    f.seek(header.header_len)
                 got = head[header.header_len :]
                 buf[: len(got)] = got
                 filled = len(got)
@@ -235,9 +256,27 @@ class DiskL2Adapter(L2Adapter):
                 self._index[key] = size
                 self.used_bytes += size
             self._evict_over_limit()  # the limit may have shrunk since last run
-            if self._index:  # tell holdings trackers (KV events) what survived the restart
-                meta = {"backend": self.backend, "keys": list(self._index), "num_bytes": self.used_bytes}
-                self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
+            keys = list(self._index)
+            used = self.used_bytes
+        if keys:  # tell holdings trackers (KV events) what survived the restart, and as what
+            identities = [] if isinstance(self._bus, NullEventSink) else [self._identity(k) for k in keys]
+            meta = {"backend": self.backend, "keys": keys, "num_bytes": used, "identities": identities}
+            self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
+
+    def _identity(self, key: ChunkKey) -> ChunkIdentity | None:
+        """How KV events announced ``key`` before the restart (its file's meta); None for a
+        file without one (written by an older build) or one that cannot be read."""
+        try:
+            with open(self._file(key), "rb", buffering=0) as f:
+                head = f.read(codec.MAX_HEADER)
+                header = codec.decode_header(head)
+                if header.header_len > len(head):
+                    head += f.read(header.header_len - len(head))
+                meta = codec.decode_meta(head, header)
+            return msgspec.msgpack.decode(meta, type=ChunkIdentity) if meta else None
+        except (OSError, CorruptChunkError, msgspec.DecodeError) as exc:
+            log.debug("disk tier %s: no identity for %032x: %s", self.path, key, exc)
+            return None
 
     def _evict_over_limit(self) -> None:
         """Drop least-recently-used files until the tier fits; the caller holds the lock."""

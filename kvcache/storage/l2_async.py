@@ -48,6 +48,7 @@ class _Job(NamedTuple):
     key: ChunkKey
     tensor: torch.Tensor
     done: Done
+    meta: bytes = b""
 
 
 class AsyncL2:
@@ -132,8 +133,11 @@ class AsyncL2:
         self._log_failure(first, "lookup", "L2 %s lookup failed (%s): %s", self.backend, reason, first)
         return found
 
-    def submit_store(self, key: ChunkKey, chunk: torch.Tensor, done: Done, wait_s: float = 0.0) -> bool:
-        """Queue a write of ``chunk`` (which must stay valid until ``done`` runs).
+    def submit_store(
+        self, key: ChunkKey, chunk: torch.Tensor, done: Done, wait_s: float = 0.0, meta: bytes = b""
+    ) -> bool:
+        """Queue a write of ``chunk`` (which must stay valid until ``done`` runs), with ``meta``
+        (see ``L2Adapter.store_many_with_meta``) for a tier that ``keeps_meta``.
 
         A healthy tier with ``max_inflight`` writes queued gets up to ``wait_s`` to make room
         (back-pressure rather than loss). Returns False, without calling ``done``, when the
@@ -148,7 +152,7 @@ class AsyncL2:
                 Event(EventType.L2_STORE_FAILED, {"backend": self.backend, "keys": [key], "reason": reason})
             )
             return False
-        self._enqueue("store", _Job(key, chunk, done))
+        self._enqueue("store", _Job(key, chunk, done, meta))
         return True
 
     def submit_load(self, key: ChunkKey, out: torch.Tensor, done: Done, wait_s: float = 0.0) -> bool:
@@ -277,7 +281,9 @@ class AsyncL2:
         try:
             if op == "store":
                 items = [(j.key, j.tensor, self._announcer(j.key, lap)) for j in jobs]
-                results: list[Any] = list(self.adapter.store_many(items))
+                metas = [j.meta for j in jobs]
+                stored = self.adapter.store_many_with_meta(items, metas) if any(metas) else None
+                results: list[Any] = list(stored if stored is not None else self.adapter.store_many(items))
             else:
                 results = list(self.adapter.load_many([(j.key, j.tensor) for j in jobs]))
         except Exception as exc:  # an adapter that breaks the per-item promise fails them all

@@ -110,3 +110,43 @@ def test_token_ids_can_be_left_off_the_wire() -> None:
         assert len(stored) == 2 and all(e[5] == () for e in stored)
     finally:
         rig.close()
+
+
+def tree_edges(
+    events: list[tuple[str, ...]], medium: str
+) -> dict[int, tuple[int | None, int, tuple[int, ...]]]:
+    """What a router files per block from the BlockStored of ``medium``: block hash ->
+    (parent hash, block size, the block's tokens), however the blocks were grouped in events."""
+    out: dict[int, tuple[int | None, int, tuple[int, ...]]] = {}
+    for kind, med, hashes, block_size, parent, toks in events:
+        if kind != "BlockStored" or med != medium:
+            continue
+        for i, h in enumerate(hashes):
+            block_tokens = tuple(toks[i * block_size : (i + 1) * block_size])  # type: ignore[index, operator]
+            out[h] = (parent if i == 0 else hashes[i - 1], block_size, block_tokens)  # type: ignore[assignment]
+    return out
+
+
+def test_a_restarted_daemon_reannounces_disk_chunks_exactly_as_before(tmp_path: Path) -> None:
+    """Engine block hashes, tokens and continuation parents survive a restart in the disk
+    chunk files' headers: the restarted tier's BlockStored(STORAGE) file every block where
+    the first run filed it."""
+    base = prompt(3)
+    rig = Rig(tmp_path)
+    try:
+        rig.engine.store(0, base[: 2 * CS], list(range(NB)), block_hashes=list(range(500, 504)))
+        rig.engine.store(0, base, list(range(NB)))  # chunk 2 continues them, without hashes
+        other = prompt(2, seed=3)
+        rig.engine.store(0, other[:CS], list(range(NB)))
+        rig.engine.store(0, other, list(range(NB)))  # chunk-keyed continuation
+        before = tree_edges(rig.settle(), "STORAGE")
+    finally:
+        rig.close()
+    assert len(before) == 4 + 1 + 2 and before[500] == (None, BS, tuple(base[:BS]))
+
+    again = Rig(tmp_path)
+    try:
+        after = tree_edges(again.settle(), "STORAGE")
+    finally:
+        again.close()
+    assert after == before

@@ -59,3 +59,37 @@ def test_damage_is_detected() -> None:
         codec.check_payload(h, memoryview(bytes(flipped))[h.header_len :])
     with pytest.raises(CorruptChunkError, match="payload is"):
         codec.check_payload(h, memoryview(good)[h.header_len : -1])
+
+
+def test_a_record_with_meta_is_version_2_and_keeps_it() -> None:
+    t = torch.randn(2, 2, 16, 8)
+    payload = codec.tensor_bytes(t)
+    meta = b"announcement record" * 50
+    buf = codec.encode_header(KEY, t, payload, meta) + payload.tobytes()
+    h = codec.decode_header(buf[: codec.MAX_HEADER])  # the fixed part is enough to find the payload
+    assert int.from_bytes(buf[4:6], "little") == 2
+    assert codec.decode_meta(buf, h) == meta
+    codec.check_payload(h, buf[h.header_len :])
+    damaged = bytearray(buf)
+    damaged[h.header_len - 3] ^= 0xFF  # inside the meta
+    with pytest.raises(CorruptChunkError, match="meta"):
+        codec.decode_meta(bytes(damaged), codec.decode_header(bytes(damaged)))
+
+
+def test_a_version_1_record_written_by_an_older_build_still_reads() -> None:
+    """Built by hand from the documented v1 layout, not by ``encode_header``."""
+    import struct
+    import zlib
+
+    t = torch.randn(2, 2, 16, 8)
+    body = codec.tensor_bytes(t).tobytes()
+    fixed = "<4sHHQQ16sB"  # magic, version, header_len, key lo, key hi, dtype, ndim
+    size = struct.calcsize(fixed) + 4 * 8 + struct.calcsize("<QI")
+    head = struct.pack(fixed, b"KVC\x01", 1, size, KEY & (2**64 - 1), KEY >> 64, b"float32", 4)
+    head += struct.pack("<4Q", 2, 2, 16, 8) + struct.pack("<QI", len(body), zlib.crc32(body))
+    h = codec.decode_header(head + body)
+    assert (h.key, h.shape, h.header_len) == (KEY, (2, 2, 16, 8), len(head))
+    assert codec.decode_meta(head + body, h) == b""
+    codec.check_payload(h, (head + body)[h.header_len :])
+    # and a record without meta is still written as version 1 (older readers share Redis)
+    assert codec.encode_header(KEY, t, codec.tensor_bytes(t)) == head

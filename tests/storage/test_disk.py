@@ -264,3 +264,39 @@ def test_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
     os.chmod(shared, 0o755)
     DiskL2Adapter(str(shared), 1 << 20)  # an existing directory of ours is closed too
     assert shared.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_restart_reads_back_each_chunks_identity_and_old_files_still_load(tmp_path: Path) -> None:
+    """Version-2 files give their ``ChunkIdentity`` back in ``L2_KEYS_FOUND`` (a long one
+    too: the payload starts past the first header read); a version-1 file left by an older
+    build still loads and is found without one."""
+    import msgspec
+
+    from kvcache.observability.event import ChunkIdentity
+    from kvcache.storage import codec
+
+    first = DiskL2Adapter(str(tmp_path), 1 << 24)
+    long_ident = ChunkIdentity(
+        parent_key=(7 << 100).to_bytes(16, "little"), token_ids=list(range(70_000, 72_000))
+    )
+    short_ident = ChunkIdentity(block_hashes=[-1, 2**63 - 1], block_size=16, token_ids=[1] * 32)
+    first.store_with_meta(1, chunk(1), None, msgspec.msgpack.encode(long_ident))
+    first.store_with_meta(2, chunk(2), None, msgspec.msgpack.encode(short_ident))
+    old = chunk(3)  # written as a build without meta wrote it: version 1, no meta
+    first.store(3, old)
+    assert (tmp_path / f"{3:032x}"[:2] / f"{3:032x}.kvc").read_bytes()[4:6] == (1).to_bytes(2, "little")
+    assert (
+        len(
+            codec.encode_header(1, chunk(1), codec.tensor_bytes(chunk(1)), msgspec.msgpack.encode(long_ident))
+        )
+        > codec.MAX_HEADER
+    )
+
+    sink = Sink()
+    again = DiskL2Adapter(str(tmp_path), 1 << 24, bus=sink)
+    (found,) = sink.of(EventType.L2_KEYS_FOUND)
+    by_key = dict(zip(found.metadata["keys"], found.metadata["identities"], strict=True))
+    assert by_key == {1: long_ident, 2: short_ident, 3: None}
+    for key, want in ((1, chunk(1)), (2, chunk(2)), (3, old)):
+        out = torch.empty_like(want)
+        assert again.load(key, out) and torch.equal(out, want)
