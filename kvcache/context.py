@@ -1,22 +1,22 @@
 """GPUCacheContext: one registered engine KV cache and the copies in and out of it.
 
 Registration does the expensive, fixed work once (layout detection, validation, the
-native page table of addresses, device buffers for block ids, the copy stream) so that
-each store or retrieve only stages block ids and launches one copy. Works for CUDA and
-CPU tensors alike: CPU caches go through the native CPU twin, CUDA caches through the
-kernels. Thread-safe: copies may be issued from several threads.
+native page table of addresses, the transfer handler with its device buffers and stream)
+so that each store or retrieve is one job submitted to that handler, which checks it and
+moves the bytes (``kvcache.transfer``: the native CPU twin on a worker thread for CPU
+caches, the kernels on the handler's stream for CUDA caches). The ``*_async`` methods
+return the job id; the plain ones wait for it. Thread-safe: copies may be issued from
+several threads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import torch
 
 from kvcache import _native
-from kvcache.errors import BlockIdError, ChunkMismatchError, CudaUnavailableError, LayoutError
+from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.layouts import (
     LAYOUT_ROWS,
     GPUKVFormat,
@@ -26,19 +26,11 @@ from kvcache.layouts import (
     detect_format,
     flatten_tensors,
 )
+from kvcache.transfer.base import BlockIds, Direction, TransferHandler, TransferJob
+from kvcache.transfer.cpu import CpuTransferHandler
+from kvcache.transfer.validate import ChunkGeometry
 
 DEFAULT_MAX_BLOCK_IDS = 1 << 20
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
-
-
-def _as_id_array(block_ids: BlockIds) -> np.ndarray:
-    if isinstance(block_ids, torch.Tensor):
-        arr = block_ids.detach().to("cpu", torch.int64).numpy()
-    else:
-        arr = np.asarray(block_ids, dtype=np.int64)
-    if arr.ndim != 1:
-        raise BlockIdError(f"block_ids must be one-dimensional, got shape {arr.shape}")
-    return np.ascontiguousarray(arr)
 
 
 class GPUCacheContext:
@@ -71,7 +63,6 @@ class GPUCacheContext:
         self._tensors = tensors  # keeps the engine memory alive while registered
         self._dtype = tensors[0].dtype
         self._device = tensors[0].device
-        self._num_threads = num_threads
         self._table = _native.PageTable(
             int(self._format),
             self._shape.num_layers,
@@ -79,19 +70,32 @@ class GPUCacheContext:
             self._shape.page_bytes,
             [t.data_ptr() for t in tensors],
         )
-        self._cuda: Any = None
-        self._stream: Any = None
-        if self._device.type == "cuda":
-            if not _native.cuda_compiled():
-                raise CudaUnavailableError(
-                    "CUDA tensors were registered but kvcache was built without CUDA "
-                    "(rebuild with KVCACHE_BUILD_CUDA=1)"
-                )
-            index = self._device.index if self._device.index is not None else 0
-            max_chunks = max(1, -(-max_block_ids // self.blocks_per_chunk))
-            self._cuda = _native.CudaTransfer(self._table, index, max_block_ids, max_chunks)
-            self._stream = torch.cuda.Stream(device=self._device)
         self._max_block_ids = max_block_ids
+        geometry = ChunkGeometry(
+            num_blocks=self._shape.num_blocks,
+            block_size=self._shape.block_size,
+            chunk_size=chunk_size,
+            kv_count=self._shape.kv_count,
+            num_layers=self._shape.num_layers,
+            token_width=self._shape.num_heads * self._shape.head_size,
+            dtype=self._dtype,
+            device=self._device,
+            max_block_ids=max_block_ids,
+        )
+        self._geometry = geometry
+        self._handler: TransferHandler = self._make_handler(geometry, num_threads)
+
+    def _make_handler(self, geometry: ChunkGeometry, num_threads: int) -> TransferHandler:
+        if self._device.type == "cpu":
+            return CpuTransferHandler(self._table, geometry, num_threads, owners=self._tensors)
+        if not _native.cuda_compiled():
+            raise CudaUnavailableError(
+                "CUDA tensors were registered but kvcache was built without CUDA "
+                "(rebuild with KVCACHE_BUILD_CUDA=1)"
+            )
+        from kvcache.transfer.cuda import CudaTransferHandler  # only CUDA caches need it
+
+        return CudaTransferHandler(self._table, geometry, owners=self._tensors)
 
     @staticmethod
     def _check_tensors(tensors: list[torch.Tensor]) -> None:
@@ -118,6 +122,11 @@ class GPUCacheContext:
     @property
     def shape(self) -> KVShape:
         return self._shape
+
+    @property
+    def geometry(self) -> ChunkGeometry:
+        """What every copy job must fit (chunk shape, dtype, device, id bounds)."""
+        return self._geometry
 
     @property
     def num_layers(self) -> int:
@@ -177,8 +186,7 @@ class GPUCacheContext:
         return list(self._tensors)
 
     def chunk_shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int]:
-        tokens = self._chunk_size if num_tokens is None else num_tokens
-        return (self.kv_count, self.num_layers, tokens, self.num_heads * self.head_size)
+        return self._geometry.chunk_shape(num_tokens)
 
     def chunk_nbytes(self, num_tokens: int | None = None) -> int:
         tokens = self._chunk_size if num_tokens is None else num_tokens
@@ -199,129 +207,57 @@ class GPUCacheContext:
         ]
 
     # -- copies ---------------------------------------------------------------------
+    @property
+    def transfer(self) -> TransferHandler:
+        """The handler every copy of this cache goes through (submit / poll / wait)."""
+        return self._handler
+
+    def copy_to_chunks_async(
+        self, block_ids: BlockIds, chunks: Sequence[torch.Tensor], skip_blocks: int = 0
+    ) -> int:
+        """Submit engine blocks -> chunks (store); returns the job id on ``transfer``.
+
+        Returns before the copy ran; a bad job (ids, chunks) is reported on its result.
+        """
+        return self._handler.submit(TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks))
+
+    def copy_from_chunks_async(
+        self, chunks: Sequence[torch.Tensor], block_ids: BlockIds, skip_blocks: int = 0
+    ) -> int:
+        """Submit chunks -> engine blocks (retrieve); returns the job id on ``transfer``.
+
+        On a CUDA cache the engine must not read these blocks before the job finished:
+        ``transfer.wait`` blocks the host, the CUDA handler's ``wait_on_stream`` only the
+        engine's stream.
+        """
+        return self._handler.submit(TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks))
+
     def copy_to_chunks(
         self, block_ids: BlockIds, chunks: Sequence[torch.Tensor], skip_blocks: int = 0
     ) -> None:
-        """Engine blocks -> chunks (store). The first ``skip_blocks`` ids are not copied."""
-        self._copy(block_ids, chunks, skip_blocks, to_chunks=True)
+        """Engine blocks -> chunks (store), waited for. The first ``skip_blocks`` ids are
+        not copied. Raises the job's typed error (nothing was written)."""
+        self._wait_one(self.copy_to_chunks_async(block_ids, chunks, skip_blocks))
 
     def copy_from_chunks(
         self, chunks: Sequence[torch.Tensor], block_ids: BlockIds, skip_blocks: int = 0
     ) -> None:
-        """Chunks -> engine blocks (retrieve). The first ``skip_blocks`` blocks are left as
-        they are: the engine already holds them."""
-        self._copy(block_ids, chunks, skip_blocks, to_chunks=False)
+        """Chunks -> engine blocks (retrieve), waited for. The first ``skip_blocks`` blocks
+        are left as they are: the engine already holds them."""
+        self._wait_one(self.copy_from_chunks_async(chunks, block_ids, skip_blocks))
 
     def synchronize(self) -> None:
-        """Wait for every copy this context issued (a no-op for CPU caches)."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        """Wait for every copy this context issued; their results stay on ``transfer``."""
+        self._handler.drain()
 
-    def _copy(
-        self, block_ids: BlockIds, chunks: Sequence[torch.Tensor], skip_blocks: int, to_chunks: bool
-    ) -> None:
-        ids = _as_id_array(block_ids)
-        chunk_list = list(chunks)
-        last_blocks = self._check_chunks(chunk_list)
-        expected = (len(chunk_list) - 1) * self.blocks_per_chunk + last_blocks
-        if len(ids) != expected:
-            raise ChunkMismatchError(
-                f"{len(chunk_list)} chunk(s) hold {expected} blocks but {len(ids)} block ids were given"
-            )
-        if not 0 <= skip_blocks <= len(ids):
-            raise ChunkMismatchError(f"skip_blocks={skip_blocks} is outside [0, {len(ids)}]")
-        self._check_ids(ids)
-        ptrs = [c.data_ptr() for c in chunk_list]
-        try:
-            if self._cuda is None:
-                _native.cpu_copy(
-                    self._table,
-                    ids,
-                    ptrs,
-                    self.blocks_per_chunk,
-                    last_blocks,
-                    skip_blocks,
-                    to_chunks,
-                    self._num_threads,
-                )
-            else:
-                self._stream.wait_stream(torch.cuda.current_stream(self._device))
-                self._cuda.copy(
-                    ids,
-                    ptrs,
-                    self.blocks_per_chunk,
-                    last_blocks,
-                    skip_blocks,
-                    to_chunks,
-                    self._stream.cuda_stream,
-                )
-                self._stream.synchronize()
-        except _native.BlockIdOutOfRange as err:  # defence in depth: native re-checks
-            raise BlockIdError(str(err)) from err
-        except _native.CudaUnavailable as err:
-            raise CudaUnavailableError(str(err)) from err
-        except ValueError as err:
-            raise ChunkMismatchError(str(err)) from err
+    def close(self) -> None:
+        """Finish the copies in flight and refuse new ones (idempotent)."""
+        self._handler.close()
 
-    def _check_ids(self, ids: np.ndarray) -> None:
-        if len(ids) == 0:
-            return
-        bad = np.flatnonzero((ids < 0) | (ids >= self.num_blocks))
-        if len(bad):
-            pos = int(bad[0])
-            raise BlockIdError(
-                f"block id {int(ids[pos])} at position {pos} is outside [0, {self.num_blocks}); "
-                "nothing was copied"
-            )
-
-    def _check_chunks(self, chunks: list[torch.Tensor]) -> int:
-        """Validates every chunk and returns the number of blocks in the last one."""
-        if not chunks:
-            raise ChunkMismatchError("no chunks given")
-        bs = self.block_size
-        last_blocks = 0
-        for i, c in enumerate(chunks):
-            if c.dtype != self._dtype:
-                raise ChunkMismatchError(f"chunk {i} has dtype {c.dtype}, the cache {self._dtype}")
-            if not c.is_contiguous():
-                raise ChunkMismatchError(f"chunk {i} is not contiguous")
-            if (
-                c.dim() != 4
-                or tuple(c.shape[:2]) != (self.kv_count, self.num_layers)
-                or c.shape[3] != self.num_heads * self.head_size
-            ):
-                raise ChunkMismatchError(
-                    f"chunk {i} has shape {tuple(c.shape)}, expected {self.chunk_shape()} "
-                    "(the token axis may be shorter for the last chunk)"
-                )
-            tokens = c.shape[2]
-            is_last = i == len(chunks) - 1
-            if (
-                (not is_last and tokens != self._chunk_size)
-                or tokens <= 0
-                or tokens % bs
-                or (tokens > self._chunk_size)
-            ):
-                raise ChunkMismatchError(
-                    f"chunk {i} holds {tokens} tokens: every chunk but the last must hold "
-                    f"{self._chunk_size}, and the last a whole number of {bs}-token blocks"
-                )
-            self._check_chunk_device(i, c)
-            last_blocks = tokens // bs
-        return last_blocks
-
-    def _check_chunk_device(self, i: int, c: torch.Tensor) -> None:
-        if self._device.type == "cpu":
-            if c.device.type != "cpu":
-                raise ChunkMismatchError(f"chunk {i} is on {c.device}; this cache is on the CPU")
-            return
-        if c.device.type == "cuda":
-            if c.device != self._device:
-                raise ChunkMismatchError(f"chunk {i} is on {c.device}, the cache on {self._device}")
-        elif not c.is_pinned():
-            raise ChunkMismatchError(
-                f"chunk {i} is in pageable host memory: CUDA copies need device or pinned chunks"
-            )
+    def _wait_one(self, job_id: int) -> None:
+        (result,) = self._handler.wait([job_id])
+        if result.error is not None:
+            raise result.error
 
     def __repr__(self) -> str:
         return (

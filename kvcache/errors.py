@@ -14,6 +14,8 @@ Each error also derives from the matching builtin, so callers that already catch
     ├── AccessDeniedError (PermissionError)  a wrong registration token, an unknown peer, a tenant limit
     ├── LimitExceededError (ValueError)   a configured bound (tensors, ids, instances) was hit
     ├── DeadlineExceededError (TimeoutError)  the caller's deadline passed before a copy began
+    ├── TransferError (RuntimeError)      a copy job failed on the device, or its handler is closed
+    ├── UnknownTransferError (KeyError)   a job id its handler never issued or already reported
     └── ProtocolError (ValueError)        a daemon message that cannot be decoded or is of another version
 """
 
@@ -69,6 +71,17 @@ class DeadlineExceededError(KvcacheError, TimeoutError):
     """The request's deadline passed before its copy could start; no byte was moved."""
 
 
+class TransferError(KvcacheError, RuntimeError):
+    """A copy job failed while it ran (a device fault), or was submitted to a closed handler."""
+
+
+class UnknownTransferError(KvcacheError, KeyError):
+    """A job id the transfer handler never issued, or whose result was already handed out."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown transfer job"
+
+
 class ProtocolError(KvcacheError, ValueError):
     """A wire message could not be decoded, or speaks another protocol version."""
 
@@ -85,5 +98,7 @@ __all__ = [
     "LimitExceededError",
     "ProtocolError",
     "StorageError",
+    "TransferError",
     "UnknownInstanceError",
+    "UnknownTransferError",
 ]

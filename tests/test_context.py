@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcache import GPUCacheContext, reference
-from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError
+from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError, TransferError
 from kvcache.layouts import GPUKVFormat
 from kvcache.testing import (
     ALL_FORMATS,
@@ -325,3 +325,35 @@ def test_cuda_many_chunks_one_call() -> None:
     ctx.copy_to_chunks(ids, chunks)
     want = reference.gather(caches, ctx.format, ctx.shape, ids)
     assert torch.equal(torch.cat(chunks, dim=2), want)
+
+
+# -- the asynchronous face: job ids on the context's transfer handler --------------------
+
+
+def test_async_copies_return_job_ids_on_the_contexts_handler() -> None:
+    ctx, caches = _ctx(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS)
+    ids, dst = _ids("scattered", 8), _ids("scattered", 8, seed=7)
+    chunks = _poisoned_chunks(ctx, 8)
+    want = reference.gather(caches, ctx.format, ctx.shape, ids).clone()  # type: ignore[arg-type]
+    store = ctx.copy_to_chunks_async(ids, chunks)
+    load = ctx.copy_from_chunks_async(chunks, dst)  # ordered after the store
+    results = ctx.transfer.wait([store, load])
+    assert [r.job_id for r in results] == [store, load] and all(r.ok for r in results)
+    got = reference.gather(caches, ctx.format, ctx.shape, dst)  # type: ignore[arg-type]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    bad = ctx.copy_from_chunks_async(chunks, [0, 1, NB, 2, 3, 4, 5, 6])
+    (result,) = ctx.transfer.wait([bad])
+    assert isinstance(result.error, BlockIdError)
+
+
+def test_results_count_blocks_past_the_skip_and_synchronize_drains() -> None:
+    ctx, _ = _ctx(GPUKVFormat.NL_X_NB_TWO_BS_NH_HS)
+    (result,) = ctx.transfer.wait([ctx.copy_to_chunks_async(range(4), ctx.allocate_chunks(1), skip_blocks=1)])
+    assert result.ok and result.blocks == 3 and result.bytes == 3 * BS * ctx.bytes_per_token
+    pending = [ctx.copy_to_chunks_async(range(4), ctx.allocate_chunks(1)) for _ in range(3)]
+    ctx.synchronize()
+    assert [r.job_id for r in ctx.transfer.get_finished()] == pending
+    assert ctx.geometry.chunk_shape() == ctx.chunk_shape()
+    ctx.close()
+    with pytest.raises(TransferError, match="closed"):
+        ctx.copy_to_chunks(range(4), ctx.allocate_chunks(1))

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvcache.context import GPUCacheContext
-from kvcache.errors import BlockIdError, ChunkMismatchError
+from kvcache.errors import ChunkMismatchError
+from kvcache.transfer.validate import block_id_array as checked_block_ids
 
 #: Token and block ids: a list, or a numpy int array (the daemon decodes packed arrays).
 IntArray = Sequence[int] | np.ndarray
@@ -29,16 +30,9 @@ def check_cover(ctx: GPUCacheContext, num_tokens: int, block_ids: IntArray) -> N
 
 
 def block_id_array(ctx: GPUCacheContext, block_ids: IntArray, n: int) -> np.ndarray:
-    """The first ``n`` block ids as int64, range-checked before anything is reserved."""
-    ids = np.asarray(block_ids[:n], dtype=np.int64)
-    if ids.ndim != 1:
-        raise BlockIdError(f"block_ids must be one-dimensional, got shape {ids.shape}")
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= ctx.num_blocks):
-        bad = int(np.flatnonzero((ids < 0) | (ids >= ctx.num_blocks))[0])
-        raise BlockIdError(
-            f"block id {int(ids[bad])} at position {bad} is outside [0, {ctx.num_blocks}); nothing was copied"
-        )
-    return ids
+    """The first ``n`` block ids as int64, range-checked before anything is reserved (by
+    the transfer boundary's own rule, so both refuse the same ids with the same error)."""
+    return checked_block_ids(block_ids[:n], ctx.num_blocks)
 
 
 __all__ = ["IntArray", "block_id_array", "check_cover"]

@@ -1,0 +1,136 @@
+"""The transfer contract: submit a copy job, poll or wait for its result.
+
+Separate from the handlers so that callers (the context, later the engine and the vLLM
+connector) depend on this file alone, and a new backend is one more file beside it.
+
+The life of a job, in call order::
+
+    job_id = handler.submit(TransferJob(...))    # returns at once; never waits on the copy
+    handler.get_finished()  -> [TransferResult]  # non-blocking poll: what finished since
+    handler.wait([job_id], timeout)  -> [...]    # or block until those jobs finished
+    handler.drain()                              # block until all submitted jobs finished
+    handler.close()                              # refuse new jobs, then drain
+
+Every result is handed out exactly once, by ``get_finished`` or by ``wait``; a handler
+keeps each finished result until then, so a caller must collect what it submits.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcache.errors import KvcacheError
+
+#: Block ids as callers hold them; the handler converts and checks them once, at submit.
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class Direction(enum.Enum):
+    """Which way the bytes go. Values are the names offload metrics use (store / load)."""
+
+    TO_CHUNKS = "store"  # engine blocks -> kvcache chunks
+    FROM_CHUNKS = "load"  # kvcache chunks -> engine blocks
+
+
+@dataclass(frozen=True, eq=False)
+class TransferJob:
+    """One copy between engine blocks and chunks, as the caller states it.
+
+    Chunk ``c`` takes block ids ``[c * blocks_per_chunk, ...)``; every chunk but the last
+    holds a full chunk, the last a whole number of blocks. The first ``skip_blocks`` ids
+    are left alone in both directions (the engine already holds them on a load). The job
+    keeps its chunk tensors alive until the copy has finished, so a caller may drop its
+    own references right after ``submit``; it must not change ``block_ids`` or the
+    chunks' contents before the job's result is out (a handler may read them late).
+    """
+
+    direction: Direction
+    block_ids: BlockIds
+    chunks: tuple[torch.Tensor, ...]
+    skip_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What became of one job: the source of offload statistics (bytes, seconds, blocks).
+
+    ``seconds`` is the copy's own time (worker start to end on a CPU, the stream's
+    elapsed time between the job's events on a GPU), not the time spent queued. A failed
+    job moved no bytes when it failed validation (``blocks`` and ``bytes`` are then 0);
+    ``error`` holds the typed error the synchronous API would have raised.
+    """
+
+    job_id: int
+    direction: Direction
+    blocks: int
+    bytes: int
+    seconds: float
+    error: KvcacheError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class TransferHandler(ABC):
+    """Moves bytes between one registered engine cache and chunks, asynchronously.
+
+    Thread rules: every method may be called from any thread; ``submit`` and the two
+    collectors may run concurrently. No callback ever runs on a copy or driver thread:
+    completion is only observed by ``get_finished`` and ``wait``, on the caller's thread.
+
+    Ordering: jobs on one handler take effect in submission order. A job starts after
+    every job submitted before it has finished, so it sees every byte they wrote (a load
+    of a chunk just stored reads the stored bytes; of two loads into one block the later
+    wins). ``get_finished`` reports results in that same order.
+
+    Errors: ``submit`` raises only when the handler is closed (``TransferError``). A job
+    that fails its checks (block id out of range or not an integer, ids that do not cover
+    the chunks, chunks that do not fit the cache) writes nothing and finishes in its
+    turn with the error on its result; so does a copy that fails while it runs.
+
+    Shutdown: ``close`` stops accepting jobs, then waits until every job already
+    submitted has finished (a copy in flight cannot be taken back safely, and a store
+    dropped half-way would lose data); their results stay collectable after ``close``.
+    """
+
+    @abstractmethod
+    def submit(self, job: TransferJob) -> int:
+        """Queue ``job``; returns its id (unique per handler, increasing) without waiting."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Results of the jobs finished since the last call, in submission order."""
+
+    @abstractmethod
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
+        """Block until every job in ``job_ids`` finished or ``timeout`` seconds passed.
+
+        Returns the results of those that finished, in the order of ``job_ids``; a job
+        still running is left out and reported by a later call. Raises
+        ``UnknownTransferError`` for an id never issued or already reported.
+        """
+
+    @abstractmethod
+    def drain(self) -> None:
+        """Block until every job submitted before the call has finished; their results
+        stay to be collected (what ``close`` waits for, without closing)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Refuse new jobs and wait for the submitted ones (idempotent)."""
+
+    def __enter__(self) -> TransferHandler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["BlockIds", "Direction", "TransferHandler", "TransferJob", "TransferResult"]

@@ -1,0 +1,189 @@
+"""Job checks at the transfer boundary: block ids and chunks are checked here, once.
+
+Separate from the handlers because every backend must refuse the same bad jobs with the
+same typed errors before any byte moves; the native code re-checks ids as defence in
+depth, and ``native_error`` is the one place its exceptions become kvcache errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcache import _native
+from kvcache.errors import (
+    BlockIdError,
+    ChunkMismatchError,
+    CudaUnavailableError,
+    KvcacheError,
+    LimitExceededError,
+    TransferError,
+)
+from kvcache.transfer.base import BlockIds, Direction, TransferJob
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """What a job must fit: one registered cache's sizes, built once by the context.
+
+    A chunk is ``[kv_count, num_layers, tokens, token_width]`` of ``dtype``; it holds at
+    most ``chunk_size`` tokens, a whole number of ``block_size``-token blocks.
+    """
+
+    num_blocks: int
+    block_size: int
+    chunk_size: int
+    kv_count: int
+    num_layers: int
+    token_width: int  # heads * head_size elements per token of one (kv, layer)
+    dtype: torch.dtype
+    device: torch.device
+    max_block_ids: int
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id moves: every layer and K/V of its tokens."""
+        return self.kv_count * self.num_layers * self.block_size * self.token_width * self.dtype.itemsize
+
+    def chunk_shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int]:
+        tokens = self.chunk_size if num_tokens is None else num_tokens
+        return (self.kv_count, self.num_layers, tokens, self.token_width)
+
+
+@dataclass(frozen=True)
+class CheckedJob:
+    """A job that passed every check, in the form the native copy takes."""
+
+    block_ids: np.ndarray  # int64, one-dimensional, contiguous, each in [0, num_blocks)
+    chunk_ptrs: list[int]
+    blocks_per_chunk: int
+    last_chunk_blocks: int
+    skip_blocks: int
+    to_chunks: bool
+    blocks: int  # ids past the skip: the blocks this job moves
+    nbytes: int
+
+
+def block_id_array(block_ids: BlockIds, num_blocks: int) -> np.ndarray:
+    """``block_ids`` as contiguous int64, each checked to lie in ``[0, num_blocks)``.
+
+    Raises ``BlockIdError`` for ids that are not integers (floats would be truncated
+    silently), not one-dimensional, or out of range, naming the first bad position.
+    """
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
+            raise BlockIdError(f"block ids must be integers, got a {block_ids.dtype} tensor")
+        arr = block_ids.detach().to("cpu", torch.int64).numpy()
+    else:
+        arr = np.asarray(block_ids)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise BlockIdError(f"block ids must be integers that fit int64, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise BlockIdError(f"block_ids must be one-dimensional, got shape {arr.shape}")
+    bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
+    if len(bad):
+        pos = int(bad[0])
+        raise BlockIdError(
+            f"block id {int(arr[pos])} at position {pos} is outside [0, {num_blocks}); nothing was copied"
+        )
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_job(job: TransferJob, geom: ChunkGeometry) -> CheckedJob:
+    """Every check a job needs before a byte moves; raises the typed error of the first
+    failure (chunks first, then how the ids cover them, then the ids themselves)."""
+    chunks = list(job.chunks)
+    last_blocks = _check_chunks(chunks, geom)
+    bpc = geom.blocks_per_chunk
+    expected = (len(chunks) - 1) * bpc + last_blocks
+    n = len(job.block_ids)
+    if n != expected:
+        raise ChunkMismatchError(
+            f"{len(chunks)} chunk(s) hold {expected} blocks but {n} block ids were given"
+        )
+    if n > geom.max_block_ids:
+        raise LimitExceededError(f"{n} block ids exceed the context's max_block_ids ({geom.max_block_ids})")
+    if not 0 <= job.skip_blocks <= n:
+        raise ChunkMismatchError(f"skip_blocks={job.skip_blocks} is outside [0, {n}]")
+    ids = block_id_array(job.block_ids, geom.num_blocks)
+    blocks = n - job.skip_blocks
+    return CheckedJob(
+        block_ids=ids,
+        chunk_ptrs=[c.data_ptr() for c in chunks],
+        blocks_per_chunk=bpc,
+        last_chunk_blocks=last_blocks,
+        skip_blocks=job.skip_blocks,
+        to_chunks=job.direction is Direction.TO_CHUNKS,
+        blocks=blocks,
+        nbytes=blocks * geom.bytes_per_block,
+    )
+
+
+def _check_chunks(chunks: list[torch.Tensor], geom: ChunkGeometry) -> int:
+    """Validates every chunk and returns the number of blocks in the last one."""
+    if not chunks:
+        raise ChunkMismatchError("no chunks given")
+    bs = geom.block_size
+    last_blocks = 0
+    for i, c in enumerate(chunks):
+        if c.dtype != geom.dtype:
+            raise ChunkMismatchError(f"chunk {i} has dtype {c.dtype}, the cache {geom.dtype}")
+        if not c.is_contiguous():
+            raise ChunkMismatchError(f"chunk {i} is not contiguous")
+        if (
+            c.dim() != 4
+            or tuple(c.shape[:2]) != (geom.kv_count, geom.num_layers)
+            or c.shape[3] != geom.token_width
+        ):
+            raise ChunkMismatchError(
+                f"chunk {i} has shape {tuple(c.shape)}, expected {geom.chunk_shape()} "
+                "(the token axis may be shorter for the last chunk)"
+            )
+        tokens = c.shape[2]
+        is_last = i == len(chunks) - 1
+        if (not is_last and tokens != geom.chunk_size) or not 0 < tokens <= geom.chunk_size or tokens % bs:
+            raise ChunkMismatchError(
+                f"chunk {i} holds {tokens} tokens: every chunk but the last must hold "
+                f"{geom.chunk_size}, and the last a whole number of {bs}-token blocks"
+            )
+        _check_chunk_device(i, c, geom.device)
+        last_blocks = tokens // bs
+    return last_blocks
+
+
+def _check_chunk_device(i: int, c: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        if c.device.type != "cpu":
+            raise ChunkMismatchError(f"chunk {i} is on {c.device}; this cache is on the CPU")
+        return
+    if c.device.type == "cuda":
+        if c.device != device:
+            raise ChunkMismatchError(f"chunk {i} is on {c.device}, the cache on {device}")
+    elif not c.is_pinned():
+        raise ChunkMismatchError(
+            f"chunk {i} is in pageable host memory: CUDA copies need device or pinned chunks"
+        )
+
+
+def native_error(err: Exception) -> KvcacheError:
+    """The kvcache error for an exception raised by a native copy or a device fault."""
+    if isinstance(err, KvcacheError):
+        return err
+    if isinstance(err, _native.BlockIdOutOfRange):
+        return BlockIdError(str(err))
+    if isinstance(err, _native.CudaUnavailable):
+        return CudaUnavailableError(str(err))
+    if isinstance(err, ValueError):
+        return ChunkMismatchError(str(err))
+    return TransferError(f"copy failed: {type(err).__name__}: {err}")
+
+
+__all__ = ["CheckedJob", "ChunkGeometry", "block_id_array", "check_job", "native_error"]
