@@ -5,6 +5,10 @@ same bytes and threads, the ceiling (CPU: one parallel memcpy of a contiguous bu
 GPU: pinned ``cudaMemcpyAsync`` for host chunks and device-to-device memcpy for device
 chunks) and the "what a user would write" baseline (``torch.index_select`` per layer).
 Reports GB/s and the ratio to the ceiling; never asserts a speed.
+
+On a CPU it then times the asynchronous face (``copy_*_async``): how long a submit takes
+to return against the copy itself, and a batch of back-to-back submits against the same
+copies made synchronously, side by side in the same run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +30,9 @@ from kvcache.context import GPUCacheContext
 from kvcache.layouts import GPUKVFormat
 from kvcache.reference import page_view
 from kvcache.testing import ENGINE_OF, make_kv_caches
+
+if TYPE_CHECKING:  # transfer_async imports this module's helpers: it loads in main()
+    from kvcache.bench.transfer_async import AsyncRow
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,7 @@ def _touch(caches: object) -> None:
         _touch(part)
 
 
-def _time_interleaved(
-    fns: list[Callable[[], None]], reps: int, sync: Callable[[], None]
-) -> list[float]:
+def _time_interleaved(fns: list[Callable[[], None]], reps: int, sync: Callable[[], None]) -> list[float]:
     """Best-of-``reps`` seconds for each function, measured round-robin.
 
     Interleaving puts the kernel and its ceiling under the same background load and the
@@ -234,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layouts", default="all", help="comma-separated GPUKVFormat names")
+    p.add_argument("--async-layout", default="NL_X_TWO_NB_BS_NH_HS", help="layout of the async rows")
+    p.add_argument("--async-batch", type=int, default=8, help="back-to-back copies per async batch")
+    p.add_argument("--no-async", action="store_true", help="skip the async rows (CPU only)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
     p.add_argument("--out", type=Path, default=None, help="write JSON results here")
     args = p.parse_args(argv)
@@ -246,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for fmt in fmts:
         rows.extend(bench_layout(fmt, args, device))
+    from kvcache.bench.transfer_async import bench_async, print_async
+
+    async_rows: list[AsyncRow] = [] if args.no_async or device != "cpu" else bench_async(args)
     env = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
@@ -258,11 +270,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.heads}x{args.head_size} heads, block {args.block_size}, chunk {args.chunk_size}"
     )
     _print_table(rows)
+    if async_rows:
+        print()
+        print_async(async_rows)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"env": env, "results": [asdict(r) for r in rows]}, indent=2, default=str)
-        )
+        out = {
+            "env": env,
+            "results": [asdict(r) for r in rows],
+            "async": [asdict(r) for r in async_rows],
+        }
+        args.out.write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {args.out}")
     return 0
 
