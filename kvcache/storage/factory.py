@@ -83,8 +83,8 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
             # A dead shard fails fast for as long as a dead tier is skipped.
             options["shard_retry_s"] = config.l2_retry_interval_s
             tiers.append(L2_ADAPTERS.create("redis-cluster", **options))
-        else:
-            tiers.append(L2_ADAPTERS.create("redis", **options))
+        else:  # the one-server tier also reports what the server expires or evicts itself
+            tiers.append(L2_ADAPTERS.create("redis", bus=bus, **options))
     return tiers
 
 

@@ -19,9 +19,10 @@ import torch
 from redis import exceptions as rex
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import ChunkKey
+from kvcache.observability.event import ChunkKey, EventSink, NullEventSink
 from kvcache.storage import codec
 from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
+from kvcache.storage.redis_notify import RedisEvictionWatcher
 from kvcache.storage.redis_url import redact
 
 #: Chunks per pipelined batch: a prompt of 16 chunks (4k tokens at 256) goes in one round trip.
@@ -43,6 +44,7 @@ class RedisL2Adapter(L2Adapter):
         ttl_s: int | None = None,
         max_connections: int = 32,
         max_batch: int = DEFAULT_MAX_BATCH,
+        bus: EventSink | None = None,
     ) -> None:
         self.url = url
         self.key_prefix = key_prefix
@@ -55,6 +57,12 @@ class RedisL2Adapter(L2Adapter):
             max_connections=max_connections,
         )
         self._client = redis.Redis(connection_pool=pool)
+        # Keys the server drops by itself (TTL, maxmemory) reach the bus as L2_KEYS_EVICTED.
+        self._watcher: RedisEvictionWatcher | None = None
+        if bus is not None and not isinstance(bus, NullEventSink):
+            self._watcher = RedisEvictionWatcher(
+                self._client, key_prefix=key_prefix, backend=self.backend, bus=bus
+            )
 
     def _name(self, key: ChunkKey) -> bytes:
         return chunk_name(self.key_prefix, key)
@@ -102,9 +110,17 @@ class RedisL2Adapter(L2Adapter):
         return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.backend, "url": redact(self.url), "key_prefix": self.key_prefix}
+        watched = self._watcher.state if self._watcher is not None else "off"
+        return {
+            "backend": self.backend,
+            "url": redact(self.url),
+            "key_prefix": self.key_prefix,
+            "evictions_watched": watched,
+        }
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
         self._client.close()
         self._client.connection_pool.disconnect()
 
