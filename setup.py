@@ -122,6 +122,8 @@ ext_modules = [
         "kvcache._native",
         sources=[str(p.relative_to(ROOT)) for p in (CSRC / "kvc_cpu.cpp", CSRC / "bindings_pybind.cpp")],
         include_dirs=[str(CSRC)],
+        # headers and the layout table: an edit to them must rebuild the module
+        depends=[str(p.relative_to(ROOT)) for p in [*sorted(CSRC.glob("*.h")), CSRC / "layouts.def"]],
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
         cxx_std=17,

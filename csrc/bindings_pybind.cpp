@@ -122,6 +122,21 @@ PYBIND11_MODULE(_native, m) {
       "Copy pages between engine blocks and chunks on the CPU; releases the GIL.");
 
   m.def(
+      "emulate_kernel",
+      [](const kvc::PageTable& table, const IdArray& block_ids,
+         const std::vector<uint64_t>& chunk_ptrs, int64_t blocks_per_chunk,
+         int64_t last_chunk_blocks, int64_t skip_blocks, bool to_chunks) {
+        auto spec = make_spec(block_ids, chunk_ptrs, blocks_per_chunk, last_chunk_blocks,
+                              skip_blocks, to_chunks);
+        py::gil_scoped_release release;
+        return kvc::emulate_kernel(table, spec);
+      },
+      py::arg("table"), py::arg("block_ids"), py::arg("chunk_ptrs"),
+      py::arg("blocks_per_chunk"), py::arg("last_chunk_blocks"), py::arg("skip_blocks"),
+      py::arg("to_chunks"),
+      "The CUDA kernel's body run over its grid on the CPU (tests only); returns the word size.");
+
+  m.def(
       "parallel_memcpy",
       [](uint64_t dst, uint64_t src, int64_t nbytes, int num_threads) {
         py::gil_scoped_release release;

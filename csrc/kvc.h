@@ -81,6 +81,11 @@ void validate(const PageTable& table, const TransferSpec& spec);
 // CPU twin: OpenMP over (layer, kv, run of consecutive ids), one memcpy per run.
 void cpu_copy(const PageTable& table, const TransferSpec& spec, int num_threads);
 
+// The CUDA kernel's body (kvc_page.h) run over its launch grid on the host, thread by
+// thread, with the launcher's word size: the kernel's arithmetic checked on a CPU. Slow;
+// for tests. Returns the word size used (16, 4, 2 or 1 bytes).
+int emulate_kernel(const PageTable& table, const TransferSpec& spec);
+
 // The CPU ceiling: the same bytes moved by plain memcpy with the same threads.
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes, int num_threads);
 

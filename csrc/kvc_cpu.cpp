@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "kvc.h"
+#include "kvc_page.h"
 
 namespace kvc {
 
@@ -161,29 +162,75 @@ void cpu_copy(const PageTable& table, const TransferSpec& spec, int num_threads)
   const int64_t lk_count = table.num_layers * table.kv;
   const int64_t n_runs = static_cast<int64_t>(runs.size());
   const int64_t tasks = lk_count * n_runs;
+  const CopyGeometry g = copy_geometry(table, spec);
   if (num_threads <= 0) num_threads = omp_get_max_threads();
 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (tasks > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t lk = t / n_runs;
     const Run run = runs[static_cast<size_t>(t % n_runs)];
-    const int64_t l = lk / table.kv;
-    const int64_t k = lk % table.kv;
-    const int64_t c = run.start / spec.blocks_per_chunk;
-    const int64_t in_chunk = run.start % spec.blocks_per_chunk;
-    const int64_t chunk_blocks =
-        (c == spec.n_chunks - 1) ? spec.last_chunk_blocks : spec.blocks_per_chunk;
-    char* chunk = reinterpret_cast<char*>(spec.chunk_ptrs[c]) +
-                  ((k * table.num_layers + l) * chunk_blocks + in_chunk) * table.page_bytes;
-    char* engine = reinterpret_cast<char*>(table.base[lk]) +
-                   spec.block_ids[run.start] * table.block_stride_bytes;
+    // The kernel's own arithmetic for the run's first page; the rest of the run follows
+    // it on both sides (consecutive slots of one chunk, adjacent engine pages).
+    const PagePair p = page_pair(table.base.data(), spec.block_ids, spec.chunk_ptrs, g, run.start, lk);
     const size_t nbytes = static_cast<size_t>(run.length * table.page_bytes);
     if (spec.to_chunks) {
-      std::memcpy(chunk, engine, nbytes);
+      std::memcpy(p.chunk, p.engine, nbytes);
     } else {
-      std::memcpy(engine, chunk, nbytes);
+      std::memcpy(p.engine, p.chunk, nbytes);
     }
   }
+}
+
+namespace {
+
+// 16-byte word of the host emulation (the kernel moves int4, a CUDA type).
+struct alignas(16) Word16 {
+  uint64_t lo, hi;
+};
+
+template <typename Word, bool kToChunks>
+void emulate_grid(const PageTable& table, const TransferSpec& spec, const LaunchShape& shape) {
+  const CopyGeometry g = copy_geometry(table, spec);
+  for (int64_t bx = 0; bx < shape.grid_x; ++bx) {
+    for (int64_t by = 0; by < shape.grid_y; ++by) {
+      const PagePair p = page_pair(table.base.data(), spec.block_ids, spec.chunk_ptrs, g,
+                                   spec.skip_blocks + bx, by);
+      for (int64_t tid = 0; tid < shape.threads; ++tid) {
+        copy_page_part<Word, kToChunks>(p, g.page_bytes, tid, shape.threads);
+      }
+    }
+  }
+}
+
+template <typename Word>
+void emulate_word(const PageTable& table, const TransferSpec& spec, const LaunchShape& shape) {
+  if (spec.to_chunks) {
+    emulate_grid<Word, true>(table, spec, shape);
+  } else {
+    emulate_grid<Word, false>(table, spec, shape);
+  }
+}
+
+}  // namespace
+
+int emulate_kernel(const PageTable& table, const TransferSpec& spec) {
+  validate(table, spec);
+  const int unit = copy_unit_bytes(table, spec.chunk_ptrs, spec.n_chunks);
+  const LaunchShape shape = launch_shape(table, spec, unit);
+  switch (unit) {
+    case 16:
+      emulate_word<Word16>(table, spec, shape);
+      break;
+    case 4:
+      emulate_word<uint32_t>(table, spec, shape);
+      break;
+    case 2:
+      emulate_word<uint16_t>(table, spec, shape);
+      break;
+    default:
+      emulate_word<uint8_t>(table, spec, shape);
+  }
+  return unit;
 }
 
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes, int num_threads) {

@@ -6,12 +6,12 @@
 // the block stride and every address.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <sstream>
 
 #include "kvc_cuda.h"
+#include "kvc_page.h"
 
 namespace kvc {
 
@@ -43,53 +43,29 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
-// Streaming loads/stores (evict-first): chunk traffic is touched once, so keep it out
-// of L2 where the engine's working set lives.
-template <typename T>
-__device__ __forceinline__ T load_stream(const T* p) { return __ldcs(p); }
-template <typename T>
-__device__ __forceinline__ void store_stream(T* p, T v) { __stcs(p, v); }
-
-// grid: (n_blocks - skip_blocks, num_layers * kv); block: up to 256 threads, one page.
-template <typename VecT, bool kToChunks>
+// grid: (n_blocks - skip_blocks, num_layers * kv); block: launch_shape's threads, one page.
+// The address arithmetic and the body are kvc_page.h's, which the CPU twin and the host
+// emulation of this kernel share.
+template <typename Word, bool kToChunks>
 __global__ void copy_pages_kernel(
     const uint64_t* __restrict__ page_base,   // [num_layers * kv] block 0 page of (l, k)
     const int64_t* __restrict__ block_ids,    // [n_blocks]
     const uint64_t* __restrict__ chunk_ptrs,  // [n_chunks] chunk [kv, NL, T, NH*HS]
-    int64_t skip_blocks, int64_t blocks_per_chunk, int64_t last_chunk_blocks,
-    int64_t n_chunks, int64_t num_layers, int64_t kv, int64_t block_stride_bytes,
-    int64_t page_bytes) {
-  const int64_t j = skip_blocks + static_cast<int64_t>(blockIdx.x);
-  const int64_t lk = blockIdx.y;
-  const int64_t l = lk / kv;
-  const int64_t k = lk % kv;
-  const int64_t c = j / blocks_per_chunk;
-  const int64_t in_chunk = j % blocks_per_chunk;
-  const int64_t chunk_blocks = (c == n_chunks - 1) ? last_chunk_blocks : blocks_per_chunk;
-
-  char* engine = reinterpret_cast<char*>(page_base[lk]) + block_ids[j] * block_stride_bytes;
-  char* chunk = reinterpret_cast<char*>(chunk_ptrs[c]) +
-                ((k * num_layers + l) * chunk_blocks + in_chunk) * page_bytes;
-  const VecT* src = reinterpret_cast<const VecT*>(kToChunks ? engine : chunk);
-  VecT* dst = reinterpret_cast<VecT*>(kToChunks ? chunk : engine);
-  const int64_t n = page_bytes / static_cast<int64_t>(sizeof(VecT));
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    store_stream(dst + i, load_stream(src + i));
-  }
+    int64_t skip_blocks, CopyGeometry g) {
+  const PagePair p = page_pair(page_base, block_ids, chunk_ptrs, g,
+                               skip_blocks + static_cast<int64_t>(blockIdx.x), blockIdx.y);
+  copy_page_part<Word, kToChunks>(p, g.page_bytes, threadIdx.x, blockDim.x);
 }
 
-template <typename VecT>
+template <typename Word>
 void launch(bool to_chunks, dim3 grid, dim3 block, cudaStream_t stream, const uint64_t* base,
             const int64_t* ids, const uint64_t* chunks, const TransferSpec& s,
             const PageTable& t) {
+  const CopyGeometry g = copy_geometry(t, s);
   if (to_chunks) {
-    copy_pages_kernel<VecT, true><<<grid, block, 0, stream>>>(
-        base, ids, chunks, s.skip_blocks, s.blocks_per_chunk, s.last_chunk_blocks, s.n_chunks,
-        t.num_layers, t.kv, t.block_stride_bytes, t.page_bytes);
+    copy_pages_kernel<Word, true><<<grid, block, 0, stream>>>(base, ids, chunks, s.skip_blocks, g);
   } else {
-    copy_pages_kernel<VecT, false><<<grid, block, 0, stream>>>(
-        base, ids, chunks, s.skip_blocks, s.blocks_per_chunk, s.last_chunk_blocks, s.n_chunks,
-        t.num_layers, t.kv, t.block_stride_bytes, t.page_bytes);
+    copy_pages_kernel<Word, false><<<grid, block, 0, stream>>>(base, ids, chunks, s.skip_blocks, g);
   }
 }
 
@@ -194,9 +170,9 @@ void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
 
   const int unit = copy_unit_bytes(table_, spec.chunk_ptrs, spec.n_chunks);
   last_unit_ = unit;
-  const int64_t vecs = table_.page_bytes / unit;
-  const dim3 grid(static_cast<unsigned>(todo), static_cast<unsigned>(table_.num_layers * table_.kv));
-  const dim3 block(static_cast<unsigned>(std::min<int64_t>(256, std::max<int64_t>(32, vecs))));
+  const LaunchShape shape = launch_shape(table_, spec, unit);
+  const dim3 grid(static_cast<unsigned>(shape.grid_x), static_cast<unsigned>(shape.grid_y));
+  const dim3 block(static_cast<unsigned>(shape.threads));
   switch (unit) {
     case 16:
       launch<int4>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
