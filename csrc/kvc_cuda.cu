@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <sstream>
 
@@ -82,14 +83,44 @@ int cuda_device_count() {
   return n;
 }
 
-struct CudaTransfer::Impl {
-  uint64_t* d_base = nullptr;
+// Staging slots, used in turn: a submit only waits for the upload of the job kStagingSlots
+// submits before it (the host may not rewrite pinned memory an upload still reads), so
+// back-to-back submits do not wait on each other's uploads.
+constexpr int kStagingSlots = 2;
+
+struct StagingSlot {
   int64_t* d_ids = nullptr;
   uint64_t* d_chunks = nullptr;
   char* h_staging = nullptr;           // pinned: [max ids int64][max chunks uint64]
-  cudaEvent_t staging_free = nullptr;  // the last H2D copy out of h_staging has finished
-  cudaEvent_t kernel_done = nullptr;   // the last kernel reading d_ids/d_chunks has finished
-  std::mutex mu;                       // one copy at a time owns the staging buffers
+  cudaEvent_t staging_free = nullptr;  // this slot's last upload has left h_staging
+  cudaEvent_t kernel_done = nullptr;   // the last kernel reading this slot's device buffers is done
+};
+
+// Owns every device resource; its destructor frees whatever was allocated, so a
+// constructor that fails half-way leaks nothing.
+struct CudaTransfer::Impl {
+  uint64_t* d_base = nullptr;
+  StagingSlot slots[kStagingSlots];
+  int next_slot = 0;
+  std::mutex mu;  // one submit at a time picks a slot and launches
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl() {  // the caller has made the owning device current
+    for (auto& slot : slots) {
+      if (slot.kernel_done != nullptr) cudaEventSynchronize(slot.kernel_done);
+      if (slot.staging_free != nullptr) cudaEventSynchronize(slot.staging_free);
+    }
+    for (auto& slot : slots) {
+      if (slot.d_ids != nullptr) cudaFree(slot.d_ids);
+      if (slot.d_chunks != nullptr) cudaFree(slot.d_chunks);
+      if (slot.h_staging != nullptr) cudaFreeHost(slot.h_staging);
+      if (slot.staging_free != nullptr) cudaEventDestroy(slot.staging_free);
+      if (slot.kernel_done != nullptr) cudaEventDestroy(slot.kernel_done);
+    }
+    if (d_base != nullptr) cudaFree(d_base);
+  }
 };
 
 CudaTransfer::CudaTransfer(const PageTable& table, int device, int64_t max_block_ids,
@@ -99,22 +130,25 @@ CudaTransfer::CudaTransfer(const PageTable& table, int device, int64_t max_block
     throw CudaUnavailable("no CUDA device " + std::to_string(device) + " is visible");
   }
   DeviceGuard guard(device);
-  impl_ = new Impl();
+  auto impl = std::make_unique<Impl>();  // freed (on this device) if a step below throws
   const size_t base_bytes = table.base.size() * sizeof(uint64_t);
   const size_t id_bytes = static_cast<size_t>(max_block_ids) * sizeof(int64_t);
   const size_t chunk_bytes = static_cast<size_t>(max_chunks) * sizeof(uint64_t);
-  check(cudaMalloc(&impl_->d_base, base_bytes), "cudaMalloc(page table)");
-  check(cudaMemcpy(impl_->d_base, table.base.data(), base_bytes, cudaMemcpyHostToDevice),
+  check(cudaMalloc(&impl->d_base, base_bytes), "cudaMalloc(page table)");
+  check(cudaMemcpy(impl->d_base, table.base.data(), base_bytes, cudaMemcpyHostToDevice),
         "cudaMemcpy(page table)");
-  check(cudaMalloc(&impl_->d_ids, id_bytes), "cudaMalloc(block ids)");
-  check(cudaMalloc(&impl_->d_chunks, chunk_bytes), "cudaMalloc(chunk pointers)");
-  check(cudaHostAlloc(reinterpret_cast<void**>(&impl_->h_staging), id_bytes + chunk_bytes,
-                      cudaHostAllocDefault),
-        "cudaHostAlloc(staging)");
-  check(cudaEventCreateWithFlags(&impl_->staging_free, cudaEventDisableTiming),
-        "cudaEventCreate");
-  check(cudaEventCreateWithFlags(&impl_->kernel_done, cudaEventDisableTiming),
-        "cudaEventCreate");
+  for (auto& slot : impl->slots) {
+    check(cudaMalloc(&slot.d_ids, id_bytes), "cudaMalloc(block ids)");
+    check(cudaMalloc(&slot.d_chunks, chunk_bytes), "cudaMalloc(chunk pointers)");
+    check(cudaHostAlloc(reinterpret_cast<void**>(&slot.h_staging), id_bytes + chunk_bytes,
+                        cudaHostAllocDefault),
+          "cudaHostAlloc(staging)");
+    check(cudaEventCreateWithFlags(&slot.staging_free, cudaEventDisableTiming),
+          "cudaEventCreate");
+    check(cudaEventCreateWithFlags(&slot.kernel_done, cudaEventDisableTiming),
+          "cudaEventCreate");
+  }
+  impl_ = impl.release();
 }
 
 CudaTransfer::~CudaTransfer() {
@@ -122,13 +156,6 @@ CudaTransfer::~CudaTransfer() {
   int prev = -1;
   if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
   cudaSetDevice(device_);
-  cudaEventSynchronize(impl_->kernel_done);
-  cudaFree(impl_->d_base);
-  cudaFree(impl_->d_ids);
-  cudaFree(impl_->d_chunks);
-  cudaFreeHost(impl_->h_staging);
-  cudaEventDestroy(impl_->staging_free);
-  cudaEventDestroy(impl_->kernel_done);
   delete impl_;
   if (prev >= 0) cudaSetDevice(prev);
 }
@@ -151,22 +178,25 @@ void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   std::lock_guard<std::mutex> lock(impl_->mu);
   DeviceGuard device_guard(device_);
+  StagingSlot& slot = impl_->slots[impl_->next_slot];
+  impl_->next_slot = (impl_->next_slot + 1) % kStagingSlots;
 
-  // The host may only rewrite the pinned staging once the previous upload left it; the
-  // device buffers may only be overwritten once the previous kernel stopped reading them.
-  check(cudaEventSynchronize(impl_->staging_free), "cudaEventSynchronize(staging)");
+  // The host may only rewrite this slot's pinned staging once its previous upload left
+  // it; its device buffers may only be overwritten once the kernel that read them is done
+  // (a device-side wait: it matters when copies come on different streams).
+  check(cudaEventSynchronize(slot.staging_free), "cudaEventSynchronize(staging)");
   const size_t id_bytes = static_cast<size_t>(spec.n_blocks) * sizeof(int64_t);
   const size_t chunk_bytes = static_cast<size_t>(spec.n_chunks) * sizeof(uint64_t);
-  char* h_ids = impl_->h_staging;
-  char* h_chunks = impl_->h_staging + static_cast<size_t>(max_block_ids_) * sizeof(int64_t);
+  char* h_ids = slot.h_staging;
+  char* h_chunks = slot.h_staging + static_cast<size_t>(max_block_ids_) * sizeof(int64_t);
   std::memcpy(h_ids, spec.block_ids, id_bytes);
   std::memcpy(h_chunks, spec.chunk_ptrs, chunk_bytes);
-  check(cudaStreamWaitEvent(stream, impl_->kernel_done, 0), "cudaStreamWaitEvent");
-  check(cudaMemcpyAsync(impl_->d_ids, h_ids, id_bytes, cudaMemcpyHostToDevice, stream),
+  check(cudaStreamWaitEvent(stream, slot.kernel_done, 0), "cudaStreamWaitEvent");
+  check(cudaMemcpyAsync(slot.d_ids, h_ids, id_bytes, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(block ids)");
-  check(cudaMemcpyAsync(impl_->d_chunks, h_chunks, chunk_bytes, cudaMemcpyHostToDevice, stream),
+  check(cudaMemcpyAsync(slot.d_chunks, h_chunks, chunk_bytes, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(chunk pointers)");
-  check(cudaEventRecord(impl_->staging_free, stream), "cudaEventRecord(staging)");
+  check(cudaEventRecord(slot.staging_free, stream), "cudaEventRecord(staging)");
 
   const int unit = copy_unit_bytes(table_, spec.chunk_ptrs, spec.n_chunks);
   last_unit_ = unit;
@@ -175,23 +205,23 @@ void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
   const dim3 block(static_cast<unsigned>(shape.threads));
   switch (unit) {
     case 16:
-      launch<int4>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
-                   impl_->d_chunks, spec, table_);
+      launch<int4>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
+                   slot.d_chunks, spec, table_);
       break;
     case 4:
-      launch<unsigned int>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
-                           impl_->d_chunks, spec, table_);
+      launch<unsigned int>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
+                           slot.d_chunks, spec, table_);
       break;
     case 2:
-      launch<unsigned short>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
-                             impl_->d_chunks, spec, table_);
+      launch<unsigned short>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
+                             slot.d_chunks, spec, table_);
       break;
     default:
-      launch<unsigned char>(spec.to_chunks, grid, block, stream, impl_->d_base, impl_->d_ids,
-                            impl_->d_chunks, spec, table_);
+      launch<unsigned char>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
+                            slot.d_chunks, spec, table_);
   }
   check(cudaGetLastError(), "copy_pages_kernel launch");
-  check(cudaEventRecord(impl_->kernel_done, stream), "cudaEventRecord(kernel)");
+  check(cudaEventRecord(slot.kernel_done, stream), "cudaEventRecord(kernel)");
 }
 
 // -- host-recorded stream events -------------------------------------------------------

@@ -21,8 +21,9 @@ bool cuda_compiled();
 int cuda_device_count();  // 0 when no driver or no device; never throws
 
 // Owns the device copy of a PageTable and the staging buffers for block ids and chunk
-// addresses: a pinned host buffer feeding an asynchronous copy into a preallocated
-// device buffer on the caller's stream.
+// addresses: pinned host buffers feeding asynchronous copies into preallocated device
+// buffers on the caller's stream, two slots used in turn (a copy waits on the host only
+// for the upload of the copy two before it; see kStagingSlots in kvc_cuda.cu).
 class CudaTransfer {
  public:
   CudaTransfer(const PageTable& table, int device, int64_t max_block_ids, int64_t max_chunks);

@@ -6,6 +6,10 @@ synchronises on a copy it does not have to wait for.
 
 NOTE: this module has never run on a GPU; ``tests/transfer/test_cuda.py`` is what a
 GPU machine runs first.
+
+NOTE: the native launch stages block ids through two pinned slots used in turn, so a
+``submit`` returns at once while at most two copies are queued ahead of it on the stream;
+a deeper queue waits on the host for the oldest upload (a bounded, not a blocking, queue).
 """
 
 from __future__ import annotations
