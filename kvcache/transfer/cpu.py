@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache import _native
-from kvcache.errors import KvcacheError, TransferError, UnknownTransferError
+from kvcache.errors import TransferError, UnknownTransferError
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
 from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, native_error
 
@@ -160,7 +160,10 @@ class CpuTransferHandler(TransferHandler):
                         return
                     self._cv.wait(_IDLE_SLICE_S)
                 item = self._queue[0]
-            result = self._execute(item)
+            try:
+                result = self._execute(item)
+            except Exception as err:  # never lose the worker (and every waiter) to one job
+                result = TransferResult(item.job_id, item.job.direction, 0, 0, 0.0, native_error(err))
             with self._cv:
                 self._queue.popleft()
                 self._finished[item.job_id] = result
@@ -170,8 +173,8 @@ class CpuTransferHandler(TransferHandler):
         direction = item.job.direction
         try:
             job = check_job(item.job, self._geometry)
-        except KvcacheError as err:
-            return TransferResult(item.job_id, direction, 0, 0, 0.0, err)
+        except Exception as err:  # a malformed job (not just a bad one) fails alone, typed
+            return TransferResult(item.job_id, direction, 0, 0, 0.0, native_error(err))
         start = time.perf_counter()
         try:
             self._copy(self._table, job, self._num_threads)

@@ -90,8 +90,8 @@ class CudaTransferHandler(TransferHandler):
         error: KvcacheError | None = None
         try:
             checked = check_job(job, self._geometry)
-        except KvcacheError as err:
-            error = err
+        except Exception as err:  # a malformed job (not just a bad one) fails alone, typed
+            error = native_error(err)
         with self._lock:  # id order must equal stream order
             if self._closed:
                 raise TransferError("the transfer handler is closed")

@@ -245,3 +245,14 @@ def test_submit_from_many_threads() -> None:
     results = h.wait(got)
     assert sorted(got) == list(range(40)) and len(results) == 40 and all(r.ok for r in results)
     h.close()
+
+
+def test_a_malformed_job_fails_alone_and_the_worker_goes_on() -> None:
+    ctx = make_context()
+    h = CpuTransferHandler(page_table(ctx), ctx.geometry, owners=ctx.tensors)
+    broken = h.submit(TransferJob(Direction.TO_CHUNKS, [0, 1, 2, 3], ("not a tensor",)))  # type: ignore[arg-type]
+    fine = h.submit(_store([0, 1, 2, 3], poisoned_chunks(ctx, 1)))
+    r_broken, r_fine = h.wait([broken, fine])
+    assert isinstance(r_broken.error, TransferError) and "AttributeError" in str(r_broken.error)
+    assert r_fine.ok
+    h.close()
