@@ -28,7 +28,10 @@ that continues a cached prefix hangs under that prefix instead of starting a new
 identity is fixed at the first write and kept in every later event, in every tier, for as
 long as some tier holds the chunk. One ``BlockStored`` chains only chunks that continue each
 other (each one's parent is the previous one's last hash); a write that skips a chunk it
-found already held is announced as several events.
+found already held is announced as several events. Tokens (``token_ids``, unless turned off)
+ride with the identity, so every ``BlockStored`` of a chunk carries them. A restarted disk
+tier hands back each chunk's identity (``L2_KEYS_FOUND`` ``identities``, from the file
+headers), so a restart re-announces the chunks exactly as before.
 
 Runs on the bus dispatcher thread only; its state (which tier holds which key) is plain
 dicts with no lock.
