@@ -150,3 +150,13 @@ def test_a_restarted_daemon_reannounces_disk_chunks_exactly_as_before(tmp_path: 
     finally:
         again.close()
     assert after == before
+
+
+def test_an_engine_hash_beyond_64_bits_never_fails_the_store(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    try:
+        res = rig.engine.store(0, prompt(1), list(range(NB)), block_hashes=[2**70, 1])
+        rig.settle()
+        assert res.stored_chunks == 1 and len(list(tmp_path.rglob("*.kvc"))) == 1
+    finally:
+        rig.close()
