@@ -53,10 +53,12 @@ class KVCacheMetadata(KVConnectorMetadata):
 
 class KVCacheWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler, per step: requests whose chunks are stored only up to a point the
-    plan assumed higher (a store cut short after a failed load, or a failed store)."""
+    plan assumed higher (a store cut short after a failed load, or a failed store), and the
+    step whose load failed (so later plans tell the workers vLLM is recomputing it)."""
 
-    def __init__(self, not_stored: dict[str, int]) -> None:
+    def __init__(self, not_stored: dict[str, int], failed_step: int = -1) -> None:
         self.not_stored = not_stored
+        self.failed_step = failed_step
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: a chunk is stored only if every rank stored its part."""
@@ -64,7 +66,7 @@ class KVCacheWorkerMeta(KVConnectorWorkerMetadata):
             merged = dict(self.not_stored)
             for req, upto in other.not_stored.items():
                 merged[req] = min(upto, merged.get(req, upto))
-            return KVCacheWorkerMeta(merged)
+            return KVCacheWorkerMeta(merged, max(self.failed_step, other.failed_step))
         return self
 
 
@@ -113,8 +115,11 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._last_hit: dict[str, tuple[int, int]] = {}  # req_id -> (local, daemon hit)
         self.tally = ConnectorTally()
         """The scheduler half's statistics (lookups, requests not cached) for vLLM's metrics."""
+        self._steps = 0  # plans built
+        self._failures_seen = -1  # the last step whose load failures vLLM has processed
         # worker half
         self._worker = ConnectorWorker(self.client, self.block_size, self.config.kv_format)
+        self._finished_sending: set[str] = set()
         self._shm: SharedKVAllocation | None = None
         log.info(
             "kvcache connector (%s): daemon %s, instance %d, model %r",
@@ -136,9 +141,11 @@ class KVCacheConnector(KVConnectorBase_V1):
             log.error("kvcache: cannot register the KV cache, running without it: %s", exc)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker.begin_step()
         meta = self._connector_metadata
-        if isinstance(meta, KVCacheMetadata) and meta.plan.loads and self._worker.registered:
+        if not isinstance(meta, KVCacheMetadata):
+            return
+        self._worker.begin_step(meta.plan)
+        if meta.plan.loads and self._worker.registered:
             self._worker.load(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -150,15 +157,27 @@ class KVCacheConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if isinstance(meta, KVCacheMetadata) and meta.plan.stores and self._worker.registered:
+        if not isinstance(meta, KVCacheMetadata) or not meta.plan.stores:
+            return
+        if self._worker.registered:
             self._worker.store(meta.plan)
+        else:  # finished requests' blocks must still be released
+            self._finished_sending.update(s.req_id for s in meta.plan.stores if s.final)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose final store (``request_finished``) is done: vLLM frees their
+        blocks now. Nothing is received asynchronously (loads finish in ``start_load_kv``)."""
+        done = self._worker.take_finished_sending() | self._finished_sending
+        self._finished_sending = set()
+        return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         not_stored = self._worker.take_not_stored()
-        return KVCacheWorkerMeta(not_stored) if not_stored else None
+        failed_step = self._worker.take_failed_step()
+        return KVCacheWorkerMeta(not_stored, failed_step) if not_stored or failed_step >= 0 else None
 
     def shutdown(self) -> None:
         self.client.close(unregister=self._worker.registered)
@@ -247,11 +266,15 @@ class KVCacheConnector(KVConnectorBase_V1):
         if isinstance(meta, KVCacheWorkerMeta) and self._planner is not None:
             for req_id, upto in meta.not_stored.items():
                 self._planner.not_stored(req_id, upto)
+            # vLLM handled this output's load errors just before: from the next plan on, it
+            # recomputes the blocks those loads left unfilled.
+            self._failures_seen = max(self._failures_seen, meta.failed_step)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         planner = self._planner
+        self._steps += 1
         if planner is None:
-            return KVCacheMetadata(StepPlan())
+            return KVCacheMetadata(StepPlan(step=self._steps, failures_seen=self._failures_seen))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             planner.preempted(req_id)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -271,6 +294,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             hashes = request.block_hashes if self._pass_hashes else []
             rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, groups[0], hashes))
         plan, records = planner.step(rows)
+        plan.step, plan.failures_seen = self._steps, self._failures_seen
         if not self.config.store:
             plan.stores = []
         if records:
@@ -281,15 +305,24 @@ class KVCacheConnector(KVConnectorBase_V1):
         return KVCacheMetadata(plan)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; if its last chunks are not stored yet (under async scheduling,
+        the one its last step completed), store them in the next step and keep its blocks
+        until the workers report that store done (``get_finished``)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._last_hit.pop(req_id, None)
+        delay = False
+        if self._planner is not None and self.config.store:
+            # KV is written for every computed token whose step has finished.
+            written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+            hashes = request.block_hashes if self._pass_hashes else []
+            delay = self._planner.final_store(req_id, request.all_token_ids, block_ids, written, hashes)
         if self._planner is not None and self._planner.finish(req_id):
             try:
                 self.client.end_session(req_id, wait=False)
             except Exception as exc:
                 log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
-        return False, None
+        return delay, None
 
 
 __all__ = ["KVCacheConnector", "KVCacheMetadata", "KVCacheWorkerMeta"]

@@ -11,7 +11,8 @@ Rules:
   the whole prompt: vLLM must compute at least the last prompt token to sample from it.
 * **Store** whole chunks only (the daemon ignores a partial one), once each: a request's
   stored watermark advances when its computed tokens cross a chunk boundary, prompt or
-  output alike; chunks it just loaded count as stored.
+  output alike; chunks it just loaded count as stored. A finished request stores what is
+  left (the chunk its last step completed) one step later, from blocks vLLM keeps until then.
 * **Allocation reports** name each block once per request, with the tokens it holds, so the
   daemon's L0 lifecycle metrics see vLLM's real blocks.
 """
@@ -52,6 +53,9 @@ class StoreSpec:
     stored_before: int = 0
     """The request's stored watermark before this store (what to fall back to if it fails)."""
     key_extra: str = ""
+    final: bool = False
+    """The request has finished and vLLM holds its blocks until the workers report this store
+    done (``get_finished``), whether it succeeded or not."""
 
 
 @dataclass(slots=True)
@@ -60,6 +64,12 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    step: int = 0
+    """This plan's number (1, 2, ...), as the workers tag the load failures they report."""
+    failures_seen: int = -1
+    """The last step whose load failures vLLM had processed when this plan was built: blocks
+    those loads left unfilled are recomputed from this plan on. Under async scheduling the
+    plans of the steps in between were built before vLLM knew, and still compute on them."""
 
 
 @dataclass(slots=True)
@@ -87,6 +97,7 @@ class Planner:
         self.chunk_size = chunk_size
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
+        self._final_stores: list[StoreSpec] = []
 
     def external_tokens(self, num_prompt_tokens: int, local_hit: int, daemon_hit: int) -> int:
         """Tokens to load beyond ``local_hit``, as ``get_num_new_matched_tokens`` returns them."""
@@ -125,8 +136,8 @@ class Planner:
     ) -> tuple[StepPlan, list[BlockAllocationRecord]]:
         """Plan one step. ``scheduled`` rows: ``(req_id, computed_before, num_scheduled,
         all_token_ids, block_ids, block_hashes)``; returns the plan and the allocation records."""
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        plan = StepPlan(loads=self._loads, stores=self._final_stores)
+        self._loads, self._final_stores = [], []
         records: list[BlockAllocationRecord] = []
         bs, cs = self.block_size, self.chunk_size
         for req_id, before, num_scheduled, tokens, block_ids, hashes in scheduled:
@@ -170,6 +181,42 @@ class Planner:
         state = self._reqs.get(req_id)
         if state is not None:
             state.reported_blocks = 0
+
+    def final_store(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        block_ids: Sequence[int],
+        computed: int,
+        hashes: Sequence[bytes | int],
+    ) -> bool:
+        """A request finished with ``computed`` tokens' KV written: queue, for the next step,
+        the whole chunks it has not stored yet. Under async scheduling the token a step feeds
+        is not in the request's token list when that step is planned, so the chunk its last
+        step completed is known only now. True if a store was queued (vLLM must then keep the
+        blocks until the workers report it done)."""
+        state = self._reqs.get(req_id)
+        if state is None:
+            return False
+        target = min(computed, len(tokens)) // self.chunk_size * self.chunk_size
+        nblocks = target // self.block_size
+        if target <= state.stored_tokens or nblocks > len(block_ids):
+            return False
+        ints = [block_hash_to_int(h) for h in hashes[:nblocks]]
+        self._final_stores.append(
+            StoreSpec(
+                req_id,
+                list(tokens[:target]),
+                list(block_ids[:nblocks]),
+                ints if len(ints) == nblocks else None,
+                state.cache_salt,
+                state.stored_tokens,
+                state.key_extra,
+                final=True,
+            )
+        )
+        state.stored_tokens = target
+        return True
 
     def finish(self, req_id: str) -> bool:
         """Forget a finished request; True if it was known."""

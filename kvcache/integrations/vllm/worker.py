@@ -6,12 +6,14 @@ blocks); stores are synchronous too, at the end of the step, because vLLM may ha
 blocks to another request as soon as the step's output is processed.
 
 Failures never stop the engine, and never poison the cache: a load that returns fewer
-tokens than planned reports the blocks it did not fill (vLLM recomputes them), and the same
-step's stores of that request stop before the chunk holding the first unfilled block (those
-blocks, and everything computed on top of them in this step, are garbage until vLLM has
-recomputed them). Whatever the plan counted as stored but was not (skipped this way, or a
-store that failed) is handed back to the scheduler (``take_not_stored``) so a later step
-stores the right bytes.
+tokens than planned reports the blocks it did not fill (vLLM recomputes them). Those blocks,
+and everything computed on top of them, are garbage until vLLM has recomputed them, so every
+store stops before the chunk holding the first of them: the loading request's, and any other
+request's that shares them through vLLM's prefix cache. They stay marked until a plan built
+after vLLM processed the failure (``StepPlan.failures_seen``): under async scheduling the next
+step was planned before, and computes on them too. Whatever the plan counted as stored but
+was not (cut this way, or a store that failed) is handed back to the scheduler
+(``take_not_stored``) so a later step stores the right bytes.
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ class ConnectorWorker:
         self.bytes_per_token = 0
         """KV bytes one token occupies on this rank (all layers), set at registration."""
         self._load_errors: set[int] = set()
-        self._poisoned_from: dict[str, int] = {}  # req -> index of its first unfilled block
+        self._unfilled: dict[int, int] = {}  # block id -> the step whose load left it unfilled
+        self._failed_step = -1  # the last step with a failed load, not yet reported
         self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
+        self._finished_sending: set[str] = set()
 
-    def begin_step(self) -> None:
-        """Forget the previous step's failed loads (vLLM recomputes those blocks now)."""
-        self._poisoned_from.clear()
+    def begin_step(self, plan: StepPlan) -> None:
+        """Forget the blocks of failed loads that vLLM recomputes from this plan on."""
+        if self._unfilled:
+            self._unfilled = {b: s for b, s in self._unfilled.items() if s > plan.failures_seen}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = unique_layers(kv_caches)
@@ -107,7 +112,8 @@ class ConnectorWorker:
             if got < want:
                 first_bad = max(got, spec.skip_tokens) // self.block_size
                 self._load_errors.update(spec.block_ids[first_bad:])
-                self._poisoned_from[spec.req_id] = first_bad
+                self._unfilled.update((b, plan.step) for b in spec.block_ids[first_bad:])
+                self._failed_step = plan.step
                 self._not_stored[spec.req_id] = min(
                     self._not_stored.get(spec.req_id, 1 << 62), self._chunk_floor(first_bad)
                 )
@@ -118,11 +124,13 @@ class ConnectorWorker:
 
     def store(self, plan: StepPlan) -> None:
         for spec in plan.stores:
+            if spec.final:
+                self._finished_sending.add(spec.req_id)  # released even if the store fails
             token_ids, block_ids = spec.token_ids, spec.block_ids
-            bad = self._poisoned_from.get(spec.req_id)
-            if bad is not None and bad < len(block_ids):
-                # Blocks from ``bad`` on hold garbage (and so does what this step computed on
-                # top of them): store only the whole chunks before the first of them.
+            bad = next((i for i, b in enumerate(block_ids) if b in self._unfilled), None)
+            if bad is not None:
+                # Blocks from ``bad`` on hold garbage, or were computed on it: store only the
+                # whole chunks before the first of them.
                 keep = self._chunk_floor(bad)
                 self.tally.count("stores_poisoned")
                 self._mark_not_stored(spec.req_id, keep)
@@ -164,8 +172,22 @@ class ConnectorWorker:
         return out
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        """This step's unfilled blocks, and those of earlier steps vLLM had not processed
+        when it planned this one (async scheduling): this step computed on them too, and
+        reporting them again makes vLLM discard what it computed instead of keeping a token
+        sampled from garbage."""
+        errors, self._load_errors = self._load_errors | set(self._unfilled), set()
         return errors
+
+    def take_failed_step(self) -> int:
+        """The last step whose load failed since the previous call, or -1."""
+        step, self._failed_step = self._failed_step, -1
+        return step
+
+    def take_finished_sending(self) -> set[str]:
+        """Finished requests whose final store is done (or given up): vLLM frees their blocks."""
+        done, self._finished_sending = self._finished_sending, set()
+        return done
 
     def close(self) -> None:
         self.client.close()

@@ -116,3 +116,18 @@ def test_a_resumed_request_reports_its_new_blocks() -> None:
     p.preempted("r")  # vLLM freed blocks 1-3; the request comes back with other blocks
     _, records = p.step([("r", 0, 64, PROMPT, [7, 8], [])])
     assert [r.new_block_ids for r in records] == [[7, 8]]
+
+
+def test_a_finished_request_stores_its_last_chunk_in_the_next_step() -> None:
+    """Async scheduling plans a step before the token it feeds is known: the chunk completed
+    by a request's last step is stored once the request has finished, from blocks vLLM keeps."""
+    p = Planner(BS, CS)
+    blocks = list(range(10))
+    p.on_alloc("r", PROMPT, blocks, local_hit=0, external=0)
+    p.step([("r", 0, 300, PROMPT, blocks, [])])  # stores chunks 1-2 (256 tokens)
+    tokens = PROMPT + list(range(90))  # 89 outputs fed: 389 tokens with KV, chunk 3 complete
+    assert p.final_store("r", tokens, [*blocks, 10, 11, 12], 389, [])
+    assert not p.final_store("r", tokens, blocks, 389, [])  # queued once
+    (store,) = p.step([])[0].stores
+    assert store.final and store.token_ids == tokens[:384] and store.stored_before == 256
+    assert not p.final_store("r", tokens, blocks, 300, [])  # nothing left to store

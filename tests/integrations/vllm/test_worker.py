@@ -52,7 +52,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
         loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)],
         stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=3 * CS)],
     )
-    worker.begin_step()
+    worker.begin_step(plan)
     worker.load(plan)
     assert worker.take_load_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
     worker.store(plan)
@@ -61,8 +61,9 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
         reader.register_kv_caches(_kv(3))
         assert reader.lookup(PROMPT) == CS  # nothing computed on garbage was stored
     assert worker.take_not_stored() == {"r": CS}  # the scheduler plans chunks 2-4 again
-    # The next step (blocks recomputed by vLLM) stores them, now from the right bytes.
-    worker.begin_step()
+    # The next step (planned after vLLM saw the failure, so it recomputes those blocks) stores
+    # them, now from the right bytes.
+    worker.begin_step(StepPlan(step=2, failures_seen=plan.step))
     worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=CS)]))
     assert worker.tally.totals()["stores_poisoned"] == 1 and worker.take_not_stored() == {}
     client.close()
@@ -72,8 +73,47 @@ def test_a_failed_store_is_handed_back_to_the_scheduler(daemon: DaemonProcess) -
     client = KVCacheClient(daemon.endpoint, 4, "m", timeout_s=5)
     worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(4))})
-    worker.begin_step()
+    worker.begin_step(StepPlan())
     bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", stored_before=CS)  # refused ids
     worker.store(StepPlan(stores=[bad]))
     assert worker.tally.totals()["store_failures"] == 1 and worker.take_not_stored() == {"q": CS}
+    client.close()
+
+
+def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: DaemonProcess) -> None:
+    """Blocks a load left unfilled are garbage for every request holding them (vLLM's prefix
+    cache shares them), and under async scheduling also in the step planned before vLLM heard
+    of the failure: that step's load errors repeat them so vLLM discards what it computed."""
+    with KVCacheClient(daemon.endpoint, 5, "m2", timeout_s=5) as source:
+        source.register_kv_caches(_kv(5))
+        source.store(PROMPT[:CS], BLOCKS[: CS // BS])
+    client = KVCacheClient(daemon.endpoint, 6, "m2", timeout_s=5)
+    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker.register({f"l{i}": t for i, t in enumerate(_kv(6))})
+    unfilled = set(BLOCKS[CS // BS : 3 * CS // BS])
+    sharer = StoreSpec("s", PROMPT, BLOCKS, None, "", stored_before=0)  # holds r's blocks
+    failed = StepPlan(
+        loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)], stores=[sharer], step=1
+    )
+    worker.begin_step(failed)
+    worker.load(failed)
+    worker.store(failed)
+    assert worker.take_load_errors() == unfilled and worker.take_failed_step() == 1
+    assert worker.take_not_stored() == {"r": CS, "s": CS}
+    # Planned before vLLM processed step 1 (async scheduling): still garbage, still reported.
+    stale = StepPlan(stores=[sharer], step=2, failures_seen=-1)
+    worker.begin_step(stale)
+    worker.store(stale)
+    assert worker.take_load_errors() == unfilled and worker.take_not_stored() == {"s": CS}
+    with KVCacheClient(daemon.endpoint, 7, "m2", timeout_s=5) as reader:
+        reader.register_kv_caches(_kv(7))
+        assert reader.lookup(PROMPT) == CS
+        # Planned after: vLLM recomputes them in this step, so its stores are right again.
+        fresh = StepPlan(
+            stores=[StoreSpec("s", PROMPT, BLOCKS, None, "", stored_before=CS)], step=3, failures_seen=1
+        )
+        worker.begin_step(fresh)
+        worker.store(fresh)
+        assert worker.take_load_errors() == set() and worker.take_not_stored() == {}
+        assert reader.lookup(PROMPT) == len(PROMPT)
     client.close()

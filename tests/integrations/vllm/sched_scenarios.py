@@ -1,0 +1,481 @@
+"""Scenarios for the scheduler-level harness; run in the vLLM venv by ``test_sched_harness.py``.
+
+``python sched_scenarios.py --out result.json [--only NAME ...]`` runs each scenario (see
+``SCENARIOS``) against real daemons and writes ``{name: {"ok", "error", "facts"}}``. Every
+scenario checks, besides its own point:
+
+* every request's output tokens equal the oracle's (the fake model's greedy tokens);
+* no step read a wrong context unless vLLM was told that step's load failed for those blocks;
+* a third engine (``Reader``) finds every chunk the daemon holds for each finished request's
+  tokens, retrieves it, and its bytes equal the oracle's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from kvcache.client import KVCacheClient
+from kvcache.integrations.vllm.connector import KVCacheMetadata
+from kvcache.integrations.vllm.request_keys import request_key_extra
+from kvcache.server.ipc import empty_shared
+from kvcache.server.launch import DaemonProcess
+from tests.integrations.vllm.sched_engine import (
+    BLOCK,
+    KV_HEADS,
+    LAYERS,
+    WIDTH,
+    Engine,
+    Oracle,
+    vllm_config,
+    write_model_config,
+)
+
+CHUNK = 64  # two vLLM blocks per kvcache chunk
+READER_BLOCKS = 48
+Facts = dict[str, Any]
+
+
+def stored_tokens(seq_len: int) -> int:
+    """Whole chunks with KV when a request ends with ``seq_len`` tokens (the last sampled
+    token is never fed, so it has none)."""
+    return (seq_len - 1) // CHUNK * CHUNK
+
+
+class Daemon:
+    """A daemon on a fixed port, so that it can be killed and started again in place."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.args = ["--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--disable-metrics"]
+        self.proc = DaemonProcess(self.args, port=port, prometheus_port=None)
+        self.endpoint = self.proc.endpoint
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        self.proc.stop(signal.SIGKILL)
+        self.proc.remove_runtime_dir()
+
+    def restart(self) -> None:
+        """SIGKILL, then a fresh daemon (empty L1) on the same port."""
+        self.kill()
+        self.proc = DaemonProcess(self.args, port=self.port, prometheus_port=None)
+
+    def close(self) -> None:
+        if self.proc.proc.poll() is None:
+            self.proc.stop()
+        self.proc.remove_runtime_dir()
+
+
+class Reader:
+    """A third engine on the same model: what would another engine be served?"""
+
+    def __init__(self, endpoint: str, model: str) -> None:
+        self.client = KVCacheClient(endpoint, 7_000_001, model, timeout_s=10)
+        self.kv = [
+            empty_shared([READER_BLOCKS, KV_HEADS, BLOCK, WIDTH], torch.float32) for _ in range(LAYERS)
+        ]
+        self.client.register_kv_caches(self.kv, engine="vllm", block_size=BLOCK, fmt="NL_X_NB_PAGE")
+
+    def served(self, identity: str, tokens: Sequence[int], key_extra: str, salt: str = "") -> int:
+        """Look ``tokens`` up, retrieve the hit and compare it with the oracle; the hit."""
+        hit = self.client.lookup(tokens, cache_salt=salt, key_extra=key_extra)
+        if not hit:
+            return 0
+        blocks = list(range(hit // BLOCK))
+        for cache in self.kv:
+            cache.fill_(-1.0)
+        got = self.client.retrieve(tokens[:hit], blocks, cache_salt=salt, key_extra=key_extra)
+        assert got == hit, f"lookup said {hit} tokens, retrieve copied {got}"
+        for layer, cache in enumerate(self.kv):
+            want = Oracle.kv(identity, tokens[:hit], layer).reshape(hit // BLOCK, BLOCK, KV_HEADS, WIDTH)
+            have = cache[blocks].permute(0, 2, 1, 3)
+            bad = (have != want).flatten(2).any(2).flatten().nonzero()
+            assert not len(bad), (
+                f"the daemon serves wrong KV for {identity!r} at positions {bad.flatten()[:8].tolist()} "
+                f"(layer {layer}, hit {hit})"
+            )
+        return hit
+
+    def store_oracle(self, identity: str, tokens: Sequence[int], key_extra: str = "") -> None:
+        """Store the oracle's (right) bytes for ``tokens`` (whole chunks)."""
+        n = len(tokens) // CHUNK * CHUNK
+        for layer, cache in enumerate(self.kv):
+            want = Oracle.kv(identity, tokens[:n], layer).reshape(n // BLOCK, BLOCK, KV_HEADS, WIDTH)
+            cache[: n // BLOCK] = want.permute(0, 2, 1, 3)
+        self.client.store(tokens[:n], list(range(n // BLOCK)), key_extra=key_extra)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Harness:
+    """One scenario's world: the model directory, daemons, engines and the checks."""
+
+    def __init__(self, name: str, workdir: Path, daemon: Daemon) -> None:
+        self.name, self.workdir, self.daemon = name, workdir, daemon
+        self.model = f"harness-{name}"
+        self.engines: list[Engine] = []
+        self.facts: Facts = {}
+        self._reader: Reader | None = None
+
+    def engine(
+        self,
+        *,
+        async_scheduling: bool = False,
+        num_blocks: int = 128,
+        timeout_s: float = 10.0,
+        max_batched: int = 96,
+    ) -> Engine:
+        extra = {"endpoint": self.daemon.endpoint, "model_name": self.model, "timeout_s": timeout_s}
+        config = vllm_config(
+            str(self.workdir / "model"), extra, async_scheduling=async_scheduling, max_batched=max_batched
+        )
+        eng = Engine(config, num_blocks)
+        self.engines.append(eng)
+        return eng
+
+    @property
+    def reader(self) -> Reader:
+        if self._reader is None:
+            self._reader = Reader(self.daemon.endpoint, self.model)
+        return self._reader
+
+    def check(self, eng: Engine, *, all_stored: bool = True) -> None:
+        """The three checks of the module docstring, for every request of ``eng``."""
+        eng.check_wrong_reads()
+        for req_id, request in eng.requests.items():
+            identity = eng.identity[req_id]
+            prompt = list(request.prompt_token_ids or [])
+            want = Oracle.generate(identity, prompt, request.max_tokens)
+            assert eng.outputs(req_id) == want, f"{req_id}: outputs differ from the oracle's"
+            key_extra = request_key_extra(request)
+            if key_extra is None:
+                continue
+            tokens = prompt + eng.outputs(req_id)
+            hit = self.reader.served(identity, tokens, key_extra)
+            if all_stored:
+                assert hit == stored_tokens(len(tokens)), (
+                    f"{req_id}: the daemon holds {hit} of its {stored_tokens(len(tokens))} tokens with KV"
+                )
+
+    def close(self) -> None:
+        for eng in self.engines:
+            eng.shutdown()
+        if self._reader is not None:
+            self._reader.close()
+
+
+def prompts(seed: int, prefix_len: int, tails: Sequence[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 1000) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, 1000) for _ in range(n)] for n in tails]
+
+
+# ------------------------------------------------------------------------------- scenarios
+
+
+def shared_prefixes(h: Harness, async_scheduling: bool) -> None:
+    """Many requests, shared prefixes of odd lengths, chunked prefill (96-token steps), outputs
+    crossing chunk boundaries; one ends exactly when its last fed token completes a chunk
+    (100 + 29 - 1 = 128). A second engine then loads the prefixes from the daemon."""
+    a = prompts(1, 157, [13, 40, 91])
+    b = prompts(2, 211, [1, 30])
+    first = h.engine(async_scheduling=async_scheduling)
+    lengths = [7, 33, 20, 64, 18]
+    for i, p in enumerate(a + b):
+        first.add(f"r{i}", p, lengths[i])
+    first.add("edge", prompts(3, 100, [0])[0], 29)
+    assert first.is_async == async_scheduling
+    first.run()
+    h.check(first)
+    second = h.engine(async_scheduling=async_scheduling)
+    for i, p in enumerate(prompts(1, 157, [55, 2]) + prompts(2, 211, [70])):
+        second.add(f"s{i}", p, 12)
+    second.run()
+    h.check(second)
+    tally = second.tally()
+    h.facts.update(
+        loaded_tokens=tally.get("load_tokens", 0), stored_tokens=first.tally().get("store_tokens", 0)
+    )
+    assert tally.get("load_tokens", 0) >= 128 + 192, "the second engine did not load the shared prefixes"
+
+
+def failed_load(h: Harness, async_scheduling: bool) -> None:
+    """The daemon restarts between the lookup and the load (its L1 is gone), and only the
+    first chunk is stored again: the load fills 64 of 256 tokens. The same step stores the
+    request's chunks; nothing computed on the unfilled blocks may reach the daemon, vLLM
+    recomputes, and the right bytes are stored afterwards."""
+    prompt = prompts(4, 300, [30])[0]
+    first = h.engine(async_scheduling=async_scheduling)
+    first.add("w", prompt, 4)
+    first.run()
+    h.check(first)
+    second = h.engine(async_scheduling=async_scheduling)
+    restarted: list[int] = []
+
+    def restart(step: int, out: Any) -> None:
+        meta = out.kv_connector_metadata
+        if restarted or not (isinstance(meta, KVCacheMetadata) and meta.plan.loads):
+            return
+        h.daemon.restart()
+        h.reader.store_oracle("", prompt[:CHUNK])
+        restarted.append(step)
+
+    second.between_schedule_and_load = restart
+    second.add("f", [*prompt, 5, 6, 7], 40)
+    if not async_scheduling:  # see docs/vllm.md: vLLM's own recovery is off under async
+        second.add("g", [*prompt, 8, 9], 20)
+    second.run()
+    tally = second.tally()
+    h.facts.update(
+        tally={k: tally.get(k, 0) for k in ("load_failures", "stores_poisoned", "load_tokens")},
+        wrong_reads=len(second.wrong_reads()),
+    )
+    assert restarted, "no load was planned"
+    assert tally.get("load_failures", 0) >= 1
+    assert second.wrong_reads(), "the unfilled blocks were never read: the scenario proves nothing"
+    h.check(second)
+
+
+def lora(h: Harness) -> None:
+    """The same tokens with and without a LoRA adapter are different KV: no cross hit."""
+    from vllm.lora.request import LoRARequest
+
+    sql = LoRARequest("sql", 1, "/adapters/sql")
+    prompt = prompts(5, 200, [0])[0]
+    first = h.engine()
+    first.add("with", prompt, 5, identity="lora=sql", lora_request=sql)
+    first.run()
+    h.check(first)
+    second = h.engine()
+    second.add("without", [*prompt, 11], 5)
+    second.add(
+        "with2", [*prompt, 12], 5, identity="lora=sql", lora_request=LoRARequest("sql", 1, "/adapters/sql")
+    )
+    second.run()
+    h.check(second)
+    assert second.planned_loads.get("with2", 0) >= 192
+    assert second.planned_loads.get("without", 0) == 0
+
+
+def multimodal(h: Harness) -> None:
+    """Two prompts with the same placeholder tokens and different images: no cross hit."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    def image(name: str) -> list[MultiModalFeatureSpec]:
+        return [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=name,
+                mm_position=PlaceholderRange(offset=10, length=40),
+            )
+        ]
+
+    prompt = prompts(6, 200, [0])[0]
+    prompt[10:50] = [7] * 40
+    for round_, (names, n) in enumerate([(["cat"], 5), (["dog", "cat"], 6)]):
+        eng = h.engine()
+        _multimodal_budget(eng)
+        for i, name in enumerate(names):
+            eng.add(f"{name}{round_}", [*prompt, n + i], 4, identity=f"image={name}", mm_features=image(name))
+        eng.run()
+        h.check(eng)
+    assert eng.planned_loads.get("dog1", 0) == 0
+    assert eng.planned_loads.get("cat1", 0) >= 192
+
+
+def _multimodal_budget(eng: Engine) -> None:
+    """A text model's config gives vLLM no encoder budget; give the scheduler a vision
+    model's so it schedules the placeholder tokens (the fake forward needs no encoder)."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    eng.scheduler.max_num_encoder_input_tokens = 4096
+    eng.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=4096)
+
+
+def prompt_embeds(h: Harness) -> None:
+    """A prompt given as embeddings is neither looked up nor stored: a token prompt of the
+    same ids (zeros, as vLLM fills them) never loads its KV."""
+    embeds = torch.randn(200, 128)
+    zeros = [0] * 200
+    eng = h.engine()
+    eng.add("embeds", zeros, 4, identity="embeds", prompt_embeds=embeds)
+    eng.run()
+    h.check(eng)
+    assert h.reader.client.lookup([*zeros, 1]) == 0, "the embeddings' KV was stored under token ids"
+    second = h.engine()
+    second.add("tokens", zeros, 4)
+    second.run()
+    h.check(second)
+    h.facts["not_cached"] = eng.tally().get("requests_not_cached", 0)
+    assert h.facts["not_cached"] >= 1
+
+
+def preemption(h: Harness) -> None:
+    """Too few blocks for four long requests: vLLM preempts and resumes them. Block reports
+    restart with every resumption (every block a scheduled request holds has been reported
+    for it since it last got blocks); stores stay right."""
+    eng = h.engine(num_blocks=26, max_batched=256)
+    reported: dict[str, set[int]] = {}
+    pending: list[Any] = []
+    client = eng.sched_connector.client
+    original = client.report_block_allocations
+
+    def record(records: Any, *, wait: bool = True) -> None:
+        pending.extend(records)
+        original(records, wait=wait)
+
+    client.report_block_allocations = record  # type: ignore[method-assign]
+
+    def check_reports(step: int, out: Any) -> None:
+        for req_id in out.preempted_req_ids or ():
+            reported.pop(req_id, None)
+        for r in pending:
+            reported.setdefault(r.req_id, set()).update(r.new_block_ids)
+        pending.clear()
+        for req_id in out.num_scheduled_tokens:
+            (held,) = eng.scheduler.kv_cache_manager.get_block_ids(req_id)
+            missing = set(held) - reported.get(req_id, set())
+            assert not missing, f"step {step}: blocks {sorted(missing)} of {req_id} never reported"
+
+    eng.between_schedule_and_load = check_reports
+    for i, tail in enumerate([3, 17, 41, 66]):  # no shared prefix: 39 blocks wanted, 26 there
+        eng.add(f"p{i}", prompts(70 + i, 190, [tail])[0], 80)
+    eng.run()
+    h.check(eng)
+    h.facts["preemptions"] = sum(r.num_preemptions for r in eng.requests.values())
+    assert h.facts["preemptions"] > 0, "nothing was preempted"
+
+
+def daemon_killed(h: Harness) -> None:
+    """SIGKILL of the daemon mid-run, while requests still have chunks to store and new ones
+    arrive to be looked up: each client waits out at most one timeout, then fails fast (no
+    store, lookup or report is sent to the dead daemon); every request still finishes with
+    the right tokens. A daemon started again in the same place is used again once the
+    breaker's probe gets an answer."""
+    warm = h.engine(timeout_s=1.0)
+    warm.add("warm", prompts(8, 150, [0])[0], 3)
+    warm.run()
+    h.check(warm)
+    eng = h.engine(timeout_s=1.0)
+    sends: dict[str, int] = {"scheduler": 0, "worker": 0}
+    for role, client in (("scheduler", eng.sched_connector.client), ("worker", eng.worker.client)):
+        _count_sends(client, sends, role)
+    late = prompts(8, 150, [40, 60])
+
+    def kill(step: int, out: Any) -> None:
+        if step == 3:
+            h.daemon.kill()
+            sends.update(scheduler=0, worker=0)
+            for i, p in enumerate(late):  # looked up while the daemon is dead: a miss
+                eng.add(f"late{i}", p, 20)
+
+    eng.between_schedule_and_load = kill
+    for i, p in enumerate(prompts(8, 150, [35, 5])):  # 185 + 30: a chunk completes at 192
+        eng.add(f"k{i}", p, 30)
+    eng.run()
+    _check_outputs(eng)  # the reader cannot ask a dead daemon
+    h.facts["sends_after_kill"] = dict(sends)
+    assert sends["scheduler"] <= 2 and sends["worker"] <= 2, f"calls sent to a dead daemon: {sends}"
+    assert eng.tally().get("store_failures", 0) + eng.tally().get("lookup_failures", 0) >= 2
+    h.daemon.proc = DaemonProcess(h.daemon.args, port=h.daemon.port, prometheus_port=None)
+    for client in (eng.sched_connector.client, eng.worker.client):
+        _wait_closed(client)
+    eng.add("after", prompts(8, 150, [90])[0], 3)
+    eng.run()
+    tokens = list(eng.requests["after"].prompt_token_ids or []) + eng.outputs("after")
+    assert h.reader.served("", tokens, "") == stored_tokens(len(tokens)), "nothing stored after the restart"
+
+
+def _count_sends(client: KVCacheClient, sends: dict[str, int], role: str) -> None:
+    original = client._call_once
+
+    def counted(chan: Any, body: Any) -> Any:
+        sends[role] += 1
+        return original(chan, body)
+
+    client._call_once = counted  # type: ignore[method-assign]
+
+
+def _wait_closed(client: KVCacheClient, within_s: float = 30.0) -> None:
+    """The breaker's own probe closes it; wait for that (bounded), never for a fixed time."""
+    deadline = time.monotonic() + within_s
+    while client.breaker.open:
+        assert time.monotonic() < deadline, "the breaker never closed after the daemon came back"
+        time.sleep(0.05)
+
+
+def _check_outputs(eng: Engine) -> None:
+    eng.check_wrong_reads()
+    for req_id, request in eng.requests.items():
+        want = Oracle.generate(eng.identity[req_id], list(request.prompt_token_ids or []), request.max_tokens)
+        assert eng.outputs(req_id) == want, f"{req_id}: outputs differ from the oracle's"
+
+
+SCENARIOS: dict[str, Callable[[Harness], None]] = {
+    "shared_prefixes_sync": lambda h: shared_prefixes(h, False),
+    "shared_prefixes_async": lambda h: shared_prefixes(h, True),
+    "failed_load_sync": lambda h: failed_load(h, False),
+    "lora": lora,
+    "multimodal": multimodal,
+    "prompt_embeds": prompt_embeds,
+    "preemption": preemption,
+    "daemon_killed": daemon_killed,
+}
+
+
+@contextmanager
+def harness(name: str, workdir: Path) -> Iterator[Harness]:
+    daemon = Daemon()
+    h = Harness(name, workdir, daemon)
+    try:
+        yield h
+    finally:
+        h.close()
+        daemon.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", nargs="*", default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvc-sched-") as tmp:
+        workdir = Path(tmp)
+        write_model_config(str(workdir / "model"))
+        for name in args.only or list(SCENARIOS):
+            t0 = time.perf_counter()
+            facts: Facts = {}
+            try:
+                with harness(name, workdir) as h:
+                    facts = h.facts
+                    SCENARIOS[name](h)
+                results[name] = {"ok": True, "error": "", "facts": facts}
+            except Exception:
+                results[name] = {"ok": False, "error": traceback.format_exc()[-4000:], "facts": facts}
+            results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+            print(name, "ok" if results[name]["ok"] else "FAILED", results[name]["seconds"], flush=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The connector under vLLM's own scheduler: ``sched_scenarios.py`` run in the vLLM venv.
+
+vLLM's real ``Scheduler`` and ``AsyncScheduler`` drive ``KVCacheConnector`` (scheduler half) and
+a worker ``KVCacheConnector`` moving real bytes through real daemons, stepped in vLLM's order,
+with a model-free forward whose KV is a function of the whole prefix (``sched_engine.py``).
+Every scenario checks the tokens against an oracle, that no step computed on a wrong context
+vLLM was not told about, and that every chunk the daemon serves equals the oracle's bytes.
+What each scenario proves is in its docstring in ``sched_scenarios.py``.
+
+The scenarios run in one process (vLLM's import dominates): the module fixture runs them all
+once and each test reads its scenario's result. Skipped with ``KVCACHE_SKIP_VLLM_E2E=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.test_connector import vllm_python  # noqa: F401
+
+HERE = Path(__file__).parent
+SCENARIOS = [
+    "shared_prefixes_sync",
+    "shared_prefixes_async",
+    "failed_load_sync",
+    "lora",
+    "multimodal",
+    "prompt_embeds",
+    "preemption",
+    "daemon_killed",
+]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+    out = tmp_path_factory.mktemp("sched") / "results.json"
+    proc = subprocess.run(
+        [vllm_python, str(HERE / "sched_scenarios.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd="/",
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_every_scenario_ran(results: dict[str, Any]) -> None:
+    assert sorted(results) == sorted(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(results: dict[str, Any], name: str) -> None:
+    result = results.get(name)
+    assert result is not None, f"{name} did not run"
+    print(f"{name}: {result['seconds']} s, {result['facts']}")
+    assert result["ok"], result["error"]
