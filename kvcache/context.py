@@ -213,16 +213,28 @@ class GPUCacheContext:
         return self._handler
 
     def copy_to_chunks_async(
-        self, block_ids: BlockIds, chunks: Sequence[torch.Tensor], skip_blocks: int = 0
+        self,
+        block_ids: BlockIds,
+        chunks: Sequence[torch.Tensor],
+        skip_blocks: int = 0,
+        *,
+        start_by: float | None = None,
     ) -> int:
         """Submit engine blocks -> chunks (store); returns the job id on ``transfer``.
 
-        Returns before the copy ran; a bad job (ids, chunks) is reported on its result.
+        Returns before the copy ran; a bad job (ids, chunks) is reported on its result,
+        and so is one not started by ``start_by`` (``TransferJob``).
         """
-        return self._handler.submit(TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks))
+        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by)
+        return self._handler.submit(job)
 
     def copy_from_chunks_async(
-        self, chunks: Sequence[torch.Tensor], block_ids: BlockIds, skip_blocks: int = 0
+        self,
+        chunks: Sequence[torch.Tensor],
+        block_ids: BlockIds,
+        skip_blocks: int = 0,
+        *,
+        start_by: float | None = None,
     ) -> int:
         """Submit chunks -> engine blocks (retrieve); returns the job id on ``transfer``.
 
@@ -230,7 +242,8 @@ class GPUCacheContext:
         ``transfer.wait`` blocks the host, the CUDA handler's ``wait_on_stream`` only the
         engine's stream.
         """
-        return self._handler.submit(TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks))
+        job = TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by)
+        return self._handler.submit(job)
 
     def copy_to_chunks(
         self, block_ids: BlockIds, chunks: Sequence[torch.Tensor], skip_blocks: int = 0

@@ -48,12 +48,19 @@ class TransferJob:
     keeps its chunk tensors alive until the copy has finished, so a caller may drop its
     own references right after ``submit``; it must not change ``block_ids`` or the
     chunks' contents before the job's result is out (a handler may read them late).
+
+    ``start_by`` (``time.monotonic()`` scale): the caller stops owning the engine blocks
+    then (a serving engine may hand them to another request), so a job that has not
+    started by that time is refused with ``DeadlineExceededError`` and writes nothing.
+    NOTE: the CPU handler checks it when the job's turn comes; a CUDA handler when it
+    launches the job (at ``submit``), as the device's start time is not known to the host.
     """
 
     direction: Direction
     block_ids: BlockIds
     chunks: tuple[torch.Tensor, ...]
     skip_blocks: int = 0
+    start_by: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,8 @@ class TransferHandler(ABC):
     Errors: ``submit`` raises only when the handler is closed (``TransferError``). A job
     that fails its checks (block id out of range or not an integer, ids that do not cover
     the chunks, chunks that do not fit the cache) writes nothing and finishes in its
-    turn with the error on its result; so does a copy that fails while it runs.
+    turn with the error on its result; so does a job past its ``start_by`` and a copy
+    that fails while it runs.
 
     Shutdown: ``close`` stops accepting jobs, then waits until every job already
     submitted has finished (a copy in flight cannot be taken back safely, and a store

@@ -18,7 +18,7 @@ import torch
 from kvcache import _native
 from kvcache.errors import TransferError, UnknownTransferError
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
-from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, native_error
+from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
 
 _IDLE_SLICE_S = 0.1  # an idle worker looks this often whether the interpreter is exiting
 
@@ -173,6 +173,7 @@ class CpuTransferHandler(TransferHandler):
         direction = item.job.direction
         try:
             job = check_job(item.job, self._geometry)
+            check_start(item.job)  # last, right before the copy: the check nearest its start
         except Exception as err:  # a malformed job (not just a bad one) fails alone, typed
             return TransferResult(item.job_id, direction, 0, 0, 0.0, native_error(err))
         start = time.perf_counter()

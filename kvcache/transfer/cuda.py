@@ -26,7 +26,7 @@ import torch
 from kvcache import _native
 from kvcache.errors import KvcacheError, TransferError, UnknownTransferError
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
-from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, native_error
+from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
 
 _POLL_START_S = 20e-6  # first back-off of a bounded wait; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 1e-3
@@ -89,6 +89,7 @@ class CudaTransferHandler(TransferHandler):
         checked: CheckedJob | None = None
         error: KvcacheError | None = None
         try:
+            check_start(job)
             checked = check_job(job, self._geometry)
         except Exception as err:  # a malformed job (not just a bad one) fails alone, typed
             error = native_error(err)

@@ -7,6 +7,7 @@ depth, and ``native_error`` is the one place its exceptions become kvcache error
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
     CudaUnavailableError,
+    DeadlineExceededError,
     KvcacheError,
     LimitExceededError,
     TransferError,
@@ -95,6 +97,14 @@ def block_id_array(block_ids: BlockIds, num_blocks: int) -> np.ndarray:
             f"block id {int(arr[pos])} at position {pos} is outside [0, {num_blocks}); nothing was copied"
         )
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_start(job: TransferJob) -> None:
+    """Raise ``DeadlineExceededError`` when ``job`` may no longer start (``start_by`` passed)."""
+    if job.start_by is not None and time.monotonic() > job.start_by:
+        raise DeadlineExceededError(
+            "the copy's start deadline passed before its turn came; nothing was copied"
+        )
 
 
 def check_job(job: TransferJob, geom: ChunkGeometry) -> CheckedJob:
@@ -186,4 +196,4 @@ def native_error(err: Exception) -> KvcacheError:
     return TransferError(f"copy failed: {type(err).__name__}: {err}")
 
 
-__all__ = ["CheckedJob", "ChunkGeometry", "block_id_array", "check_job", "native_error"]
+__all__ = ["CheckedJob", "ChunkGeometry", "block_id_array", "check_job", "check_start", "native_error"]

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from kvcache import GPUCacheContext, _native, reference
-from kvcache.errors import BlockIdError, ChunkMismatchError, TransferError, UnknownTransferError
+from kvcache.errors import (
+    BlockIdError,
+    ChunkMismatchError,
+    DeadlineExceededError,
+    TransferError,
+    UnknownTransferError,
+)
 from kvcache.transfer import CpuTransferHandler, Direction, TransferJob
 from kvcache.transfer.validate import CheckedJob
 from tests.transfer.helpers import (
@@ -166,6 +172,27 @@ def test_a_bad_job_fails_on_its_result_and_writes_nothing(
     assert unchanged(ctx, before)
     assert torch.equal(bad_chunks[0].view(torch.uint8), payload[0].view(torch.uint8))
     assert bool((bad_chunks[0].view(torch.uint8) == POISON).all())
+    h.close()
+
+
+def test_a_job_whose_turn_comes_after_its_start_by_writes_nothing() -> None:
+    """The engine passes its caller's deadline as ``start_by``: a job queued behind a slow
+    one must not start once the caller stopped owning the blocks."""
+    ctx = make_context()
+    gate = Gate()
+    h = gated_handler(ctx, gate)
+    before = snapshot(ctx)
+    held = h.submit(_store([0, 1, 2, 3], poisoned_chunks(ctx, 1)))
+    late_chunks = poisoned_chunks(ctx, 1)
+    late = h.submit(TransferJob(Direction.FROM_CHUNKS, [4, 5, 6, 7], tuple(late_chunks), start_by=0.0))
+    timely_chunks = tuple(poisoned_chunks(ctx, 1))
+    timely = h.submit(TransferJob(Direction.TO_CHUNKS, [8, 9, 10, 11], timely_chunks, start_by=float("inf")))
+    assert gate.entered.wait(10)
+    gate.opened.set()
+    r_held, r_late, r_timely = h.wait([held, late, timely])
+    assert r_held.ok and r_timely.ok
+    assert isinstance(r_late.error, DeadlineExceededError) and (r_late.blocks, r_late.bytes) == (0, 0)
+    assert unchanged(ctx, before)  # the refused load wrote nothing into the engine's blocks
     h.close()
 
 
