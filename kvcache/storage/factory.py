@@ -79,11 +79,12 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
             "connect_timeout_s": config.l2_redis_connect_timeout_s,
             "ttl_s": config.l2_redis_ttl_s,
         }
+        # Both also report what the servers expire or evict by themselves.
         if parse_redis_url(config.l2_redis_url).cluster:
             # A dead shard fails fast for as long as a dead tier is skipped.
             options["shard_retry_s"] = config.l2_retry_interval_s
-            tiers.append(L2_ADAPTERS.create("redis-cluster", **options))
-        else:  # the one-server tier also reports what the server expires or evicts itself
+            tiers.append(L2_ADAPTERS.create("redis-cluster", bus=bus, **options))
+        else:
             tiers.append(L2_ADAPTERS.create("redis", bus=bus, **options))
     return tiers
 

@@ -14,7 +14,9 @@ serving everything else. So this tier
   shards answer. The first call after that interval goes through the client, which refreshes
   its slot table on the connection error; once a replica has been promoted the slots route
   to it and the shard is back, with no restart and no operator action;
-* connects lazily: a daemon starts (and serves from L1) while the cluster is unreachable.
+* connects lazily: a daemon starts (and serves from L1) while the cluster is unreachable;
+* given an event sink, reports the chunks every master expires or evicts by itself
+  (``redis_cluster_notify``), as the one-server tier does.
 
 Values use the one-server record format (``redis.encode_or_error``/``decoded``): header + CRC,
 so a chunk from another build or geometry is refused, never served.
@@ -35,7 +37,7 @@ from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import ChunkKey
+from kvcache.observability.event import ChunkKey, EventSink, NullEventSink
 from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, failure_reason, storage_error
 from kvcache.storage.redis import (
     DEFAULT_MAX_BATCH,
@@ -46,6 +48,7 @@ from kvcache.storage.redis import (
     stored,
     unwrap,
 )
+from kvcache.storage.redis_cluster_notify import ClusterEvictionWatcher
 from kvcache.storage.redis_url import RedisURLError, parse_redis_url
 
 logger = logging.getLogger(__name__)
@@ -127,6 +130,7 @@ class RedisClusterL2Adapter(L2Adapter):
         max_connections_per_node: int = 32,
         max_batch: int = DEFAULT_MAX_BATCH,
         clock: Callable[[], float] = time.monotonic,
+        bus: EventSink | None = None,
     ) -> None:
         target = parse_redis_url(url)
         if not target.cluster:
@@ -153,6 +157,19 @@ class RedisClusterL2Adapter(L2Adapter):
         self._client: RedisCluster | None = None
         self._client_lock = threading.Lock()
         self._closed = False
+        # Keys the masters drop by themselves (TTL, maxmemory) reach the bus as L2_KEYS_EVICTED;
+        # the master set is re-read as often as a dead shard is retried.
+        self._watcher: ClusterEvictionWatcher | None = None
+        if bus is not None and not isinstance(bus, NullEventSink):
+            self._watcher = ClusterEvictionWatcher(
+                target,
+                key_prefix=key_prefix,
+                backend=self.backend,
+                bus=bus,
+                refresh_s=shard_retry_s,
+                socket_timeout_s=socket_timeout_s,
+                connect_timeout_s=connect_timeout_s,
+            )
 
     # -- L2Adapter ------------------------------------------------------------------------
     def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
@@ -198,7 +215,8 @@ class RedisClusterL2Adapter(L2Adapter):
         return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
     def info(self) -> dict[str, Any]:
-        """Seeds, the masters the client routes to now and the shards failing fast; no I/O."""
+        """Seeds, the masters the client routes to now, the shards failing fast and the masters
+        whose expiries/evictions are followed (node -> state, or ``"off"``); no I/O."""
         client = self._client
         masters = sorted(n.name for n in client.get_primaries()) if client is not None else []
         return {
@@ -207,9 +225,12 @@ class RedisClusterL2Adapter(L2Adapter):
             "key_prefix": self.key_prefix,
             "masters": masters,
             "shards_down": self.shards.down(),
+            "evictions_watched": self._watcher.watched() if self._watcher is not None else "off",
         }
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
         with self._client_lock:
             self._closed = True
             client, self._client = self._client, None

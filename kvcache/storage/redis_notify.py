@@ -16,6 +16,9 @@ made by hand later still works. State, for ``info()``: ``"on"`` (already set), `
 Limits (documented in docs/operator-guide.md): notifications are fire-and-forget, so keys that
 expire while the watcher is disconnected are never reported; every daemon sharing the server
 reports every expiry under the prefix (holdings trackers ignore keys they never held).
+
+A Redis Cluster publishes keyspace notifications only on the node where the key lived, so the
+cluster tier runs one of these per master (``redis_cluster_notify``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def covers(flags: str) -> bool:
 class RedisEvictionWatcher:
     """Follows one server's expired/evicted keyevents for names under ``key_prefix`` and
     publishes ``L2_KEYS_EVICTED`` (``num_bytes`` 0: the size is gone with the key), one event
-    per burst of notifications, from its own daemon thread. ``close()`` stops it."""
+    per burst of notifications, from its own daemon thread. ``close()`` stops it.
+
+    ``where`` names the server in log lines (a cluster watcher names the node)."""
 
     def __init__(
         self,
@@ -56,8 +61,10 @@ class RedisEvictionWatcher:
         backend: str,
         bus: EventSink,
         retry_s: float = 1.0,
+        where: str = "Redis L2",
     ) -> None:
         self._client = client
+        self._where = where
         self._prefix = key_prefix.encode()
         self._backend = backend
         self._bus = bus
@@ -70,7 +77,7 @@ class RedisEvictionWatcher:
         self.state = self._switch_on()
         self._pubsub: Any = None
         self._subscribe()  # first subscription here: events from now on are not missed
-        self._thread = threading.Thread(target=self._run, name="kvcache-redis-evictions", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kvcache-evictions {where}", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -90,12 +97,14 @@ class RedisEvictionWatcher:
         except redis.RedisError as exc:
             self._recheck = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
             log.warning(
-                "Redis L2: cannot read or set notify-keyspace-events (%s); chunks the server "
+                "%s: cannot read or set notify-keyspace-events (%s); chunks the server "
                 "expires or evicts are reported only if it includes %r (set it on the server: "
-                "CONFIG SET notify-keyspace-events %s, or in redis.conf)", exc, NEEDED, NEEDED,
+                "CONFIG SET notify-keyspace-events %s, or in redis.conf)", self._where, exc, NEEDED, NEEDED,
             )  # fmt: skip
             return "unknown"
-        log.info("Redis L2: enabled keyspace notifications (%s) to follow expired/evicted chunks", wanted)
+        log.info(
+            "%s: enabled keyspace notifications (%s) to follow expired/evicted chunks", self._where, wanted
+        )
         return "enabled"
 
     def _subscribe(self) -> None:
@@ -111,7 +120,7 @@ class RedisEvictionWatcher:
             self.state = self._switch_on()
         if self._down:
             self._down = False
-            log.info("Redis L2: following expired/evicted chunks again (some may have been missed)")
+            log.info("%s: following expired/evicted chunks again (some may have been missed)", self._where)
 
     def _run(self) -> None:
         while not self._halt.is_set():
@@ -157,7 +166,7 @@ class RedisEvictionWatcher:
         self._recheck = True
         if not self._down:
             self._down = True
-            log.warning("Redis L2: lost the keyspace notification feed (%s); retrying", exc)
+            log.warning("%s: lost the keyspace notification feed (%s); retrying", self._where, exc)
 
     def _drop_pubsub(self) -> None:
         pubsub, self._pubsub = self._pubsub, None

@@ -7,6 +7,7 @@ import pytest
 from kvcache.config import EngineConfig
 from kvcache.storage.factory import EVICTION_POLICIES, L2_ADAPTERS, create_policy, l2_adapters_from_config
 from kvcache.storage.lru import LRUPolicy
+from tests.helpers import RecordingSink
 
 
 def test_names_and_lazy_load() -> None:
@@ -34,4 +35,7 @@ def test_a_cluster_url_picks_the_cluster_tier_without_connecting() -> None:
     (tier,) = l2_adapters_from_config(cfg, bus=None)  # type: ignore[arg-type]
     assert tier.backend == "redis-cluster" and tier.shards.retry_s == 0.5  # type: ignore[attr-defined]
     assert tier.info()["masters"] == []  # lazy: nothing reached yet
+    tier.close()
+    (tier,) = l2_adapters_from_config(cfg, bus=RecordingSink())
+    assert tier.info()["evictions_watched"] == {}  # given the bus: watching, once masters answer
     tier.close()
