@@ -5,9 +5,12 @@ scheduler and the workers live in different processes, and the only thing they s
 connector metadata vLLM ships each step (a ``StepPlan``) and the daemon.
 
 * Scheduler half: asks the daemon how much of a prompt it holds beyond vLLM's own prefix hit
-  (``get_num_new_matched_tokens``, reported as a synchronous load so it lands before the
-  forward), plans loads and chunk-aligned stores (``plan.Planner``), reports block
-  allocations and finished requests to the daemon (its L0 lifecycle metrics).
+  (``get_num_new_matched_tokens``), plans loads and chunk-aligned stores (``plan.Planner``),
+  reports block allocations and finished requests to the daemon (its L0 lifecycle metrics).
+  Loads are reported synchronous (they land before the same step's forward), except under
+  async scheduling: there the step after a failed load is planned before vLLM hears of it,
+  and vLLM's recovery from a failed synchronous load is not exact, so a loading request
+  waits one step for its load instead (``WAITING_FOR_REMOTE_KVS``).
 * Worker half: allocates the CPU KV cache in sealed memfds (``get_mem_pool_context``), registers
   it with the daemon, loads before the forward, stores after it (``worker.ConnectorWorker``).
 
@@ -109,6 +112,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             curve_secret_key=self.config.curve_secret_key,
         )
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
+        self._async_loads = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         # scheduler half
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
@@ -145,7 +149,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVCacheMetadata):
             return
         self._worker.begin_step(meta.plan)
-        if meta.plan.loads and self._worker.registered:
+        if meta.plan.loads:
             self._worker.load(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -165,11 +169,13 @@ class KVCacheConnector(KVConnectorBase_V1):
             self._finished_sending.update(s.req_id for s in meta.plan.stores if s.final)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose final store (``request_finished``) is done: vLLM frees their
-        blocks now. Nothing is received asynchronously (loads finish in ``start_load_kv``)."""
-        done = self._worker.take_finished_sending() | self._finished_sending
+        """Finished requests whose final store (``request_finished``) is done, so vLLM frees
+        their blocks; requests whose asynchronous load ran in this step's ``start_load_kv``
+        (what failed is in ``get_block_ids_with_load_errors``), so vLLM schedules them."""
+        sent = self._worker.take_finished_sending() | self._finished_sending
         self._finished_sending = set()
-        return (done or None), None
+        received = self._worker.take_finished_recving()
+        return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
@@ -242,7 +248,8 @@ class KVCacheConnector(KVConnectorBase_V1):
             hit = found.hit_tokens
             self.tally.lookup(len(prompt), hit, found.l2_hit_tokens)
             self._last_hit[request.request_id] = (num_computed_tokens, hit)
-        return planner.external_tokens(len(prompt), num_computed_tokens, hit), False
+        external = planner.external_tokens(len(prompt), num_computed_tokens, hit)
+        return external, self._async_loads and external > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         planner = self._get_planner()
@@ -258,7 +265,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         planner.on_alloc(
             req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
-            request.cache_salt or "", key_extra,
+            request.cache_salt or "", key_extra, self._async_loads,
         )  # fmt: skip
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -38,6 +38,9 @@ class LoadSpec:
     skip_tokens: int
     cache_salt: str = ""
     key_extra: str = ""
+    is_async: bool = False
+    """vLLM waits for it (``WAITING_FOR_REMOTE_KVS``) instead of computing on the blocks in the
+    same step; the workers report it in ``get_finished`` whatever its outcome."""
 
 
 @dataclass(slots=True)
@@ -113,6 +116,7 @@ class Planner:
         external: int,
         cache_salt: str = "",
         key_extra: str = "",
+        is_async: bool = False,
     ) -> None:
         """A request got its blocks; queue its load (if any) for the next step's plan."""
         state = self._reqs.get(req_id)
@@ -127,7 +131,7 @@ class Planner:
         end = min(end, len(prompt))
         nblocks = -(-end // self.block_size)
         tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
-        self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra))
+        self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async))
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 
     def step(

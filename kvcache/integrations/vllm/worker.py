@@ -1,9 +1,10 @@
 """Worker side: register vLLM's KV tensors with the daemon, run a step's loads and stores.
 
 No vLLM import: it takes the tensors and a ``StepPlan`` and talks to the daemon through
-``KVCacheClient``. Loads are synchronous (they must land before the forward reads the
-blocks); stores are synchronous too, at the end of the step, because vLLM may hand the
-blocks to another request as soon as the step's output is processed.
+``KVCacheClient``. Loads finish in ``start_load_kv`` (a synchronous one before the forward
+reads the blocks; an asynchronous one, under async scheduling, for a request vLLM computes
+only after it is reported done); stores are synchronous too, at the end of the step, because
+vLLM may hand the blocks to another request as soon as the step's output is processed.
 
 Failures never stop the engine, and never poison the cache: a load that returns fewer
 tokens than planned reports the blocks it did not fill (vLLM recomputes them). Those blocks,
@@ -11,9 +12,9 @@ and everything computed on top of them, are garbage until vLLM has recomputed th
 store stops before the chunk holding the first of them: the loading request's, and any other
 request's that shares them through vLLM's prefix cache. They stay marked until a plan built
 after vLLM processed the failure (``StepPlan.failures_seen``): under async scheduling the next
-step was planned before, and computes on them too. Whatever the plan counted as stored but
-was not (cut this way, or a store that failed) is handed back to the scheduler
-(``take_not_stored``) so a later step stores the right bytes.
+step was planned before (and, after a synchronous load, computes on them too). Whatever the
+plan counted as stored but was not (cut this way, or a store that failed) is handed back to
+the scheduler (``take_not_stored``) so a later step stores the right bytes.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class ConnectorWorker:
         self.bytes_per_token = 0
         """KV bytes one token occupies on this rank (all layers), set at registration."""
         self._load_errors: set[int] = set()
-        self._unfilled: dict[int, int] = {}  # block id -> the step whose load left it unfilled
+        # block id -> (the step whose load left it unfilled, whether that step computed on it)
+        self._unfilled: dict[int, tuple[int, bool]] = {}
+        self._finished_recving: set[str] = set()
         self._failed_step = -1  # the last step with a failed load, not yet reported
         self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
         self._finished_sending: set[str] = set()
@@ -70,7 +73,7 @@ class ConnectorWorker:
     def begin_step(self, plan: StepPlan) -> None:
         """Forget the blocks of failed loads that vLLM recomputes from this plan on."""
         if self._unfilled:
-            self._unfilled = {b: s for b, s in self._unfilled.items() if s > plan.failures_seen}
+            self._unfilled = {b: v for b, v in self._unfilled.items() if v[0] > plan.failures_seen}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = unique_layers(kv_caches)
@@ -91,10 +94,17 @@ class ConnectorWorker:
         )  # fmt: skip
 
     def load(self, plan: StepPlan) -> None:
+        """Copy the planned prefixes in; whatever did not arrive is reported as load errors
+        (vLLM recomputes it), including every load of a rank that could not register (the
+        scheduler half may still find prefixes through another rank's registration)."""
         for spec in plan.loads:
             want = len(spec.token_ids)
             t0 = time.perf_counter()
+            if spec.is_async:
+                self._finished_recving.add(spec.req_id)  # done, whatever the outcome
             try:
+                if not self.registered:
+                    raise KvcacheError("this rank's KV cache is not registered with the daemon")
                 got = self.client.retrieve(
                     spec.token_ids,
                     spec.block_ids,
@@ -112,7 +122,7 @@ class ConnectorWorker:
             if got < want:
                 first_bad = max(got, spec.skip_tokens) // self.block_size
                 self._load_errors.update(spec.block_ids[first_bad:])
-                self._unfilled.update((b, plan.step) for b in spec.block_ids[first_bad:])
+                self._unfilled.update((b, (plan.step, not spec.is_async)) for b in spec.block_ids[first_bad:])
                 self._failed_step = plan.step
                 self._not_stored[spec.req_id] = min(
                     self._not_stored.get(spec.req_id, 1 << 62), self._chunk_floor(first_bad)
@@ -176,13 +186,19 @@ class ConnectorWorker:
         when it planned this one (async scheduling): this step computed on them too, and
         reporting them again makes vLLM discard what it computed instead of keeping a token
         sampled from garbage."""
-        errors, self._load_errors = self._load_errors | set(self._unfilled), set()
+        recomputing = {b for b, (_, computed_on) in self._unfilled.items() if computed_on}
+        errors, self._load_errors = self._load_errors | recomputing, set()
         return errors
 
     def take_failed_step(self) -> int:
         """The last step whose load failed since the previous call, or -1."""
         step, self._failed_step = self._failed_step, -1
         return step
+
+    def take_finished_recving(self) -> set[str]:
+        """Requests whose asynchronous load ran this step (failed blocks are load errors)."""
+        done, self._finished_recving = self._finished_recving, set()
+        return done
 
     def take_finished_sending(self) -> set[str]:
         """Finished requests whose final store is done (or given up): vLLM frees their blocks."""

@@ -20,6 +20,7 @@ Not collected by pytest (no ``test_`` prefix): vLLM is not installed in the proj
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -346,9 +347,7 @@ class Engine:
         self.worker = KVCacheConnector(config, KVConnectorRole.WORKER, kv_config)
         # As vLLM's CPU runner: raw byte buffers (inside the connector's allocation hook),
         # viewed as the CPU attention layout.
-        ctx = self.worker.get_mem_pool_context()
-        assert ctx is not None
-        with ctx:
+        with self.worker.get_mem_pool_context() or contextlib.nullcontext():
             raw = [torch.zeros(page * num_blocks, dtype=torch.int8) for _ in names]
         self.kv = [r.view(torch.float32).view(num_blocks, KV_HEADS, BLOCK, WIDTH) for r in raw]
         self.worker.register_kv_caches(dict(zip(names, self.kv, strict=True)))
@@ -395,12 +394,17 @@ class Engine:
                 self.planned_loads.get(load.req_id, 0) + len(load.token_ids) - load.skip_tokens
             )
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
+        # As vLLM's runner: synchronous loads feed this step's forward; asynchronous ones
+        # start after it (their requests are not in it).
+        if out.has_sync_kv_loads:
+            worker.start_load_kv(None)
         result = (
             self.forward.forward(step, out)
             if out.total_num_scheduled_tokens
             else ModelRunnerOutput(req_ids=[], req_id_to_index={})
         )
+        if not out.has_sync_kv_loads:
+            worker.start_load_kv(None)
         worker.wait_for_save()
         sending, recving = worker.get_finished(out.finished_req_ids)
         conn = KVConnectorOutput(

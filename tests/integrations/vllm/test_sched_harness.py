@@ -28,6 +28,7 @@ SCENARIOS = [
     "shared_prefixes_sync",
     "shared_prefixes_async",
     "failed_load_sync",
+    "failed_load_async",
     "lora",
     "multimodal",
     "prompt_embeds",

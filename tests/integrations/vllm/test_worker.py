@@ -117,3 +117,23 @@ def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: Daemon
         assert worker.take_load_errors() == set() and worker.take_not_stored() == {}
         assert reader.lookup(PROMPT) == len(PROMPT)
     client.close()
+
+
+def test_a_rank_that_could_not_register_reports_every_planned_load_as_failed() -> None:
+    """The scheduler half may find prefixes through another rank's registration; this rank's
+    blocks were never filled, so vLLM must recompute them. An asynchronous load is reported
+    done all the same (vLLM would otherwise wait for it forever)."""
+    worker = ConnectorWorker(KVCacheClient("ipc:///nonexistent/kvcache.sock", 8, "m", timeout_s=1), BS)
+    plan = StepPlan(
+        loads=[
+            LoadSpec("s", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], CS // 2),
+            LoadSpec("a", PROMPT[:CS], [40, 41, 42, 43], 0, is_async=True),
+        ],
+        step=1,
+    )
+    worker.begin_step(plan)
+    worker.load(plan)
+    assert worker.take_load_errors() == set(BLOCKS[CS // 2 // BS : 2 * CS // BS]) | {40, 41, 42, 43}
+    assert worker.take_finished_recving() == {"a"}
+    assert worker.tally.totals()["load_failures"] == 2
+    worker.close()
