@@ -14,12 +14,19 @@ Policies, stated once:
 * **Lookup** counts the prefix of chunks in L1 or present in L2 (disk first, then Redis), and
   starts loading the L2 ones into L1 (prefetch) before it returns; ``retrieve`` waits for those
   loads. The first missing chunk ends the prefix.
+* **Asynchronous copies:** ``store_async`` / ``retrieve_async`` submit the copies and return a
+  future; each instance's copies are completed on its own completer thread, in submission
+  order. A stored chunk becomes visible to lookups only when its copy finished; ``store`` and
+  ``retrieve`` are waits on the futures.
 * **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
   lookup never waits behind another thread's copy.
+* **Statistics** (bytes, seconds, sizes of copies) come from the copies' ``TransferResult``
+  records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
 This module is the facade (registration, lifecycle, introspection); the store path lives in
-``store``, lookup/prefetch/retrieve in ``load``, request checks in ``ids`` and the MP_* event
-metadata in ``op_events``.
+``store``, lookup/prefetch/retrieve in ``load``, completion of copies in ``completion``,
+request checks in ``ids``, result records in ``records`` and the MP_* event metadata in
+``op_events``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvcache.config import EngineConfig
@@ -38,8 +46,8 @@ from kvcache.engine.instance import Instance
 from kvcache.engine.load import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.records import StoreResult
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
-from kvcache.engine.store import StoreResult
 from kvcache.errors import BlockIdError, LayoutError, LimitExceededError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import BlockAllocationRecord, Event, EventSink, EventType, NullEventSink
@@ -100,11 +108,13 @@ class CacheEngine:
         return ctx
 
     def unregister(self, instance_id: int) -> None:
-        """Forget an instance; subscribers holding per-instance state drop it on the event."""
+        """Forget an instance once its copies in flight completed; subscribers holding
+        per-instance state drop it on the event."""
         with self._lock:
             inst = self._instances.pop(instance_id, None)
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id} is not registered")
+        inst.completer.close()
         meta = {"instance_id": instance_id, "model_name": inst.model_name}
         self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
 
@@ -149,9 +159,44 @@ class CacheEngine:
         event for KV-event publishers. ``copy_by`` (``time.monotonic()`` scale): when the caller
         stops waiting; no copy of its blocks starts later (``DeadlineExceededError``), since
         the engine may have reused them, and no wait lasts beyond it.
+
+        A wait on ``store_async``; raises what its future holds.
         """
-        inst = self._instance(instance_id)
-        return store_path.store(
+        return self.store_async(
+            instance_id,
+            token_ids,
+            block_ids,
+            cache_salt=cache_salt,
+            request_id=request_id,
+            block_hashes=block_hashes,
+            copy_by=copy_by,
+        ).result()
+
+    def store_async(
+        self,
+        instance_id: int,
+        token_ids: IntArray,
+        block_ids: IntArray,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        block_hashes: Sequence[int] | None = None,
+        copy_by: float | None = None,
+    ) -> Future[StoreResult]:
+        """``store`` without waiting for the copies: reserves the slots, submits the copies and
+        returns. The future resolves after the chunks became visible to lookups (each only once
+        its copy finished) and ``MP_STORE_END`` was published; errors (a bad request, a failed
+        copy, ``copy_by`` passed) are set on it, with the failed chunks' slots freed.
+
+        NOTE: this call itself may wait, within ``store_wait_timeout_s`` and ``copy_by``, for L1
+        room held by earlier stores' write-through. The engine's ``block_ids`` must keep their
+        KV until the future resolves.
+        """
+        try:
+            inst = self._instance(instance_id)
+        except UnknownInstanceError as err:
+            return _failed(err)
+        return store_path.store_async(
             self._parts,
             inst,
             token_ids,
@@ -176,9 +221,42 @@ class CacheEngine:
         """Copy the cached prefix of ``token_ids`` into ``block_ids``, leaving the first
         ``skip_tokens`` (rounded down to whole blocks) alone; returns the prefix length now
         valid in the engine (skip + copied). ``copy_by``: as for ``store``; waits for L2 loads
-        end there, and past it nothing is written into ``block_ids``."""
-        inst = self._instance(instance_id)
-        return load_path.retrieve(
+        end there, and past it nothing is written into ``block_ids``.
+
+        A wait on ``retrieve_async``; raises what its future holds."""
+        return self.retrieve_async(
+            instance_id,
+            token_ids,
+            block_ids,
+            skip_tokens,
+            cache_salt=cache_salt,
+            request_id=request_id,
+            copy_by=copy_by,
+        ).result()
+
+    def retrieve_async(
+        self,
+        instance_id: int,
+        token_ids: IntArray,
+        block_ids: IntArray,
+        skip_tokens: int = 0,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        copy_by: float | None = None,
+    ) -> Future[int]:
+        """``retrieve`` without waiting for the copy: the future resolves (after
+        ``MP_RETRIEVE_END``) once the blocks hold the prefix; errors are set on it.
+
+        NOTE: this call itself waits, within ``retrieve_wait_timeout_s`` and ``copy_by``, for
+        the L2 loads a lookup began. The engine must not read ``block_ids`` before the future
+        resolved.
+        """
+        try:
+            inst = self._instance(instance_id)
+        except UnknownInstanceError as err:
+            return _failed(err)
+        return load_path.retrieve_async(
             self._parts,
             inst,
             token_ids,
@@ -256,10 +334,13 @@ class CacheEngine:
         return ok
 
     def close(self) -> None:
-        """Finish pending L2 writes and close the tiers; idempotent."""
+        """Complete the stores and retrieves in flight (their futures resolve), then finish
+        pending L2 writes and close the tiers; idempotent."""
         if self._closed:
             return
         self._closed = True
+        for inst in list(self._instances.values()):
+            inst.completer.close()
         for tier in self._tiers:
             tier.close()
 
@@ -268,6 +349,12 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _failed(err: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(err)
+    return future
 
 
 __all__ = ["CacheEngine", "LookupHit", "StoreResult"]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvcache.context import GPUCacheContext
+from kvcache.engine.completion import Completer
 from kvcache.keys import ChunkHasher
 from kvcache.observability.event import ChunkKey
 from kvcache.storage.codec import dtype_name
@@ -25,12 +26,25 @@ _MAX_HASHERS = 4096  # distinct cache salts remembered per instance
 
 
 class Instance:
-    __slots__ = ("_hashers", "_lock", "ctx", "device", "geometry", "instance_id", "model_name", "scope")
+    """A registered instance; ``completer`` finishes its copy jobs (one thread, in order)."""
+
+    __slots__ = (
+        "_hashers",
+        "_lock",
+        "completer",
+        "ctx",
+        "device",
+        "geometry",
+        "instance_id",
+        "model_name",
+        "scope",
+    )
 
     def __init__(self, instance_id: int, model_name: str, ctx: GPUCacheContext) -> None:
         self.instance_id = instance_id
         self.model_name = model_name
         self.ctx = ctx
+        self.completer = Completer(ctx.transfer, f"kvcache-complete-{instance_id}")
         self.device = str(ctx.device)
         self.geometry = SlotGeometry(tuple(ctx.chunk_shape()), ctx.dtype)
         self.scope = (

@@ -11,15 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import NamedTuple
 
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.records import CopyTally
 from kvcache.errors import ChunkMismatchError, DeadlineExceededError
 from kvcache.observability.event import ChunkKey, EventType
 from kvcache.storage.l1_pool import L1Entry
 from kvcache.storage.l2_async import AsyncL2
+from kvcache.transfer.base import Direction, TransferResult
 
 logger = logging.getLogger("kvcache.engine.engine")  # the engine's logger name, as before the split
 
@@ -90,7 +93,7 @@ def prefetch(
     return len(entries)
 
 
-def retrieve(
+def retrieve_async(
     parts: EngineParts,
     inst: Instance,
     token_ids: IntArray,
@@ -100,8 +103,34 @@ def retrieve(
     cache_salt: str,
     request_id: str,
     copy_by: float | None = None,
-) -> int:
-    """See ``CacheEngine.retrieve``."""
+) -> Future[int]:
+    """See ``CacheEngine.retrieve_async``. Never raises: every error is set on the future.
+
+    The caller's thread checks the request, pins the prefix (waiting for the L2 loads a lookup
+    began, within ``retrieve_wait_timeout_s``) and submits one copy; its completion on the
+    instance's completer thread releases the chunks, publishes the end event and resolves.
+    """
+    future: Future[int] = Future()
+    try:
+        _start_retrieve(
+            parts, inst, token_ids, block_ids, skip_tokens, cache_salt, request_id, copy_by, future
+        )
+    except Exception as err:  # a bad request: nothing was pinned or published
+        future.set_exception(err)
+    return future
+
+
+def _start_retrieve(
+    parts: EngineParts,
+    inst: Instance,
+    token_ids: IntArray,
+    block_ids: IntArray,
+    skip_tokens: int,
+    cache_salt: str,
+    request_id: str,
+    copy_by: float | None,
+    future: Future[int],
+) -> None:
     ctx = inst.ctx
     num_tokens = len(token_ids)
     check_cover(ctx, num_tokens, block_ids)
@@ -125,47 +154,58 @@ def retrieve(
     parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
     first = skip_blocks // bpc  # the first chunk with a block to copy
     good = _acquire_ready(parts, inst, keys[first:], copy_by) if first < len(keys) else []
-    copied = nbytes = l2_tokens = 0
-    elapsed = 0.0
+
+    def end(copies: CopyTally, error: BaseException | None, l2_tokens: int = 0) -> None:
+        copied = copies.blocks * bs
+        retrieved = skip + copied
+        parts.stats.record_load(copies.nbytes, copies.seconds, copied)
+        parts.events.retrieve_end(
+            inst, sid, num_tokens, skip, retrieved, max(0, copied - l2_tokens), l2_tokens, copies,
+            error is None,
+        )  # fmt: skip
+        if error is None:
+            future.set_result(retrieved)
+        else:
+            future.set_exception(error)
+
     if copy_by is not None and time.monotonic() > copy_by:
         parts.pool.release(good)  # the caller gave up: its blocks may belong to another request
-        parts.events.retrieve_end(inst, sid, num_tokens, skip, skip, 0, 0, 0, 0.0, False)
-        raise DeadlineExceededError(
+        end(CopyTally(), DeadlineExceededError(
             "retrieve: its client's deadline passed before the copy could start; no byte was "
             "written into its blocks"
-        )
-    if good:
-        local_skip = skip_blocks - first * bpc
-        sel = ids[first * bpc : (first + len(good)) * bpc]
-        t0 = time.perf_counter()
-        try:
-            ctx.copy_from_chunks([e.tensor for e in good], sel, skip_blocks=local_skip)
-        except Exception:
+        ))  # fmt: skip
+        return
+    if not good:
+        end(CopyTally(), None)
+        return
+    local_skip = skip_blocks - first * bpc
+    sel = ids[first * bpc : (first + len(good)) * bpc]
+    try:
+        chunks = [e.tensor for e in good]
+        job = ctx.copy_from_chunks_async(chunks, sel, skip_blocks=local_skip, start_by=copy_by)
+    except Exception as err:  # the handler is closed: nothing was queued
+        parts.pool.release(good)
+        end(CopyTally(), err)
+        return
+
+    def copied(result: TransferResult) -> None:
+        copies = CopyTally()
+        copies.add(result)
+        if result.error is not None:
             parts.pool.release(good)
-            parts.events.retrieve_end(inst, sid, num_tokens, skip, skip, 0, 0, 0, 0.0, False)
-            raise
-        elapsed = time.perf_counter() - t0
-        copied = len(good) * cs - local_skip * bs
-        nbytes = copied * ctx.bytes_per_token
+            end(copies, result.error)
+            return
         l2_tokens = sum(cs for e in good if e.from_l2)
         for e in good:
             e.from_l2 = False
-        parts.pool.release(good, read_bytes=nbytes)
-    retrieved = skip + copied
-    parts.stats.record_load(nbytes, elapsed, copied)
-    parts.events.retrieve_end(
-        inst,
-        sid,
-        num_tokens,
-        skip,
-        retrieved,
-        max(0, copied - l2_tokens),
-        l2_tokens,
-        nbytes,
-        elapsed,
-        True,
-    )
-    return retrieved
+        parts.pool.release(good, read_bytes=result.bytes)
+        end(copies, None, l2_tokens)
+
+    try:
+        inst.completer.add(job, Direction.FROM_CHUNKS, copied)
+    except Exception:  # the engine is closing: complete it here
+        (result,) = ctx.transfer.wait([job])
+        copied(result)
 
 
 def _acquire_ready(
@@ -189,4 +229,4 @@ def _acquire_ready(
     return entries
 
 
-__all__ = ["lookup", "prefetch", "retrieve"]
+__all__ = ["lookup", "prefetch", "retrieve_async"]

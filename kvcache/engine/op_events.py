@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
+from kvcache.engine.records import CopyTally, StoreResult
 from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType
-
-if TYPE_CHECKING:
-    from kvcache.engine.store import StoreResult
 
 
 class OpEvents:
@@ -41,19 +39,19 @@ class OpEvents:
         sid: str,
         num_tokens: int,
         r: StoreResult,
-        nbytes: int,
-        seconds: float,
+        copies: CopyTally,
         success: bool,
         block_hashes: Sequence[int] | None = None,
     ) -> None:
+        """``num_bytes`` and ``transfer_seconds`` are the copies' ``TransferResult`` sums."""
         meta = inst.meta(
             num_tokens=num_tokens,
             stored_chunks=r.stored_chunks,
             skipped_chunks=r.skipped_chunks,
             failed_chunks=r.failed_chunks,
             stored_tokens=r.stored_tokens,
-            num_bytes=nbytes,
-            transfer_seconds=seconds,
+            num_bytes=copies.nbytes,
+            transfer_seconds=copies.seconds,
             success=success,
         )
         if block_hashes is not None:
@@ -69,8 +67,7 @@ class OpEvents:
         retrieved: int,
         l1_tokens: int,
         l2_tokens: int,
-        nbytes: int,
-        seconds: float,
+        copies: CopyTally,
         success: bool,
     ) -> None:
         meta = inst.meta(
@@ -80,8 +77,8 @@ class OpEvents:
             l1_tokens=l1_tokens,
             l2_tokens=l2_tokens,
             missing_tokens=max(0, num_tokens - retrieved),
-            num_bytes=nbytes,
-            transfer_seconds=seconds,
+            num_bytes=copies.nbytes,
+            transfer_seconds=copies.seconds,
             success=success,
         )
         self.publish(EventType.MP_RETRIEVE_END, sid, meta)

@@ -7,7 +7,10 @@ never a mean of per-operation rates, every division is guarded, and a poller rec
 happened *since its previous poll* (snapshot-and-reset), so feeding the deltas to Prometheus
 counters never double counts. Deltas from several workers combine with ``aggregate``.
 
-Directions follow vLLM: **store** = engine -> cache, **load** = cache -> engine.
+Directions follow vLLM: **store** = engine -> cache, **load** = cache -> engine. The engine
+records bytes, seconds and tokens from its copies' ``TransferResult`` records only (summed per
+operation in ``records.CopyTally``, the same figures its MP_*_END events carry), so these
+statistics and the metrics built from those events cannot disagree.
 """
 
 from __future__ import annotations

@@ -3,35 +3,36 @@
 Separate from the engine facade because it is the one path that reserves memory and owns the
 write-through pins: each chunk newly written to L1 stays pinned once per tier until that tier's
 write finishes (or is refused), so a slot is never evicted or reused while a tier reads it.
+
+One pass down: the request is checked and its keys computed once (``_StoreOp.begin``), slots are
+reserved and the copies submitted on the caller's thread (``_StoreOp.run``), and each copy's
+``TransferResult`` is completed on the instance's completer thread (``_StoreOp._copied``): the
+entries become READY (visible to lookups) only then, are written through, and the last
+completion publishes the end event and resolves the caller's future.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
 from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.records import CopyTally, StoreResult
 from kvcache.errors import DeadlineExceededError
 from kvcache.observability.event import ChunkKey, EventType
-from kvcache.storage.l1_pool import L1Entry
+from kvcache.storage.l1_entry import L1Entry
+from kvcache.transfer.base import Direction, TransferResult
 
 
-class StoreResult(msgspec.Struct, frozen=True):
-    """What a store did, in chunks; ``stored_tokens`` are the tokens newly written."""
-
-    stored_chunks: int = 0
-    skipped_chunks: int = 0
-    failed_chunks: int = 0
-    stored_tokens: int = 0
-
-
-def store(
+def store_async(
     parts: EngineParts,
     inst: Instance,
     token_ids: IntArray,
@@ -41,96 +42,183 @@ def store(
     request_id: str,
     block_hashes: Sequence[int] | None,
     copy_by: float | None = None,
-) -> StoreResult:
-    """See ``CacheEngine.store``.
+) -> Future[StoreResult]:
+    """See ``CacheEngine.store_async``. Never raises: every error is set on the future.
 
-    Chunks are reserved, copied and written through in batches: when L1 runs out while this
-    store holds fresh slots, it writes those through first and then asks for the rest, so it
-    only ever waits (within ``store_wait_timeout_s``, in all) holding nothing of its own.
+    Chunks are reserved and their copies submitted in batches: when L1 runs out while this
+    store holds fresh slots, it submits those first and then asks for the rest, so it only
+    ever waits (within ``store_wait_timeout_s``, in all) holding nothing it has not handed on.
     Without an L2 tier there is nothing to write through, and the first shortage ends it.
     """
-    ctx = inst.ctx
-    num_tokens = len(token_ids)
-    check_cover(ctx, num_tokens, block_ids)
-    keys = inst.keys(token_ids, cache_salt)
-    ids = block_id_array(ctx, block_ids, len(keys) * ctx.blocks_per_chunk)
-    sid = parts.events.session(inst.instance_id, request_id)
-    start = inst.meta(num_tokens=num_tokens, num_chunks=len(keys))
-    parts.events.publish(EventType.MP_STORE_START, sid, start)
-    deadline = time.monotonic() + parts.config.store_wait_timeout_s
-    if copy_by is not None:
-        deadline = min(deadline, copy_by)
-    stored = skipped = failed = pos = 0
-    elapsed = 0.0
-    while pos < len(keys):
-        left = max(0.0, deadline - time.monotonic())
-        res = parts.pool.begin_write(inst.geometry, keys[pos:], wait_s=left, partial=bool(parts.tiers))
-        new = [e for _, e in res.new]
-        skipped += len(res.present)
-        failed += res.failed
-        if copy_by is not None and time.monotonic() > copy_by and (new or res.failed):
-            # The caller gave up (its blocks may hold another request's KV by now): copy
-            # nothing more, and say why the rest is not stored.
-            parts.pool.finish(new, False)
-            cs = parts.config.chunk_size
-            late = StoreResult(stored, skipped, len(keys) - stored - skipped, stored * cs)
-            parts.events.store_end(inst, sid, num_tokens, late, 0, elapsed, False)
-            raise DeadlineExceededError(
-                f"store: its client's deadline passed before chunk {pos} could be copied "
-                f"({stored} chunks stored before it); the rest was not copied"
-            )
-        if new:
-            indices = [pos + i for i, _ in res.new]
-            try:
-                seconds, metas = _copy_in(parts, inst, ids, keys, indices, new, token_ids, block_hashes)
-                elapsed += seconds
-            except Exception:  # earlier batches stay stored; the rest of the request is lost
-                cs = parts.config.chunk_size
-                lost = StoreResult(stored, skipped, len(keys) - stored - skipped, stored * cs)
-                parts.events.store_end(inst, sid, num_tokens, lost, 0, elapsed, False)
-                raise
-            _write_through(parts, new, deadline, metas)
-        stored += len(new)
-        pos += res.settled
-    result = StoreResult(stored, skipped, failed, stored * parts.config.chunk_size)
-    nbytes = stored * inst.geometry.nbytes
-    parts.stats.record_store(nbytes, elapsed, result.stored_tokens)
-    parts.events.store_end(inst, sid, num_tokens, result, nbytes, elapsed, True, block_hashes)
-    return result
-
-
-def _copy_in(
-    parts: EngineParts,
-    inst: Instance,
-    ids: np.ndarray,
-    keys: list[ChunkKey],
-    chunk_indices: list[int],
-    new: list[L1Entry],
-    token_ids: IntArray,
-    block_hashes: Sequence[int] | None,
-) -> tuple[float, list[bytes]]:
-    """Copy the engine blocks of ``chunk_indices`` into their fresh slots and publish them
-    (pinned once per tier for the write-through first); returns the copy's seconds and, when
-    a tier keeps them, each chunk's encoded ``ChunkIdentity``. On a failed copy the slots are
-    freed and the error propagates."""
-    ctx = inst.ctx
-    bpc = ctx.blocks_per_chunk
-    sel = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i in chunk_indices])
-    t0 = time.perf_counter()
+    future: Future[StoreResult] = Future()
     try:
-        ctx.copy_to_chunks(sel, [e.tensor for e in new])
-    except Exception:
-        parts.pool.finish(new, False)
-        raise
-    elapsed = time.perf_counter() - t0
-    for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
-        parts.pool.pin(new)
-    extra = chunk_write_metadata(
-        keys, chunk_indices, bpc, ctx.block_size, parts.config.chunk_size, token_ids, block_hashes
-    )
-    parts.pool.finish(new, True, extra)
-    keep = any(tier.adapter.keeps_meta for tier in parts.tiers)
-    return elapsed, chunk_identities(extra, parts.config.chunk_size) if keep else []
+        op = _StoreOp.begin(parts, inst, token_ids, block_ids, cache_salt, request_id, block_hashes, copy_by)
+    except Exception as err:  # a bad request: nothing was reserved or published
+        future.set_exception(err)
+        return future
+    op.future = future
+    op.run()
+    return future
+
+
+@dataclass(eq=False)
+class _StoreOp:
+    """One store in flight. The caller's thread fills ``skipped``/``failed`` and submits;
+    the completer thread adds ``stored`` and the tally; ``lock`` guards the shared counts."""
+
+    parts: EngineParts
+    inst: Instance
+    sid: str
+    token_ids: IntArray
+    keys: list[ChunkKey]
+    ids: np.ndarray
+    block_hashes: Sequence[int] | None
+    copy_by: float | None
+    deadline: float
+    future: Future[StoreResult] = field(default_factory=Future)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tally: CopyTally = field(default_factory=CopyTally)
+    stored: int = 0
+    skipped: int = 0
+    failed: int = 0
+    pending: int = 1  # the submitting pass itself counts until it is over
+    error: BaseException | None = None
+
+    @classmethod
+    def begin(
+        cls,
+        parts: EngineParts,
+        inst: Instance,
+        token_ids: IntArray,
+        block_ids: IntArray,
+        cache_salt: str,
+        request_id: str,
+        block_hashes: Sequence[int] | None,
+        copy_by: float | None,
+    ) -> _StoreOp:
+        """Check the request once (ids cover the tokens and lie in the cache), compute its
+        keys once, and publish ``MP_STORE_START``."""
+        ctx = inst.ctx
+        check_cover(ctx, len(token_ids), block_ids)
+        keys = inst.keys(token_ids, cache_salt)
+        ids = block_id_array(ctx, block_ids, len(keys) * ctx.blocks_per_chunk)
+        sid = parts.events.session(inst.instance_id, request_id)
+        deadline = time.monotonic() + parts.config.store_wait_timeout_s
+        if copy_by is not None:
+            deadline = min(deadline, copy_by)
+        op = cls(parts, inst, sid, token_ids, keys, ids, block_hashes, copy_by, deadline)
+        start = inst.meta(num_tokens=len(token_ids), num_chunks=len(keys))
+        parts.events.publish(EventType.MP_STORE_START, sid, start)
+        return op
+
+    # -- caller's thread ------------------------------------------------------------------
+    def run(self) -> None:
+        """Reserve and submit batch by batch, then settle the op if nothing is in flight."""
+        parts, keys = self.parts, self.keys
+        pos = 0
+        while pos < len(keys) and self.error is None:
+            left = max(0.0, self.deadline - time.monotonic())
+            partial = bool(parts.tiers)
+            res = parts.pool.begin_write(self.inst.geometry, keys[pos:], wait_s=left, partial=partial)
+            new = [e for _, e in res.new]
+            with self.lock:
+                self.skipped += len(res.present)
+                self.failed += res.failed
+            if self.copy_by is not None and time.monotonic() > self.copy_by and (new or res.failed):
+                # The caller gave up (its blocks may hold another request's KV by now): copy
+                # nothing more, and say why the rest is not stored.
+                parts.pool.finish(new, False)
+                self._fail(
+                    DeadlineExceededError(
+                        f"store: its client's deadline passed before chunk {pos} could be copied; "
+                        "the rest was not copied"
+                    )
+                )
+                break
+            if new:
+                self._submit([pos + i for i, _ in res.new], new)
+            pos += res.settled
+        self._settle_one()
+
+    def _submit(self, indices: list[int], new: list[L1Entry]) -> None:
+        bpc = self.inst.ctx.blocks_per_chunk
+        if indices[-1] - indices[0] == len(indices) - 1:  # the usual case: one run of chunks
+            sel = self.ids[indices[0] * bpc : (indices[-1] + 1) * bpc]
+        else:
+            sel = np.concatenate([self.ids[i * bpc : (i + 1) * bpc] for i in indices])
+        ctx = self.inst.ctx
+        try:
+            job = ctx.copy_to_chunks_async(sel, [e.tensor for e in new], start_by=self.copy_by)
+        except Exception as err:  # the handler is closed: nothing was queued
+            self.parts.pool.finish(new, False)
+            self._fail(err)
+            return
+        with self.lock:
+            self.pending += 1
+
+        def done(result: TransferResult) -> None:
+            self._copied(indices, new, result)
+
+        try:
+            self.inst.completer.add(job, Direction.TO_CHUNKS, done)
+        except Exception:  # the engine is closing: complete it here
+            (result,) = ctx.transfer.wait([job])
+            done(result)
+
+    # -- completer thread -----------------------------------------------------------------
+    def _copied(self, indices: list[int], new: list[L1Entry], result: TransferResult) -> None:
+        """One batch's copy finished: the chunks become READY (lookups see them from now
+        on) and are written through, or their slots are freed when the copy failed."""
+        parts = self.parts
+        try:
+            with self.lock:
+                self.tally.add(result)
+            if result.error is not None:
+                parts.pool.finish(new, False)
+                self._fail(result.error)
+                return
+            ctx = self.inst.ctx
+            for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
+                parts.pool.pin(new)
+            cs = parts.config.chunk_size
+            bpc, bs = ctx.blocks_per_chunk, ctx.block_size
+            extra = chunk_write_metadata(self.keys, indices, bpc, bs, cs, self.token_ids, self.block_hashes)
+            parts.pool.finish(new, True, extra)
+            with self.lock:
+                self.stored += len(new)
+            keep = any(tier.adapter.keeps_meta for tier in parts.tiers)
+            _write_through(parts, new, self.deadline, chunk_identities(extra, cs) if keep else [])
+        except Exception as err:  # never leave the future unresolved
+            self._fail(err)
+        finally:
+            self._settle_one()
+
+    # -- either thread --------------------------------------------------------------------
+    def _fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:  # the first error is the one the caller sees
+                self.error = err
+
+    def _settle_one(self) -> None:
+        """One submitted batch (or the submitting pass) is over; the last one reports."""
+        with self.lock:
+            self.pending -= 1
+            if self.pending:
+                return
+            stored, skipped, failed, error = self.stored, self.skipped, self.failed, self.error
+        parts, inst, cs = self.parts, self.inst, self.parts.config.chunk_size
+        num_tokens = len(self.token_ids)
+        if error is not None:  # earlier batches stay stored; the rest of the request is lost
+            failed = len(self.keys) - stored - skipped
+        result = StoreResult(stored, skipped, failed, stored * cs)
+        tally = self.tally
+        parts.stats.record_store(tally.nbytes, tally.seconds, tally.blocks * inst.ctx.block_size)
+        hashes = self.block_hashes if error is None else None
+        parts.events.store_end(inst, self.sid, num_tokens, result, tally, error is None, hashes)
+        if error is None:
+            self.future.set_result(result)
+        else:
+            self.future.set_exception(error)
 
 
 def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float, metas: list[bytes]) -> None:
@@ -149,4 +237,4 @@ def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float, 
                 parts.pool.release([entry])
 
 
-__all__ = ["StoreResult", "store"]
+__all__ = ["StoreResult", "store_async"]

@@ -3,7 +3,9 @@
 vLLM's offloading connector reports, per direction, bytes moved, seconds spent and a
 transfer-size histogram; mirroring those under ``kvcache_offload_`` lets one dashboard
 serve both. ``store`` is engine -> cache (MP_STORE_END), ``load`` is cache -> engine
-(MP_RETRIEVE_END), both from the END event's ``num_bytes`` and ``transfer_seconds``.
+(MP_RETRIEVE_END), both from the END event's ``num_bytes`` and ``transfer_seconds``, which
+the engine sums from its copies' ``TransferResult`` records (as it does for
+``CacheEngine.stats_snapshot``): one source, so the two views never disagree.
 
 Average throughput is Σ bytes / Σ seconds (``rate(..._bytes_total) /
 rate(..._seconds_total)``), never the mean of per-transfer rates; the per-transfer
