@@ -44,7 +44,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcache.integrations.vllm.connector import KVCacheConnector, KVCacheMetadata
@@ -360,6 +360,10 @@ class Engine:
         """Tokens the scheduler half planned to load, per request (whatever the daemon then had)."""
         self.between_schedule_and_load: Callable[[int, SchedulerOutput], None] | None = None
         """Hook: runs after ``schedule()`` and before the worker's load (evict, kill, ...)."""
+        self.before_schedule: Callable[[int], None] | None = None
+        """Hook: runs where vLLM's engine core takes new requests and aborts (under async
+        scheduling, while the previous step is still in flight)."""
+        self.aborted: set[str] = set()
 
     def add(
         self, req_id: str, prompt: list[int], max_tokens: int, *, identity: str = "", **kw: Any
@@ -431,6 +435,8 @@ class Engine:
         for _ in range(max_steps):
             if not self.scheduler.has_requests() and pending is None:
                 return
+            if self.before_schedule is not None:
+                self.before_schedule(len(self.steps))
             out = self.scheduler.schedule()
             result = self._execute(out)
             if is_async:
@@ -443,6 +449,11 @@ class Engine:
                 self.scheduler.update_from_output(*pending)  # type: ignore[misc]
                 pending = None
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def abort(self, req_id: str) -> None:
+        """As a client disconnect: vLLM finishes the request as aborted."""
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        self.aborted.add(req_id)
 
     @property
     def is_async(self) -> bool:
