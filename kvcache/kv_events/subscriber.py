@@ -9,9 +9,10 @@ the wire with its neighbours, in order; nothing is sent for an event that change
 
 * ``L1_WRITE_FINISHED`` -> ``BlockStored(medium="CPU")``; ``L1_KEYS_EVICTED`` ->
   ``BlockRemoved(medium="CPU")``.
-* ``L2_STORE_FINISHED`` (and ``L2_KEYS_FOUND``, a restarted disk tier's contents) ->
-  ``BlockStored(medium="STORAGE")`` for keys no L2 backend held yet; ``L2_KEYS_EVICTED``
-  (and ``L2_LOAD_FAILED`` with reason ``"corrupt"``, after which the tier drops the chunk)
+* ``L2_STORE_FINISHED`` (and ``L2_KEYS_FOUND``, a restarted disk tier's contents, and
+  ``L2_LOAD_FINISHED``, a chunk found in a tier shared with other daemons, which this one
+  can load too) -> ``BlockStored(medium="STORAGE")`` for keys no L2 backend held yet;
+  ``L2_KEYS_EVICTED`` (and ``L2_LOAD_FAILED`` with reason ``"corrupt"``, after which the tier drops the chunk)
   -> ``BlockRemoved(medium="STORAGE")`` for keys no backend holds any more. Several L2
   backends (disk + Redis) share the one ``STORAGE`` medium.
 * ``L1_CLEARED`` / ``L2_CLEARED`` -> ``AllBlocksCleared`` followed, in the same batch, by
@@ -121,6 +122,7 @@ class KVEventsSubscriber(EventSubscriber):
             EventType.L1_CLEARED: self._on_l1_cleared,
             EventType.L2_STORE_FINISHED: self._on_l2_store,
             EventType.L2_KEYS_FOUND: self._on_l2_found,  # a restarted disk tier's contents
+            EventType.L2_LOAD_FINISHED: self._on_l2_found,  # found in a shared tier: ours to load too
             EventType.L2_KEYS_EVICTED: self._on_l2_evicted,
             EventType.L2_LOAD_FAILED: self._on_l2_load_failed,
             EventType.L2_CLEARED: self._on_l2_cleared,
@@ -164,8 +166,11 @@ class KVEventsSubscriber(EventSubscriber):
         self._send(event, self._stored(new, MEDIUM_STORAGE))
 
     def _on_l2_found(self, event: Event) -> None:
-        """A restarted tier's chunks, announced as they were before the restart (their
-        ``ChunkIdentity``; chunks without one are announced by key, as roots)."""
+        """Chunks a tier holds that this daemon may not have written: a restarted tier's
+        contents, or chunks a load found (another daemon may have written them to a shared
+        tier). New ones are announced as their ``ChunkIdentity`` when the event carries one
+        (how they were announced before the restart, or by their writer), else as known here,
+        else by key, as roots. A load of a chunk already announced adds nothing."""
         md = event.metadata
         keys: list[ChunkKey] = md.get("keys", [])
         identities: list[ChunkIdentity | None] = md.get("identities") or []

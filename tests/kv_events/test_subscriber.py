@@ -244,3 +244,24 @@ def test_a_restarted_disk_tier_announces_what_it_found(tmp_path) -> None:  # typ
         assert sub.held_keys("STORAGE") == {K1, K2}
     finally:
         bus.stop()
+
+
+def test_a_chunk_found_in_a_shared_l2_is_announced_in_storage_once_and_withdrawn_when_evicted(setup) -> None:  # type: ignore[no-untyped-def]
+    """A daemon that loads a chunk another daemon wrote to a shared tier announces it in
+    STORAGE itself (it can load it), once, and withdraws it when it sees it evicted."""
+    bus, pub, sub, _ = setup
+    load = {"backend": "redis-cluster", "num_bytes": 1, "duration_s": 0.0}
+    send(bus, EventType.L2_LOAD_FINISHED, keys=[K1], **load)
+    send(bus, EventType.L1_WRITE_FINISHED, keys=[K1], num_bytes=1)  # the prefetch lands in L1
+    send(bus, EventType.L2_LOAD_FINISHED, keys=[K1], **load)  # found again: nothing new
+    send(bus, EventType.L2_STORE_FINISHED, keys=[K1], **load)  # and written too: nothing new
+    send(bus, EventType.L2_KEYS_EVICTED, backend="redis-cluster", keys=[K1, K3], num_bytes=0)
+    send(bus, EventType.L2_LOAD_FINISHED, keys=[K1], **load)  # rewritten by someone, found again
+    assert bus.flush(5)
+    assert pub.events() == [
+        ("BlockStored", "STORAGE", f(K1), CS, None, ()),
+        ("BlockStored", "CPU", f(K1), CS, None, ()),
+        ("BlockRemoved", "STORAGE", f(K1)),
+        ("BlockStored", "STORAGE", f(K1), CS, None, ()),
+    ]
+    assert sub.held_keys("STORAGE") == sub.held_keys("CPU") == {K1}

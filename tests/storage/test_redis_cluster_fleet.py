@@ -130,14 +130,17 @@ def test_a_prompt_stored_through_one_daemon_is_retrieved_byte_exact_through_anot
         assert torch.equal(blocks(dst, FI, FIRST), blocks(src, FA, FIRST))
 
     # KV events: A announces the chunks in CPU (its L1) and STORAGE (it wrote the shared
-    # tier); B announces them in CPU once it loaded them, and never claims STORAGE for them.
+    # tier); B, which found them there, announces them in STORAGE (it can load them too) and
+    # in CPU once they sit in its L1, each once, under the same hashes as A.
     def ours() -> set[int]:
         return (fleet.stored(b"a", "STORAGE") & fleet.stored(b"b", "CPU")) - seen
 
     wait_until(lambda: len(ours()) >= CHUNKS, 10, "both daemons' KV events")
     ours = ours()
-    assert len(ours) == CHUNKS and ours <= fleet.stored(b"a", "CPU")
-    assert not ours & fleet.stored(b"b", "STORAGE")
+    assert len(ours) == CHUNKS and ours <= fleet.stored(b"a", "CPU") and ours <= fleet.stored(b"b", "STORAGE")
+    b_storage = [h for e in fleet.events[b"b"] if e["type"] == "BlockStored" and e["medium"] == "STORAGE"
+                 for h in e["block_hashes"] if h in ours]  # fmt: skip
+    assert sorted(b_storage) == sorted(ours)  # once each
 
 
 @pytest.mark.parametrize(
