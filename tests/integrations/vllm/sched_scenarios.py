@@ -434,6 +434,53 @@ def daemon_killed(h: Harness) -> None:
     assert h.reader.served("", tokens, "") == stored_tokens(len(tokens)), "nothing stored after the restart"
 
 
+def stalled_daemon(h: Harness) -> None:
+    """The daemon stops (SIGSTOP) with a load in its socket: the worker gives up after its
+    timeout and vLLM recomputes. The request is then aborted and its blocks go to another
+    request, which computes its prompt in them; only then does the daemon run again. The
+    load it finds in its socket is past its deadline and must move no byte: written late, it
+    would overwrite the other request's KV (its next steps would read a wrong context)."""
+    prefix = prompts(10, 256, [0])[0]
+    warm = h.engine()
+    warm.add("warm", [*prefix, 3], 2)
+    warm.run()
+    h.check(warm)
+    eng = h.engine(timeout_s=1.0, num_blocks=26)
+    pid = h.daemon.proc.pid
+    state: dict[str, int] = {}
+    targets: set[int] = set()  # the blocks the stalled load would write
+
+    def stop(step: int, out: Any) -> None:
+        if "stopped" not in state and out.kv_connector_metadata.plan.loads:
+            os.kill(pid, signal.SIGSTOP)
+            state["stopped"] = step
+            targets.update(out.kv_connector_metadata.plan.loads[0].block_ids)
+
+    def reuse_then_resume(step: int) -> None:
+        if "stopped" in state and "a" not in eng.aborted:
+            eng.abort("a")  # its blocks go back to vLLM's pool
+            eng.add("b", prompts(11, 700, [0])[0], 4)  # 22 of the 25 blocks: a's too
+        elif "resumed" not in state and "b" in eng.requests and eng.requests["b"].num_computed_tokens >= 600:
+            os.kill(pid, signal.SIGCONT)
+            state["resumed"] = step
+            (held,) = eng.scheduler.kv_cache_manager.get_block_ids("b")
+            state["reused_blocks"] = len(targets & set(held))
+
+    eng.between_schedule_and_load = stop
+    eng.before_schedule = reuse_then_resume
+    eng.add("a", [*prefix, 5, 6], 50)
+    try:
+        eng.run()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    h.facts.update(state)
+    assert "resumed" in state and state["reused_blocks"] >= 4, state
+    for client in (eng.sched_connector.client, eng.worker.client):
+        _wait_closed(client)
+    h.check(eng, all_stored=False)
+    assert eng.tally().get("load_failures", 0) >= 1
+
+
 def _count_sends(client: KVCacheClient, sends: dict[str, int], role: str) -> None:
     original = client._call_once
 
@@ -469,6 +516,7 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "prompt_embeds": prompt_embeds,
     "preemption": preemption,
     "daemon_killed": daemon_killed,
+    "stalled_daemon": stalled_daemon,
 }
 
 

@@ -34,6 +34,7 @@ SCENARIOS = [
     "prompt_embeds",
     "preemption",
     "daemon_killed",
+    "stalled_daemon",
 ]
 pytestmark = pytest.mark.slow
 
