@@ -61,8 +61,9 @@ class L2Adapter(ABC):
     max_batch: int = 1
     #: Most bytes of chunks in one batch (a batch always holds at least one chunk).
     max_batch_bytes: int = 64 << 20
-    #: Whether ``store_many_with_meta`` keeps each chunk's meta with it. The disk tier does:
-    #: it survives a restart of the daemon.
+    #: Whether ``store_many_with_meta`` keeps each chunk's meta with it. The disk tier does
+    #: (it survives a restart of the daemon), and so do the Redis tiers (``load_many_with_meta``
+    #: hands it to the other daemons that load the chunk).
     keeps_meta: bool = False
 
     @abstractmethod
@@ -124,6 +125,12 @@ class L2Adapter(ABC):
             except Exception as exc:
                 out.append(exc)
         return out
+
+    def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
+        """``load_many``, and per item the meta its writer kept with the chunk (``b""`` for a
+        miss, a failure, or a chunk written without one), so a daemon loading a chunk from a
+        tier it shares learns how the writer announced it. The default keeps none."""
+        return self.load_many(items), [b""] * len(items)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
         """``contains``, per key; a failure of the one round trip fails every key."""

@@ -4,8 +4,9 @@ Written once for every tier so adapters stay simple synchronous code. Three prom
 engine: a lookup never waits on a slow tier and a store waits at most the bound it passes
 (a healthy tier that is only busy gets that long for a place; past it, or when the tier is
 down, the write is dropped and counted, and a down tier answers "miss" at once); every
-completed operation is published as an ``L2_*`` event with its duration; and ``flush`` lets
-tests and ``close`` wait for what is queued.
+completed operation is published as an ``L2_*`` event with its duration (a load with the
+``ChunkIdentity`` its writer kept with the chunk, where the tier keeps one); and ``flush``
+lets tests and ``close`` wait for what is queued.
 
 Batching (group commit): queued work of one kind is handed to the adapter in batches of up
 to ``adapter.max_batch`` chunks (``store_many``/``load_many``); a runner takes whatever is
@@ -34,9 +35,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import msgspec
 import torch
 
-from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType, NullEventSink
 from kvcache.storage.base import L2Adapter, failure_reason, failure_scope, storage_error
 
 logger = logging.getLogger(__name__)
@@ -278,18 +280,21 @@ class AsyncL2:
             elapsed, mark[0] = now - mark[0], now
             return elapsed
 
+        metas = [j.meta for j in jobs]
         try:
             if op == "store":
                 items = [(j.key, j.tensor, self._announcer(j.key, lap)) for j in jobs]
-                metas = [j.meta for j in jobs]
                 stored = self.adapter.store_many_with_meta(items, metas) if any(metas) else None
                 results: list[Any] = list(stored if stored is not None else self.adapter.store_many(items))
             else:
-                results = list(self.adapter.load_many([(j.key, j.tensor) for j in jobs]))
+                loaded, metas = self.adapter.load_many_with_meta([(j.key, j.tensor) for j in jobs])
+                results = list(loaded)
         except Exception as exc:  # an adapter that breaks the per-item promise fails them all
             results = [exc] * len(jobs)
+        if len(metas) != len(jobs):
+            metas = [b""] * len(jobs)
         any_ok = False
-        for job, res in zip(jobs, self._checked(results, len(jobs)), strict=True):
+        for job, res, kept in zip(jobs, self._checked(results, len(jobs)), metas, strict=True):
             ok = False
             try:
                 if isinstance(res, Exception):
@@ -309,11 +314,23 @@ class AsyncL2:
                             "num_bytes": job.tensor.numel() * job.tensor.element_size(),
                             "duration_s": lap(),
                         }
+                        identity = self._identity(kept)
+                        if identity is not None:
+                            meta["identities"] = [identity]
                         self._bus.publish(Event(EventType.L2_LOAD_FINISHED, meta))
             finally:
                 self._complete(op, job, ok)
         if any_ok:
             self._succeeded(op)
+
+    def _identity(self, meta: bytes) -> ChunkIdentity | None:
+        """How a loaded chunk's writer announced it, decoded only for a real sink."""
+        if not meta or isinstance(self._bus, NullEventSink):
+            return None
+        try:
+            return msgspec.msgpack.decode(meta, type=ChunkIdentity)
+        except msgspec.MsgspecError:  # written by a build with another meta: announced by key
+            return None
 
     def _announcer(self, key: ChunkKey, lap: Callable[[], float]) -> Callable[[int], None]:
         def announce(nbytes: int) -> None:

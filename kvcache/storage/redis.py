@@ -33,6 +33,7 @@ class RedisL2Adapter(L2Adapter):
     """Values ``<prefix><32 hex digits of the key>`` = header + payload."""
 
     backend = "redis"
+    keeps_meta = True  # another daemon that loads the chunk announces it as its writer did
 
     def __init__(
         self,
@@ -86,7 +87,14 @@ class RedisL2Adapter(L2Adapter):
             raise storage_failure(exc, "delete") from exc
 
     def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
-        values = [encode_or_error(key, chunk) for key, chunk, _ in items]
+        return self.store_many_with_meta(items, [b""] * len(items))
+
+    def store_many_with_meta(
+        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+    ) -> list[int | Exception]:
+        values = [
+            encode_or_error(key, chunk, meta) for (key, chunk, _), meta in zip(items, metas, strict=True)
+        ]
         commands = [
             ("SET", self._name(key), v, *(("EX", self.ttl_s) if self.ttl_s else ()))
             for (key, _, _), v in zip(items, values, strict=True)
@@ -99,11 +107,14 @@ class RedisL2Adapter(L2Adapter):
         return out
 
     def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
+        return self.load_many_with_meta(items)[0]
+
+    def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
         replies = self._pipeline([("GET", self._name(key)) for key, _ in items], "load")
-        out = [decoded(reply, key, tensor) for (key, tensor), reply in zip(items, replies, strict=True)]
+        out, metas = decoded_all(items, replies)
         corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
         self._drop_corrupt(corrupt)
-        return out
+        return out, metas
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
         replies = self._pipeline([("EXISTS", self._name(key)) for key in keys], "contains")
@@ -155,11 +166,12 @@ def chunk_name(prefix: str, key: ChunkKey) -> bytes:
     return f"{prefix}{key:032x}".encode()
 
 
-def encode_or_error(key: ChunkKey, chunk: torch.Tensor) -> bytes | Exception:
-    """The record (header + payload) of ``chunk``, or the error that one item fails with."""
+def encode_or_error(key: ChunkKey, chunk: torch.Tensor, meta: bytes = b"") -> bytes | Exception:
+    """The record (header, ``meta`` if any, payload) of ``chunk``, or the error that one item
+    fails with."""
     try:
         payload = codec.tensor_bytes(chunk)
-        return codec.encode_header(key, chunk, payload) + payload.tobytes()
+        return codec.encode_header(key, chunk, payload, meta) + payload.tobytes()
     except (ValueError, UnicodeError) as exc:
         return storage_error(f"chunk {key:032x} cannot be encoded: {exc}", "io")
 
@@ -173,10 +185,12 @@ def stored(reply: Any, value: bytes, announce: Announce | None) -> int | Excepti
     return len(value)
 
 
-def decoded(reply: Any, key: ChunkKey, out: torch.Tensor) -> bool | Exception:
-    """The outcome of one GET: a miss, its error, ``CorruptChunkError``, or ``out`` filled."""
+def decoded(reply: Any, key: ChunkKey, out: torch.Tensor) -> tuple[bool | Exception, bytes]:
+    """The outcome of one GET: a miss, its error, ``CorruptChunkError``, or ``out`` filled;
+    and the record's meta (``b""`` unless filled; also when only the meta fails its CRC:
+    the chunk's bytes are still good, only how it was announced is lost)."""
     if reply is None or isinstance(reply, Exception):
-        return False if reply is None else reply
+        return (False if reply is None else reply), b""
     try:
         data = memoryview(reply)
         header = codec.decode_header(data)
@@ -184,9 +198,25 @@ def decoded(reply: Any, key: ChunkKey, out: torch.Tensor) -> bool | Exception:
         payload = data[header.header_len :]
         codec.check_payload(header, payload)
     except CorruptChunkError as exc:
-        return exc
+        return exc, b""
     codec.out_buffer(out)[:] = payload
-    return True
+    try:
+        return True, codec.decode_meta(data, header)
+    except CorruptChunkError:
+        return True, b""
+
+
+def decoded_all(
+    items: Sequence[LoadItem], replies: Sequence[Any]
+) -> tuple[list[bool | Exception], list[bytes]]:
+    """``decoded`` for each GET reply of a batch: the outcomes, and the metas."""
+    out: list[bool | Exception] = []
+    metas: list[bytes] = []
+    for (key, tensor), reply in zip(items, replies, strict=True):
+        result, meta = decoded(reply, key, tensor)
+        out.append(result)
+        metas.append(meta)
+    return out, metas
 
 
 def unwrap(results: Sequence[Any]) -> Any:
@@ -234,6 +264,7 @@ __all__ = [
     "RedisL2Adapter",
     "chunk_name",
     "decoded",
+    "decoded_all",
     "encode_or_error",
     "failure_reason_of",
     "storage_failure",

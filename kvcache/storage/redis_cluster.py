@@ -42,7 +42,7 @@ from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, failu
 from kvcache.storage.redis import (
     DEFAULT_MAX_BATCH,
     chunk_name,
-    decoded,
+    decoded_all,
     encode_or_error,
     storage_failure,
     stored,
@@ -117,6 +117,7 @@ class RedisClusterL2Adapter(L2Adapter):
     """Values ``<prefix><32 hex digits of the key>`` = header + payload, spread over the slots."""
 
     backend = "redis-cluster"
+    keeps_meta = True  # another daemon that loads the chunk announces it as its writer did
 
     def __init__(
         self,
@@ -189,7 +190,14 @@ class RedisClusterL2Adapter(L2Adapter):
         return sum(int(r) for r in replies)
 
     def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
-        values = [encode_or_error(key, chunk) for key, chunk, _ in items]
+        return self.store_many_with_meta(items, [b""] * len(items))
+
+    def store_many_with_meta(
+        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+    ) -> list[int | Exception]:
+        values = [
+            encode_or_error(key, chunk, meta) for (key, chunk, _), meta in zip(items, metas, strict=True)
+        ]
         ex = ("EX", self.ttl_s) if self.ttl_s else ()
         commands = [
             ("SET", self._name(key), v, *ex)
@@ -203,12 +211,15 @@ class RedisClusterL2Adapter(L2Adapter):
         return out
 
     def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
+        return self.load_many_with_meta(items)[0]
+
+    def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
         replies = self._run("load", [("GET", self._name(key)) for key, _ in items])
-        out = [decoded(reply, key, tensor) for (key, tensor), reply in zip(items, replies, strict=True)]
+        out, metas = decoded_all(items, replies)
         corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
         if corrupt:  # a failed delete leaves a miss: the next load finds it corrupt again
             self._run("delete", [("DEL", self._name(k)) for k in corrupt])
-        return out
+        return out, metas
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
         replies = self._run("contains", [("EXISTS", self._name(key)) for key in keys])

@@ -12,7 +12,7 @@ from kvcache.kv_events.messages import EventBatch
 from kvcache.kv_events.publisher import EventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import ChunkIdentity, Event, EventType
 
 CS = 32
 K1, K2, K3 = (1 << 100) + 1, (2 << 100) + 2, (3 << 100) + 3
@@ -265,3 +265,21 @@ def test_a_chunk_found_in_a_shared_l2_is_announced_in_storage_once_and_withdrawn
         ("BlockStored", "STORAGE", f(K1), CS, None, ()),
     ]
     assert sub.held_keys("STORAGE") == sub.held_keys("CPU") == {K1}
+
+
+def test_a_chunk_found_with_its_writer_s_identity_is_announced_as_the_writer_did(setup) -> None:  # type: ignore[no-untyped-def]
+    """A shared Redis tier keeps each chunk's ChunkIdentity: a daemon that loads it announces
+    it under the writer's engine hashes, parent and tokens, in STORAGE and then in CPU."""
+    bus, pub, sub, _ = setup
+    ident = ChunkIdentity(
+        token_ids=list(range(CS)), block_hashes=[11, 12], block_size=CS // 2, parent_block_hash=10
+    )
+    load = {"backend": "redis", "num_bytes": 1, "duration_s": 0.0}
+    send(bus, EventType.L2_LOAD_FINISHED, keys=[K2], identities=[ident], **load)
+    send(bus, EventType.L1_WRITE_FINISHED, keys=[K2], num_bytes=1)  # a prefetch carries no identity
+    assert bus.flush(5)
+    assert pub.events() == [
+        ("BlockStored", "STORAGE", (11, 12), CS // 2, 10, tuple(range(CS))),
+        ("BlockStored", "CPU", (11, 12), CS // 2, 10, tuple(range(CS))),
+    ]
+    assert sub.held_keys("STORAGE") == sub.held_keys("CPU") == {K2}

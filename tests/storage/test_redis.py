@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import redis
 import torch
 
 from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.observability.event import ChunkIdentity, EventType
 from kvcache.storage.base import failure_reason
+from kvcache.storage.l2_async import AsyncL2
 from kvcache.storage.redis import RedisL2Adapter
 from kvcache.storage.redis_local import LocalRedis
+from tests.helpers import RecordingSink
 
 
 def chunk(seed: int) -> torch.Tensor:
@@ -94,3 +98,35 @@ def test_batches_are_per_item_and_a_full_server_is_full(redis_server: LocalRedis
     assert isinstance(full, StorageError) and failure_reason(full) == "full"
     assert a.load(0, outs[0])  # reads still work
     a.close()
+
+
+def test_a_chunk_keeps_the_identity_it_was_written_with(redis_server: LocalRedis) -> None:
+    """A daemon that loads a chunk another one wrote learns how its writer announced it
+    (``L2_LOAD_FINISHED`` ``identities``), so both announce it under the same hashes."""
+    ident = ChunkIdentity(parent_key=(7).to_bytes(16, "little"), token_ids=list(range(16)),
+                          block_hashes=[11, 12], block_size=8, parent_block_hash=10)  # fmt: skip
+    writer = adapter(redis_server)
+    assert writer.keeps_meta
+    sent = {1: chunk(1), 2: chunk(2)}
+    assert all(
+        isinstance(n, int)
+        for n in writer.store_many_with_meta(
+            [(k, t, None) for k, t in sent.items()], [msgspec.msgpack.encode(ident), b""]
+        )
+    )
+    sink = RecordingSink()
+    reader = AsyncL2(adapter(redis_server), bus=sink)
+    try:
+        got = {k: torch.empty_like(t) for k, t in sent.items()}
+        done: list[bool] = []
+        for k, out in got.items():
+            assert reader.submit_load(k, out, done.append)
+        assert reader.flush(10) and done == [True, True]
+        assert all(torch.equal(got[k].view(torch.uint8), sent[k].view(torch.uint8)) for k in sent)
+        loaded = {
+            e.metadata["keys"][0]: e.metadata.get("identities") for e in sink.of(EventType.L2_LOAD_FINISHED)
+        }
+        assert loaded == {1: [ident], 2: None}  # a chunk written without one: no identities
+    finally:
+        reader.close()
+        writer.close()

@@ -54,6 +54,18 @@ class Fleet:
         return {h for e in self.events[topic] if e["type"] == "BlockStored" and e["medium"] == medium
                 for h in e["block_hashes"]}  # fmt: skip
 
+    def announced(self, topic: bytes, medium: str) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """Every block a daemon announced in ``medium``: (hash, parent hash, tokens), in order."""
+        self.drain()
+        out = []
+        for e in self.events[topic]:
+            if e["type"] == "BlockStored" and e["medium"] == medium:
+                hashes, bs, toks = e["block_hashes"], e["block_size"], e["token_ids"]
+                for i, h in enumerate(hashes):
+                    parent = e["parent_block_hash"] if i == 0 else hashes[i - 1]
+                    out.append((h, parent, tuple(toks[i * bs : (i + 1) * bs])))
+        return out
+
 
 @pytest.fixture(scope="module")
 def fleet(shared_cluster: LocalRedisCluster) -> Iterator[Fleet]:
@@ -131,16 +143,19 @@ def test_a_prompt_stored_through_one_daemon_is_retrieved_byte_exact_through_anot
 
     # KV events: A announces the chunks in CPU (its L1) and STORAGE (it wrote the shared
     # tier); B, which found them there, announces them in STORAGE (it can load them too) and
-    # in CPU once they sit in its L1, each once, under the same hashes as A.
+    # in CPU once they sit in its L1, each once, as A did (hashes, parents, tokens: the
+    # cluster keeps how A announced each chunk with it).
     def ours() -> set[int]:
         return (fleet.stored(b"a", "STORAGE") & fleet.stored(b"b", "CPU")) - seen
 
     wait_until(lambda: len(ours()) >= CHUNKS, 10, "both daemons' KV events")
     ours = ours()
     assert len(ours) == CHUNKS and ours <= fleet.stored(b"a", "CPU") and ours <= fleet.stored(b"b", "STORAGE")
-    b_storage = [h for e in fleet.events[b"b"] if e["type"] == "BlockStored" and e["medium"] == "STORAGE"
-                 for h in e["block_hashes"] if h in ours]  # fmt: skip
-    assert sorted(b_storage) == sorted(ours)  # once each
+    as_a = sorted(b for b in fleet.announced(b"a", "STORAGE") if b[0] in ours)
+    assert len(as_a) == CHUNKS and all(toks for _, _, toks in as_a)
+    assert sum(parent is None for _, parent, _ in as_a) == 1  # one prompt: one root, seven continuations
+    assert sorted(b for b in fleet.announced(b"b", "STORAGE") if b[0] in ours) == as_a  # once each
+    assert sorted(b for b in fleet.announced(b"b", "CPU") if b[0] in ours) == as_a
 
 
 @pytest.mark.parametrize(
