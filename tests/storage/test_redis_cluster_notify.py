@@ -14,6 +14,7 @@ from redis.crc import key_slot
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
 from kvcache.observability.event import Event, EventType
+from kvcache.observability.subscribers.metrics import L2MetricsSubscriber
 from kvcache.storage.redis import chunk_name
 from kvcache.storage.redis_cluster import RedisClusterL2Adapter
 from kvcache.storage.redis_cluster_local import LocalRedisCluster, wait_until
@@ -62,6 +63,7 @@ def test_every_master_s_expiries_are_reported_once_per_daemon(shared_cluster: Lo
     pub = ListPublisher()
     sub = KVEventsSubscriber(pub, chunk_size=32, registry=reg)
     bus.register_subscriber(sub)
+    bus.register_subscriber(L2MetricsSubscriber(reg))
     bus.start()
     sink_a, sink_b = WaitingSink(), WaitingSink()
 
@@ -89,6 +91,8 @@ def test_every_master_s_expiries_are_reported_once_per_daemon(shared_cluster: Lo
         assert ev.metadata["backend"] == "redis-cluster" and ev.metadata["num_bytes"] == 0
         assert bus.flush(10)
         assert sub.held_keys("STORAGE") == set()  # a router saw every chunk withdrawn
+        evicted = reg.get_sample_value("kvcache_l2_evicted_chunks_total", {"backend": "redis-cluster"})
+        assert evicted == len(keys)
         removed = {h for e in pub.events() if e[0] == "BlockRemoved" and e[1] == "STORAGE" for h in e[2]}
         assert len(removed) == len(keys)
     finally:
