@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from kvcache.integrations.vllm.connector import KVCacheMetadata
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.server.ipc import empty_shared
 from kvcache.server.launch import DaemonProcess
+from kvcache.storage.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import (
     BLOCK,
     KV_HEADS,
@@ -51,6 +53,10 @@ READER_BLOCKS = 48
 Facts = dict[str, Any]
 
 
+class ScenarioSkipped(Exception):
+    """The scenario needs something this machine lacks (the test reports a skip)."""
+
+
 def stored_tokens(seq_len: int) -> int:
     """Whole chunks with KV when a request ends with ``seq_len`` tokens (the last sampled
     token is never fed, so it has none)."""
@@ -60,8 +66,8 @@ def stored_tokens(seq_len: int) -> int:
 class Daemon:
     """A daemon on a fixed port, so that it can be killed and started again in place."""
 
-    def __init__(self, port: int = 0) -> None:
-        self.args = ["--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--disable-metrics"]
+    def __init__(self, port: int = 0, extra: Sequence[str] = ()) -> None:
+        self.args = ["--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--disable-metrics", *extra]
         self.proc = DaemonProcess(self.args, port=port, prometheus_port=None)
         self.endpoint = self.proc.endpoint
         self.port = int(self.endpoint.rsplit(":", 1)[1])
@@ -70,9 +76,12 @@ class Daemon:
         self.proc.stop(signal.SIGKILL)
         self.proc.remove_runtime_dir()
 
-    def restart(self) -> None:
-        """SIGKILL, then a fresh daemon (empty L1) on the same port."""
-        self.kill()
+    def restart(self, graceful: bool = False) -> None:
+        """SIGKILL (or SIGTERM: L2 writes finish), then a fresh daemon (empty L1) in place."""
+        if graceful:
+            self.close()
+        else:
+            self.kill()
         self.proc = DaemonProcess(self.args, port=self.port, prometheus_port=None)
 
     def close(self) -> None:
@@ -131,6 +140,7 @@ class Harness:
         self.model = f"harness-{name}"
         self.engines: list[Engine] = []
         self.facts: Facts = {}
+        self.cleanups: list[Callable[[], None]] = []
         self._reader: Reader | None = None
 
     def engine(
@@ -434,19 +444,32 @@ def daemon_killed(h: Harness) -> None:
     assert h.reader.served("", tokens, "") == stored_tokens(len(tokens)), "nothing stored after the restart"
 
 
-def stalled_daemon(h: Harness) -> None:
-    """The daemon stops (SIGSTOP) with a load in its socket: the worker gives up after its
-    timeout and vLLM recomputes. The request is then aborted and its blocks go to another
-    request, which computes its prompt in them; only then does the daemon run again. The
-    load it finds in its socket is past its deadline and must move no byte: written late, it
-    would overwrite the other request's KV (its next steps would read a wrong context)."""
+def stalled(h: Harness, what: str) -> None:
+    """The daemon (SIGSTOP), or the Redis L2 it loads a chunk from, stops during a load: the
+    worker gives up after its timeout and vLLM recomputes. The request is then aborted and
+    its blocks go to another request, which computes its prompt in them; only then does the
+    stopped process run again. The load is past its deadline and must move no byte: written
+    late, it would overwrite the other request's KV (its next steps would read a wrong
+    context). Redis: the daemon waits for L2 no longer than the client's deadline."""
+    if what == "redis":
+        if shutil.which("redis-server") is None:
+            raise ScenarioSkipped("redis-server is not installed")
+        redis = LocalRedis().start()
+        h.cleanups.append(redis.close)
+        h.daemon.close()
+        h.daemon = Daemon(extra=["--l2-redis-url", redis.url, "--l2-redis-timeout", "30"])
     prefix = prompts(10, 256, [0])[0]
     warm = h.engine()
     warm.add("warm", [*prefix, 3], 2)
     warm.run()
     h.check(warm)
+    if what == "redis":
+        h.daemon.restart(graceful=True)  # L1 empty: the prefix comes from Redis
+        assert redis._proc is not None  # NOTE: LocalRedis has no public pid; SIGSTOP needs one
+        pid = redis._proc.pid
+    else:
+        pid = h.daemon.proc.pid
     eng = h.engine(timeout_s=1.0, num_blocks=26)
-    pid = h.daemon.proc.pid
     state: dict[str, int] = {}
     targets: set[int] = set()  # the blocks the stalled load would write
 
@@ -465,6 +488,8 @@ def stalled_daemon(h: Harness) -> None:
             state["resumed"] = step
             (held,) = eng.scheduler.kv_cache_manager.get_block_ids("b")
             state["reused_blocks"] = len(targets & set(held))
+            if what == "redis":  # the daemon's L2 wait ends now: let it finish before b reads on
+                _wait_for_log(h.daemon, "retrieve session=a ")
 
     eng.between_schedule_and_load = stop
     eng.before_schedule = reuse_then_resume
@@ -479,6 +504,14 @@ def stalled_daemon(h: Harness) -> None:
         _wait_closed(client)
     h.check(eng, all_stored=False)
     assert eng.tally().get("load_failures", 0) >= 1
+
+
+def _wait_for_log(daemon: Daemon, text: str, within_s: float = 30.0) -> None:
+    """Until the daemon has logged ``text`` (bounded): its work is done, whatever it was."""
+    deadline = time.monotonic() + within_s
+    while not any(text in line for line in daemon.proc.lines):
+        assert time.monotonic() < deadline, f"the daemon never logged {text!r}"
+        time.sleep(0.05)
 
 
 def _count_sends(client: KVCacheClient, sends: dict[str, int], role: str) -> None:
@@ -516,19 +549,21 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "prompt_embeds": prompt_embeds,
     "preemption": preemption,
     "daemon_killed": daemon_killed,
-    "stalled_daemon": stalled_daemon,
+    "stalled_daemon": lambda h: stalled(h, "daemon"),
+    "stalled_redis_l2": lambda h: stalled(h, "redis"),
 }
 
 
 @contextmanager
 def harness(name: str, workdir: Path) -> Iterator[Harness]:
-    daemon = Daemon()
-    h = Harness(name, workdir, daemon)
+    h = Harness(name, workdir, Daemon())
     try:
         yield h
     finally:
         h.close()
-        daemon.close()
+        h.daemon.close()
+        for cleanup in h.cleanups:
+            cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -549,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                     facts = h.facts
                     SCENARIOS[name](h)
                 results[name] = {"ok": True, "error": "", "facts": facts}
+            except ScenarioSkipped as exc:
+                results[name] = {"ok": True, "error": "", "facts": facts, "skipped": str(exc)}
             except Exception:
                 results[name] = {"ok": False, "error": traceback.format_exc()[-4000:], "facts": facts}
             results[name]["seconds"] = round(time.perf_counter() - t0, 1)
