@@ -63,9 +63,14 @@ class Completer:
             else:
                 self._cv.notify_all()
 
+    def on_own_thread(self) -> bool:
+        """True on the completer's thread (in an ``on_done``, or a future's done-callback
+        it runs), where waiting for a later completion would wait forever."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def drain(self) -> None:
         """Block until every job added before the call has been completed."""
-        if self._thread is not None and threading.current_thread() is self._thread:
+        if self.on_own_thread():
             raise RuntimeError("drain() called from an on_done callback: it would wait for itself")
         with self._cv:
             while self._queue:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
@@ -54,6 +54,8 @@ from kvcache.observability.event import BlockAllocationRecord, Event, EventSink,
 from kvcache.storage.factory import create_policy, l2_adapters_from_config
 from kvcache.storage.l1_pool import L1Pool
 from kvcache.storage.l2_async import AsyncL2
+
+_T = TypeVar("_T")
 
 
 class CacheEngine:
@@ -162,7 +164,7 @@ class CacheEngine:
 
         A wait on ``store_async``; raises what its future holds.
         """
-        return self.store_async(
+        future = self.store_async(
             instance_id,
             token_ids,
             block_ids,
@@ -170,7 +172,8 @@ class CacheEngine:
             request_id=request_id,
             block_hashes=block_hashes,
             copy_by=copy_by,
-        ).result()
+        )
+        return self._wait(instance_id, future)
 
     def store_async(
         self,
@@ -224,7 +227,7 @@ class CacheEngine:
         end there, and past it nothing is written into ``block_ids``.
 
         A wait on ``retrieve_async``; raises what its future holds."""
-        return self.retrieve_async(
+        future = self.retrieve_async(
             instance_id,
             token_ids,
             block_ids,
@@ -232,7 +235,19 @@ class CacheEngine:
             cache_salt=cache_salt,
             request_id=request_id,
             copy_by=copy_by,
-        ).result()
+        )
+        return self._wait(instance_id, future)
+
+    def _wait(self, instance_id: int, future: Future[_T]) -> _T:
+        """``future.result()``, refused on the instance's completer thread (a done-callback
+        calling ``store``), where it would wait for a completion queued behind itself."""
+        inst = self._instances.get(instance_id)
+        if inst is not None and not future.done() and inst.completer.on_own_thread():
+            raise RuntimeError(
+                "store/retrieve called from a done-callback of an engine future would wait for "
+                "itself; use store_async/retrieve_async there"
+            )
+        return future.result()
 
     def retrieve_async(
         self,

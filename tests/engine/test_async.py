@@ -239,3 +239,28 @@ def test_offload_figures_come_from_the_transfer_results_alone(gate: CopyGate) ->
     assert stats.load.seconds == pytest.approx(loads[0].metadata["transfer_seconds"])
     assert stats.load.tokens == 4 * CS - BS
     e.close()
+
+
+def test_a_done_callback_may_submit_but_not_wait(gate: CopyGate) -> None:
+    """Done-callbacks run on the instance's completer thread: a blocking store there would
+    wait for a completion queued behind itself, so it is refused; store_async is fine."""
+    e, _ = make_engine()
+    seen: list[object] = []
+    chained: list[Future[StoreResult]] = []
+    returned = threading.Event()
+
+    def callback(_f: Future[StoreResult]) -> None:
+        try:
+            e.store(1, prompt(1), blocks(1))
+        except RuntimeError as err:
+            seen.append(err)
+        chained.append(e.store_async(1, prompt(2), blocks(2)))
+        returned.set()
+
+    first = e.store_async(1, prompt(0), blocks(0))
+    first.add_done_callback(callback)  # the copy is held: the callback runs on the completer
+    gate.allow(10)
+    assert returned.wait(30)  # (a result() alone may return before its callbacks ran)
+    assert len(seen) == 1 and "done-callback" in str(seen[0])
+    assert chained[0].result(30).stored_chunks == 4
+    e.close()
