@@ -2,7 +2,8 @@
 
 vLLM's real ``Scheduler`` and ``AsyncScheduler`` drive ``KVCacheConnector`` (scheduler half) and
 a worker ``KVCacheConnector`` moving real bytes through real daemons, stepped in vLLM's order,
-with a model-free forward whose KV is a function of the whole prefix (``sched_engine.py``).
+with a model-free forward whose KV is a function of the whole prefix (``sched_model.py``,
+stepped by ``sched_engine.py``; daemons and the reader engine in ``sched_world.py``).
 Every scenario checks the tokens against an oracle, that no step computed on a wrong context
 vLLM was not told about, and that every chunk the daemon serves equals the oracle's bytes.
 What each scenario proves is in its docstring in ``sched_scenarios.py``.
