@@ -58,7 +58,7 @@ def store_async(
         return future
     op.future = future
     op.run()
-    return future
+    return op.future
 
 
 @dataclass(eq=False)
@@ -114,6 +114,14 @@ class _StoreOp:
     # -- caller's thread ------------------------------------------------------------------
     def run(self) -> None:
         """Reserve and submit batch by batch, then settle the op if nothing is in flight."""
+        try:
+            self._reserve_and_submit()
+        except Exception as err:  # never leave the future unresolved
+            self._fail(err)
+        finally:
+            self._settle_one()
+
+    def _reserve_and_submit(self) -> None:
         parts, keys = self.parts, self.keys
         pos = 0
         while pos < len(keys) and self.error is None:
@@ -138,7 +146,6 @@ class _StoreOp:
             if new:
                 self._submit([pos + i for i, _ in res.new], new)
             pos += res.settled
-        self._settle_one()
 
     def _submit(self, indices: list[int], new: list[L1Entry]) -> None:
         bpc = self.inst.ctx.blocks_per_chunk
