@@ -264,3 +264,19 @@ def test_a_done_callback_may_submit_but_not_wait(gate: CopyGate) -> None:
     assert len(seen) == 1 and "done-callback" in str(seen[0])
     assert chained[0].result(30).stored_chunks == 4
     e.close()
+
+
+def test_unregister_completes_the_instances_copies_first(gate: CopyGate) -> None:
+    sink = RecordingSink()
+    e, _ = make_engine(sink)
+    future = e.store_async(1, prompt(0), blocks(0))
+    gate.wait_started()
+    leaving = threading.Thread(target=e.unregister, args=(1,))
+    leaving.start()
+    assert not future.done()
+    gate.allow()
+    leaving.join(30)
+    assert not leaving.is_alive() and future.result(0).stored_chunks == 4
+    kinds = [ev.event_type for ev in sink.events]
+    assert kinds.index(EventType.MP_STORE_END) < kinds.index(EventType.INSTANCE_UNREGISTERED)
+    e.close()
