@@ -286,14 +286,11 @@ class Engine:
 
     def check_wrong_reads(self) -> None:
         """A wrong context may only be read in a step whose load errors vLLM was told about
-        (it discards that step's output for the request and recomputes), or under async
-        scheduling in the step after, which was scheduled before vLLM heard of them."""
+        (it discards that step's output for the request and recomputes)."""
         by_step = {s.step: s for s in self.steps}
         for w in self.wrong_reads():
             bad_block = w.block_ids[w.first_bad_position // BLOCK]
-            told = set(by_step[w.step].invalid_block_ids)
-            if self.is_async and w.step > 0:
-                told |= by_step[w.step - 1].invalid_block_ids
+            told = by_step[w.step].invalid_block_ids
             assert bad_block in told, (
                 f"step {w.step}: {w.req_id} read a wrong KV at position {w.first_bad_position} "
                 f"(block {bad_block}) that no load error reported ({sorted(told)})"

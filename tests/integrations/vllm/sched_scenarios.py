@@ -282,7 +282,7 @@ def daemon_killed(h: Harness) -> None:
     h.facts["sends_after_kill"] = dict(sends)
     assert sends["scheduler"] <= 2 and sends["worker"] <= 2, f"calls sent to a dead daemon: {sends}"
     assert eng.tally().get("store_failures", 0) + eng.tally().get("lookup_failures", 0) >= 2
-    h.daemon.proc = DaemonProcess(h.daemon.args, port=h.daemon.port, prometheus_port=None)
+    h.daemon.proc = DaemonProcess(h.daemon.args, port=h.daemon.port, prometheus_port=0)
     for client in (eng.sched_connector.client, eng.worker.client):
         wait_closed(client)
     eng.add("after", prompts(8, 150, [90])[0], 3)

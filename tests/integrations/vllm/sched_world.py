@@ -52,7 +52,7 @@ class Daemon:
 
     def __init__(self, port: int = 0, extra: Sequence[str] = ()) -> None:
         self.args = ["--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--disable-metrics", *extra]
-        self.proc = DaemonProcess(self.args, port=port, prometheus_port=None)
+        self.proc = DaemonProcess(self.args, port=port, prometheus_port=0)
         self.endpoint = self.proc.endpoint
         self.port = int(self.endpoint.rsplit(":", 1)[1])
 
@@ -66,7 +66,7 @@ class Daemon:
             self.close()
         else:
             self.kill()
-        self.proc = DaemonProcess(self.args, port=self.port, prometheus_port=None)
+        self.proc = DaemonProcess(self.args, port=self.port, prometheus_port=0)
 
     def close(self) -> None:
         if self.proc.proc.poll() is None:
