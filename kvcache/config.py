@@ -64,6 +64,10 @@ class EngineConfig:
     """After an L2 tier fails with a connection error it is skipped (a miss) for this long."""
     retrieve_wait_timeout_s: float = 30.0
     """How long ``retrieve`` waits for a prefetch still running; then the prefix ends there."""
+    lookup_wait_timeout_s: float = 0.1
+    """How long a lookup may wait for L1 room to load its L2 chunks into, when every free slot
+    is held by loads (or writes) still in flight, e.g. the previous lookups' prefetches. Past
+    it the prefix ends there (a smaller hit, never a wrong one). 0 = never wait."""
     store_wait_timeout_s: float = 5.0
     """How long one store may wait, in all, for L1 room held by chunks still being written
     through to L2 (or read by retrieves), and for a place in a busy L2 tier's queue. Under
@@ -94,9 +98,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ConfigError(f"{name} must be a positive finite number, got {v!r}")
-        v = self.store_wait_timeout_s
-        if not isinstance(v, (int, float)) or not v >= 0 or math.isinf(v):
-            raise ConfigError(f"store_wait_timeout_s must be a finite number >= 0, got {v!r}")
+        for name in ("store_wait_timeout_s", "lookup_wait_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v >= 0 or math.isinf(v):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.l2_redis_ttl_s is not None:
             _positive_int(self, "l2_redis_ttl_s")
         if self.l2_disk_path is not None and (

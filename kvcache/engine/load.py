@@ -44,10 +44,12 @@ def lookup(
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(num_tokens=num_tokens))
     keys = inst.keys(token_ids, cache_salt)
     l1 = l2 = 0
+    room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
     while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
         run = parts.pool.prefix(keys[l1 + l2 :])
         l1 += run
-        loaded = prefetch(parts, inst, keys[l1 + l2 :]) if l1 + l2 < len(keys) else 0
+        rest = keys[l1 + l2 :]
+        loaded = prefetch(parts, inst, rest, room_by=room_by) if rest else 0
         if not loaded:
             break
         l2 += loaded
@@ -60,12 +62,19 @@ def lookup(
 
 
 def prefetch(
-    parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey], deadline: float | None = None
+    parts: EngineParts,
+    inst: Instance,
+    keys: Sequence[ChunkKey],
+    deadline: float | None = None,
+    room_by: float | None = None,
 ) -> int:
     """Start loading the leading ``keys`` found in L2 into L1; returns how many started.
 
-    Without ``deadline`` (a lookup) nothing waits: a full load queue ends the prefix early. A
-    retrieve passes its deadline, so a chunk its lookup promised is not lost to a busy queue.
+    Without ``deadline`` (a lookup) no queue is waited for: a full load queue ends the prefix
+    early. A retrieve passes its deadline, so a chunk its lookup promised is not lost to a busy
+    queue. L1 room held by operations in flight is waited for until ``room_by`` (a lookup's
+    short bound), else ``deadline``: back-to-back lookups must not find every slot pinned by
+    the previous ones' loads and answer a miss for chunks L2 holds.
     """
     if not keys or not parts.tiers:
         return 0
@@ -78,7 +87,9 @@ def prefetch(
             if present:
                 source[i] = tier
     n = next((i for i, s in enumerate(source) if s is None), len(keys))
-    entries = parts.pool.begin_load(inst.geometry, keys[:n])
+    room = room_by if room_by is not None else deadline
+    room_s = 0.0 if room is None else max(0.0, room - time.monotonic())
+    entries = parts.pool.begin_load(inst.geometry, keys[:n], wait_s=room_s)
     for i, entry in enumerate(entries):
         src = source[i]
         assert src is not None

@@ -163,6 +163,10 @@ def build_parser(
                     metavar="SECONDS", help="how long a store may wait for L1 room held by "
                     "write-through to L2, or for a place in a busy L2 queue, before chunks are "
                     "dropped and counted (default %(default)s; 0 = never wait)")
+    st.add_argument("--lookup-wait-timeout", type=float, default=defaults.lookup_wait_timeout_s,
+                    metavar="SECONDS", help="how long a lookup may wait for L1 room held by "
+                    "loads in flight to load its L2 chunks into, before its prefix ends there "
+                    "(default %(default)s; 0 = never wait)")
     dests["storage"] = _dests(parser) - before
 
     before = _dests(parser)
@@ -225,8 +229,9 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             heartbeat_timeout_s=ns.heartbeat_timeout,
             max_message_bytes=int(ns.max_message_mb * 2**20),
             drain_timeout_s=ns.drain_timeout,
-            # A Redis lookup waits on the network: keep it off the I/O thread.
-            inline_lookups=ns.l2_redis_url is None,
+            # With an L2 tier a lookup may wait (on Redis, or for L1 room held by loads in
+            # flight, up to --lookup-wait-timeout): keep it off the I/O thread.
+            inline_lookups=ns.l2_redis_url is None and ns.l2_disk_path is None,
             listen_tcp=ns.tcp,
             listen_ipc=ns.ipc,
             runtime_dir=ns.runtime_dir or default_runtime_dir(),
@@ -251,6 +256,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             l2_redis_ttl_s=ns.l2_redis_ttl,
             l2_retry_interval_s=ns.l2_retry_interval,
             store_wait_timeout_s=ns.store_wait_timeout,
+            lookup_wait_timeout_s=ns.lookup_wait_timeout,
         )
         obs = ObservabilityConfig.from_args(ns)
         validate_kv_events_args(ns)  # refuse an exposed KV-events bind before anything binds

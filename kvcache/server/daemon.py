@@ -83,7 +83,7 @@ class DaemonConfig:
     drain_timeout_s: float = 30.0
     """On shutdown, how long in-flight requests may take before the daemon stops anyway."""
     inline_lookups: bool = True
-    """Serve lookups on the I/O thread; turn off when a lookup may wait on a network tier."""
+    """Serve lookups on the I/O thread; turn off when a lookup may wait (any L2 tier)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

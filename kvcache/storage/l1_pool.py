@@ -55,6 +55,7 @@ class L1Pool:
         self._entries: dict[ChunkKey, L1Entry] = {}
         self._pinned = 0  # entries holding at least one pin: what a waiting writer can hope for
         self._waiting_writers = 0
+        self._waiting_loaders = 0
         self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
         self.used_bytes = 0  # slots holding an entry (any state), in slot strides
         self.allocation_failures = 0
@@ -121,19 +122,40 @@ class L1Pool:
         self._publish(events)
         return WriteReservation(new, present, failed, settled)
 
-    def begin_load(self, geometry: SlotGeometry, keys: Sequence[ChunkKey]) -> list[L1Entry]:
+    def begin_load(
+        self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0
+    ) -> list[L1Entry]:
         """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
-        key that is present or cannot get memory, so the result is a prefix of ``keys``."""
+        key that is present or cannot get memory, so the result is a prefix of ``keys``.
+
+        When no slot is free and no pin of its own is held, it waits up to ``wait_s`` for
+        others' pins to go (loads and writes in flight finish within milliseconds). It never
+        waits holding slots of its own, so concurrent loaders cannot wait on one another;
+        the caller asks again for the rest."""
         out: list[L1Entry] = []
         events: list[Event] = []
+        deadline = time.monotonic() + wait_s
         with self._lock:
             for i, key in enumerate(keys):
                 if key in self._entries:
                     break
                 entry = self._allocate(geometry, key, events)
+                while entry is None and not out and self._pinned > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._waiting_loaders += 1
+                    try:
+                        self._room.wait(left)
+                    finally:
+                        self._waiting_loaders -= 1
+                    if key in self._entries:  # loaded or written by someone else meanwhile
+                        break
+                    entry = self._allocate(geometry, key, events)
                 if entry is None:
-                    n = len(keys) - i
-                    events.append(self._alloc_failed_event(n, n * geometry.nbytes))
+                    if key not in self._entries:
+                        n = len(keys) - i
+                        events.append(self._alloc_failed_event(n, n * geometry.nbytes))
                     break
                 entry.state = EntryState.LOADING
                 entry.from_l2 = True
@@ -277,6 +299,7 @@ class L1Pool:
                 "evictable_chunks": len(self._policy),
                 "pinned_chunks": self._pinned,
                 "waiting_writers": self._waiting_writers,
+                "waiting_loaders": self._waiting_loaders,
                 "pinned_memory": self.pin_memory,
                 "allocation_failures": self.allocation_failures,
                 "slabs": self._slabs.slab_info(),

@@ -187,3 +187,49 @@ def test_second_geometry_gets_memory_while_the_first_is_written_through(tmp_path
         assert not sink.of(EventType.L1_KEYS_EVICTED)
         assert e.lookup(1, TOKENS) == 128 and e.lookup(2, TOKENS) == 128
         assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata["l1_hit_tokens"] == 128
+
+
+class _HoldingLoads(Sink):
+    """Holds every L2 load inside its ``L2_LOAD_FINISHED`` announcement until ``gate`` is
+    set: the load is in flight and its L1 slot stays pinned, deterministically."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def publish(self, event: Event) -> None:
+        super().publish(event)
+        if event.event_type is EventType.L2_LOAD_FINISHED:
+            self.gate.wait(10)
+
+
+def test_a_lookup_waits_for_room_held_by_the_previous_lookups_loads(tmp_path: Path) -> None:
+    """Observed: back-to-back lookups of prompts in L2, with L1 holding one prompt, answered 0
+    for the second because every slot was pinned by the first one's loads (still in flight for
+    a few milliseconds). A lookup now waits, briefly and bounded, for that room."""
+    other = [t + 7_000 for t in TOKENS]
+    with engine(l2_disk_path=str(tmp_path)) as writer:
+        reg(writer, 1, seed=1)
+        writer.store(1, TOKENS, IDS)
+        writer.store(1, other, IDS)
+        assert writer.flush(5)
+        slot = int(writer.status()["instances"][0]["chunk_bytes"])
+    sink = _HoldingLoads()  # below: an L1 of exactly one prompt (4 chunks), one slot per extent
+    cfg = EngineConfig(chunk_size=CS, l1_size_bytes=4 * slot, l1_extent_bytes=slot,
+                       l2_disk_path=str(tmp_path), lookup_wait_timeout_s=30.0)  # fmt: skip
+    with CacheEngine(cfg, bus=sink) as e:
+        try:
+            reg(e, 1, seed=1)
+            assert e.lookup(1, TOKENS) == len(TOKENS)  # its 4 loads hold all of L1
+            assert e.status()["l1"]["pinned_chunks"] == 4
+            hits: list[int] = []
+            second = threading.Thread(target=lambda: hits.append(e.lookup(1, other)))
+            second.start()
+            deadline = time.monotonic() + 10
+            while e.status()["l1"]["waiting_loaders"] == 0:  # it found no room: it waits
+                assert second.is_alive() and time.monotonic() < deadline, hits
+            sink.gate.set()  # the first loads land; their slots become evictable
+            second.join(10)
+            assert hits == [len(other)]
+        finally:
+            sink.gate.set()

@@ -32,7 +32,9 @@ def test_storage_flags_reach_the_engine_config() -> None:
     e = s.engine
     assert (e.chunk_size, e.l1_size_bytes, e.l1_evict_watermark) == (128, GiB // 2, 0.7)
     assert (e.l2_disk_path, e.l2_disk_size_bytes, e.l2_redis_url) == ("/tmp/x", 3 * GiB, "redis://h:1/0")
-    assert s.daemon.inline_lookups is False  # a Redis lookup waits on the network
+    assert s.daemon.inline_lookups is False  # a lookup may wait on the network or for L1 room
+    assert parse_settings(["--l2-disk-path", "/tmp/x"]).daemon.inline_lookups is False
+    assert parse_settings(["--lookup-wait-timeout", "0.5"]).engine.lookup_wait_timeout_s == 0.5
 
 
 def test_redis_timeouts_back_off_and_store_wait_are_flags() -> None:
