@@ -10,6 +10,8 @@ What each scenario proves is in its docstring in ``sched_scenarios.py``.
 
 The scenarios run in one process (vLLM's import dominates): the module fixture runs them all
 once and each test reads its scenario's result. Skipped with ``KVCACHE_SKIP_VLLM_E2E=1``.
+``sched_controls.py`` (by hand, not here) switches each safeguard off in turn and checks that
+its scenarios then fail.
 """
 
 from __future__ import annotations

@@ -1,0 +1,150 @@
+"""Negative controls for the scheduler harness: each fix switched off, its scenarios must fail.
+
+Run by hand in the vLLM venv (not in CI: it doubles the harness's time)::
+
+    .vllm-venv/bin/python tests/integrations/vllm/sched_controls.py [NAME ...]
+
+Each control patches one safeguard out of the connector or the client, runs the scenarios
+that guard it (``sched_scenarios.SCENARIOS``) and reports whether they failed; the exit status
+is 1 if any scenario still passed (it would not prove its safeguard).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from kvcache.client import KVCacheClient
+from kvcache.integrations.vllm import connector as connector_mod
+from kvcache.integrations.vllm.plan import Planner
+from kvcache.integrations.vllm.worker import ConnectorWorker
+from kvcache.protocol.breaker import CircuitBreaker
+from tests.integrations.vllm import sched_world
+from tests.integrations.vllm.sched_engine import write_model_config
+from tests.integrations.vllm.sched_scenarios import SCENARIOS
+from tests.integrations.vllm.sched_world import ScenarioSkipped, harness
+
+
+@contextmanager
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _tokens_only(request: Any) -> str | None:
+    """Keys from tokens and salt alone (prompt embeddings still refused)."""
+    return None if getattr(request, "prompt_embeds", None) is not None else ""
+
+
+@contextmanager
+def no_key_extra() -> Iterator[None]:
+    with (
+        patched(connector_mod, "request_key_extra", _tokens_only),
+        patched(sched_world, "request_key_extra", _tokens_only),
+    ):
+        yield
+
+
+@contextmanager
+def embeds_keyed_by_tokens() -> Iterator[None]:
+    with (
+        patched(connector_mod, "request_key_extra", lambda r: ""),
+        patched(sched_world, "request_key_extra", lambda r: ""),
+    ):
+        yield
+
+
+@contextmanager
+def no_store_cut() -> Iterator[None]:
+    store = ConnectorWorker.store
+
+    def uncut(self: ConnectorWorker, plan: Any) -> None:
+        unfilled, self._unfilled = self._unfilled, {}
+        try:
+            store(self, plan)
+        finally:
+            self._unfilled = unfilled
+
+    with patched(ConnectorWorker, "store", uncut):
+        yield
+
+
+@contextmanager
+def no_lookup_cache() -> Iterator[None]:
+    cls = connector_mod.KVCacheConnector
+    lookup = cls.get_num_new_matched_tokens
+
+    def every_step(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        self._last_hit.clear()
+        return lookup(self, request, num_computed_tokens)
+
+    with patched(cls, "get_num_new_matched_tokens", every_step):
+        yield
+
+
+@contextmanager
+def sync_loads_under_async() -> Iterator[None]:
+    cls = connector_mod.KVCacheConnector
+    init = cls.__init__
+
+    def sync_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._async_loads = False
+
+    with patched(cls, "__init__", sync_init):
+        yield
+
+
+CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
+    "no_key_extra": (no_key_extra, ["lora", "multimodal"]),
+    "embeds_keyed_by_tokens": (embeds_keyed_by_tokens, ["prompt_embeds"]),
+    "no_store_cut": (no_store_cut, ["failed_load_sync"]),
+    "no_final_store": (
+        lambda: patched(Planner, "final_store", lambda self, *a: False),
+        ["shared_prefixes_async"],
+    ),
+    "sync_loads_under_async": (sync_loads_under_async, ["failed_load_async"]),
+    "no_report_restart": (lambda: patched(Planner, "preempted", lambda self, r: None), ["preemption"]),
+    "no_lookup_cache": (no_lookup_cache, ["preemption"]),
+    "no_breaker": (lambda: patched(CircuitBreaker, "refuse", lambda self: False), ["daemon_killed"]),
+    "no_deadline": (
+        lambda: patched(KVCacheClient, "_stamped", KVCacheClient._with_token),
+        ["stalled_daemon", "stalled_redis_l2"],
+    ),
+}
+
+
+def main(argv: list[str]) -> int:
+    proven = True
+    with tempfile.TemporaryDirectory(prefix="kvc-sched-controls-") as tmp:
+        workdir = Path(tmp)
+        write_model_config(str(workdir / "model"))
+        for name in argv or list(CONTROLS):
+            make, scenarios = CONTROLS[name]
+            for scenario in scenarios:
+                with make():
+                    try:
+                        with harness(scenario, workdir) as h:
+                            SCENARIOS[scenario](h)
+                        verdict, proven = "PASSED (proves nothing)", False
+                    except ScenarioSkipped as exc:
+                        verdict = f"skipped: {exc}"
+                    except Exception as exc:
+                        last = str(exc).strip().splitlines()
+                        verdict = f"failed as it must: {type(exc).__name__}: {last[0] if last else ''}"[:200]
+                print(f"{name} / {scenario}: {verdict}", flush=True)
+    return 0 if proven else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
