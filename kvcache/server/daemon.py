@@ -19,6 +19,10 @@ Threads and ordering:
   store, retrieve) each have their own threads, so a slow store never delays a lookup; each
   worker sends its reply back over its own inproc PUSH socket (ZMQ sockets are not
   thread-safe), and the I/O thread forwards it to the client;
+* a store or retrieve holds its worker only until its copies are submitted
+  (``Handlers.submit``): the reply is sent when the engine's future completes, from the
+  engine's completion thread, through the lock-guarded ``deferred.Outbox`` into the same
+  reply channel, so no worker waits on a copy and the request stays in flight until then;
 * the **reaper** drops instances that sent nothing for ``heartbeat_timeout_s``.
 
 Replies to one client may overtake each other; clients match them by request id.
@@ -26,6 +30,7 @@ Replies to one client may overtake each other; clients match them by request id.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -34,6 +39,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +50,7 @@ from kvcache.netaddr import is_loopback
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
+from kvcache.server.deferred import Outbox
 from kvcache.server.handlers import Handlers
 
 log = logging.getLogger("kvcache.server")
@@ -52,8 +59,8 @@ _INLINE = (m.Ping, m.ReportBlockAllocations, m.EndSession)
 _FAST = (m.Lookup, m.Status)
 _STOP = None
 _Job = tuple[bytes, int, m.RequestBody, auth.Principal, int | None]
-"""Reply identity, request id, body, sender, and the instance that counts it in flight."""
-"""A queued request: ROUTER identity, request id, body, and who sent it."""
+"""A queued request: ROUTER identity, request id, body, sender, and the instance that counts
+it in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,7 @@ class Daemon:
         self._reply_addr = f"inproc://kvcache-replies-{id(self)}"
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind(self._reply_addr)
+        self._outbox = Outbox(self._ctx, self._reply_addr)
         self._stop = threading.Event()
         self._in_flight = 0
         self._lanes: dict[str, queue.SimpleQueue[_Job | None]] = {
@@ -240,12 +248,32 @@ class Daemon:
         try:
             while (item := lane.get()) is not _STOP:
                 identity, request_id, body, principal, pinned = item
-                reply = self.handlers.handle(body, principal)
-                if pinned is not None:
-                    self.handlers.registry.end(pinned)
-                push.send_multipart([identity, encode_reply(request_id, reply)], copy=False)
+                pending = self.handlers.submit(body, principal)
+                if pending.done():
+                    push.send_multipart(self._finish(identity, request_id, pinned, pending), copy=False)
+                else:  # copies in flight: answered from the engine's completion thread
+                    done = functools.partial(self._reply_later, identity, request_id, pinned)
+                    pending.add_done_callback(done)
         finally:
             push.close()
+
+    def _finish(
+        self, identity: bytes, request_id: int, pinned: int | None, done: Future[m.ReplyBody]
+    ) -> list[bytes]:
+        """The reply frames of a finished request, which is no longer in flight for its instance."""
+        if pinned is not None:
+            self.handlers.registry.end(pinned)
+        return [identity, encode_reply(request_id, done.result())]
+
+    def _reply_later(
+        self, identity: bytes, request_id: int, pinned: int | None, done: Future[m.ReplyBody]
+    ) -> None:
+        """Done-callback of a deferred reply; runs on the engine's completion thread, so it
+        only encodes and hands the frames over, never waits."""
+        try:
+            self._outbox.send(self._finish(identity, request_id, pinned, done))
+        except Exception:  # a lost reply times out at its client; the completer must go on
+            log.exception("could not send the reply of request %d", request_id)
 
     def _reap(self) -> None:
         period = min(1.0, self.config.heartbeat_timeout_s / 4)
@@ -364,6 +392,7 @@ class Daemon:
             if t.is_alive():
                 log.warning("%s still busy after the drain timeout; stopping without it", t.name)
         self._forward_replies()
+        self._outbox.close()
         self._replies.close(linger=0)
         self._close_sockets(linger=None)
 

@@ -2,7 +2,9 @@
 
 Kept apart from the ROUTER loop so that each operation can be read (and tested) as a plain
 function of a request Struct, and so that the loop knows nothing about caching. Handlers run
-on worker threads; the engine is thread-safe, the registry is locked.
+on worker threads; the engine is thread-safe, the registry is locked. Store and retrieve
+also come as ``*_async``: they check the request and submit the copies, and their reply is
+a future the engine's completion thread resolves (``submit``), so no worker waits on a copy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,19 +24,19 @@ import msgspec
 import numpy as np
 import torch
 
-from kvcache.errors import AccessDeniedError, DeadlineExceededError, LayoutError, LimitExceededError
+from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import ipc
 from kvcache.server.auth import LOOPBACK, Principal
+from kvcache.server.deadlines import check_deadline, copy_deadline
+from kvcache.server.deferred import resolved, then
 from kvcache.server.registry import Instance, InstanceRegistry
 
 if TYPE_CHECKING:
-    from kvcache.server.fdpass import FdInbox
-
-if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
+    from kvcache.server.fdpass import FdInbox
 
 log = logging.getLogger("kvcache.server")
 
@@ -92,15 +95,30 @@ class Handlers:
             m.Status: self.status,
             m.Ping: self.ping,
         }
+        self._async_table: dict[type, Callable[[Any, Principal], Future[m.ReplyBody]]] = {
+            m.Store: self.store_async,
+            m.Retrieve: self.retrieve_async,
+        }
 
     def handle(self, body: m.RequestBody, principal: Principal = LOOPBACK) -> m.ReplyBody:
         try:
             return self._table[type(body)](body, principal)
         except Exception as exc:  # every failure becomes a typed reply, never a dead worker
-            error = error_from_exception(exc)
-            if error.code is m.ErrorCode.INTERNAL:
-                log.exception("internal error serving %s", type(body).__name__)
-            return error
+            return _error_reply(exc, body)
+
+    def submit(self, body: m.RequestBody, principal: Principal = LOOPBACK) -> Future[m.ReplyBody]:
+        """``handle`` without waiting for copies: a store or retrieve is checked and submitted
+        here, and its future resolves on the engine's completion thread once the copies
+        finished; every other request is served at once. The future never holds an
+        exception (errors become ``Error`` replies, exactly as from ``handle``)."""
+        start = self._async_table.get(type(body))
+        if start is None:
+            return resolved(self.handle(body, principal))
+        try:
+            pending = start(body, principal)
+        except Exception as exc:  # refused before submit: nothing was copied
+            return resolved(_error_reply(exc, body))
+        return then(pending, lambda reply: reply, lambda exc: _error_reply(exc, body))
 
     # -- registration ------------------------------------------------------------------
 
@@ -245,46 +263,49 @@ class Handlers:
         return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_tokens)
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
+        return self.store_async(req, principal).result()
+
+    def store_async(self, req: m.Store, principal: Principal) -> Future[m.ReplyBody]:
+        """Checks (token, deadline, limits) raise here, before anything is submitted; the
+        engine's errors (bad ids, a failed copy, ``copy_by`` passed) arrive on the future."""
         instance = self._instance(req, principal, token_required=True)
-        _check_deadline(req.deadline_ms, "store")
+        check_deadline(req.deadline_ms, "store")
         token_ids, block_ids = self._ids(req.token_ids), self._ids(req.block_ids)
         if req.block_hashes is not None and len(req.block_hashes) > self.limits.max_ids:
             raise LimitExceededError(f"{len(req.block_hashes)} block hashes exceed --max-ids")
         if req.cuda_event is not None:
+            # NOTE: a host wait on the engine's own GPU work (not a copy), on the worker thread.
             ipc.wait_ipc_event(req.cuda_event, torch.device(instance.device))
-        result = self.engine.store(
+        stored = self.engine.store_async(
             req.instance_id,
             token_ids,
             block_ids,
             cache_salt=self._key_salt(req),
             request_id=req.request_id,
             block_hashes=req.block_hashes,
-            copy_by=_copy_by(req.deadline_ms),
+            copy_by=copy_deadline(req.deadline_ms),
         )
-        return m.StoreResult(
-            stored_chunks=result.stored_chunks,
-            skipped_chunks=result.skipped_chunks,
-            failed_chunks=result.failed_chunks,
-            stored_tokens=result.stored_tokens,
-        )
+        return then(stored, _store_reply)
 
     def retrieve(self, req: m.Retrieve, principal: Principal) -> m.ReplyBody:
+        return self.retrieve_async(req, principal).result()
+
+    def retrieve_async(self, req: m.Retrieve, principal: Principal) -> Future[m.ReplyBody]:
+        """As ``store_async``. The future resolves once the copy has completed on the host's
+        side, so the engine may use the blocks on the reply; no event is exported (it would
+        have to outlive the client's wait on it, which the daemon cannot know)."""
         self._instance(req, principal, token_required=True)
-        _check_deadline(req.deadline_ms, "retrieve")
-        got = self.engine.retrieve(
+        check_deadline(req.deadline_ms, "retrieve")
+        got = self.engine.retrieve_async(
             req.instance_id,
             self._ids(req.token_ids),
             self._ids(req.block_ids),
             req.skip_tokens,
             cache_salt=self._key_salt(req),
             request_id=req.request_id,
-            copy_by=_copy_by(req.deadline_ms),
+            copy_by=copy_deadline(req.deadline_ms),
         )
-        # No event: the copy has completed on the host's side when retrieve returns (the
-        # context waits for its stream), so the engine may use the blocks on the reply. An
-        # exported event would have to outlive the client's wait on it (CUDA IPC), which the
-        # daemon cannot know; an asynchronous retrieve must bring a release handshake.
-        return m.RetrieveResult(retrieved_tokens=got)
+        return then(got, lambda tokens: m.RetrieveResult(retrieved_tokens=tokens))
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)
@@ -331,29 +352,23 @@ class Handlers:
         return unpack_ids(ids)
 
 
+def _error_reply(exc: BaseException, body: m.RequestBody) -> m.Error:
+    error = error_from_exception(exc)
+    if error.code is m.ErrorCode.INTERNAL:
+        log.error("internal error serving %s", type(body).__name__, exc_info=exc)
+    return error
+
+
+def _store_reply(result: Any) -> m.ReplyBody:
+    return m.StoreResult(
+        stored_chunks=result.stored_chunks,
+        skipped_chunks=result.skipped_chunks,
+        failed_chunks=result.failed_chunks,
+        stored_tokens=result.stored_tokens,
+    )
+
+
 _SEP = "\x1f"
-DEADLINE_MARGIN_S = 0.05
-"""A request is refused this long before its client's deadline: the copy itself takes time,
-and it must be over before the client gives up on it and reuses the blocks."""
-
-
-def _check_deadline(deadline_ms: int, op: str) -> None:
-    """Refuse a request whose client has stopped (or is about to stop) waiting for it: one
-    that sat in a queue, or in the socket of a stalled daemon. Same-host clients share the
-    wall clock; a remote one's skew eats into the margin."""
-    if deadline_ms and time.time() > deadline_ms / 1000 - DEADLINE_MARGIN_S:
-        raise DeadlineExceededError(
-            f"{op} arrived after its client's deadline; no byte was moved (the engine may "
-            "have reused the blocks by now)"
-        )
-
-
-def _copy_by(deadline_ms: int) -> float | None:
-    """The client's deadline, less the margin, on the engine's ``time.monotonic()`` scale: the
-    engine's waits end there and no copy of the client's blocks starts after it."""
-    if not deadline_ms:
-        return None
-    return time.monotonic() + (deadline_ms / 1000 - DEADLINE_MARGIN_S - time.time())
 
 
 def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:

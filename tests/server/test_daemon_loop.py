@@ -1,7 +1,9 @@
 """The I/O loop's scheduling promises, with the daemon in a thread and a store held open.
 
-The engine is the real ``CacheEngine``; only its ``store`` waits on a gate the test opens, so
-"a store is in flight" is a fact the test controls rather than a race it hopes to win.
+The engine is the real ``CacheEngine``; only its ``store_async`` waits on a gate the test
+opens before it submits (as it does when L1 room is held by write-through, so the store holds
+its worker), so "a store is in flight" is a fact the test controls rather than a race it
+hopes to win. ``test_daemon_copies`` holds the copies themselves instead.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ TOKENS, BLOCKS = list(range(64)), list(range(16))
 
 
 class GatedEngine(CacheEngine):
-    """A CacheEngine whose stores wait until ``gate`` opens; ``entered`` says one is waiting."""
+    """A CacheEngine whose stores wait, before submitting, until ``gate`` opens; ``entered``
+    says one is waiting."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -39,11 +42,11 @@ class GatedEngine(CacheEngine):
         self.entered = threading.Event()
         self.lookup_entered = threading.Event()
 
-    def store(self, instance_id: int, token_ids: Sequence[int], block_ids: Sequence[int],
-              **kw: Any) -> Any:  # fmt: skip
+    def store_async(self, instance_id: int, token_ids: Sequence[int], block_ids: Sequence[int],
+                    **kw: Any) -> Any:  # fmt: skip
         self.entered.set()
         assert self.gate.wait(30), "the test never opened the gate"
-        return super().store(instance_id, token_ids, block_ids, **kw)
+        return super().store_async(instance_id, token_ids, block_ids, **kw)
 
     def lookup_tiers(self, instance_id: int, token_ids: Any, **kw: Any) -> Any:
         if len(token_ids) > INLINE_LOOKUP_MAX_TOKENS:  # held, like a prompt of millions of tokens
