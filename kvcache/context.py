@@ -28,7 +28,7 @@ from kvcache.layouts import (
 )
 from kvcache.transfer.base import BlockIds, Direction, TransferHandler, TransferJob
 from kvcache.transfer.cpu import CpuTransferHandler
-from kvcache.transfer.validate import ChunkGeometry
+from kvcache.transfer.validate import ChunkGeometry, cuda_errors
 
 DEFAULT_MAX_BLOCK_IDS = 1 << 20
 
@@ -200,11 +200,13 @@ class GPUCacheContext:
         num_tokens: int | None = None,
     ) -> list[torch.Tensor]:
         """``n`` empty chunks; pinned host chunks let CUDA caches copy without staging."""
-        pin = pin_memory and torch.device(device).type == "cpu" and torch.cuda.is_available()
-        return [
-            torch.empty(self.chunk_shape(num_tokens), dtype=self._dtype, device=device, pin_memory=pin)
-            for _ in range(n)
-        ]
+        target = torch.device(device)
+        pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
+        shape = self.chunk_shape(num_tokens)
+        if target.type != "cuda" and not pin:
+            return [torch.empty(shape, dtype=self._dtype, device=target) for _ in range(n)]
+        with cuda_errors(f"allocating {n} chunks on {target}{' (pinned)' if pin else ''}"):
+            return [torch.empty(shape, dtype=self._dtype, device=target, pin_memory=pin) for _ in range(n)]
 
     # -- copies ---------------------------------------------------------------------
     @property

@@ -7,7 +7,8 @@ Each error also derives from the matching builtin, so callers that already catch
     ├── LayoutError (ValueError)          unknown or ambiguous KV layout, bad registration
     ├── BlockIdError (IndexError)         a block id outside [0, num_blocks)
     ├── ChunkMismatchError (ValueError)   chunk tensors that do not fit the registered cache
-    ├── CudaUnavailableError (RuntimeError)  a CUDA path on a build or machine without CUDA
+    ├── CudaError (RuntimeError)          the CUDA runtime or driver failed (a device fault, no memory)
+    │   └── CudaUnavailableError          a CUDA path on a build or machine without CUDA
     ├── StorageError (RuntimeError)       a tier failed (disk, Redis); translated at the adapter edge
     │   └── CorruptChunkError             a stored chunk failed its header or checksum check
     ├── UnknownInstanceError (KeyError)   a request names an instance that never registered
@@ -38,7 +39,13 @@ class ChunkMismatchError(KvcacheError, ValueError):
     """Chunk tensors disagree with the registered cache (shape, dtype, device, count)."""
 
 
-class CudaUnavailableError(KvcacheError, RuntimeError):
+class CudaError(KvcacheError, RuntimeError):
+    """The CUDA runtime or driver failed: a device fault, out of device memory, a handle it
+    could not open. Raised from torch's and the native module's errors at one edge
+    (``kvcache.transfer.validate.cuda_error``), so callers never see a bare RuntimeError."""
+
+
+class CudaUnavailableError(CudaError):
     """A CUDA path was asked for on a build or machine without CUDA."""
 
 
@@ -91,6 +98,7 @@ __all__ = [
     "BlockIdError",
     "ChunkMismatchError",
     "CorruptChunkError",
+    "CudaError",
     "CudaUnavailableError",
     "DeadlineExceededError",
     "KvcacheError",

@@ -29,6 +29,7 @@ import torch
 
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.protocol.messages import CudaIpcTensor, FdTensor, TensorDesc, TensorNesting
+from kvcache.transfer.validate import cuda_errors
 
 if TYPE_CHECKING:
     from kvcache.server.fdpass import ReceivedFds
@@ -179,14 +180,14 @@ def export_cpu_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[FdTensor],
 
 
 def device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
+    with cuda_errors(f"reading the UUID of GPU {index}"):
+        return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def export_cuda_tensor(tensor: torch.Tensor) -> CudaIpcTensor:
     storage = tensor.untyped_storage()
-    (device, handle, size_bytes, offset_bytes, _, _, ev_handle, ev_sync) = (
-        storage._share_cuda_()
-    )
+    with cuda_errors("exporting a KV tensor as a CUDA IPC handle"):
+        (device, handle, size_bytes, offset_bytes, _, _, ev_handle, ev_sync) = storage._share_cuda_()
     return CudaIpcTensor(
         device_uuid=device_uuid(int(device)),
         ipc_handle=bytes(handle),
@@ -227,9 +228,10 @@ class ExportedEvent:
 def record_ipc_event(device: torch.device) -> ExportedEvent:
     """Record an interprocess event on ``device``'s current stream. Keep the result alive
     (``EventKeeper``) until the peer has waited on it."""
-    event = torch.cuda.Event(interprocess=True)
-    event.record(torch.cuda.current_stream(device))
-    return ExportedEvent(event, bytes(event.ipc_handle()))
+    with cuda_errors("recording an interprocess CUDA event"):
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(device))
+        return ExportedEvent(event, bytes(event.ipc_handle()))
 
 
 class EventKeeper:
@@ -264,7 +266,8 @@ def wait_ipc_event(handle: bytes, device: torch.device) -> None:
     NOTE: a host wait, not ``stream.wait_event``: the copies run on the cache context's own
     stream, which the caller does not hold, so only a host-side wait orders them after it.
     """
-    torch.cuda.Event.from_ipc_handle(device, handle).synchronize()
+    with cuda_errors("waiting on the peer's CUDA IPC event"):
+        torch.cuda.Event.from_ipc_handle(device, handle).synchronize()
 
 
 # -- daemon side -------------------------------------------------------------------------
@@ -379,7 +382,7 @@ def _check_within_allocation(index: int, address: int, nbytes: int) -> None:
     copies past the allocation would fault the daemon's context (every engine loses its
     service) or touch memory the engine never shared."""
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    with torch.cuda.device(index):
+    with cuda_errors("asking the CUDA driver for the IPC storage's allocation"), torch.cuda.device(index):
         result = _driver().cuMemGetAddressRange_v2(
             ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)
         )

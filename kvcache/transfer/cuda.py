@@ -14,6 +14,7 @@ a deeper queue waits on the host for the oldest upload (a bounded, not a blockin
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -26,7 +27,15 @@ import torch
 from kvcache import _native
 from kvcache.errors import KvcacheError, TransferError, UnknownTransferError
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
-from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
+from kvcache.transfer.validate import (
+    CheckedJob,
+    ChunkGeometry,
+    check_job,
+    check_start,
+    cuda_error,
+    cuda_errors,
+    native_error,
+)
 
 _POLL_START_S = 20e-6  # first back-off of a bounded wait; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 1e-3
@@ -65,11 +74,9 @@ class CudaTransferHandler(TransferHandler):
         self._owners = tuple(owners)  # the engine memory whose addresses the table holds
         index = self._device.index if self._device.index is not None else 0
         max_chunks = max(1, -(-geometry.max_block_ids // geometry.blocks_per_chunk))
-        try:
+        with cuda_errors(f"opening the CUDA transfer handler on {self._device}"):
             self._native = _native.CudaTransfer(table, index, geometry.max_block_ids, max_chunks)
-        except _native.CudaUnavailable as err:
-            raise native_error(err) from err
-        self._stream = torch.cuda.Stream(device=self._device)
+            self._stream = torch.cuda.Stream(device=self._device)
         self._lock = threading.Lock()
         self._pending: deque[_InFlight] = deque()  # submission order = stream order
         self._finished: dict[int, TransferResult] = {}
@@ -105,10 +112,14 @@ class CudaTransferHandler(TransferHandler):
 
     def _launch(self, entry: _InFlight, job: CheckedJob) -> None:
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        entry.start = torch.cuda.Event(enable_timing=True)
-        entry.end = torch.cuda.Event(enable_timing=True)
-        entry.start.record(stream)
+        try:
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        except Exception as err:  # nothing was queued: the job fails alone, never launched
+            entry.error = cuda_error(err, "queueing a copy on the CUDA stream")
+            return
+        entry.start, entry.end = start, end
         try:
             self._native.copy(
                 job.block_ids,
@@ -121,10 +132,16 @@ class CudaTransferHandler(TransferHandler):
             )
         except Exception as err:  # refused before launch: nothing was written
             entry.error = native_error(err)
-        entry.end.record(stream)
-        for chunk in entry.job.chunks:
-            if chunk.is_cuda:  # the caching allocator must not hand this memory out early
-                chunk.record_stream(stream)
+        try:
+            entry.end.record(stream)
+            for chunk in entry.job.chunks:
+                if chunk.is_cuda:  # the caching allocator must not hand this memory out early
+                    chunk.record_stream(stream)
+        except Exception as err:  # completion cannot be tracked: wait here, report it failed
+            entry.error = cuda_error(err, "recording a copy's end on the CUDA stream")
+            entry.end = None
+            with contextlib.suppress(Exception):
+                stream.synchronize()
 
     def wait_on_stream(self, job_id: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the caller's current one) wait on the device for the
@@ -132,8 +149,9 @@ class CudaTransferHandler(TransferHandler):
         with self._lock:
             entry = next((e for e in self._pending if e.job_id == job_id), None)
         if entry is not None and entry.end is not None:
-            target = stream if stream is not None else torch.cuda.current_stream(self._device)
-            target.wait_event(entry.end)
+            with cuda_errors("ordering a stream after a copy"):
+                target = stream if stream is not None else torch.cuda.current_stream(self._device)
+                target.wait_event(entry.end)
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:

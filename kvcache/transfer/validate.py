@@ -2,12 +2,16 @@
 
 Separate from the handlers because every backend must refuse the same bad jobs with the
 same typed errors before any byte moves; the native code re-checks ids as defence in
-depth, and ``native_error`` is the one place its exceptions become kvcache errors.
+depth, and ``native_error`` is the one place its exceptions become kvcache errors. Failures
+of CUDA itself (torch.cuda, the driver, the native CUDA module), wherever they surface (the
+CUDA handler, the daemon's IPC, the context), become kvcache errors in ``cuda_error`` alone.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +21,7 @@ from kvcache import _native
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
+    CudaError,
     CudaUnavailableError,
     DeadlineExceededError,
     KvcacheError,
@@ -190,10 +195,63 @@ def native_error(err: Exception) -> KvcacheError:
     if isinstance(err, _native.BlockIdOutOfRange):
         return BlockIdError(str(err))
     if isinstance(err, _native.CudaUnavailable):
-        return CudaUnavailableError(str(err))
+        return cuda_error(err, "copy")
     if isinstance(err, ValueError):
         return ChunkMismatchError(str(err))
     return TransferError(f"copy failed: {type(err).__name__}: {err}")
 
 
-__all__ = ["CheckedJob", "ChunkGeometry", "block_id_array", "check_job", "check_start", "native_error"]
+_NO_CUDA = (
+    "not compiled with cuda",
+    "requires cuda support",
+    "no nvidia driver",
+    "no cuda gpus are available",
+    "cuda driver version is insufficient",
+    "built without cuda",
+)
+
+
+def cuda_error(err: BaseException, doing: str) -> KvcacheError:
+    """The kvcache error for a failure of CUDA while ``doing`` (a phrase: "opening the CUDA
+    IPC event"): the one place such failures are translated.
+
+    ``CudaUnavailableError`` when there is no usable CUDA at all (a CPU build of kvcache or
+    torch, no driver library, no device: ``torch.cuda`` raises AssertionError or a plain
+    RuntimeError then); ``CudaError`` for the rest (a device fault, out of device memory, a
+    handle CUDA refused). A kvcache error is returned as it is.
+    """
+    if isinstance(err, KvcacheError):
+        return err
+    text = str(err)
+    unavailable = (
+        isinstance(err, (_native.CudaUnavailable, OSError))
+        or any(marker in text.lower() for marker in _NO_CUDA)
+        or not torch.cuda.is_available()
+    )
+    if unavailable:
+        return CudaUnavailableError(f"{doing}: {text}")
+    return CudaError(f"{doing}: {type(err).__name__}: {text}")
+
+
+@contextmanager
+def cuda_errors(doing: str) -> Iterator[None]:
+    """Raise ``cuda_error(err, doing)`` for whatever the block raises (wrap CUDA calls only:
+    every failure inside is taken for CUDA's)."""
+    try:
+        yield
+    except KvcacheError:
+        raise
+    except Exception as err:
+        raise cuda_error(err, doing) from err
+
+
+__all__ = [
+    "CheckedJob",
+    "ChunkGeometry",
+    "block_id_array",
+    "check_job",
+    "check_start",
+    "cuda_error",
+    "cuda_errors",
+    "native_error",
+]

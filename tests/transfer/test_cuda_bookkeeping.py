@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcache import _native
-from kvcache.errors import BlockIdError, ChunkMismatchError, DeadlineExceededError, TransferError
+from kvcache.errors import BlockIdError, ChunkMismatchError, CudaError, DeadlineExceededError, TransferError
 from kvcache.transfer import Direction, TransferJob
 from kvcache.transfer import cuda as cuda_mod
 from tests.transfer.helpers import NB, make_context, page_table
@@ -171,6 +171,27 @@ def test_a_device_fault_is_reported_on_the_result(rig: Any) -> None:
     gpu.fault = True
     (r,) = h.wait([job])
     assert isinstance(r.error, TransferError) and "illegal memory access" in str(r.error)
+
+
+def test_a_stream_that_fails_before_the_launch_fails_the_job_typed(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA failure while queueing (the stream, its events) never escapes ``submit``: the
+    job fails alone, typed, never launched, and the next one runs."""
+    h, gpu, _, ctx = rig
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def broken(self: FakeStream, other: FakeStream) -> None:
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FakeStream, "wait_stream", broken)
+        failed = h.submit(_store(ctx, [0, 1, 2, 3]))
+    ok = h.submit(_store(ctx, [4, 5, 6, 7]))
+    gpu.run_all()
+    first, second = h.wait([failed, ok])
+    assert type(first.error) is CudaError and "launch failure" in str(first.error) and first.bytes == 0
+    assert second.ok and gpu.launched == 1
 
 
 def test_wait_on_stream_is_a_device_side_wait(rig: Any) -> None:
