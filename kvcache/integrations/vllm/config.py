@@ -32,6 +32,9 @@ class ConnectorConfig:
     * ``load`` / ``store``: switch either direction off.
     * ``kv_format``: a ``GPUKVFormat`` name for the registered tensors (default: opaque pages
       on CPU, detection from the tensor shapes on GPU).
+    * ``async_stores``: issue stores without waiting for the daemon's copies (default True);
+      vLLM keeps a finished request's blocks until its stores are done. False: every store is
+      waited for at the end of its step (``wait_for_save``), as before.
     * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
     """
@@ -46,6 +49,7 @@ class ConnectorConfig:
     store: bool = True
     kv_format: str | None = None
     shared_memory: bool = True
+    async_stores: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

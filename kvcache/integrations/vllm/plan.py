@@ -73,6 +73,9 @@ class StepPlan:
     """The last step whose load failures vLLM had processed when this plan was built: blocks
     those loads left unfilled are recomputed from this plan on. Under async scheduling the
     plans of the steps in between were built before vLLM knew, and still compute on them."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests vLLM preempted when it scheduled this step: it freed their blocks, so the
+    workers let their stores in flight finish before this step writes into any block."""
 
 
 @dataclass(slots=True)
@@ -221,6 +224,14 @@ class Planner:
         )
         state.stored_tokens = target
         return True
+
+    def release(self, req_id: str) -> None:
+        """Queue, for the next step, a store of nothing marked final: the workers report the
+        request sent once the stores they still have in flight for it are settled (vLLM
+        holds its blocks until then)."""
+        state = self._reqs.get(req_id)
+        salt, extra = (state.cache_salt, state.key_extra) if state is not None else ("", "")
+        self._final_stores.append(StoreSpec(req_id, [], [], None, salt, 0, extra, final=True))
 
     def finish(self, req_id: str) -> bool:
         """Forget a finished request; True if it was known."""

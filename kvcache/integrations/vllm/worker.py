@@ -3,8 +3,14 @@
 No vLLM import: it takes the tensors and a ``StepPlan`` and talks to the daemon through
 ``KVCacheClient``. Loads finish in ``start_load_kv`` (a synchronous one before the forward
 reads the blocks; an asynchronous one, under async scheduling, for a request vLLM computes
-only after it is reported done); stores are synchronous too, at the end of the step, because
-vLLM may hand the blocks to another request as soon as the step's output is processed.
+only after it is reported done). Stores are issued at the end of the step (``store``) and,
+by default, not waited for: the daemon copies while vLLM schedules and computes the next
+steps. vLLM must not hand a block to another request before the daemon has copied it (the
+store would cache the other request's bytes), so a finished request is reported sent
+(``take_finished_sending``, vLLM then frees its blocks) only once every store of its blocks
+is settled, and a preempted request's stores are waited for before the next step's loads and
+forward can write into its old blocks (``begin_step``). With ``async_stores=False`` every
+store is waited for in ``store`` (the blocks are copied before the step's output is processed).
 
 Failures never stop the engine, and never poison the cache: a load that returns fewer
 tokens than planned reports the blocks it did not fill (vLLM recomputes them). Those blocks,
@@ -19,17 +25,21 @@ the scheduler (``take_not_stored``) so a later step stores the right bytes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
-from kvcache.integrations.vllm.plan import StepPlan
+from kvcache.integrations.vllm.plan import StepPlan, StoreSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import GPUKVFormat
+from kvcache.protocol import messages as m
 
 log = logging.getLogger("kvcache.integrations.vllm")
 
@@ -46,13 +56,33 @@ def unique_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A store issued and not yet settled (its reply or its failure not yet processed)."""
+
+    spec: StoreSpec
+    tokens: int
+    """Tokens sent (the spec's, or fewer when cut before unfilled blocks)."""
+    future: Future[m.StoreResult]
+    t0: float
+
+
 class ConnectorWorker:
-    """One tensor-parallel rank's half of the connector."""
+    """One tensor-parallel rank's half of the connector, called from vLLM's model-runner
+    thread only (the client resolves store futures on its own thread; they are read here)."""
 
     def __init__(
-        self, client: KVCacheClient, block_size: int, kv_format: str | None = None, chunk_size: int = 0
+        self,
+        client: KVCacheClient,
+        block_size: int,
+        kv_format: str | None = None,
+        chunk_size: int = 0,
+        *,
+        async_stores: bool = True,
     ) -> None:
         self.client = client
+        self.async_stores = async_stores
+        """Issue stores without waiting for them (``store_async``); see the module docstring."""
         self.block_size = block_size
         self.chunk_size = chunk_size or block_size
         """Set from the daemon's reply at registration."""
@@ -69,9 +99,15 @@ class ConnectorWorker:
         self._failed_step = -1  # the last step with a failed load, not yet reported
         self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
         self._finished_sending: set[str] = set()
+        self._in_flight: dict[str, list[_InFlight]] = {}  # req -> its stores not settled yet
+        self._releasing: set[str] = set()  # finished requests whose blocks vLLM holds for us
 
     def begin_step(self, plan: StepPlan) -> None:
-        """Forget the blocks of failed loads that vLLM recomputes from this plan on."""
+        """Wait for the stores of requests vLLM preempted for this step (it freed their blocks
+        and may have handed them to this step's loads and forward); forget the blocks of
+        failed loads that vLLM recomputes from this plan on."""
+        for req_id in plan.preempted:
+            self._wait(self._in_flight.get(req_id, []), None)
         if self._unfilled:
             self._unfilled = {b: v for b, v in self._unfilled.items() if v[0] > plan.failures_seen}
 
@@ -133,9 +169,10 @@ class ConnectorWorker:
                 )  # fmt: skip
 
     def store(self, plan: StepPlan) -> None:
+        """Issue the plan's stores; in synchronous mode, wait for them too."""
         for spec in plan.stores:
             if spec.final:
-                self._finished_sending.add(spec.req_id)  # released even if the store fails
+                self._releasing.add(spec.req_id)  # released even if the store fails
             token_ids, block_ids = spec.token_ids, spec.block_ids
             bad = next((i for i, b in enumerate(block_ids) if b in self._unfilled), None)
             if bad is not None:
@@ -144,29 +181,72 @@ class ConnectorWorker:
                 keep = self._chunk_floor(bad)
                 self.tally.count("stores_poisoned")
                 self._mark_not_stored(spec.req_id, keep)
-                if keep == 0:
-                    continue
                 token_ids, block_ids = token_ids[:keep], block_ids[: keep // self.block_size]
-            t0 = time.perf_counter()
-            try:
-                result = self.client.store(
-                    token_ids,
-                    block_ids,
-                    cache_salt=spec.cache_salt,
-                    request_id=spec.req_id,
-                    block_hashes=None if spec.block_hashes is None else spec.block_hashes[: len(block_ids)],
-                    key_extra=spec.key_extra,
-                )
-            except Exception as exc:  # a dropped store is a later miss, never a wrong answer
-                self.tally.transfer("store", 0, 0, time.perf_counter() - t0, ok=False)
-                self._mark_not_stored(spec.req_id, spec.stored_before)
-                log.warning("kvcache: store for %s failed: %s", spec.req_id, exc)
+            if not token_ids:  # nothing to copy (cut to nothing, or a release marker)
                 continue
-            # Bytes copied: every chunk not already cached (stored_tokens counts new tokens).
-            self.tally.transfer("store", result.stored_tokens, result.stored_tokens * self.bytes_per_token,
-                                time.perf_counter() - t0)  # fmt: skip
-            if result.failed_chunks:  # the daemon dropped some (memory): store them later
-                self._mark_not_stored(spec.req_id, len(token_ids) - result.failed_chunks * self.chunk_size)
+            t0 = time.perf_counter()
+            hashes = None if spec.block_hashes is None else spec.block_hashes[: len(block_ids)]
+            future: Future[m.StoreResult] = Future()
+            try:
+                if self.async_stores:
+                    future = self.client.store_async(
+                        token_ids, block_ids, cache_salt=spec.cache_salt, request_id=spec.req_id,
+                        block_hashes=hashes, key_extra=spec.key_extra,
+                    )  # fmt: skip
+                else:
+                    future.set_result(self.client.store(
+                        token_ids, block_ids, cache_salt=spec.cache_salt, request_id=spec.req_id,
+                        block_hashes=hashes, key_extra=spec.key_extra,
+                    ))  # fmt: skip
+            except Exception as exc:  # settled as a failed store
+                future.set_exception(exc)
+            self._in_flight.setdefault(spec.req_id, []).append(_InFlight(spec, len(token_ids), future, t0))
+        self.poll()
+
+    def poll(self) -> None:
+        """Settle every store whose reply (or failure) has arrived; move finished requests with
+        no store left in flight to ``take_finished_sending``."""
+        for req_id in list(self._in_flight):
+            stores = self._in_flight[req_id]
+            pending = [s for s in stores if not s.future.done()]
+            for store in stores:
+                if store.future.done():
+                    self._settle(store)
+            if pending:
+                self._in_flight[req_id] = pending
+            else:
+                del self._in_flight[req_id]
+        done = {r for r in self._releasing if r not in self._in_flight}
+        self._releasing -= done
+        self._finished_sending |= done
+
+    def wait_stores(self, timeout_s: float | None) -> bool:
+        """Wait (at most ``timeout_s``; None: until each store's own deadline has passed,
+        the client bounds every call) for every store in flight, then ``poll``. True if none
+        is left in flight."""
+        self._wait([s for stores in self._in_flight.values() for s in stores], timeout_s)
+        self.poll()
+        return not self._in_flight
+
+    def _wait(self, stores: list[_InFlight], timeout_s: float | None) -> None:
+        if stores:
+            concurrent.futures.wait([s.future for s in stores], timeout=timeout_s)
+
+    def _settle(self, store: _InFlight) -> None:
+        """Count a finished store; hand back what it did not store (``take_not_stored``)."""
+        spec, seconds = store.spec, time.perf_counter() - store.t0
+        try:
+            result = store.future.result()
+        except Exception as exc:  # a dropped store is a later miss, never a wrong answer
+            self.tally.transfer("store", 0, 0, seconds, ok=False)
+            self._mark_not_stored(spec.req_id, spec.stored_before)
+            log.warning("kvcache: store for %s failed: %s", spec.req_id, exc)
+            return
+        # Bytes copied: every chunk not already cached (stored_tokens counts new tokens).
+        tokens = result.stored_tokens
+        self.tally.transfer("store", tokens, tokens * self.bytes_per_token, seconds)
+        if result.failed_chunks:  # the daemon dropped some (memory): store them later
+            self._mark_not_stored(spec.req_id, store.tokens - result.failed_chunks * self.chunk_size)
 
     def _chunk_floor(self, blocks: int) -> int:
         """Tokens of the whole chunks that fit in the first ``blocks`` blocks."""
@@ -201,7 +281,9 @@ class ConnectorWorker:
         return done
 
     def take_finished_sending(self) -> set[str]:
-        """Finished requests whose final store is done (or given up): vLLM frees their blocks."""
+        """Finished requests whose stores are all settled (done or given up): vLLM frees
+        their blocks."""
+        self.poll()
         done, self._finished_sending = self._finished_sending, set()
         return done
 

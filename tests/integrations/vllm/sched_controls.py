@@ -105,6 +105,14 @@ def sync_loads_under_async() -> Iterator[None]:
         yield
 
 
+def _release_at_once(self: ConnectorWorker) -> set[str]:
+    """Finished requests reported sent as soon as their release arrives, stores in flight or not."""
+    self._finished_sending |= self._releasing
+    self._releasing = set()
+    done, self._finished_sending = self._finished_sending, set()
+    return done
+
+
 CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_key_extra": (no_key_extra, ["lora", "multimodal"]),
     "embeds_keyed_by_tokens": (embeds_keyed_by_tokens, ["prompt_embeds"]),
@@ -120,6 +128,11 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_deadline": (
         lambda: patched(KVCacheClient, "_stamped", KVCacheClient._with_token),
         ["stalled_daemon", "stalled_redis_l2"],
+    ),
+    # Blocks released with their stores in flight: vLLM hands them to the next request.
+    "no_store_hold": (
+        lambda: patched(ConnectorWorker, "take_finished_sending", _release_at_once),
+        ["store_release_async"],
     ),
 }
 

@@ -125,6 +125,8 @@ class StepLog:
     step: int
     invalid_block_ids: set[int]
     blocks: dict[str, list[int]]
+    sending: set[str]
+    """Requests the worker reported sent (``finished_sending``): vLLM frees their blocks."""
 
 
 class Engine:
@@ -225,6 +227,10 @@ class Engine:
         if not out.has_sync_kv_loads:
             worker.start_load_kv(None)
         worker.wait_for_save()
+        if not out.total_num_scheduled_tokens:
+            # Nothing ran: vLLM steps again at once, only to hear of stores finishing. Wait a
+            # little for them (bounded: a scenario may hold a store until a later step).
+            worker.wait_for_stores(0.1)
         sending, recving = worker.get_finished(out.finished_req_ids)
         conn = KVConnectorOutput(
             finished_sending=sending,
@@ -238,7 +244,7 @@ class Engine:
             merge(self.worker_stats, conn.kv_connector_stats.data)
         result.kv_connector_output = conn
         blocks = {r: list(self.forward.reqs[r].blocks) for r in out.num_scheduled_tokens}
-        self.steps.append(StepLog(step, set(conn.invalid_block_ids), blocks))
+        self.steps.append(StepLog(step, set(conn.invalid_block_ids), blocks, set(sending or ())))
         return result
 
     def run(self, max_steps: int = 2000) -> None:

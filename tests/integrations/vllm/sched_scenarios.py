@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.integrations.vllm.connector import KVCacheMetadata
+from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
 from kvcache.storage.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
@@ -366,6 +368,91 @@ def _stall_once(h: Harness, what: str, pid: int, attempt: int) -> bool:
     return eng.tally().get("load_failures", 0) >= 1
 
 
+def store_release(h: Harness, async_stores: bool) -> None:
+    """Blocks are freed only after the daemon copied them. ``g`` (15 blocks) finishes; then
+    ``h`` arrives needing 26 blocks, more than are free while ``g`` holds its own (27 usable),
+    so vLLM can run ``h`` only in ``g``'s blocks. Async stores: every store of ``g`` is held
+    back before it reaches the daemon (a gate in its client) until ``h`` has waited three
+    steps; ``g`` must be reported sent only after the gate opens, and ``h`` scheduled only
+    after that. Freed early, ``h``'s prefill would overwrite ``g``'s blocks before the store
+    copies them, and the daemon would serve ``h``'s bytes under ``g``'s tokens (the reader's
+    byte check). Sync stores: each store is done in the step that issued it, and nothing
+    holds ``g``'s blocks after it finishes."""
+    eng = h.engine(num_blocks=28, max_batched=1024, async_stores=async_stores)
+    client = eng.worker.client
+    gate = threading.Event()
+    if not async_stores:
+        gate.set()
+    calls: list[tuple[int, int]] = []  # (step issued, step returned) of g's stores, sync mode
+    state: dict[str, int] = {}
+    send = client._call_on
+
+    def gated(chan: Any, body: Any) -> Any:  # the worker client's path to the daemon
+        if isinstance(body, m.Store) and body.request_id == "g":
+            gate.wait(60)
+            state["gate_passed"] = state.get("gate_passed", 0) + 1
+        return send(chan, body)
+
+    client._call_on = gated  # type: ignore[method-assign]
+    store_async, store = client.store_async, client.store
+
+    def counted_async(*args: Any, **kw: Any) -> Any:
+        if kw.get("request_id") == "g":
+            state["last_issued"] = len(eng.steps)
+        return store_async(*args, **kw)
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        issued = len(eng.steps)
+        result = store(*args, **kw)
+        if kw.get("request_id") == "g":
+            state["last_issued"] = issued
+            calls.append((issued, len(eng.steps)))
+        return result
+
+    client.store_async, client.store = counted_async, counted  # type: ignore[method-assign]
+    g_blocks: set[int] = set()
+
+    def arrive_then_open(step: int) -> None:
+        g = eng.requests["g"]
+        if g.is_finished() and "h" not in eng.requests:
+            state["g_finished"] = step
+            g_blocks.update(eng.steps[-1].blocks.get("g", []))
+            eng.add("h", prompts(31, 810, [0])[0], 4)
+        elif "h" in eng.requests and not gate.is_set() and step >= state["g_finished"] + 3:
+            assert eng.requests["h"].num_computed_tokens == 0, "h ran while g's stores were held"
+            (held,) = eng.scheduler.kv_cache_manager.get_block_ids("g")
+            assert g_blocks <= set(held), "g's blocks were freed while its stores were held"
+            state["gate_opened"] = step
+            gate.set()
+
+    def first_run_of_h(step: int, out: Any) -> None:
+        if "h" in out.num_scheduled_tokens and "h_first" not in state:
+            state["h_first"] = step
+            (held,) = eng.scheduler.kv_cache_manager.get_block_ids("h")
+            state["g_blocks_reused"] = len(g_blocks & set(held))
+
+    eng.before_schedule = arrive_then_open
+    eng.between_schedule_and_load = first_run_of_h
+    eng.add("g", prompts(30, 400, [0])[0], 60)  # chunks stored in its first and 48th step
+    try:
+        eng.run()
+    finally:
+        gate.set()
+    reported = [s.step for s in eng.steps if "g" in s.sending]
+    state["reported"] = reported[0] if reported else -1
+    h.facts.update(state)
+    assert state.get("g_blocks_reused", 0) >= 10, f"h did not reuse g's blocks: {state}"
+    if async_stores:
+        assert state.get("gate_passed", 0) >= 2 and "gate_opened" in state, state
+        # Issued before the gate opened, reported after: the store outlived its step, and
+        # vLLM freed the blocks (h ran in them) only after the report.
+        assert state["last_issued"] < state["gate_opened"] <= state["reported"] < state["h_first"], state
+    else:
+        assert calls and all(issued == done for issued, done in calls), calls
+        assert state["last_issued"] <= state["g_finished"] <= state["h_first"], state
+    h.check(eng)
+
+
 SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "shared_prefixes_sync": lambda h: shared_prefixes(h, False),
     "shared_prefixes_async": lambda h: shared_prefixes(h, True),
@@ -378,6 +465,8 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "daemon_killed": daemon_killed,
     "stalled_daemon": lambda h: stalled(h, "daemon"),
     "stalled_redis_l2": lambda h: stalled(h, "redis"),
+    "store_release_async": lambda h: store_release(h, True),
+    "store_release_sync": lambda h: store_release(h, False),
 }
 
 

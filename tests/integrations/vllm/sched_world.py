@@ -134,8 +134,14 @@ class Harness:
         num_blocks: int = 128,
         timeout_s: float = 10.0,
         max_batched: int = 96,
+        async_stores: bool = True,
     ) -> Engine:
-        extra = {"endpoint": self.daemon.endpoint, "model_name": self.model, "timeout_s": timeout_s}
+        extra = {
+            "endpoint": self.daemon.endpoint,
+            "model_name": self.model,
+            "timeout_s": timeout_s,
+            "async_stores": async_stores,
+        }
         config = vllm_config(
             str(self.workdir / "model"), extra, async_scheduling=async_scheduling, max_batched=max_batched
         )

@@ -179,11 +179,19 @@ def assert_tiers(tracker: TierTracker, prompt: list[int], block_size: int = 32) 
         assert {("kvcache", MEDIUM_CPU), ("kvcache", MEDIUM_STORAGE)} <= tracker.tiers_of(h)
 
 
+@pytest.fixture(scope="module")
+def reference(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """vLLM without the connector: the outputs every connector mode must reproduce."""
+    result: dict[str, Any] = drive(vllm_python, tmp_path_factory.mktemp("ref"), "reference")["rounds"][0]
+    return result
+
+
 def test_vllm_prefix_served_from_kvcache(
-    vllm_python: str, tmp_path: Path, daemons: list[Daemon], tracker: TierTracker
+    vllm_python: str, tmp_path: Path, daemons: list[Daemon], tracker: TierTracker, reference: dict[str, Any]
 ) -> None:
+    """The default (asynchronous stores) mode end to end."""
     l2 = tmp_path / "l2"
-    ref = drive(vllm_python, tmp_path, "reference")["rounds"][0]
+    ref = reference
 
     # Both publishers connect to the tracker; the topic names the stream, the daemon's is in
     # the array form so that the tracker reads both of vLLM's forms from real publishers.
@@ -229,3 +237,19 @@ def test_vllm_prefix_served_from_kvcache(
     assert bad["outputs"] != ref["outputs"], "rewritten chunks left the output unchanged"
     d3.stop()
     assert re.search(r"retrieved=1024", d3.log.read_text())
+
+
+def test_vllm_sync_stores_mode(
+    vllm_python: str, tmp_path: Path, daemons: list[Daemon], reference: dict[str, Any]
+) -> None:
+    """``async_stores: false``: every store is waited for in ``wait_for_save``. The same greedy
+    outputs as vLLM alone, and what the first round stored serves the second round's prefix."""
+    d = start_daemon(tmp_path, tmp_path / "l2", "daemon_sync")
+    daemons.append(d)
+    run = drive(vllm_python, tmp_path, "sync", "--endpoint", "default", "--rounds", "2", "--sync-stores")
+    first, second = run["rounds"]
+    assert first["outputs"] == second["outputs"] == reference["outputs"]
+    assert first["first_token"] == second["first_token"] == reference["first_token"]
+    assert first["first_cached_tokens"] == 0 and second["first_cached_tokens"] == 1024
+    assert d.metric("kvcache_store_stored_tokens_total") >= 1024
+    d.stop()

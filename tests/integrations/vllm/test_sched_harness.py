@@ -39,6 +39,8 @@ SCENARIOS = [
     "daemon_killed",
     "stalled_daemon",
     "stalled_redis_l2",
+    "store_release_async",
+    "store_release_sync",
 ]
 pytestmark = pytest.mark.slow
 

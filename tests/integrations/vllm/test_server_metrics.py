@@ -121,12 +121,16 @@ def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, Daemon], tmp_p
     second = post(base + "/v1/completions", body)
     assert first["choices"] == second["choices"]  # type: ignore[index]
 
-    # vLLM records connector stats as engine outputs arrive; wait until the load shows.
+    # vLLM records connector stats as engine outputs arrive; wait until the load shows, and
+    # the stores: they are asynchronous, settled by the worker after the response was sent.
     deadline = time.monotonic() + 60
     while True:
         ours, theirs = scrape(base + "/metrics"), scrape(daemon.metrics_url)
         loaded = total(ours, "vllm:kvcache_loaded_tokens_total")
-        if loaded >= 1024 or time.monotonic() > deadline:
+        settled = total(ours, "vllm:kvcache_stored_tokens_total") == total(
+            theirs, "kvcache_store_stored_tokens_total"
+        )
+        if (loaded >= 1024 and settled) or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # the scrape is the only way to observe vLLM's logger
     assert loaded == total(theirs, "kvcache_retrieve_retrieved_tokens_total") == 1024

@@ -9,7 +9,9 @@ every other engine.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.worker import ConnectorWorker
 from kvcache.layouts import GPUKVFormat
+from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
 
@@ -56,6 +59,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
     worker.load(plan)
     assert worker.take_load_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
     worker.store(plan)
+    assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.tally.totals()["stores_poisoned"] == 1
     with KVCacheClient(daemon.endpoint, 3, "m", timeout_s=5) as reader:
         reader.register_kv_caches(_kv(3))
@@ -65,6 +69,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
     # them, now from the right bytes.
     worker.begin_step(StepPlan(step=2, failures_seen=plan.step))
     worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=CS)]))
+    assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.tally.totals()["stores_poisoned"] == 1 and worker.take_not_stored() == {}
     client.close()
 
@@ -76,6 +81,7 @@ def test_a_failed_store_is_handed_back_to_the_scheduler(daemon: DaemonProcess) -
     worker.begin_step(StepPlan())
     bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", stored_before=CS)  # refused ids
     worker.store(StepPlan(stores=[bad]))
+    assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.tally.totals()["store_failures"] == 1 and worker.take_not_stored() == {"q": CS}
     client.close()
 
@@ -98,12 +104,14 @@ def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: Daemon
     worker.begin_step(failed)
     worker.load(failed)
     worker.store(failed)
+    assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.take_load_errors() == unfilled and worker.take_failed_step() == 1
     assert worker.take_not_stored() == {"r": CS, "s": CS}
     # Planned before vLLM processed step 1 (async scheduling): still garbage, still reported.
     stale = StepPlan(stores=[sharer], step=2, failures_seen=-1)
     worker.begin_step(stale)
     worker.store(stale)
+    assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.take_load_errors() == unfilled and worker.take_not_stored() == {"s": CS}
     with KVCacheClient(daemon.endpoint, 7, "m2", timeout_s=5) as reader:
         reader.register_kv_caches(_kv(7))
@@ -114,6 +122,7 @@ def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: Daemon
         )
         worker.begin_step(fresh)
         worker.store(fresh)
+        assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
         assert worker.take_load_errors() == set() and worker.take_not_stored() == {}
         assert reader.lookup(PROMPT) == len(PROMPT)
     client.close()
@@ -136,4 +145,56 @@ def test_a_rank_that_could_not_register_reports_every_planned_load_as_failed() -
     assert worker.take_load_errors() == set(BLOCKS[CS // 2 // BS : 2 * CS // BS]) | {40, 41, 42, 43}
     assert worker.take_finished_recving() == {"a"}
     assert worker.tally.totals()["load_failures"] == 2
+    worker.close()
+
+
+def _gate_stores(client: KVCacheClient) -> threading.Event:
+    """Hold every store before it reaches the daemon until the returned event is set."""
+    gate = threading.Event()
+    send = client._call_on
+
+    def gated(chan: Any, body: Any) -> Any:
+        if isinstance(body, m.Store):
+            assert gate.wait(30), "the test never opened the gate"
+        return send(chan, body)
+
+    client._call_on = gated  # type: ignore[method-assign]
+    return gate
+
+
+def test_async_stores_release_a_finished_request_only_once_settled(daemon: DaemonProcess) -> None:
+    """``store`` returns with the copies still held back; the finished request is reported
+    sent (vLLM frees its blocks) only after its store is done, and a failed store releases
+    its request too (counted)."""
+    client = KVCacheClient(daemon.endpoint, 7, "m4", timeout_s=5)
+    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker.register({f"l{i}": t for i, t in enumerate(_kv(7))})
+    gate = _gate_stores(client)
+    worker.begin_step(StepPlan())
+    worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "")]))  # returns: not waited
+    bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", final=True)  # refused ids
+    release = StoreSpec("r", [], [], None, "", final=True)  # r finished: report it once settled
+    worker.store(StepPlan(stores=[bad, release]))
+    assert worker.take_finished_sending() == set()  # both held at the gate
+    with KVCacheClient(daemon.endpoint, 8, "m4", timeout_s=5) as reader:
+        reader.register_kv_caches(_kv(8))
+        assert reader.lookup(PROMPT) == 0
+        gate.set()
+        assert worker.wait_stores(None)
+        assert worker.take_finished_sending() == {"r", "q"}
+        assert reader.lookup(PROMPT) == len(PROMPT)
+    totals = worker.tally.totals()
+    assert totals["store_failures"] == 1 and totals["store_tokens"] == len(PROMPT)
+    worker.close()
+
+
+def test_sync_stores_are_done_when_store_returns(daemon: DaemonProcess) -> None:
+    client = KVCacheClient(daemon.endpoint, 9, "m5", timeout_s=5)
+    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name, async_stores=False)
+    worker.register({f"l{i}": t for i, t in enumerate(_kv(9))})
+    worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", final=True)]))
+    assert worker.take_finished_sending() == {"r"} and worker.tally.totals()["store_tokens"] == len(PROMPT)
+    with KVCacheClient(daemon.endpoint, 10, "m5", timeout_s=5) as reader:
+        reader.register_kv_caches(_kv(10))
+        assert reader.lookup(PROMPT) == len(PROMPT)
     worker.close()

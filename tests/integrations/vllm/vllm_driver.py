@@ -61,6 +61,20 @@ def prompts(seed: int, prefix_len: int, tails: int, tail_len: int) -> list[list[
     return [prefix + [rng.randrange(3, VOCAB) for _ in range(tail_len)] for _ in range(tails)]
 
 
+def reset_prefix_cache(llm: Any, within_s: float = 60.0) -> None:
+    """Empty vLLM's prefix cache. With asynchronous stores a finished request keeps its blocks
+    until a step hears that its stores are done, and offline no step runs after ``generate``
+    returns (vLLM refuses the reset while blocks are held): step the idle engine until the
+    reset succeeds. A multiprocess engine core steps on its own."""
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    deadline = time.monotonic() + within_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM still held KV blocks {within_s} s after the last request finished")
+        if in_process:
+            llm.llm_engine.step()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,6 +86,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if args.endpoint:
         extra: dict[str, Any] = {"instance_id": args.instance_id, "timeout_s": 30.0}
+        if args.sync_stores:  # the connector's synchronous mode (default: asynchronous stores)
+            extra["async_stores"] = False
         if args.endpoint != "default":  # "default": the connector's own choice (the Unix socket)
             extra["endpoint"] = args.endpoint
         kw["kv_transfer_config"] = {
@@ -99,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Warm-up on an unrelated prompt, so that the first round's timing is not the first forward.
     warm = prompts(args.seed + 1000, 64, 1, 8)[0]
     llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.reset_prefix_cache()
+    reset_prefix_cache(llm)
     for _ in range(args.rounds):
         t0 = time.perf_counter()
         # One request first, alone: its time to first token is the prefill's.
@@ -117,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "outputs": [list(r.outputs[0].token_ids) for r in res],
             "num_cached_tokens": [r.num_cached_tokens for r in res],
         })  # fmt: skip
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
     out["ttft"] = measure_ttft(llm, args) if args.ttft_reps else None
     return out
 
@@ -138,7 +154,7 @@ def measure_ttft(llm: Any, args: argparse.Namespace) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             r = llm.generate([prompt], one, use_tqdm=False)
             res[key].append(time.perf_counter() - t0)
-            llm.reset_prefix_cache()
+            reset_prefix_cache(llm)
         res["cached_tokens"].append(r[0].num_cached_tokens)
     return res
 
@@ -158,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-reps", type=int, default=0)
     p.add_argument("--kv-events-endpoint", default="")
     p.add_argument("--kv-events-topic", default="vllm")
+    p.add_argument("--sync-stores", action="store_true")
     args = p.parse_args(argv)
     result = run(args)
     Path(args.out).write_text(json.dumps(result))
