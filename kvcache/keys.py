@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.observability.event import ChunkKey
+from kvcache.records import ChunkKey
 
 #: Fixed seed of key version 1. Changing it (or anything above) invalidates every stored chunk.
 SEED = b"kvcache.chunk-key.v1"

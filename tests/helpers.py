@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from kvcache.observability.event import Event, EventType
+import msgspec
+
+from kvcache.observability.event import EVENT_META, Event, EventMeta, EventType
 from kvcache.server.launch import DaemonProcess
 
 
@@ -21,12 +23,36 @@ class RecordingSink:
         self._lock = threading.Lock()
 
     def publish(self, event: Event) -> None:
+        # The typed contract: each event type carries its own Struct (EVENTS.md).
+        assert type(event.metadata) is EVENT_META[event.event_type], event
         with self._lock:
             self.events.append(event)
 
     def of(self, etype: EventType) -> list[Event]:
         with self._lock:
             return [e for e in self.events if e.event_type is etype]
+
+
+_BLANK: dict[Any, Any] = {int: 0, float: 0.0, str: "", bool: True}
+"""What ``meta`` puts in a required field a test leaves out: nothing happened, and an
+operation succeeded unless the test says otherwise."""
+
+
+def meta(event_type: EventType, **fields: Any) -> EventMeta:
+    """``event_type``'s metadata Struct with ``fields``; required fields the test does not
+    care about are blank (``_BLANK``, empty lists), so a test names only what it checks."""
+    cls = EVENT_META[event_type]
+    for f in msgspec.structs.fields(cls):
+        if f.required and f.name not in fields:
+            fields[f.name] = _BLANK.get(f.type, [])
+    return cls(**fields)
+
+
+def event(
+    event_type: EventType, fields: Mapping[str, Any], session_id: str = "", timestamp: float | None = None
+) -> Event:
+    """An ``Event`` whose metadata is ``meta(event_type, **fields)``."""
+    return Event(event_type, meta(event_type, **fields), session_id, timestamp)
 
 
 def daemon_starter(base_args: list[str]) -> Iterator[Callable[..., DaemonProcess]]:

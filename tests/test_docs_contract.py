@@ -1,6 +1,7 @@
 """EVENTS.md and METRICS.md match the code, both ways (the way httpx checks ``__all__``).
 
-Every EventType has a section in EVENTS.md and every section names a real EventType. Every
+Every EventType has a section in EVENTS.md and every section names a real EventType; each
+section's key table lists exactly its metadata Struct's fields (name and type, in order). Every
 metric the process exposes has a row in METRICS.md with the right type, labels and buckets,
 and every row names a metric the process exposes.
 """
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 import ast
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcache.kv_events.publisher import NullEventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability import EventType, ObservabilityConfig, init_observability
+from kvcache.observability.event import EVENT_META
 from kvcache.observability.instruments import Family, MetricSet
 from kvcache.plugins import _plugin_metrics, load_plugin_subscribers
 
@@ -131,6 +136,43 @@ def test_every_event_type_is_documented_and_vice_versa() -> None:
     assert sorted(set(actual) - set(documented)) == [], "EventTypes missing from EVENTS.md"
     assert sorted(set(documented) - set(actual)) == [], "EVENTS.md names unknown EventTypes"
     assert documented == actual, "EVENTS.md values differ from EventType values"
+
+
+def _type_name(tp: object) -> str:
+    """A field type as EVENTS.md spells it: ``int``, ``list[int | None]``, ``list[ChunkIdentity]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is types.UnionType or origin is typing.Union:
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return "None" if tp is type(None) else tp.__name__  # type: ignore[attr-defined]
+
+
+def documented_keys() -> dict[str, list[tuple[str, str, bool]]]:
+    """Per EventType name, its EVENTS.md key table as (key, type, optional) rows, in order;
+    a row is optional when its meaning starts with "optional"."""
+    text = (ROOT / "EVENTS.md").read_text()
+    tables: dict[str, list[tuple[str, str, bool]]] = {}
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        rows = []
+        for line in section.split("| key | type | meaning |", 1)[1].splitlines()[2:]:
+            if not line.startswith("|"):
+                break
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+            rows.append((cells[0], cells[1], cells[2].startswith("optional")))
+        tables[section.split(" ", 1)[0]] = rows
+    return tables
+
+
+def test_every_metadata_table_matches_its_struct_and_vice_versa() -> None:
+    """A key renamed, retyped, reordered, added or dropped on either side fails here, not in
+    a subscriber that silently reads 0; a key is optional in EVENTS.md exactly when its
+    Struct field has a default."""
+    documented = documented_keys()
+    assert set(EVENT_META) == set(EventType), "every EventType needs a metadata Struct"
+    for event_type, cls in EVENT_META.items():
+        fields = [(f.name, _type_name(f.type), not f.required) for f in msgspec.structs.fields(cls)]
+        assert documented[event_type.name] == fields, f"{event_type.name}: EVENTS.md vs {cls.__name__}"
 
 
 def test_vllm_side_metrics_table_matches_the_connector() -> None:

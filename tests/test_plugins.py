@@ -20,6 +20,7 @@ from kvcache.plugins import (
     load_subscriber,
     subscribers_from_args,
 )
+from tests.helpers import event
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
@@ -59,8 +60,7 @@ class Recorder(EventSubscriber):
 
 
 def store_end(model: str = "m", stored: int = 256) -> Event:
-    md = {"instance_id": 0, "model_name": model, "stored_tokens": stored, "retrieved_tokens": stored}
-    return Event(EventType.MP_STORE_END, md)
+    return event(EventType.MP_STORE_END, {"instance_id": 0, "model_name": model, "stored_tokens": stored})
 
 
 def test_example_plugin_loads_with_config_and_registry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +74,7 @@ def test_example_plugin_loads_with_config_and_registry(monkeypatch: pytest.Monke
     bus.register_subscriber(sub)
     with bus:
         bus.publish(store_end("a", 256))
-        bus.publish(Event(EventType.MP_RETRIEVE_END, {"model_name": "a", "retrieved_tokens": 512}))
+        bus.publish(event(EventType.MP_RETRIEVE_END, {"model_name": "a", "retrieved_tokens": 512}))
         assert bus.flush(5) and sub.join(5)
     tally = sub.inner
     assert tally.log_every == 1  # type: ignore[attr-defined]

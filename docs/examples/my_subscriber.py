@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
 from kvcache.observability import Event, EventSubscriber, EventType
 from kvcache.observability.bus import Callback
+from kvcache.observability.event import MpRetrieveEnd, MpStoreEnd
 
 log = logging.getLogger("my_subscriber")
 
@@ -45,11 +47,12 @@ class TokenTally(EventSubscriber):
         return {EventType.MP_STORE_END: self.on_store, EventType.MP_RETRIEVE_END: self.on_retrieve}
 
     def on_store(self, event: Event) -> None:
-        self.stored[event.metadata["model_name"]] += event.metadata.get("stored_tokens", 0)
+        md = cast(MpStoreEnd, event.metadata)  # the Struct EVENTS.md documents for this type
+        self.stored[md.model_name] += md.stored_tokens
 
     def on_retrieve(self, event: Event) -> None:
-        model = event.metadata["model_name"]
-        tokens = event.metadata.get("retrieved_tokens", 0)
+        md = cast(MpRetrieveEnd, event.metadata)
+        model, tokens = md.model_name, md.retrieved_tokens
         self.retrieved[model] += tokens
         if self._prom is not None:
             self._prom.labels(model).inc(tokens)

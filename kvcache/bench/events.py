@@ -39,7 +39,22 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventBus, EventSubscriber
-from kvcache.observability.event import BlockAllocationRecord, Event, EventType
+from kvcache.observability.event import (
+    BlockAllocationRecord,
+    Event,
+    EventType,
+    L1KeysEvicted,
+    L1ReadFinished,
+    L1WriteFinished,
+    MpLookupEnd,
+    MpLookupStart,
+    MpRetrieveEnd,
+    MpRetrieveStart,
+    MpStoreEnd,
+    MpStoreStart,
+    MpVllmBlockAllocation,
+    MpVllmEndSession,
+)
 from kvcache.observability.subscribers import (
     EngineMetricsSubscriber,
     L0LifecycleSubscriber,
@@ -70,37 +85,42 @@ def make_bus(max_queue_size: int, sample_rate: float) -> EventBus:
 
 def request_events(i: int, t: float) -> list[Event]:
     """The events of one request ``i`` (12 events) at time ``t``."""
-    md = {"instance_id": i % 2, "model_name": "bench", "device": "cpu"}
+    op: dict[str, Any] = {"instance_id": i % 2, "model_name": "bench", "device": "cpu"}
+    inst: dict[str, Any] = {"instance_id": i % 2, "model_name": "bench"}
     sid = f"r{i}"
     keys = [4 * i + j for j in range(4)]
     old = [4 * (i - 64) + j for j in range(4)] if i >= 64 else keys
     blocks = [(4 * i + j) % 4096 for j in range(4)]
-    occupancy = {"used_bytes": 1 << 30, "capacity_bytes": 2 << 30}
+    used, cap = 1 << 30, 2 << 30
     rec = BlockAllocationRecord(sid, blocks, list(range(i % 7, i % 7 + 64)))
     return [
-        Event(EventType.MP_LOOKUP_START, {**md, "num_tokens": 1024}, sid, t),
-        Event(EventType.MP_LOOKUP_END, {**md, "num_tokens": 1024, "hit_tokens": 512,
-                                        "l1_hit_tokens": 512, "l2_hit_tokens": 0}, sid, t),
-        Event(EventType.MP_RETRIEVE_START, {**md, "num_tokens": 1024, "skip_tokens": 0}, sid, t),
-        Event(EventType.L1_READ_FINISHED, {"keys": keys, "num_bytes": 4 << 20}, "", t),
-        Event(EventType.MP_RETRIEVE_END, {**md, "num_tokens": 1024, "skip_tokens": 0,
-                                          "retrieved_tokens": 512, "l1_tokens": 512,
-                                          "l2_tokens": 0, "missing_tokens": 512,
-                                          "num_bytes": 4 << 20, "transfer_seconds": 0.001,
-                                          "success": True}, sid, t),
-        Event(EventType.MP_STORE_START, {**md, "num_tokens": 1024, "num_chunks": 4}, sid, t),
-        Event(EventType.L1_WRITE_FINISHED, {"keys": keys, "num_bytes": 4 << 20, **occupancy},
+        Event(EventType.MP_LOOKUP_START, MpLookupStart(**op, num_tokens=1024), sid, t),
+        Event(EventType.MP_LOOKUP_END, MpLookupEnd(**op, num_tokens=1024, hit_tokens=512,
+                                                   l1_hit_tokens=512, l2_hit_tokens=0), sid, t),
+        Event(EventType.MP_RETRIEVE_START, MpRetrieveStart(**op, num_tokens=1024, skip_tokens=0),
+              sid, t),
+        Event(EventType.L1_READ_FINISHED, L1ReadFinished(keys=keys, num_bytes=4 << 20), "", t),
+        Event(EventType.MP_RETRIEVE_END, MpRetrieveEnd(**op, num_tokens=1024, skip_tokens=0,
+                                                       retrieved_tokens=512, l1_tokens=512,
+                                                       l2_tokens=0, missing_tokens=512,
+                                                       num_bytes=4 << 20, transfer_seconds=0.001,
+                                                       success=True), sid, t),
+        Event(EventType.MP_STORE_START, MpStoreStart(**op, num_tokens=1024, num_chunks=4), sid, t),
+        Event(EventType.L1_WRITE_FINISHED, L1WriteFinished(keys=keys, num_bytes=4 << 20,
+                                                           used_bytes=used, capacity_bytes=cap),
               "", t),
-        Event(EventType.MP_STORE_END, {**md, "num_tokens": 1024, "stored_chunks": 4,
-                                       "skipped_chunks": 0, "failed_chunks": 0,
-                                       "stored_tokens": 1024, "num_bytes": 4 << 20,
-                                       "transfer_seconds": 0.001, "success": True}, sid, t),
-        Event(EventType.MP_VLLM_BLOCK_ALLOCATION, {**md, "records": [rec], "block_size": 16},
-              "", t),
-        Event(EventType.L1_KEYS_EVICTED, {"keys": old, "num_bytes": 4 << 20, **occupancy}, "", t),
-        Event(EventType.MP_VLLM_END_SESSION, {**md, "request_id": sid}, sid, t),
-        Event(EventType.L1_READ_FINISHED, {"keys": keys[:2], "num_bytes": 2 << 20}, "", t + 1),
-    ]
+        Event(EventType.MP_STORE_END, MpStoreEnd(**op, num_tokens=1024, stored_chunks=4,
+                                                 skipped_chunks=0, failed_chunks=0,
+                                                 stored_tokens=1024, num_bytes=4 << 20,
+                                                 transfer_seconds=0.001, success=True), sid, t),
+        Event(EventType.MP_VLLM_BLOCK_ALLOCATION,
+              MpVllmBlockAllocation(**inst, records=[rec], block_size=16), "", t),
+        Event(EventType.L1_KEYS_EVICTED, L1KeysEvicted(keys=old, num_bytes=4 << 20, used_bytes=used,
+                                                       capacity_bytes=cap), "", t),
+        Event(EventType.MP_VLLM_END_SESSION, MpVllmEndSession(**inst, request_id=sid), sid, t),
+        Event(EventType.L1_READ_FINISHED, L1ReadFinished(keys=keys[:2], num_bytes=2 << 20), "",
+              t + 1),
+    ]  # fmt: skip
 
 
 def make_events(n: int) -> list[Event]:

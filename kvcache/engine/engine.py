@@ -50,7 +50,16 @@ from kvcache.engine.records import StoreResult
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.errors import BlockIdError, LayoutError, LimitExceededError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
-from kvcache.observability.event import BlockAllocationRecord, Event, EventSink, EventType, NullEventSink
+from kvcache.observability.event import (
+    Event,
+    EventSink,
+    EventType,
+    InstanceUnregistered,
+    MpVllmBlockAllocation,
+    MpVllmEndSession,
+    NullEventSink,
+)
+from kvcache.records import BlockAllocationRecord
 from kvcache.storage.factory import create_policy, l2_adapters_from_config
 from kvcache.storage.l1_pool import L1Pool
 from kvcache.storage.l2_async import AsyncL2
@@ -117,7 +126,7 @@ class CacheEngine:
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id} is not registered")
         inst.completer.close()
-        meta = {"instance_id": instance_id, "model_name": inst.model_name}
+        meta = InstanceUnregistered(instance_id=instance_id, model_name=inst.model_name)
         self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
 
     def _instance(self, instance_id: int) -> Instance:
@@ -312,17 +321,17 @@ class CacheEngine:
                     f"request {record.req_id!r} reports {len(ids)} new blocks; "
                     f"instance {instance_id} has {num_blocks}; report refused"
                 )
-        meta = {
-            "instance_id": instance_id,
-            "model_name": inst.model_name,
-            "records": list(records),
-            "block_size": inst.ctx.block_size,  # lets L0 lifecycle tell the blocks of a record apart
-        }
+        meta = MpVllmBlockAllocation(
+            instance_id=instance_id,
+            model_name=inst.model_name,
+            records=list(records),
+            block_size=inst.ctx.block_size,  # lets L0 lifecycle tell the blocks of a record apart
+        )
         self._bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, meta))
 
     def end_session(self, instance_id: int, request_id: str) -> None:
         inst = self._instance(instance_id)
-        meta = {"instance_id": instance_id, "model_name": inst.model_name, "request_id": request_id}
+        meta = MpVllmEndSession(instance_id=instance_id, model_name=inst.model_name, request_id=request_id)
         self._bus.publish(Event(EventType.MP_VLLM_END_SESSION, meta, session_id=request_id))
 
     # -- introspection --------------------------------------------------------------------

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvcache.context import GPUCacheContext
 from kvcache.engine.completion import Completer
 from kvcache.keys import ChunkHasher
-from kvcache.observability.event import ChunkKey
-from kvcache.storage.codec import dtype_name
+from kvcache.observability.event import OperationMeta
+from kvcache.records import ChunkKey, dtype_name
 from kvcache.storage.slab import SlotGeometry
+
+OpMetaT = TypeVar("OpMetaT", bound=OperationMeta)
 
 _MAX_HASHERS = 4096  # distinct cache salts remembered per instance
 
@@ -65,15 +67,10 @@ class Instance:
                 self._hashers[cache_salt] = hasher
         return hasher.keys(token_ids)
 
-    def meta(self, **extra: Any) -> dict[str, Any]:
-        """Metadata every MP_* event of this instance carries (EVENTS.md)."""
-        meta: dict[str, Any] = {
-            "instance_id": self.instance_id,
-            "model_name": self.model_name,
-            "device": self.device,
-        }
-        meta.update(extra)
-        return meta
+    def meta(self, cls: type[OpMetaT], **fields: Any) -> OpMetaT:
+        """An MP_* event's metadata for this instance: ``fields`` plus what every operation
+        event carries (EVENTS.md)."""
+        return cls(instance_id=self.instance_id, model_name=self.model_name, device=self.device, **fields)
 
     def info(self) -> dict[str, Any]:
         ctx = self.ctx

@@ -19,7 +19,8 @@ from kvcache.engine.instance import Instance
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
 from kvcache.errors import ChunkMismatchError, DeadlineExceededError
-from kvcache.observability.event import ChunkKey, EventType
+from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart
+from kvcache.records import ChunkKey
 from kvcache.storage.l1_pool import L1Entry
 from kvcache.storage.l2_async import AsyncL2
 from kvcache.transfer.base import Direction, TransferResult
@@ -41,7 +42,7 @@ def lookup(
     """See ``CacheEngine.lookup``."""
     sid = parts.events.session(inst.instance_id, request_id)
     num_tokens = len(token_ids)
-    parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(num_tokens=num_tokens))
+    parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
     keys = inst.keys(token_ids, cache_salt)
     l1 = l2 = 0
     room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
@@ -56,7 +57,9 @@ def lookup(
     cs = parts.config.chunk_size
     hit = (l1 + l2) * cs
     parts.stats.record_lookup(num_tokens, hit)
-    meta = inst.meta(num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs)
+    meta = inst.meta(
+        MpLookupEnd, num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs
+    )
     parts.events.publish(EventType.MP_LOOKUP_END, sid, meta)
     return LookupHit(hit, l2 * cs)
 
@@ -161,7 +164,7 @@ def _start_retrieve(
     skip = skip_blocks * bs
     ids = block_id_array(ctx, block_ids, len(keys) * bpc)
     sid = parts.events.session(inst.instance_id, request_id)
-    start = inst.meta(num_tokens=num_tokens, skip_tokens=skip)
+    start = inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=skip)
     parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
     first = skip_blocks // bpc  # the first chunk with a block to copy
     good = _acquire_ready(parts, inst, keys[first:], copy_by) if first < len(keys) else []

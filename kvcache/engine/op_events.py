@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -16,7 +15,16 @@ import numpy as np
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
 from kvcache.engine.records import CopyTally, StoreResult
-from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType
+from kvcache.observability.event import (
+    Event,
+    EventMeta,
+    EventSink,
+    EventType,
+    L1WriteFinished,
+    MpRetrieveEnd,
+    MpStoreEnd,
+)
+from kvcache.records import ChunkIdentity, ChunkKey
 
 
 class OpEvents:
@@ -30,7 +38,7 @@ class OpEvents:
         """The request's own id, or a fresh one (``<instance>-<n>``) when it has none."""
         return request_id or f"{instance_id}-{next(self._ops)}"
 
-    def publish(self, etype: EventType, sid: str, meta: dict[str, Any]) -> None:
+    def publish(self, etype: EventType, sid: str, meta: EventMeta) -> None:
         self.bus.publish(Event(etype, meta, session_id=sid))
 
     def store_end(
@@ -45,6 +53,7 @@ class OpEvents:
     ) -> None:
         """``num_bytes`` and ``transfer_seconds`` are the copies' ``TransferResult`` sums."""
         meta = inst.meta(
+            MpStoreEnd,
             num_tokens=num_tokens,
             stored_chunks=r.stored_chunks,
             skipped_chunks=r.skipped_chunks,
@@ -53,9 +62,8 @@ class OpEvents:
             num_bytes=copies.nbytes,
             transfer_seconds=copies.seconds,
             success=success,
+            block_hashes=list(block_hashes) if block_hashes is not None else [],
         )
-        if block_hashes is not None:
-            meta["block_hashes"] = list(block_hashes)
         self.publish(EventType.MP_STORE_END, sid, meta)
 
     def retrieve_end(
@@ -71,6 +79,7 @@ class OpEvents:
         success: bool,
     ) -> None:
         meta = inst.meta(
+            MpRetrieveEnd,
             num_tokens=num_tokens,
             skip_tokens=skip,
             retrieved_tokens=retrieved,
@@ -92,43 +101,43 @@ def chunk_write_metadata(
     chunk_size: int,
     token_ids: IntArray,
     block_hashes: Sequence[int] | None,
-) -> dict[str, Any]:
-    """The ``L1_WRITE_FINISHED`` keys that tell KV-event routers what the written chunks are
+) -> L1WriteFinished:
+    """The ``L1_WRITE_FINISHED`` facts that tell KV-event routers what the written chunks are
     (EVENTS.md): the chunk key before each in its prompt (``parent_keys``), their tokens and,
-    when the store carried the engine's own block hashes that cover the chunks, those hashes."""
+    when the store carried the engine's own block hashes that cover the chunks, those hashes.
+    A template: the L1 pool fills in the keys, bytes and occupancy when the write lands."""
     tokens = np.asarray(token_ids)
     parts = [tokens[i * chunk_size : (i + 1) * chunk_size] for i in chunk_indices]
-    meta: dict[str, Any] = {
-        "parent_keys": [keys[i - 1] if i > 0 else None for i in chunk_indices],
-        "token_ids": np.concatenate(parts).tolist() if parts else [],
-    }
+    parent_keys: list[ChunkKey | None] = [keys[i - 1] if i > 0 else None for i in chunk_indices]
+    token_list: list[int] = np.concatenate(parts).tolist() if parts else []
+    base = L1WriteFinished(
+        keys=[], num_bytes=0, used_bytes=0, capacity_bytes=0, token_ids=token_list, parent_keys=parent_keys
+    )
     if block_hashes is None or (chunk_indices and len(block_hashes) < (max(chunk_indices) + 1) * bpc):
-        return meta
+        return base
     hashes: list[int] = []
     parents: list[int | None] = []
     for i in chunk_indices:
         hashes.extend(int(h) for h in block_hashes[i * bpc : (i + 1) * bpc])
         parents.append(int(block_hashes[i * bpc - 1]) if i > 0 else None)
-    meta.update(block_hashes=hashes, block_size=block_size, parent_block_hashes=parents)
-    return meta
+    return msgspec.structs.replace(
+        base, block_hashes=hashes, block_size=block_size, parent_block_hashes=parents
+    )
 
 
-def chunk_identities(meta: dict[str, Any], chunk_size: int) -> list[bytes]:
+def chunk_identities(facts: L1WriteFinished, chunk_size: int) -> list[bytes]:
     """Per written chunk, its encoded ``ChunkIdentity``: the ``chunk_write_metadata`` facts of
     that chunk, for the tiers that keep them with the chunk (``L2Adapter.keeps_meta``)."""
-    tokens: list[int] = meta["token_ids"]
-    hashes: list[int] = meta.get("block_hashes", [])
-    parents: list[int | None] = meta.get("parent_block_hashes", [])
-    block_size: int = meta.get("block_size", 0)
+    tokens, hashes, parents = facts.token_ids, facts.block_hashes, facts.parent_block_hashes
     out: list[bytes] = []
-    n = len(meta["parent_keys"])
+    n = len(facts.parent_keys)
     bpc = len(hashes) // n if n else 0
-    for i, parent_key in enumerate(meta["parent_keys"]):
+    for i, parent_key in enumerate(facts.parent_keys):
         ident = ChunkIdentity(
             parent_key=parent_key.to_bytes(16, "little") if parent_key is not None else b"",
             token_ids=tokens[i * chunk_size : (i + 1) * chunk_size],
             block_hashes=hashes[i * bpc : (i + 1) * bpc],
-            block_size=block_size if bpc else 0,
+            block_size=facts.block_size if bpc else 0,
             parent_block_hash=parents[i] if bpc else None,
         )
         try:

@@ -27,7 +27,8 @@ from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally, StoreResult
 from kvcache.errors import DeadlineExceededError
-from kvcache.observability.event import ChunkKey, EventType
+from kvcache.observability.event import EventType, MpStoreStart
+from kvcache.records import ChunkKey
 from kvcache.storage.l1_entry import L1Entry
 from kvcache.transfer.base import Direction, TransferResult
 
@@ -107,7 +108,7 @@ class _StoreOp:
         if copy_by is not None:
             deadline = min(deadline, copy_by)
         op = cls(parts, inst, sid, token_ids, keys, ids, block_hashes, copy_by, deadline)
-        start = inst.meta(num_tokens=len(token_ids), num_chunks=len(keys))
+        start = inst.meta(MpStoreStart, num_tokens=len(token_ids), num_chunks=len(keys))
         parts.events.publish(EventType.MP_STORE_START, sid, start)
         return op
 

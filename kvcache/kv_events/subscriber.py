@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -63,8 +63,20 @@ from kvcache.kv_events.messages import (
 )
 from kvcache.kv_events.publisher import EventPublisher
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventType
+from kvcache.observability.event import (
+    Event,
+    EventType,
+    L1KeysEvicted,
+    L1WriteFinished,
+    L2Cleared,
+    L2KeysEvicted,
+    L2KeysFound,
+    L2LoadFailed,
+    L2LoadFinished,
+    L2StoreFinished,
+)
 from kvcache.observability.instruments import MetricSet
+from kvcache.records import ChunkIdentity, ChunkKey
 
 _L1 = 1  # bit 0 of a holding mask; L2 backends get bits 1, 2, ... in order of first sight
 
@@ -141,8 +153,8 @@ class KVEventsSubscriber(EventSubscriber):
     # -- handlers ------------------------------------------------------------------------------
 
     def _on_l1_write(self, event: Event) -> None:
-        md = event.metadata
-        keys: list[ChunkKey] = md.get("keys", [])
+        md = cast(L1WriteFinished, event.metadata)
+        keys = md.keys
         self._remember(keys, md)
         new = [k for k in keys if not self._held.get(k, 0) & _L1]
         for k in new:
@@ -150,15 +162,16 @@ class KVEventsSubscriber(EventSubscriber):
         self._send(event, self._stored(new, MEDIUM_CPU))
 
     def _on_l1_evicted(self, event: Event) -> None:
-        gone = self._drop(event.metadata.get("keys", []), _L1)
+        gone = self._drop(cast(L1KeysEvicted, event.metadata).keys, _L1)
         if gone:
             self._send(event, [self._make.removed(self._ids(gone), medium=MEDIUM_CPU)])
         self._forget(gone)
 
     def _on_l2_store(self, event: Event) -> None:
-        bit = self._bit(event.metadata.get("backend", ""))
+        md = cast(L2StoreFinished | L2KeysFound | L2LoadFinished, event.metadata)
+        bit = self._bit(md.backend)
         new = []
-        for k in event.metadata.get("keys", []):
+        for k in md.keys:
             mask = self._held.get(k, 0)
             if not mask & self._l2_mask:
                 new.append(k)
@@ -171,9 +184,9 @@ class KVEventsSubscriber(EventSubscriber):
         tier). New ones are announced as their ``ChunkIdentity`` when the event carries one
         (how they were announced before the restart, or by their writer), else as known here,
         else by key, as roots. A load of a chunk already announced adds nothing."""
-        md = event.metadata
-        keys: list[ChunkKey] = md.get("keys", [])
-        identities: list[ChunkIdentity | None] = md.get("identities") or []
+        md = cast(L2KeysFound | L2LoadFinished, event.metadata)
+        keys = md.keys
+        identities: Sequence[ChunkIdentity | None] = md.identities
         if len(identities) == len(keys):
             found = [(k, i) for k, i in zip(keys, identities, strict=True) if i is not None]
             # Engine-keyed first: a chunk-keyed continuation of one resolves its parent to it.
@@ -183,22 +196,22 @@ class KVEventsSubscriber(EventSubscriber):
         self._on_l2_store(event)
 
     def _on_l2_evicted(self, event: Event) -> None:
-        bit = self._bit(event.metadata.get("backend", ""))
-        keys = self._drop(event.metadata.get("keys", []), bit)
+        md = cast(L2KeysEvicted | L2LoadFailed, event.metadata)
+        keys = self._drop(md.keys, self._bit(md.backend))
         gone = [k for k in keys if not self._held.get(k, 0) & self._l2_mask]
         if gone:
             self._send(event, [self._make.removed(self._ids(gone), medium=MEDIUM_STORAGE)])
         self._forget(keys)
 
     def _on_l2_load_failed(self, event: Event) -> None:
-        if event.metadata.get("reason") == "corrupt":  # the tier deleted the chunk
+        if cast(L2LoadFailed, event.metadata).reason == "corrupt":  # the tier deleted the chunk
             self._on_l2_evicted(event)
 
     def _on_l1_cleared(self, event: Event) -> None:
         self._clear_mask(event, _L1)
 
     def _on_l2_cleared(self, event: Event) -> None:
-        self._clear_mask(event, self._bit(event.metadata.get("backend", "")))
+        self._clear_mask(event, self._bit(cast(L2Cleared, event.metadata).backend))
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -237,25 +250,25 @@ class KVEventsSubscriber(EventSubscriber):
             if k not in self._held:
                 self._ident.pop(k, None)
 
-    def _remember(self, keys: Sequence[ChunkKey], md: Mapping[str, Any]) -> None:
+    def _remember(self, keys: Sequence[ChunkKey], md: L1WriteFinished) -> None:
         """Fix the identity of written keys seen for the first time (EVENTS.md,
         ``L1_WRITE_FINISHED``); a key some tier still holds keeps the one it was announced with."""
         if not keys:
             return
         cs = self.chunk_size
-        tokens: list[int] | None = md.get("token_ids") if self.token_ids else None
+        tokens: list[int] | None = md.token_ids if self.token_ids else None
         if tokens is not None and len(tokens) != len(keys) * cs:
             tokens = None
-        hashes: list[int] = md.get("block_hashes") or []
-        parent_keys: list[ChunkKey | None] | None = md.get("parent_keys")
-        parents: list[int | None] | None = md.get("parent_block_hashes")
+        hashes = md.block_hashes
+        parent_keys = md.parent_keys
+        parents: list[int | None] = md.parent_block_hashes
         block_size = cs
         if hashes and not len(hashes) % len(keys):
             bpc = len(hashes) // len(keys)
-            if parents is None or len(parents) != len(keys):
+            if len(parents) != len(keys):  # absent: the keys are consecutive
                 parents = [None, *(hashes[i * bpc - 1] for i in range(1, len(keys)))]
-            block_size = int(md.get("block_size", cs // bpc))
-        elif parent_keys is not None and len(parent_keys) == len(keys):
+            block_size = md.block_size or cs // bpc
+        elif len(parent_keys) == len(keys):
             bpc = 0
         else:
             return

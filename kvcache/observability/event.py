@@ -1,21 +1,25 @@
-"""The vocabulary of everything kvcache reports: one ``EventType`` enum and one ``Event`` record.
+"""The vocabulary of everything kvcache reports: one ``EventType`` enum, its metadata Structs
+and one ``Event`` record.
 
 Kept in one file so that a reader can see every observable fact at a glance; EVENTS.md
 is the full metadata contract for each type and a test keeps the two in step.
 Names read ``COMPONENT_OPERATION[_PHASE]``; values are dotted (``l1.keys.evicted``).
 
-Chunk keys (``ChunkKey``) are unsigned 128-bit ints (see ``kvcache.keys``).
+Chunk keys (``ChunkKey``), ``BlockAllocationRecord`` and ``ChunkIdentity`` live in
+``kvcache.records`` (the wire uses them too) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol
 
 import msgspec
 
-ChunkKey = int
+from kvcache.records import BlockAllocationRecord, ChunkIdentity, ChunkKey
 
 
 class EventType(enum.Enum):
@@ -46,44 +50,201 @@ class EventType(enum.Enum):
     INSTANCE_UNREGISTERED = "instance.unregistered"
 
 
-class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):
-    """Blocks a serving engine allocated to one request in one scheduler step.
+class EventMeta(msgspec.Struct, frozen=True, gc=False):
+    """Base of every event's metadata: one frozen Struct per ``EventType`` (``EVENT_META``).
 
-    ``new_token_ids`` are the tokens the request gained in this step; the L0 lifecycle
-    subscriber compares them with a block's previous tokens to tell reuse from eviction.
+    Typed so that a renamed or misspelt key fails in mypy and in the docs-contract test
+    instead of silently reading as 0; frozen because one event reaches every subscriber.
+    Fields are exactly EVENTS.md's key tables, in order; optional keys have defaults.
     """
 
-    req_id: str
-    new_block_ids: list[int]
-    new_token_ids: list[int]
+
+class InstanceMeta(EventMeta, frozen=True, gc=False):
+    """What every event about one serving-engine instance carries."""
+
+    instance_id: int
+    model_name: str
 
 
-class ChunkIdentity(msgspec.Struct, frozen=True, gc=False, array_like=True, omit_defaults=True):
-    """What KV events announce one chunk as, kept with the chunk by a tier that persists it
-    (the disk tier's record header) so a restarted daemon announces it as before.
+class OperationMeta(InstanceMeta, frozen=True, gc=False):
+    """What every ``MP_*`` operation event carries: its instance, model and device."""
 
-    Written by the store path from the same facts as ``L1_WRITE_FINISHED`` (EVENTS.md), read
-    back in ``L2_KEYS_FOUND``. Without ``block_hashes`` the chunk is announced as its key
-    folded to 64 bits, under the hash its parent chunk was announced with; with them, as
-    those engine blocks of ``block_size`` tokens under ``parent_block_hash``.
-    """
+    device: str
 
-    parent_key: bytes = b""
-    """The chunk key just before this chunk in its prompt, 16 bytes little-endian (msgpack
-    ints stop at 64 bits); empty at the prompt start."""
-    token_ids: list[int] = []
+
+# -- engine operations ----------------------------------------------------------------------
+class MpStoreStart(OperationMeta, frozen=True, gc=False):
+    num_tokens: int
+    num_chunks: int
+
+
+class MpStoreEnd(OperationMeta, frozen=True, gc=False):
+    num_tokens: int
+    stored_chunks: int
+    skipped_chunks: int
+    failed_chunks: int
+    stored_tokens: int
+    num_bytes: int
+    transfer_seconds: float
+    success: bool
+    block_hashes: list[int] = []
+
+
+class MpRetrieveStart(OperationMeta, frozen=True, gc=False):
+    num_tokens: int
+    skip_tokens: int
+
+
+class MpRetrieveEnd(OperationMeta, frozen=True, gc=False):
+    num_tokens: int
+    skip_tokens: int
+    retrieved_tokens: int
+    l1_tokens: int
+    l2_tokens: int
+    missing_tokens: int
+    num_bytes: int
+    transfer_seconds: float
+    success: bool
+
+
+class MpLookupStart(OperationMeta, frozen=True, gc=False):
+    num_tokens: int
+
+
+class MpLookupEnd(OperationMeta, frozen=True, gc=False):
+    num_tokens: int
+    hit_tokens: int
+    l1_hit_tokens: int
+    l2_hit_tokens: int
+
+
+# -- L1 -------------------------------------------------------------------------------------
+class L1WriteFinished(EventMeta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+    used_bytes: int
+    capacity_bytes: int
     block_hashes: list[int] = []
     block_size: int = 0
-    parent_block_hash: int | None = None
+    parent_block_hashes: list[int | None] = []
+    token_ids: list[int] = []
+    parent_keys: list[ChunkKey | None] = []
 
-    @property
-    def parent_chunk_key(self) -> ChunkKey | None:
-        return int.from_bytes(self.parent_key, "little") if self.parent_key else None
+
+class L1ReadFinished(EventMeta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+
+
+class L1KeysEvicted(EventMeta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+class L1AllocationFailed(EventMeta, frozen=True, gc=False):
+    requested_chunks: int
+    num_bytes: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+class L1Cleared(EventMeta, frozen=True, gc=False):
+    num_keys: int
+
+
+# -- L2 -------------------------------------------------------------------------------------
+class L2Meta(EventMeta, frozen=True, gc=False):
+    """What every L2 event carries: the backend (``"disk"``, ``"redis"``, ``"redis-cluster"``)."""
+
+    backend: str
+
+
+class L2StoreFinished(L2Meta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+    duration_s: float
+
+
+class L2StoreFailed(L2Meta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    reason: str
+
+
+class L2LoadFinished(L2Meta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+    duration_s: float
+    identities: list[ChunkIdentity] = []
+
+
+class L2LoadFailed(L2Meta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    reason: str
+
+
+class L2KeysEvicted(L2Meta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+
+
+class L2KeysFound(L2Meta, frozen=True, gc=False):
+    keys: list[ChunkKey]
+    num_bytes: int
+    identities: list[ChunkIdentity | None]
+
+
+class L2Cleared(L2Meta, frozen=True, gc=False):
+    num_keys: int
+
+
+# -- serving-engine block bookkeeping --------------------------------------------------------
+class MpVllmBlockAllocation(InstanceMeta, frozen=True, gc=False):
+    records: list[BlockAllocationRecord]
+    block_size: int = 0
+    """Engine block size in tokens; 0 when unknown."""
+
+
+class MpVllmEndSession(InstanceMeta, frozen=True, gc=False):
+    request_id: str
+
+
+class InstanceUnregistered(InstanceMeta, frozen=True, gc=False):
+    pass
+
+
+EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
+    {
+        EventType.MP_STORE_START: MpStoreStart,
+        EventType.MP_STORE_END: MpStoreEnd,
+        EventType.MP_RETRIEVE_START: MpRetrieveStart,
+        EventType.MP_RETRIEVE_END: MpRetrieveEnd,
+        EventType.MP_LOOKUP_START: MpLookupStart,
+        EventType.MP_LOOKUP_END: MpLookupEnd,
+        EventType.L1_WRITE_FINISHED: L1WriteFinished,
+        EventType.L1_READ_FINISHED: L1ReadFinished,
+        EventType.L1_KEYS_EVICTED: L1KeysEvicted,
+        EventType.L1_ALLOCATION_FAILED: L1AllocationFailed,
+        EventType.L1_CLEARED: L1Cleared,
+        EventType.L2_STORE_FINISHED: L2StoreFinished,
+        EventType.L2_STORE_FAILED: L2StoreFailed,
+        EventType.L2_LOAD_FINISHED: L2LoadFinished,
+        EventType.L2_LOAD_FAILED: L2LoadFailed,
+        EventType.L2_KEYS_EVICTED: L2KeysEvicted,
+        EventType.L2_KEYS_FOUND: L2KeysFound,
+        EventType.L2_CLEARED: L2Cleared,
+        EventType.MP_VLLM_BLOCK_ALLOCATION: MpVllmBlockAllocation,
+        EventType.MP_VLLM_END_SESSION: MpVllmEndSession,
+        EventType.INSTANCE_UNREGISTERED: InstanceUnregistered,
+    }
+)
+"""The metadata Struct each event type carries (EVENTS.md, one section each)."""
 
 
 @dataclass(slots=True)
 class Event:
-    """One observable fact.
+    """One observable fact; ``metadata`` is the ``EVENT_META[event_type]`` Struct.
 
     ``timestamp`` is seconds since the epoch; ``EventBus.publish`` stamps ``time.time()``
     only when it is None, so tests and replays can drive time explicitly.
@@ -92,7 +253,7 @@ class Event:
     """
 
     event_type: EventType
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: EventMeta
     session_id: str = ""
     timestamp: float | None = None
 
@@ -115,11 +276,37 @@ class NullEventSink:
 
 
 __all__ = [
+    "EVENT_META",
     "BlockAllocationRecord",
     "ChunkIdentity",
     "ChunkKey",
     "Event",
+    "EventMeta",
     "EventSink",
     "EventType",
+    "InstanceMeta",
+    "InstanceUnregistered",
+    "L1AllocationFailed",
+    "L1Cleared",
+    "L1KeysEvicted",
+    "L1ReadFinished",
+    "L1WriteFinished",
+    "L2Cleared",
+    "L2KeysEvicted",
+    "L2KeysFound",
+    "L2LoadFailed",
+    "L2LoadFinished",
+    "L2Meta",
+    "L2StoreFailed",
+    "L2StoreFinished",
+    "MpLookupEnd",
+    "MpLookupStart",
+    "MpRetrieveEnd",
+    "MpRetrieveStart",
+    "MpStoreEnd",
+    "MpStoreStart",
+    "MpVllmBlockAllocation",
+    "MpVllmEndSession",
     "NullEventSink",
+    "OperationMeta",
 ]

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvcache.observability.event import BlockAllocationRecord
+from kvcache.records import BlockAllocationRecord
 
 PROTOCOL_VERSION = 2
 """Bumped only on a change an older peer would misread; a mismatch is a ``VERSION_MISMATCH`` reply.

@@ -29,6 +29,7 @@ import torch
 
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.protocol.messages import CudaIpcTensor, FdTensor, TensorDesc, TensorNesting
+from kvcache.records import dtype_name
 from kvcache.transfer.validate import cuda_errors
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
+def shared_dtype_name(dtype: torch.dtype) -> str:
+    """``records.dtype_name``, refused for a dtype the daemon cannot share."""
+    name = dtype_name(dtype)
     if name not in _DTYPES:
         raise LayoutError(f"dtype {dtype} cannot be shared with the daemon")
     return name
@@ -170,7 +172,7 @@ def export_cpu_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[FdTensor],
                 offset=offset,
                 shape=list(tensor.shape),
                 stride=list(tensor.stride()),
-                dtype=dtype_name(tensor.dtype),
+                dtype=shared_dtype_name(tensor.dtype),
             )
         )
     return descs, fds
@@ -198,7 +200,7 @@ def export_cuda_tensor(tensor: torch.Tensor) -> CudaIpcTensor:
         storage_offset=int(tensor.storage_offset()),
         shape=list(tensor.shape),
         stride=list(tensor.stride()),
-        dtype=dtype_name(tensor.dtype),
+        dtype=shared_dtype_name(tensor.dtype),
     )
 
 
@@ -407,7 +409,6 @@ __all__ = [
     "descriptor_bytes",
     "device_uuid",
     "dtype_from_name",
-    "dtype_name",
     "empty_shared",
     "export_cpu_tensors",
     "export_cuda_tensor",
@@ -415,6 +416,7 @@ __all__ = [
     "flatten_kv_caches",
     "import_tensor",
     "record_ipc_event",
+    "shared_dtype_name",
     "to_shared",
     "wait_ipc_event",
 ]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import ChunkKey
+from kvcache.records import ChunkKey
 
 #: Called by ``L2Adapter.store`` with the bytes written, at the moment the chunk is visible.
 Announce = Callable[[int], None]

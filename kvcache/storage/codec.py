@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.errors import CorruptChunkError
-from kvcache.observability.event import ChunkKey
+from kvcache.records import ChunkKey, dtype_name
 
 MAGIC = b"KVC\x01"
 FORMAT_VERSION = 2
@@ -53,10 +53,6 @@ class ChunkHeader:
     meta_offset: int = 0
     """Offset of the meta (``header_len`` when there is none)."""
     meta_crc32: int = 0
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

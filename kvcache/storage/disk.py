@@ -35,7 +35,8 @@ import msgspec
 import torch
 
 from kvcache.errors import CorruptChunkError
-from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventSink
+from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage import codec
 from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
 
@@ -260,7 +261,7 @@ class DiskL2Adapter(L2Adapter):
             used = self.used_bytes
         if keys:  # tell holdings trackers (KV events) what survived the restart, and as what
             identities = [] if isinstance(self._bus, NullEventSink) else [self._identity(k) for k in keys]
-            meta = {"backend": self.backend, "keys": keys, "num_bytes": used, "identities": identities}
+            meta = L2KeysFound(backend=self.backend, keys=keys, num_bytes=used, identities=identities)
             self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 
     def _identity(self, key: ChunkKey) -> ChunkIdentity | None:
@@ -287,11 +288,11 @@ class DiskL2Adapter(L2Adapter):
             _unlink(self._file(key))
             evicted.append((key, size))
         if evicted:
-            meta = {
-                "backend": self.backend,
-                "keys": [k for k, _ in evicted],
-                "num_bytes": sum(s for _, s in evicted),
-            }
+            meta = L2KeysEvicted(
+                backend=self.backend,
+                keys=[k for k, _ in evicted],
+                num_bytes=sum(s for _, s in evicted),
+            )
             self._bus.publish(Event(EventType.L2_KEYS_EVICTED, meta))
 
     def _forget(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:

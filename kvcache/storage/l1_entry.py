@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.observability.event import ChunkKey
+from kvcache.records import ChunkKey
 from kvcache.storage.slab import SlotGeometry
 
 

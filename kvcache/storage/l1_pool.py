@@ -22,13 +22,28 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
-from kvcache.observability.event import ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.observability.event import (
+    Event,
+    EventSink,
+    EventType,
+    L1AllocationFailed,
+    L1Cleared,
+    L1KeysEvicted,
+    L1ReadFinished,
+    L1WriteFinished,
+    NullEventSink,
+)
+from kvcache.records import ChunkKey
 from kvcache.storage.base import EvictionPolicy
 from kvcache.storage.l1_entry import EntryState, L1Entry, WriteReservation
 from kvcache.storage.lru import LRUPolicy
 from kvcache.storage.slab import SLOT_ALIGN, SlabAllocator, SlotGeometry
+
+_NO_FACTS = L1WriteFinished(keys=[], num_bytes=0, used_bytes=0, capacity_bytes=0)
+"""The ``L1_WRITE_FINISHED`` template of a write that carries no store facts (a prefetch)."""
 
 
 class L1Pool:
@@ -167,13 +182,14 @@ class L1Pool:
         self,
         entries: Iterable[L1Entry],
         ok: bool | Sequence[bool] = True,
-        extra: dict[str, Any] | None = None,
+        extra: L1WriteFinished | None = None,
     ) -> None:
         """Settle WRITING/LOADING entries (READY, or dropped when not ok) and drop the writer's pin.
 
         Publishes ``L1_WRITE_FINISHED`` for the entries that became READY, then evicts down to
-        the watermark. ``extra`` (the engine's block hashes, aligned with ``entries``) is added
-        to that event only when every entry succeeded, so it always lines up with ``keys``.
+        the watermark. ``extra`` (the store's facts about the chunks, ``chunk_write_metadata``,
+        aligned with ``entries``) is the template of that event's metadata, used only when
+        every entry succeeded, so it always lines up with ``keys``.
         """
         entries = list(entries)
         oks = [ok] * len(entries) if isinstance(ok, bool) else list(ok)
@@ -197,10 +213,12 @@ class L1Pool:
             self._room.notify_all()
             if written:
                 written.reverse()
-                more = extra if extra is not None and len(written) == len(entries) else {}
-                events.append(
-                    self._event(EventType.L1_WRITE_FINISHED, keys=written, num_bytes=nbytes, **more)
-                )
+                base = extra if extra is not None and len(written) == len(entries) else _NO_FACTS
+                meta = msgspec.structs.replace(
+                    base, keys=written, num_bytes=nbytes, used_bytes=self.used_bytes,
+                    capacity_bytes=self.capacity_bytes,
+                )  # fmt: skip
+                events.append(Event(EventType.L1_WRITE_FINISHED, meta))
             self._evict_to_watermark(events)
         self._publish(events)
 
@@ -249,7 +267,7 @@ class L1Pool:
                 [
                     Event(
                         EventType.L1_READ_FINISHED,
-                        {"keys": [e.key for e in entries], "num_bytes": read_bytes},
+                        L1ReadFinished(keys=[e.key for e in entries], num_bytes=read_bytes),
                     )
                 ]
             )
@@ -286,7 +304,7 @@ class L1Pool:
                 self._policy.discard(entry.key)
                 self._remove(entry)
             self._slabs.release_free_extents()
-        self._publish([Event(EventType.L1_CLEARED, {"num_keys": len(victims)})])
+        self._publish([Event(EventType.L1_CLEARED, L1Cleared(num_keys=len(victims)))])
         return len(victims)
 
     def info(self) -> dict[str, Any]:
@@ -364,20 +382,21 @@ class L1Pool:
         if victims:
             events.append(self._evicted_event(victims))
 
-    def _event(self, etype: EventType, **meta: Any) -> Event:
-        meta["used_bytes"] = self.used_bytes
-        meta["capacity_bytes"] = self.capacity_bytes
-        return Event(etype, meta)
-
     def _evicted_event(self, victims: list[L1Entry]) -> Event:
-        return self._event(
-            EventType.L1_KEYS_EVICTED,
+        meta = L1KeysEvicted(
             keys=[e.key for e in victims],
             num_bytes=sum(e.nbytes for e in victims),
+            used_bytes=self.used_bytes,
+            capacity_bytes=self.capacity_bytes,
         )
+        return Event(EventType.L1_KEYS_EVICTED, meta)
 
     def _alloc_failed_event(self, chunks: int, nbytes: int) -> Event:
-        return self._event(EventType.L1_ALLOCATION_FAILED, requested_chunks=chunks, num_bytes=nbytes)
+        meta = L1AllocationFailed(
+            requested_chunks=chunks, num_bytes=nbytes, used_bytes=self.used_bytes,
+            capacity_bytes=self.capacity_bytes,
+        )  # fmt: skip
+        return Event(EventType.L1_ALLOCATION_FAILED, meta)
 
     def _publish(self, events: list[Event]) -> None:
         for event in events:

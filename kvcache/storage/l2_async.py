@@ -38,7 +38,17 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
-from kvcache.observability.event import ChunkIdentity, ChunkKey, Event, EventSink, EventType, NullEventSink
+from kvcache.observability.event import (
+    Event,
+    EventSink,
+    EventType,
+    L2LoadFailed,
+    L2LoadFinished,
+    L2StoreFailed,
+    L2StoreFinished,
+    NullEventSink,
+)
+from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage.base import L2Adapter, failure_reason, failure_scope, storage_error
 
 logger = logging.getLogger(__name__)
@@ -126,7 +136,7 @@ class AsyncL2:
         with self._cond:
             self.counters["contains_failures"] += 1
         for reason, failed_keys in failed.items():
-            meta = {"backend": self.backend, "keys": failed_keys, "reason": reason}
+            meta = L2LoadFailed(backend=self.backend, keys=failed_keys, reason=reason)
             self._bus.publish(Event(EventType.L2_LOAD_FAILED, meta))
         for err in errors:
             self._failed(err)
@@ -150,9 +160,8 @@ class AsyncL2:
         if reason is not None:
             with self._cond:
                 self.counters["stores_dropped"] += 1
-            self._bus.publish(
-                Event(EventType.L2_STORE_FAILED, {"backend": self.backend, "keys": [key], "reason": reason})
-            )
+            refused = L2StoreFailed(backend=self.backend, keys=[key], reason=reason)
+            self._bus.publish(Event(EventType.L2_STORE_FAILED, refused))
             return False
         self._enqueue("store", _Job(key, chunk, done, meta))
         return True
@@ -308,15 +317,14 @@ class AsyncL2:
                     with self._cond:
                         self.counters["loads" if ok else "load_misses"] += 1
                     if ok:
-                        meta = {
-                            "backend": self.backend,
-                            "keys": [job.key],
-                            "num_bytes": job.tensor.numel() * job.tensor.element_size(),
-                            "duration_s": lap(),
-                        }
                         identity = self._identity(kept)
-                        if identity is not None:
-                            meta["identities"] = [identity]
+                        meta = L2LoadFinished(
+                            backend=self.backend,
+                            keys=[job.key],
+                            num_bytes=job.tensor.numel() * job.tensor.element_size(),
+                            duration_s=lap(),
+                            identities=[identity] if identity is not None else [],
+                        )
                         self._bus.publish(Event(EventType.L2_LOAD_FINISHED, meta))
             finally:
                 self._complete(op, job, ok)
@@ -336,7 +344,7 @@ class AsyncL2:
         def announce(nbytes: int) -> None:
             # Called by the adapter at the moment the chunk became visible (under its lock),
             # so this event is ordered before any eviction of the key.
-            meta = {"backend": self.backend, "keys": [key], "num_bytes": nbytes, "duration_s": lap()}
+            meta = L2StoreFinished(backend=self.backend, keys=[key], num_bytes=nbytes, duration_s=lap())
             self._bus.publish(Event(EventType.L2_STORE_FINISHED, meta))
 
         return announce
@@ -352,8 +360,12 @@ class AsyncL2:
         self._failed(exc)
         with self._cond:
             self.counters[f"{op}_failures"] += 1
-        failed = EventType.L2_STORE_FAILED if op == "store" else EventType.L2_LOAD_FAILED
-        self._bus.publish(Event(failed, {"backend": self.backend, "keys": [key], "reason": reason}))
+        if op == "store":
+            stored = L2StoreFailed(backend=self.backend, keys=[key], reason=reason)
+            self._bus.publish(Event(EventType.L2_STORE_FAILED, stored))
+        else:
+            loaded = L2LoadFailed(backend=self.backend, keys=[key], reason=reason)
+            self._bus.publish(Event(EventType.L2_LOAD_FAILED, loaded))
         self._log_failure(exc, op, "L2 %s %s of %032x failed (%s): %s", self.backend, op, key, reason, exc)
 
     def _complete(self, op: str, job: _Job, ok: bool) -> None:

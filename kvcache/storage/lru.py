@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvcache.observability.event import ChunkKey
+from kvcache.records import ChunkKey
 from kvcache.storage.base import EvictionPolicy
 
 

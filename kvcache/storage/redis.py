@@ -19,7 +19,8 @@ import torch
 from redis import exceptions as rex
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import ChunkKey, EventSink, NullEventSink
+from kvcache.observability.event import EventSink, NullEventSink
+from kvcache.records import ChunkKey
 from kvcache.storage import codec
 from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
 from kvcache.storage.redis_notify import RedisEvictionWatcher

@@ -37,7 +37,8 @@ from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import ChunkKey, EventSink, NullEventSink
+from kvcache.observability.event import EventSink, NullEventSink
+from kvcache.records import ChunkKey
 from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, failure_reason, storage_error
 from kvcache.storage.redis import (
     DEFAULT_MAX_BATCH,

@@ -30,7 +30,8 @@ from typing import Any
 
 import redis
 
-from kvcache.observability.event import ChunkKey, Event, EventSink, EventType
+from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted
+from kvcache.records import ChunkKey
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class RedisEvictionWatcher:
                 self._lost(exc)
                 continue
             if keys:
-                meta = {"backend": self._backend, "keys": keys, "num_bytes": 0}
+                meta = L2KeysEvicted(backend=self._backend, keys=keys, num_bytes=0)
                 self._bus.publish(Event(EventType.L2_KEYS_EVICTED, meta))
 
     def _drain(self) -> list[ChunkKey]:

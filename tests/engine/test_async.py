@@ -168,8 +168,8 @@ def test_errors_reach_the_future_with_nothing_written_and_slots_freed(gate: Copy
     assert e.lookup(1, prompt(0)) == 0
     assert e.status()["l1"]["num_chunks"] == 0 and e.status()["l1"]["used_bytes"] == 0
     (end,) = sink.of(EventType.MP_STORE_END)
-    assert not end.metadata["success"] and end.metadata["num_bytes"] == 0
-    assert end.metadata["failed_chunks"] == 4
+    assert not end.metadata.success and end.metadata.num_bytes == 0
+    assert end.metadata.failed_chunks == 4
     assert e.stats_snapshot().store.ops == 0
 
     gate.allow()
@@ -232,11 +232,11 @@ def test_offload_figures_come_from_the_transfer_results_alone(gate: CopyGate) ->
     stats = e.stats_snapshot()
     stores, loads = sink.of(EventType.MP_STORE_END), sink.of(EventType.MP_RETRIEVE_END)
     chunk_bytes = e.status()["instances"][0]["chunk_bytes"]
-    assert stats.store.bytes == sum(ev.metadata["num_bytes"] for ev in stores) == 8 * chunk_bytes
-    assert stats.store.seconds == pytest.approx(sum(ev.metadata["transfer_seconds"] for ev in stores))
+    assert stats.store.bytes == sum(ev.metadata.num_bytes for ev in stores) == 8 * chunk_bytes
+    assert stats.store.seconds == pytest.approx(sum(ev.metadata.transfer_seconds for ev in stores))
     assert stats.store.ops == 2 and stats.store.tokens == 8 * CS
-    assert stats.load.bytes == loads[0].metadata["num_bytes"] == 4 * chunk_bytes - chunk_bytes // 2
-    assert stats.load.seconds == pytest.approx(loads[0].metadata["transfer_seconds"])
+    assert stats.load.bytes == loads[0].metadata.num_bytes == 4 * chunk_bytes - chunk_bytes // 2
+    assert stats.load.seconds == pytest.approx(loads[0].metadata.transfer_seconds)
     assert stats.load.tokens == 4 * CS - BS
     e.close()
 

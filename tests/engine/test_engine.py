@@ -22,7 +22,7 @@ from kvcache.errors import (
     UnknownInstanceError,
 )
 from kvcache.layouts import GPUKVFormat, KVCaches
-from kvcache.observability.event import BlockAllocationRecord, EventType
+from kvcache.observability.event import EVENT_META, BlockAllocationRecord, EventType, InstanceUnregistered
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, caches_equal, make_kv_caches
 from tests.helpers import RecordingSink as Sink
 
@@ -123,10 +123,10 @@ def test_pool_exhaustion_stores_what_fits() -> None:
     reg(e, 1)
     r = e.store(1, TOKENS, list(range(8)))
     assert r == StoreResult(stored_chunks=2, skipped_chunks=0, failed_chunks=2, stored_tokens=64)
-    assert sink.of(EventType.L1_ALLOCATION_FAILED)[-1].metadata["requested_chunks"] == 2
+    assert sink.of(EventType.L1_ALLOCATION_FAILED)[-1].metadata.requested_chunks == 2
     assert e.lookup(1, TOKENS) == 64
     end = sink.of(EventType.MP_STORE_END)[-1].metadata
-    assert end["failed_chunks"] == 2 and end["success"] is True
+    assert end.failed_chunks == 2 and end.success is True
     # at the default watermark the tail chunk leaves first, never the head of the prompt
     e3 = engine(l1=2 * ctx.chunk_nbytes() + 512)
     reg(e3, 1)
@@ -155,9 +155,9 @@ def test_retrieve_with_skip(skip: int, expect_copied_blocks: range | list[int]) 
         want = srcb[b] if b in expect_copied_blocks else before[b]
         assert torch.equal(after[b], want), b
     end = sink.of(EventType.MP_RETRIEVE_END)[-1].metadata
-    assert end["skip_tokens"] == aligned and end["retrieved_tokens"] == got
-    assert end["num_bytes"] == len(expect_copied_blocks) * BS * dst.bytes_per_token
-    assert end["l1_tokens"] == len(expect_copied_blocks) * BS and end["l2_tokens"] == 0
+    assert end.skip_tokens == aligned and end.retrieved_tokens == got
+    assert end.num_bytes == len(expect_copied_blocks) * BS * dst.bytes_per_token
+    assert end.l1_tokens == len(expect_copied_blocks) * BS and end.l2_tokens == 0
 
 
 def test_retrieve_partial_prefix_and_missing() -> None:
@@ -213,7 +213,7 @@ def test_block_reports_are_checked_whole_before_anything_is_published() -> None:
     assert not sink.of(EventType.MP_VLLM_BLOCK_ALLOCATION)
     e.report_block_allocations(1, [good] * 3)
     (published,) = sink.of(EventType.MP_VLLM_BLOCK_ALLOCATION)
-    assert published.metadata["records"] == [good] * 3
+    assert published.metadata.records == [good] * 3
 
 
 def _contract() -> dict[str, tuple[set[str], set[str]]]:
@@ -248,18 +248,20 @@ def test_events_follow_the_contract() -> None:
     published = {ev.event_type.name: ev for ev in sink.events}
     assert set(contract) == {t.name for t in EventType if t.name.startswith("MP_")}
     for name, (required, optional) in contract.items():
-        keys = set(published[name].metadata)
+        md = published[name].metadata
+        assert type(md) is EVENT_META[EventType[name]], name
+        keys = set(type(md).__struct_fields__)
         assert required <= keys <= required | optional, name
     start, end = sink.of(EventType.MP_STORE_START)[0], sink.of(EventType.MP_STORE_END)[0]
     assert start.session_id == end.session_id == "r1"
     lk = sink.of(EventType.MP_LOOKUP_START)[0]
     assert lk.session_id == sink.of(EventType.MP_LOOKUP_END)[0].session_id and lk.session_id.startswith("2-")
-    assert published["MP_LOOKUP_END"].metadata["l1_hit_tokens"] == 128
-    assert published["MP_VLLM_BLOCK_ALLOCATION"].metadata["records"][0].req_id == "r1"
-    assert sink.of(EventType.L1_WRITE_FINISHED)[0].metadata["keys"]
-    assert sink.of(EventType.L1_READ_FINISHED)[0].metadata["num_bytes"] > 0
+    assert published["MP_LOOKUP_END"].metadata.l1_hit_tokens == 128
+    assert published["MP_VLLM_BLOCK_ALLOCATION"].metadata.records[0].req_id == "r1"
+    assert sink.of(EventType.L1_WRITE_FINISHED)[0].metadata.keys
+    assert sink.of(EventType.L1_READ_FINISHED)[0].metadata.num_bytes > 0
     e.store(1, TOKENS, list(range(8)), block_hashes=[11, 12])
-    assert sink.of(EventType.MP_STORE_END)[-1].metadata["block_hashes"] == [11, 12]
+    assert sink.of(EventType.MP_STORE_END)[-1].metadata.block_hashes == [11, 12]
 
 
 def test_status_is_json_and_close_is_idempotent() -> None:
@@ -282,13 +284,13 @@ def test_engine_block_hashes_ride_on_l1_write_finished() -> None:
     hashes = [11, 12, 13, 14, 15, 16, 17, 18]
     e.store(1, TOKENS, list(range(8)), block_hashes=hashes)
     first, second = sink.of(EventType.L1_WRITE_FINISHED)
-    assert first.metadata["block_hashes"] == [11, 12, 13, 14]
-    assert first.metadata["parent_block_hashes"] == [None, 12]
-    assert first.metadata["block_size"] == BS
-    assert second.metadata["block_hashes"] == [15, 16, 17, 18]
-    assert second.metadata["parent_block_hashes"] == [14, 16]  # the block before each chunk
-    assert second.metadata["token_ids"] == TOKENS[2 * CS :]
-    assert len(second.metadata["keys"]) == 2
+    assert first.metadata.block_hashes == [11, 12, 13, 14]
+    assert first.metadata.parent_block_hashes == [None, 12]
+    assert first.metadata.block_size == BS
+    assert second.metadata.block_hashes == [15, 16, 17, 18]
+    assert second.metadata.parent_block_hashes == [14, 16]  # the block before each chunk
+    assert second.metadata.token_ids == TOKENS[2 * CS :]
+    assert len(second.metadata.keys) == 2
     e.store(1, TOKENS, list(range(8)), block_hashes=[1, 2])  # too short: published without them
     e.close()
 
@@ -299,7 +301,7 @@ def test_unregister_tells_subscribers_the_instance_is_gone() -> None:
     reg(e, 5)
     e.unregister(5)
     (gone,) = sink.of(EventType.INSTANCE_UNREGISTERED)
-    assert gone.metadata == {"instance_id": 5, "model_name": "m"}
+    assert gone.metadata == InstanceUnregistered(instance_id=5, model_name="m")
     with pytest.raises(UnknownInstanceError):
         e.unregister(5)
     assert len(sink.of(EventType.INSTANCE_UNREGISTERED)) == 1

@@ -46,14 +46,14 @@ def test_disk_write_through_restart_and_prefetch(tmp_path: Path) -> None:
         assert b.status()["l1"]["num_chunks"] == 0
         assert b.lookup_tiers(2, TOKENS) == (128, 128)  # all of it from L2
         end = sink.of(EventType.MP_LOOKUP_END)[-1].metadata
-        assert (end["l1_hit_tokens"], end["l2_hit_tokens"]) == (0, 128)
+        assert (end.l1_hit_tokens, end.l2_hit_tokens) == (0, 128)
         assert b.retrieve(2, TOKENS, IDS) == 128
         assert caches_equal(src, dst)
         r_end = sink.of(EventType.MP_RETRIEVE_END)[-1].metadata
-        assert (r_end["l1_tokens"], r_end["l2_tokens"]) == (0, 128)
+        assert (r_end.l1_tokens, r_end.l2_tokens) == (0, 128)
         assert len(sink.of(EventType.L2_LOAD_FINISHED)) == 4
         assert b.lookup_tiers(2, TOKENS) == (128, 0)  # now from L1
-        assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata["l1_hit_tokens"] == 128
+        assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata.l1_hit_tokens == 128
 
 
 def test_retrieve_without_lookup_loads_from_l2(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_corrupt_chunk_ends_the_prefix(tmp_path: Path) -> None:
         assert b.lookup(2, TOKENS) == 128  # the index still lists it; the load finds the damage
         assert b.retrieve(2, TOKENS, IDS) == 64
         failed = sink.of(EventType.L2_LOAD_FAILED)
-        assert failed and failed[-1].metadata["reason"] == "corrupt" and failed[-1].metadata["keys"] == [key]
+        assert failed and failed[-1].metadata.reason == "corrupt" and failed[-1].metadata.keys == [key]
         assert not victim.exists()
         for layer, old in zip(dst, before, strict=True):  # blocks 4..7 untouched
             assert torch.equal(layer[4:].view(torch.uint8), old[4:].view(torch.uint8))
@@ -109,7 +109,7 @@ def test_disk_bound_evicts(tmp_path: Path) -> None:
         st = e.status()["l2"][0]
         assert st["num_chunks"] == 2 and st["used_bytes"] <= 2 * one
         evicted = sink.of(EventType.L2_KEYS_EVICTED)
-        assert sum(len(ev.metadata["keys"]) for ev in evicted) == 2
+        assert sum(len(ev.metadata.keys) for ev in evicted) == 2
         assert e.lookup(1, TOKENS) == 128  # L1 still has everything
 
 
@@ -186,7 +186,7 @@ def test_second_geometry_gets_memory_while_the_first_is_written_through(tmp_path
         assert e.flush(5)
         assert not sink.of(EventType.L1_KEYS_EVICTED)
         assert e.lookup(1, TOKENS) == 128 and e.lookup(2, TOKENS) == 128
-        assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata["l1_hit_tokens"] == 128
+        assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata.l1_hit_tokens == 128
 
 
 class _HoldingLoads(Sink):

@@ -122,7 +122,7 @@ def test_without_waiting_drops_are_reported_not_hidden(redis_server: LocalRedis)
         assert e.flush(30)
         failed = sum(r.failed_chunks for r in results)
         ends = sink.of(EventType.MP_STORE_END)
-        assert sum(ev.metadata["failed_chunks"] for ev in ends) == failed  # counted as reported
+        assert sum(ev.metadata.failed_chunks for ev in ends) == failed  # counted as reported
         l2 = e.status()["l2"][0]
         dropped = l2["stores_dropped"] + l2["store_failures"]
         assert len(sink.of(EventType.L2_STORE_FAILED)) == dropped  # each L2 drop is an event

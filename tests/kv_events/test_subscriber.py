@@ -12,7 +12,8 @@ from kvcache.kv_events.messages import EventBatch
 from kvcache.kv_events.publisher import EventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import ChunkIdentity, Event, EventType
+from kvcache.observability.event import ChunkIdentity, EventType
+from tests.helpers import event
 
 CS = 32
 K1, K2, K3 = (1 << 100) + 1, (2 << 100) + 2, (3 << 100) + 3
@@ -68,7 +69,7 @@ def setup() -> Iterator[tuple[EventBus, ListPublisher, KVEventsSubscriber, Colle
 
 
 def send(bus: EventBus, etype: EventType, ts: float = 1.0, **md: object) -> None:
-    bus.publish(Event(etype, dict(md), timestamp=ts))
+    bus.publish(event(etype, dict(md), timestamp=ts))
 
 
 def f(*keys: int) -> tuple[int, ...]:

@@ -70,9 +70,9 @@ class RedisExpiries(EventSubscriber):
         return {EventType.L2_KEYS_EVICTED: self._on_evicted}
 
     def _on_evicted(self, event: Event) -> None:
-        if event.metadata["backend"] == "redis":
+        if event.metadata.backend == "redis":
             with self._cond:
-                self.seen.update(event.metadata["keys"])
+                self.seen.update(event.metadata.keys)
                 self._cond.notify_all()
 
     def wait(self, keys: set[int], timeout: float = 10.0) -> bool:

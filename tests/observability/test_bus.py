@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcache.observability.bus import Callback, DisabledEventBus, EventBus, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventMeta, EventType
 
 A = EventType.MP_STORE_END
 B = EventType.L1_READ_FINISHED
@@ -56,8 +56,15 @@ class Blocker(EventSubscriber):
         return {A: hold}
 
 
-def ev(seq: int = 0, event_type: EventType = A, **md: object) -> Event:
-    return Event(event_type, {"seq": seq, **md})
+class Seq(EventMeta, frozen=True, gc=False):
+    """The bus never reads metadata: these tests tag events with a sequence number only."""
+
+    seq: int = 0
+    thread: int = 0
+
+
+def ev(seq: int = 0, event_type: EventType = A, thread: int = 0) -> Event:
+    return Event(event_type, Seq(seq=seq, thread=thread))
 
 
 def test_ordering_per_publisher(bus: EventBus) -> None:
@@ -75,7 +82,7 @@ def test_ordering_per_publisher(bus: EventBus) -> None:
         t.join()
     assert bus.flush(10)
     for tid in range(4):
-        seqs = [e.metadata["seq"] for e in rec.events if e.metadata["thread"] == tid]
+        seqs = [e.metadata.seq for e in rec.events if e.metadata.thread == tid]
         assert seqs == list(range(2000))
 
 
@@ -87,17 +94,17 @@ def test_fan_out_and_type_filtering(bus: EventBus) -> None:
     bus.publish(ev(2, B))
     bus.publish(ev(3, EventType.L2_CLEARED))  # nobody subscribed
     assert bus.flush(5)
-    assert [e.metadata["seq"] for e in both.events] == [1, 2]
-    assert [e.metadata["seq"] for e in only_a.events] == [1]
-    assert [e.metadata["seq"] for e in only_b.events] == [2]
+    assert [e.metadata.seq for e in both.events] == [1, 2]
+    assert [e.metadata.seq for e in only_a.events] == [1]
+    assert [e.metadata.seq for e in only_b.events] == [2]
     assert bus.dispatched_events == 3
 
 
 def test_timestamp_stamped_only_when_missing(bus: EventBus) -> None:
     rec = Recorder()
     bus.register_subscriber(rec)
-    explicit = Event(A, {}, timestamp=123.5)
-    implicit = Event(A, {})
+    explicit = Event(A, Seq(), timestamp=123.5)
+    implicit = Event(A, Seq())
     bus.publish(explicit)
     bus.publish(implicit)
     assert bus.flush(5)
@@ -144,7 +151,7 @@ def test_full_queue_drops_the_new_event_not_the_old(registry: CollectorRegistry)
         bus.publish(ev(i))
     bus.start()
     assert bus.flush(5)
-    assert [e.metadata["seq"] for e in rec.events] == [0, 1, 2]
+    assert [e.metadata.seq for e in rec.events] == [0, 1, 2]
     assert bus.dropped_events == 2
     bus.stop()
 
@@ -185,7 +192,7 @@ def test_flush_waits_for_dispatch_and_times_out(bus: EventBus) -> None:
     assert bus.flush(timeout=0.05) is False  # the dispatcher is stuck in a callback
     blocker.release.set()
     assert bus.flush(timeout=5) is True
-    assert [e.metadata["seq"] for e in rec.events] == [1]
+    assert [e.metadata.seq for e in rec.events] == [1]
 
 
 def test_stop_drains_then_shuts_down_once(registry: CollectorRegistry) -> None:
@@ -222,7 +229,7 @@ def test_subscriber_registered_after_start(bus: EventBus) -> None:
     bus.register_subscriber(rec)
     bus.publish(ev(2))
     assert bus.flush(5)
-    assert [e.metadata["seq"] for e in rec.events] == [2]
+    assert [e.metadata.seq for e in rec.events] == [2]
 
 
 def test_self_metrics_exist_at_zero_and_count(registry: CollectorRegistry) -> None:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import BlockAllocationRecord, Event, EventType
+from kvcache.observability.event import BlockAllocationRecord, EventType
 from kvcache.observability.prometheus import start_prometheus_endpoint
 from kvcache.observability.subscribers import (
     EngineMetricsSubscriber,
@@ -22,6 +22,7 @@ from kvcache.observability.subscribers import (
     L2MetricsSubscriber,
     OffloadMetricsSubscriber,
 )
+from tests.helpers import event
 
 
 def free_port() -> int:
@@ -42,14 +43,15 @@ def populated(registry: CollectorRegistry) -> EventBus:
                 L0LifecycleSubscriber(1.0, registry), L1LifecycleSubscriber(1.0, 300, registry)):
         bus.register_subscriber(sub)
     bus.start()
-    md = {"instance_id": 1, "model_name": 'we"ird\\name', "device": "cpu"}
-    bus.publish(Event(EventType.MP_STORE_END, {**md, "num_tokens": 256, "num_bytes": 1 << 20,
+    inst = {"instance_id": 1, "model_name": 'we"ird\\name'}
+    md = {**inst, "device": "cpu"}
+    bus.publish(event(EventType.MP_STORE_END, {**md, "num_tokens": 256, "num_bytes": 1 << 20,
                                                "transfer_seconds": 0.001}, "s", 1.0))
-    bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, {
-        **md, "records": [BlockAllocationRecord("r", [1], [1, 2])]}, "", 1.0))
-    bus.publish(Event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 10}, "", 1.0))
-    bus.publish(Event(EventType.L1_KEYS_EVICTED, {"keys": [1], "num_bytes": 10}, "", 9.0))
-    bus.publish(Event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1],
+    bus.publish(event(EventType.MP_VLLM_BLOCK_ALLOCATION, {
+        **inst, "records": [BlockAllocationRecord("r", [1], [1, 2])]}, "", 1.0))
+    bus.publish(event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 10}, "", 1.0))
+    bus.publish(event(EventType.L1_KEYS_EVICTED, {"keys": [1], "num_bytes": 10}, "", 9.0))
+    bus.publish(event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1],
                                                  "reason": "timeout"}))
     assert bus.flush(5)
     return bus

@@ -10,12 +10,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.observability import (
     DisabledEventBus,
-    Event,
     EventBus,
     EventType,
     ObservabilityConfig,
     init_observability,
 )
+from tests.helpers import event
 
 
 def free_port() -> int:
@@ -36,7 +36,7 @@ def test_full_wiring_serves_metrics_on_the_configured_port() -> None:
             "L2MetricsSubscriber", "TierMetricsSubscriber", "L0LifecycleSubscriber",
             "L1LifecycleSubscriber", "LoggingSubscriber",
         }
-        obs.bus.publish(Event(EventType.MP_LOOKUP_END, {
+        obs.bus.publish(event(EventType.MP_LOOKUP_END, {
             "instance_id": 1, "model_name": "m", "num_tokens": 10, "hit_tokens": 4,
             "l1_hit_tokens": 4, "l2_hit_tokens": 0}))
         assert obs.bus.flush(5)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from kvcache.observability.bus import Callback, DisabledEventBus, EventBus, EventSubscriber
-from kvcache.observability.event import Event, EventType, NullEventSink
+from kvcache.observability.event import Event, EventMeta, EventType, NullEventSink
 from kvcache.observability.stream import (
     AnchoredClock,
     StreamEventRecorder,
@@ -17,6 +17,12 @@ from kvcache.observability.stream import (
 )
 
 START, END = EventType.MP_STORE_START, EventType.MP_STORE_END
+
+
+class N(EventMeta, frozen=True, gc=False):
+    """The stream path never reads metadata: a number to tell events apart."""
+
+    n: int = 0
 
 
 class Recorder(EventSubscriber):
@@ -59,9 +65,9 @@ def test_anchored_clock_maps_monotonic_to_wall() -> None:
 def test_cpu_stream_publishes_at_once_with_anchored_time(bus: EventBus) -> None:
     rec = Recorder()
     bus.register_subscriber(rec)
-    publish_on_stream(bus, None, Event(START, {"n": 1}))
-    publish_on_stream(bus, None, Event(END, {"n": 1}))
-    explicit = Event(END, {"n": 2}, timestamp=42.0)
+    publish_on_stream(bus, None, Event(START, N(n=1)))
+    publish_on_stream(bus, None, Event(END, N(n=1)))
+    explicit = Event(END, N(n=2), timestamp=42.0)
     publish_on_stream(bus, None, explicit)
     assert bus.flush(5)
     start, end, kept = rec.events
@@ -77,7 +83,7 @@ def test_stream_zero_without_cuda_publishes_at_once(bus: EventBus) -> None:
         pytest.skip("CUDA present: stream 0 really is a CUDA stream here")
     rec = Recorder()
     bus.register_subscriber(rec)
-    publish_on_stream(bus, 0, Event(START, {}))
+    publish_on_stream(bus, 0, Event(START, N()))
     assert bus.flush(5)
     assert len(rec.events) == 1
     assert bus.stream_recorder.pending == 0
@@ -89,8 +95,8 @@ def test_recorded_events_wait_for_the_stream_and_are_stamped_from_it(bus: EventB
     recorder = StreamEventRecorder(bus, host_queue=host, clock=clock)
     rec = Recorder()
     bus.register_subscriber(rec)
-    recorder.publish(7, Event(START, {}, session_id="s"))
-    recorder.publish(7, Event(END, {}, session_id="s"))
+    recorder.publish(7, Event(START, N(), session_id="s"))
+    recorder.publish(7, Event(END, N(), session_id="s"))
     assert [s for s, _ in host.recorded] == [7, 7]
     assert bus.flush(5)
     assert rec.events == [] and recorder.pending == 2  # the stream has not got there yet
@@ -109,7 +115,7 @@ def test_dispatcher_drains_without_flush(bus: EventBus) -> None:
     recorder = StreamEventRecorder(bus, host_queue=host)
     rec = Recorder()
     bus.register_subscriber(rec)
-    recorder.publish(3, Event(START, {}))
+    recorder.publish(3, Event(START, N()))
     host.complete(host.recorded[0][1], time.monotonic_ns())
     deadline = time.monotonic() + 5
     while not rec.events and time.monotonic() < deadline:
@@ -127,8 +133,8 @@ def test_stream_handle_accepts_torch_like_streams() -> None:
 
 
 def test_disabled_bus_and_null_sink_ignore_stream_events() -> None:
-    publish_on_stream(DisabledEventBus(), None, Event(START, {}))
-    publish_on_stream(NullEventSink(), 0, Event(START, {}))
+    publish_on_stream(DisabledEventBus(), None, Event(START, N()))
+    publish_on_stream(NullEventSink(), 0, Event(START, N()))
 
 
 @pytest.mark.cuda
@@ -139,12 +145,12 @@ def test_real_cuda_stream_orders_end_after_start(bus: EventBus) -> None:
     bus.register_subscriber(rec)
     stream = torch.cuda.Stream()
     x = torch.randn(4096, 4096, device="cuda")
-    publish_on_stream(bus, None, Event(START, {}))
+    publish_on_stream(bus, None, Event(START, N()))
     with torch.cuda.stream(stream):
         for _ in range(4):
             x = x @ x
             x = x / x.norm()
-    publish_on_stream(bus, stream, Event(END, {}))
+    publish_on_stream(bus, stream, Event(END, N()))
     stream.synchronize()
     assert bus.flush(10)
     assert [e.event_type for e in rec.events] == [START, END]

@@ -18,7 +18,8 @@ def test_importing_the_event_vocabulary_loads_neither_the_bus_nor_prometheus() -
     """A data-path module imports ``event`` to publish; that must not pull in the bus, the
     runtime or prometheus_client (the transfer core runs where those are absent)."""
     code = (
-        "import sys, kvcache.observability.event as e; e.Event(e.EventType.L1_CLEARED, {}); "
+        "import sys, kvcache.observability.event as e; "
+        "e.Event(e.EventType.L1_CLEARED, e.L1Cleared(num_keys=0)); "
         "print(sorted(m for m in sys.modules if m.startswith(('prometheus_client', "
         "'kvcache.observability.'))))"
     )

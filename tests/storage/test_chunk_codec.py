@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcache.errors import CorruptChunkError
+from kvcache.records import dtype_name
 from kvcache.storage import codec
 
 KEY = (0xDEADBEEF << 64) | 0x1234
@@ -25,7 +26,7 @@ def test_round_trip(dtype: torch.dtype) -> None:
     )
     buf = memoryview(record(t))
     h = codec.decode_header(buf)
-    assert (h.key, h.shape, h.dtype) == (KEY, (2, 3, 16, 8), codec.dtype_name(dtype))
+    assert (h.key, h.shape, h.dtype) == (KEY, (2, 3, 16, 8), dtype_name(dtype))
     out = torch.empty_like(t)
     codec.check_fits(h, KEY, out)
     payload = buf[h.header_len :]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, L2KeysEvicted
 from kvcache.storage.base import failure_reason
 from kvcache.storage.disk import DiskL2Adapter
 from tests.helpers import RecordingSink as Sink
@@ -59,11 +59,11 @@ def test_survives_restart_and_drops_temp_files(tmp_path: Path) -> None:
     sink = Sink()
     d3 = DiskL2Adapter(str(tmp_path), d2.info()["used_bytes"] - 1, bus=sink)
     assert d3.contains([0, 1, 2]) == [False, True, True]
-    assert sink.events[0].event_type is EventType.L2_KEYS_EVICTED and sink.events[0].metadata["keys"] == [0]
+    assert sink.events[0].event_type is EventType.L2_KEYS_EVICTED and sink.events[0].metadata.keys == [0]
     # then what survived is announced once, for holdings trackers (KV events)
     found = sink.of(EventType.L2_KEYS_FOUND)
-    assert len(found) == 1 and sorted(found[0].metadata["keys"]) == [1, 2]
-    assert found[0].metadata["num_bytes"] == d3.info()["used_bytes"]
+    assert len(found) == 1 and sorted(found[0].metadata.keys) == [1, 2]
+    assert found[0].metadata.num_bytes == d3.info()["used_bytes"]
     empty_sink = Sink()
     DiskL2Adapter(str(tmp_path / "empty"), 1 << 20, bus=empty_sink)
     assert not empty_sink.events  # an empty tier announces nothing
@@ -118,7 +118,7 @@ def test_size_bound_evicts_lru(tmp_path: Path) -> None:
     d.store(4, chunk(4))
     assert d.contains([1, 2, 3, 4]) == [True, False, True, True]
     ev = [e for e in sink.events if e.event_type is EventType.L2_KEYS_EVICTED]
-    assert ev[-1].metadata == {"backend": "disk", "keys": [2], "num_bytes": size}
+    assert ev[-1].metadata == L2KeysEvicted(backend="disk", keys=[2], num_bytes=size)
     assert len(files(tmp_path / "d")) == 3 and d.info()["used_bytes"] == 3 * size
 
 
@@ -191,7 +191,7 @@ def test_concurrent_writers_events_agree_with_the_files(tmp_path: Path) -> None:
     class Recorder:
         def publish(self, event: Event) -> None:
             with lock:
-                log.extend(("evict", k) for k in event.metadata["keys"])
+                log.extend(("evict", k) for k in event.metadata.keys)
 
     size = DiskL2Adapter(str(tmp_path / "probe"), 1 << 20).store(0, chunk(0))
     d = DiskL2Adapter(str(tmp_path / "l2"), 3 * size, bus=Recorder())
@@ -295,7 +295,7 @@ def test_a_restart_reads_back_each_chunks_identity_and_old_files_still_load(tmp_
     sink = Sink()
     again = DiskL2Adapter(str(tmp_path), 1 << 24, bus=sink)
     (found,) = sink.of(EventType.L2_KEYS_FOUND)
-    by_key = dict(zip(found.metadata["keys"], found.metadata["identities"], strict=True))
+    by_key = dict(zip(found.metadata.keys, found.metadata.identities, strict=True))
     assert by_key == {1: long_ident, 2: short_ident, 3: None}
     for key, want in ((1, chunk(1)), (2, chunk(2)), (3, old)):
         out = torch.empty_like(want)

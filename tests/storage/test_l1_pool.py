@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvcache.observability.event import EventType
+from kvcache.observability.event import EventType, L1Cleared, L1ReadFinished
 from kvcache.storage.l1_pool import EntryState, L1Pool, SlotGeometry, WriteReservation
 from tests.helpers import RecordingSink as Sink
 
@@ -62,9 +62,9 @@ def test_lru_order_and_watermark() -> None:
     write(p, [5])
     assert len(p) == 4 and p.used_bytes <= 4 * G.stride
     ev = sink.of(EventType.L1_KEYS_EVICTED)
-    assert ev[-1].metadata["keys"] == [2]
-    assert ev[-1].metadata["num_bytes"] == G.nbytes
-    assert ev[-1].metadata["capacity_bytes"] == 8 * G.stride
+    assert ev[-1].metadata.keys == [2]
+    assert ev[-1].metadata.num_bytes == G.nbytes
+    assert ev[-1].metadata.capacity_bytes == 8 * G.stride
     assert 2 not in p and 1 in p
 
 
@@ -102,10 +102,11 @@ def test_pinned_entries_are_never_evicted() -> None:
     assert [i for i, _ in res.new] == [0] and res.failed == 1
     p.finish([e for _, e in res.new])
     failed = sink.of(EventType.L1_ALLOCATION_FAILED)
-    assert failed and failed[-1].metadata["requested_chunks"] == 1
+    assert failed and failed[-1].metadata.requested_chunks == 1
     assert p.allocation_failures == 1
     p.release(held, read_bytes=3 * G.nbytes)
-    assert sink.of(EventType.L1_READ_FINISHED)[-1].metadata == {"keys": [1, 2, 3], "num_bytes": 3 * G.nbytes}
+    read = L1ReadFinished(keys=[1, 2, 3], num_bytes=3 * G.nbytes)
+    assert sink.of(EventType.L1_READ_FINISHED)[-1].metadata == read
     assert write(p, [8]) == [0]  # now 1 (oldest after release order) can go
 
 
@@ -147,7 +148,7 @@ def test_exhaustion_when_all_pinned() -> None:
     p = pool(2, sink=sink)
     res = p.begin_write(G, [1, 2, 3, 4])
     assert len(res.new) == 2 and res.failed == 2
-    assert sink.of(EventType.L1_ALLOCATION_FAILED)[0].metadata["num_bytes"] == 2 * G.nbytes
+    assert sink.of(EventType.L1_ALLOCATION_FAILED)[0].metadata.num_bytes == 2 * G.nbytes
     p.finish([e for _, e in res.new])
 
 
@@ -202,7 +203,7 @@ def test_clear_and_evict_and_info() -> None:
     held = p.acquire([1])
     assert p.evict([2, 99]) == 1 and 2 not in p
     assert p.clear() == 1  # 3; 1 is pinned
-    assert sink.of(EventType.L1_CLEARED)[-1].metadata == {"num_keys": 1}
+    assert sink.of(EventType.L1_CLEARED)[-1].metadata == L1Cleared(num_keys=1)
     info = p.info()
     assert info["num_chunks"] == 1 and info["slabs"][0]["shape"] == list(G.shape)
     p.release(held)
@@ -221,8 +222,8 @@ def test_write_finished_event() -> None:
     p = pool(4, sink=sink)
     write(p, [7, 8])
     (ev,) = sink.of(EventType.L1_WRITE_FINISHED)
-    assert ev.metadata["keys"] == [7, 8] and ev.metadata["num_bytes"] == 2 * G.nbytes
-    assert ev.metadata["used_bytes"] == 2 * G.stride
+    assert ev.metadata.keys == [7, 8] and ev.metadata.num_bytes == 2 * G.nbytes
+    assert ev.metadata.used_bytes == 2 * G.stride
 
 
 @pytest.mark.parametrize("n", [1, 3])

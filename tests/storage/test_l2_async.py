@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.observability.event import EventType
+from kvcache.observability.event import EventType, L2LoadFailed, L2StoreFailed
 from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
 from kvcache.storage.disk import DiskL2Adapter
 from kvcache.storage.l2_async import AsyncL2
@@ -49,9 +49,9 @@ def test_store_load_events_and_callbacks(tmp_path: Path) -> None:
     assert tier.flush(5) and sorted(done) == [False, True, True]
     assert torch.all(out == 3.0)
     (st,) = sink.of(EventType.L2_STORE_FINISHED)
-    assert st.metadata["backend"] == "disk" and st.metadata["keys"] == [1] and st.metadata["duration_s"] >= 0
+    assert st.metadata.backend == "disk" and st.metadata.keys == [1] and st.metadata.duration_s >= 0
     (ld,) = sink.of(EventType.L2_LOAD_FINISHED)
-    assert ld.metadata["num_bytes"] == out.numel() * 4
+    assert ld.metadata.num_bytes == out.numel() * 4
     assert tier.counters["load_misses"] == 1 and tier.contains([1, 2]) == [True, False]
     tier.close()
     tier.close()
@@ -67,7 +67,7 @@ def test_inflight_bound_drops_stores(tmp_path: Path) -> None:
     assert tier.submit_store(2, chunk(), done.append)
     assert not tier.submit_store(3, chunk(), done.append)  # refused, callback not called
     failed = sink.of(EventType.L2_STORE_FAILED)
-    assert failed[-1].metadata == {"backend": "disk", "keys": [3], "reason": "busy"}
+    assert failed[-1].metadata == L2StoreFailed(backend="disk", keys=[3], reason="busy")
     assert tier.info()["inflight"]["store"] == 2 and not tier.flush(0.01)
     disk.gate.set()
     assert tier.flush(5) and done == [True, True] and tier.counters["stores_dropped"] == 1
@@ -85,7 +85,7 @@ def test_redis_killed_mid_run_backs_off_and_recovers(redis_server: LocalRedis) -
     redis_server.stop()
     tier.submit_store(2, chunk(), done.append)
     assert tier.flush(5) and done == [True, False]
-    assert sink.of(EventType.L2_STORE_FAILED)[-1].metadata["reason"] == "unavailable"
+    assert sink.of(EventType.L2_STORE_FAILED)[-1].metadata.reason == "unavailable"
     assert not tier.available
     # while backing off: immediate misses / refusals, the adapter is not called
     assert tier.contains([1]) == [False]
@@ -94,7 +94,7 @@ def test_redis_killed_mid_run_backs_off_and_recovers(redis_server: LocalRedis) -
     assert tier.counters["store_failures"] == 1 and tier.counters["stores_dropped"] == 1
     now[0] = 11.0  # retry interval passed; server still down -> contains fails, backs off again
     assert tier.contains([1]) == [False] and tier.counters["contains_failures"] == 1
-    assert sink.of(EventType.L2_LOAD_FAILED)[-1].metadata["reason"] == "unavailable"
+    assert sink.of(EventType.L2_LOAD_FAILED)[-1].metadata.reason == "unavailable"
     redis_server.start()
     now[0] = 22.0
     assert tier.submit_store(4, chunk(), done.append) and tier.flush(5)
@@ -130,7 +130,7 @@ def test_unexpected_errors_are_io_failures_without_backoff() -> None:
     tier.submit_store(1, chunk(), bad_callback)
     tier.submit_load(1, chunk(), done.append)
     assert tier.flush(5) and done == [False, False]
-    assert sorted((e.event_type.value, e.metadata["reason"]) for e in sink.events) == [
+    assert sorted((e.event_type.value, e.metadata.reason) for e in sink.events) == [
         ("l2.load.failed", "io"),
         ("l2.store.failed", "io"),
     ]
@@ -165,7 +165,7 @@ def test_a_full_disk_warns_once_per_episode_and_every_loss_is_counted(
 
     assert len(episode(0)) == 2  # the tier's "disk is full" and the failed write, once each
     failed = sink.of(EventType.L2_STORE_FAILED)
-    assert len(failed) == 10 and {e.metadata["reason"] for e in failed} == {"full"}
+    assert len(failed) == 10 and {e.metadata.reason for e in failed} == {"full"}
     full["on"] = False
     assert tier.submit_store(100, chunk(), lambda ok: None) and tier.flush(5)
     assert tier.adapter.contains([100]) == [True]
@@ -215,8 +215,8 @@ def test_queued_work_goes_in_batches_and_batch_events_add_up(tmp_path: Path) -> 
     *full, last = disk.batches[1:]
     assert sum(disk.batches) == 10 and full and set(full) == {4} and 1 <= last <= 4
     finished = sink.of(EventType.L2_STORE_FINISHED)
-    assert sorted(k for e in finished for k in e.metadata["keys"]) == list(range(10))
-    assert sum(e.metadata["duration_s"] for e in finished) <= wall  # not n x the batch time
+    assert sorted(k for e in finished for k in e.metadata.keys) == list(range(10))
+    assert sum(e.metadata.duration_s for e in finished) <= wall  # not n x the batch time
     outs = [torch.empty_like(chunk()) for _ in range(3)]
     for key, out in enumerate(outs):
         assert tier.submit_load(key, out, done.append)
@@ -248,12 +248,12 @@ def test_shard_failures_are_counted_per_key_without_skipping_the_tier(
         assert tier.submit_store(key, chunk(), lambda ok, k=key: done.__setitem__(k, ok))
     assert tier.flush(5) and done == {k: k % 2 == 0 for k in range(8)}
     failed = sink.of(EventType.L2_STORE_FAILED)
-    assert sorted(k for e in failed for k in e.metadata["keys"]) == [1, 3, 5, 7]
-    assert {e.metadata["reason"] for e in failed} == {"unavailable"}
+    assert sorted(k for e in failed for k in e.metadata.keys) == [1, 3, 5, 7]
+    assert {e.metadata.reason for e in failed} == {"unavailable"}
     assert tier.available  # the other shards still answer
     assert tier.contains([0, 1, 2]) == [True, False, True] and tier.counters["contains_failures"] == 1
     (lookup,) = sink.of(EventType.L2_LOAD_FAILED)
-    assert lookup.metadata == {"backend": "disk", "keys": [1], "reason": "unavailable"}
+    assert lookup.metadata == L2LoadFailed(backend="disk", keys=[1], reason="unavailable")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the adapter logs shards
     assert tier.submit_store(9, chunk(), lambda ok: None)  # still admitted: no tier back-off
     tier.close()

@@ -190,8 +190,8 @@ def test_unreachable_cluster_then_a_master_killed_mid_run() -> None:
         found = tier.contains(keys)
         assert [k for k, f in zip(keys, found, strict=True) if not f] == on_victim
         assert tier.available  # one shard down is not the tier down: the others still answer
-        failed = [e for e in sink.of(EventType.L2_LOAD_FAILED) if e.metadata["reason"] == "unavailable"]
-        assert failed and failed[-1].metadata["keys"] == on_victim
+        failed = [e for e in sink.of(EventType.L2_LOAD_FAILED) if e.metadata.reason == "unavailable"]
+        assert failed and failed[-1].metadata.keys == on_victim
         again = a.contains_many(keys)  # fails fast now: no connection attempt
         assert all("is down (next try" in str(r) for r in again if isinstance(r, Exception))
         assert victim in {int(n.rsplit(":", 1)[1]) for n in a.info()["shards_down"]}

@@ -13,7 +13,7 @@ from redis.crc import key_slot
 
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, L2StoreFinished
 from kvcache.observability.subscribers.metrics import L2MetricsSubscriber
 from kvcache.storage.redis import chunk_name
 from kvcache.storage.redis_cluster import RedisClusterL2Adapter
@@ -45,7 +45,7 @@ def watching(a: RedisClusterL2Adapter, masters: list[int]) -> bool:
 def reported(sink: WaitingSink) -> Counter[int]:
     """How often each key was reported evicted."""
     return Counter(
-        k for e in sink.events if e.event_type is EventType.L2_KEYS_EVICTED for k in e.metadata["keys"]
+        k for e in sink.events if e.event_type is EventType.L2_KEYS_EVICTED for k in e.metadata.keys
     )
 
 
@@ -80,7 +80,7 @@ def test_every_master_s_expiries_are_reported_once_per_daemon(shared_cluster: Lo
         assert all(covers(cluster.client(p).config_get("notify-keyspace-events")["notify-keyspace-events"])
                    for p in masters)  # fmt: skip
         for k in keys:
-            meta = {"backend": "redis-cluster", "keys": [k], "num_bytes": 0}
+            meta = L2StoreFinished(backend="redis-cluster", keys=[k], num_bytes=0, duration_s=0.0)
             a.store(
                 k, chunk(k), announce=lambda n, m=meta: bus.publish(Event(EventType.L2_STORE_FINISHED, m))
             )
@@ -88,7 +88,7 @@ def test_every_master_s_expiries_are_reported_once_per_daemon(shared_cluster: Lo
             assert sink.wait_for(lambda s=sink: set(reported(s)) >= set(keys), 15), reported(sink)  # type: ignore[misc]
             assert reported(sink) == Counter(keys)  # each once, nothing else under the prefix
         ev = next(e for e in sink_a.events if e.event_type is EventType.L2_KEYS_EVICTED)
-        assert ev.metadata["backend"] == "redis-cluster" and ev.metadata["num_bytes"] == 0
+        assert ev.metadata.backend == "redis-cluster" and ev.metadata.num_bytes == 0
         assert bus.flush(10)
         assert sub.held_keys("STORAGE") == set()  # a router saw every chunk withdrawn
         evicted = reg.get_sample_value("kvcache_l2_evicted_chunks_total", {"backend": "redis-cluster"})

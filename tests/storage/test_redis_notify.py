@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, L2StoreFinished
 from kvcache.storage.redis import RedisL2Adapter
 from kvcache.storage.redis_local import LocalRedis
 from kvcache.storage.redis_notify import covers
@@ -43,7 +43,7 @@ class WaitingSink:
                 k
                 for e in self.events
                 if e.event_type is EventType.L2_KEYS_EVICTED
-                for k in e.metadata["keys"]
+                for k in e.metadata.keys
             }
 
     def wait_for(self, done: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -76,7 +76,7 @@ def test_expired_keys_are_published_and_notifications_switched_on(redis_server: 
         raw.pexpire(f"t:{3:032x}", 1)
         assert sink.wait_for(lambda: sink.evicted() == {1 << 100, 3}), sink.events
         (ev, *_) = [e for e in sink.events if e.event_type is EventType.L2_KEYS_EVICTED]
-        assert ev.metadata["backend"] == "redis" and ev.metadata["num_bytes"] == 0
+        assert ev.metadata.backend == "redis" and ev.metadata.num_bytes == 0
     finally:
         a.close()
 
@@ -102,7 +102,7 @@ def test_maxmemory_evictions_reach_a_router_as_block_removed(redis_server: Local
     try:
         keys = list(range(1, 41))  # 40 x 256 KiB into a 4 MiB server
         for key in keys:
-            meta = {"backend": "redis", "keys": [key], "num_bytes": 0}
+            meta = L2StoreFinished(backend="redis", keys=[key], num_bytes=0, duration_s=0.0)
             a.store(
                 key,
                 chunk(key, kib=256),

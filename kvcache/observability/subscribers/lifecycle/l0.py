@@ -44,11 +44,19 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import BlockAllocationRecord, Event, EventType
+from kvcache.observability.event import (
+    BlockAllocationRecord,
+    Event,
+    EventType,
+    InstanceUnregistered,
+    MpVllmBlockAllocation,
+    MpVllmEndSession,
+)
 from kvcache.observability.instruments import LIFETIME_SECONDS, Family, Histogram, MetricSet
 from kvcache.observability.sampling import Sampler
 
@@ -211,14 +219,13 @@ class L0LifecycleSubscriber(EventSubscriber):
         )  # fmt: skip
 
     def _on_allocation(self, event: Event) -> None:
-        md = event.metadata
-        instance_id: int = md["instance_id"]
-        block_size: int | None = md.get("block_size")
-        records: list[BlockAllocationRecord] = md["records"]
+        md = cast(MpVllmBlockAllocation, event.metadata)
+        instance_id = md.instance_id
+        block_size = md.block_size or None  # 0: the publisher did not know it
         now = event.timestamp
         assert now is not None
-        inst = self._instance(instance_id, md.get("model_name", ""), now)
-        for record in records:
+        inst = self._instance(instance_id, md.model_name, now)
+        for record in md.records:
             self._process_record(instance_id, inst, record, block_size, now)
         requests = self._requests
         while len(requests) > self.max_requests:  # least recently reported first
@@ -282,16 +289,16 @@ class L0LifecycleSubscriber(EventSubscriber):
                     del self._requests[(instance_id, owner)]
 
     def _on_end_session(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpVllmEndSession, event.metadata)
         now = event.timestamp
         assert now is not None
-        self._end(md["instance_id"], md["request_id"], now)
+        self._end(md.instance_id, md.request_id, now)
 
     def _on_unregistered(self, event: Event) -> None:
         """Drop the instance's block and request state (its memory is gone), but keep its
         series: a finished engine's histograms must still reach the next scrape. Series go
         only at the instance cap, least recently reported first."""
-        instance_id = event.metadata["instance_id"]
+        instance_id = cast(InstanceUnregistered, event.metadata).instance_id
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.blocks.clear()

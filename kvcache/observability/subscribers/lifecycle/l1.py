@@ -37,11 +37,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, L1KeysEvicted, L1ReadFinished, L1WriteFinished
 from kvcache.observability.instruments import LIFETIME_SECONDS, MetricSet
 from kvcache.observability.sampling import Sampler, mix64
 
@@ -147,11 +148,11 @@ class L1LifecycleSubscriber(EventSubscriber):
         now = event.timestamp
         assert now is not None
         self._expire(now)
-        md = event.metadata
-        keys = md.get("keys", ())
-        capacity = md.get("capacity_bytes")
-        if capacity is not None and keys:  # a smaller chunk than any so far: fewer fit in L1
-            nbytes = md.get("num_bytes") or 0
+        md = cast(L1WriteFinished, event.metadata)
+        keys = md.keys
+        capacity = md.capacity_bytes
+        if keys:  # a smaller chunk than any so far: fewer fit in L1
+            nbytes = md.num_bytes
             if 0 < nbytes < self._min_chunk_bytes * len(keys):
                 self._learn_capacity(capacity, nbytes / len(keys))
         chunks = self._chunks
@@ -178,7 +179,7 @@ class L1LifecycleSubscriber(EventSubscriber):
         now = event.timestamp
         assert now is not None
         chunks = self._chunks
-        for key in event.metadata.get("keys", ()):
+        for key in cast(L1ReadFinished, event.metadata).keys:
             state = chunks.get(key)
             if state is not None:
                 chunks.move_to_end(key)  # now the most recent
@@ -190,7 +191,7 @@ class L1LifecycleSubscriber(EventSubscriber):
         assert now is not None
         self._expire(now)
         chunks = self._chunks
-        for key in event.metadata.get("keys", ()):
+        for key in cast(L1KeysEvicted, event.metadata).keys:
             state = chunks.pop(key, None)
             if state is None:
                 continue

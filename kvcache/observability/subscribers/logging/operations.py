@@ -11,9 +11,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import cast
+
+import msgspec
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import (
+    Event,
+    EventType,
+    InstanceMeta,
+    L1AllocationFailed,
+    L2LoadFailed,
+    L2StoreFailed,
+    MpLookupEnd,
+    MpRetrieveEnd,
+    MpStoreEnd,
+)
 
 _WARN_TYPES = frozenset(
     {EventType.L1_ALLOCATION_FAILED, EventType.L2_STORE_FAILED, EventType.L2_LOAD_FAILED}
@@ -36,68 +49,68 @@ class LoggingSubscriber(EventSubscriber):
         return routes
 
     @staticmethod
-    def _who(event: Event) -> str:
-        md = event.metadata
-        return (f"session={event.session_id or '-'} instance={md.get('instance_id', '-')} "
-                f"model={md.get('model_name', '') or '-'}")
+    def _who(event: Event, md: InstanceMeta) -> str:
+        return (f"session={event.session_id or '-'} instance={md.instance_id} "
+                f"model={md.model_name or '-'}")
 
     @staticmethod
-    def _rate(md: Mapping[str, object]) -> str:
-        nbytes, seconds = md.get("num_bytes", 0), md.get("transfer_seconds", 0.0)
-        assert isinstance(nbytes, int | float) and isinstance(seconds, int | float)
+    def _rate(md: MpStoreEnd | MpRetrieveEnd) -> str:
+        nbytes, seconds = md.num_bytes, md.transfer_seconds
         if seconds > 0:
             return f"{nbytes} B in {seconds * 1e3:.3f} ms ({nbytes / seconds / 1e9:.2f} GB/s)"
         return f"{nbytes} B"
 
-    def _level(self, md: Mapping[str, object]) -> int:
-        return logging.INFO if md.get("success", True) else logging.WARNING
+    @staticmethod
+    def _level(md: MpStoreEnd | MpRetrieveEnd) -> int:
+        return logging.INFO if md.success else logging.WARNING
 
     def _on_store_end(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpStoreEnd, event.metadata)
         level = self._level(md)
         if self.logger.isEnabledFor(level):
             self.logger.log(
                 level,
                 "store %s device=%s tokens=%s stored_chunks=%s skipped=%s failed=%s %s%s",
-                self._who(event), md.get("device", "-"), md.get("num_tokens"),
-                md.get("stored_chunks"), md.get("skipped_chunks"), md.get("failed_chunks"),
-                self._rate(md), "" if md.get("success", True) else " FAILED",
+                self._who(event, md), md.device, md.num_tokens,
+                md.stored_chunks, md.skipped_chunks, md.failed_chunks,
+                self._rate(md), "" if md.success else " FAILED",
             )
 
     def _on_retrieve_end(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpRetrieveEnd, event.metadata)
         level = self._level(md)
         if self.logger.isEnabledFor(level):
             self.logger.log(
                 level,
                 "retrieve %s device=%s requested=%s retrieved=%s (skip=%s l1=%s l2=%s "
                 "missing=%s) %s%s",
-                self._who(event), md.get("device", "-"), md.get("num_tokens"),
-                md.get("retrieved_tokens"), md.get("skip_tokens"), md.get("l1_tokens"),
-                md.get("l2_tokens"), md.get("missing_tokens"), self._rate(md),
-                "" if md.get("success", True) else " FAILED",
+                self._who(event, md), md.device, md.num_tokens,
+                md.retrieved_tokens, md.skip_tokens, md.l1_tokens,
+                md.l2_tokens, md.missing_tokens, self._rate(md),
+                "" if md.success else " FAILED",
             )
 
     def _on_lookup_end(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpLookupEnd, event.metadata)
         if self.logger.isEnabledFor(logging.INFO):
             self.logger.info(
                 "lookup %s tokens=%s hit=%s (l1=%s l2=%s)",
-                self._who(event), md.get("num_tokens"), md.get("hit_tokens"),
-                md.get("l1_hit_tokens"), md.get("l2_hit_tokens"),
+                self._who(event, md), md.num_tokens, md.hit_tokens,
+                md.l1_hit_tokens, md.l2_hit_tokens,
             )
 
     def _on_failure(self, event: Event) -> None:
         if self.logger.isEnabledFor(logging.WARNING):
-            md = {k: v for k, v in event.metadata.items() if k != "keys"}
-            nkeys = len(event.metadata.get("keys", ()))
-            self.logger.warning("%s %s keys=%d", event.event_type.value, md, nkeys)
+            md = cast(L1AllocationFailed | L2StoreFailed | L2LoadFailed, event.metadata)
+            fields = msgspec.structs.asdict(md)
+            keys = fields.pop("keys", ())
+            self.logger.warning("%s %s keys=%d", event.event_type.value, fields, len(keys))
 
     def _on_detail(self, event: Event) -> None:
         if self.logger.isEnabledFor(logging.DEBUG):
             self.logger.debug(
                 "%s session=%s %s", event.event_type.value, event.session_id or "-",
-                event.metadata,
+                msgspec.structs.asdict(event.metadata),
             )
 
 

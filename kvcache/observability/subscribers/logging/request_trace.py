@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import msgspec
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, MpLookupEnd, MpRetrieveEnd
 
 DEFAULT_MAX_BYTES = 100 * 2**20
 DEFAULT_BACKUPS = 3
@@ -47,24 +47,23 @@ class RequestTraceSubscriber(EventSubscriber):
         self._file.close()
 
     def _on_lookup(self, event: Event) -> None:
-        md = event.metadata
-        num, hit = md.get("num_tokens", 0), md.get("hit_tokens", 0)
-        self._write(event, "lookup", 0, md.get("l1_hit_tokens", 0), md.get("l2_hit_tokens", 0), num - hit)
+        md = cast(MpLookupEnd, event.metadata)
+        self._write(event, md, "lookup", 0, md.l1_hit_tokens, md.l2_hit_tokens, md.num_tokens - md.hit_tokens)
 
     def _on_retrieve(self, event: Event) -> None:
-        md = event.metadata
-        self._write(event, "retrieve", md.get("skip_tokens", 0), md.get("l1_tokens", 0),
-                    md.get("l2_tokens", 0), md.get("missing_tokens", 0))  # fmt: skip
+        md = cast(MpRetrieveEnd, event.metadata)
+        self._write(event, md, "retrieve", md.skip_tokens, md.l1_tokens, md.l2_tokens, md.missing_tokens)
 
-    def _write(self, event: Event, op: str, engine: int, l1: int, l2: int, miss: int) -> None:
-        md = event.metadata
+    def _write(
+        self, event: Event, md: MpLookupEnd | MpRetrieveEnd, op: str, engine: int, l1: int, l2: int, miss: int
+    ) -> None:
         record: dict[str, Any] = {
             "ts": event.timestamp,
             "op": op,
             "request_id": event.session_id,
-            "instance_id": md.get("instance_id", 0),
-            "model_name": md.get("model_name", ""),
-            "num_tokens": md.get("num_tokens", 0),
+            "instance_id": md.instance_id,
+            "model_name": md.model_name,
+            "num_tokens": md.num_tokens,
             "engine_tokens": engine,
             "l1_tokens": l1,
             "l2_tokens": l2,

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import (
+    Event,
+    EventType,
+    MpLookupEnd,
+    MpRetrieveEnd,
+    MpStoreEnd,
+    OperationMeta,
+)
 from kvcache.observability.instruments import (
     OPERATION_SECONDS,
     Counter,
@@ -115,8 +122,8 @@ class EngineMetricsSubscriber(EventSubscriber):
                 self._duration_families[op].histogram(*values),
             )
 
-    def _get(self, op: str, md: Mapping[str, Any]) -> _OperationSeries:
-        key = (op, md.get("instance_id", 0), md.get("model_name", ""))
+    def _get(self, op: str, md: OperationMeta) -> _OperationSeries:
+        key = (op, md.instance_id, md.model_name)
         series = self._series.get(key)
         if series is None:
             self._ensure_instance(key[1], key[2])
@@ -125,8 +132,8 @@ class EngineMetricsSubscriber(EventSubscriber):
 
     @staticmethod
     def _op_key(op: str, event: Event) -> tuple[str, object, str, str]:
-        md = event.metadata
-        return (event.session_id, md.get("instance_id"), md.get("device", ""), op)
+        md = cast(OperationMeta, event.metadata)
+        return (event.session_id, md.instance_id, md.device, op)
 
     def _start(self, op: str, event: Event) -> None:
         assert event.timestamp is not None
@@ -149,43 +156,43 @@ class EngineMetricsSubscriber(EventSubscriber):
             series.duration.observe(max(0.0, event.timestamp - started))
 
     def _on_store_end(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpStoreEnd, event.metadata)
         s = self._get("store", md)
         c = s.counters
         c["requests"].value += 1
-        if not md.get("success", True):
+        if not md.success:
             c["failures"].value += 1
-        c["requested_tokens"].value += md.get("num_tokens", 0)
-        c["stored_tokens"].value += md.get("stored_tokens", 0)
-        c["stored_chunks"].value += md.get("stored_chunks", 0)
-        c["skipped_chunks"].value += md.get("skipped_chunks", 0)
-        c["failed_chunks"].value += md.get("failed_chunks", 0)
+        c["requested_tokens"].value += md.num_tokens
+        c["stored_tokens"].value += md.stored_tokens
+        c["stored_chunks"].value += md.stored_chunks
+        c["skipped_chunks"].value += md.skipped_chunks
+        c["failed_chunks"].value += md.failed_chunks
         self._observe_duration("store", event, s)
 
     def _on_retrieve_end(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpRetrieveEnd, event.metadata)
         s = self._get("retrieve", md)
         c = s.counters
         c["requests"].value += 1
-        if not md.get("success", True):
+        if not md.success:
             c["failures"].value += 1
-        c["requested_tokens"].value += md.get("num_tokens", 0)
-        c["retrieved_tokens"].value += md.get("retrieved_tokens", 0)
-        c["skipped_tokens"].value += md.get("skip_tokens", 0)
-        c["l1_tokens"].value += md.get("l1_tokens", 0)
-        c["l2_tokens"].value += md.get("l2_tokens", 0)
-        c["missing_tokens"].value += md.get("missing_tokens", 0)
+        c["requested_tokens"].value += md.num_tokens
+        c["retrieved_tokens"].value += md.retrieved_tokens
+        c["skipped_tokens"].value += md.skip_tokens
+        c["l1_tokens"].value += md.l1_tokens
+        c["l2_tokens"].value += md.l2_tokens
+        c["missing_tokens"].value += md.missing_tokens
         self._observe_duration("retrieve", event, s)
 
     def _on_lookup_end(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(MpLookupEnd, event.metadata)
         s = self._get("lookup", md)
         c = s.counters
         c["requests"].value += 1
-        c["requested_tokens"].value += md.get("num_tokens", 0)
-        c["hit_tokens"].value += md.get("hit_tokens", 0)
-        c["l1_hit_tokens"].value += md.get("l1_hit_tokens", 0)
-        c["l2_hit_tokens"].value += md.get("l2_hit_tokens", 0)
+        c["requested_tokens"].value += md.num_tokens
+        c["hit_tokens"].value += md.hit_tokens
+        c["l1_hit_tokens"].value += md.l1_hit_tokens
+        c["l2_hit_tokens"].value += md.l2_hit_tokens
         self._observe_duration("lookup", event, s)
 
 

@@ -8,11 +8,19 @@ operation metrics. L1 is shared by every engine instance, so these series carry 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import (
+    Event,
+    EventType,
+    L1AllocationFailed,
+    L1KeysEvicted,
+    L1ReadFinished,
+    L1WriteFinished,
+)
 from kvcache.observability.instruments import MetricSet
 
 
@@ -52,34 +60,31 @@ class L1MetricsSubscriber(EventSubscriber):
             EventType.L1_CLEARED: self._on_cleared,
         }
 
-    def _occupancy(self, md: Mapping[str, object]) -> None:
-        used, capacity = md.get("used_bytes"), md.get("capacity_bytes")
-        if isinstance(used, int | float):
-            self._used.value = used
-        if isinstance(capacity, int | float):
-            self._capacity.value = capacity
+    def _occupancy(self, md: L1WriteFinished | L1KeysEvicted | L1AllocationFailed) -> None:
+        self._used.value = md.used_bytes
+        self._capacity.value = md.capacity_bytes
 
     def _on_write(self, event: Event) -> None:
-        md = event.metadata
-        self._write_chunks.value += len(md.get("keys", ()))
-        self._write_bytes.value += md.get("num_bytes", 0)
+        md = cast(L1WriteFinished, event.metadata)
+        self._write_chunks.value += len(md.keys)
+        self._write_bytes.value += md.num_bytes
         self._occupancy(md)
 
     def _on_read(self, event: Event) -> None:
-        md = event.metadata
-        self._read_chunks.value += len(md.get("keys", ()))
-        self._read_bytes.value += md.get("num_bytes", 0)
+        md = cast(L1ReadFinished, event.metadata)
+        self._read_chunks.value += len(md.keys)
+        self._read_bytes.value += md.num_bytes
 
     def _on_evict(self, event: Event) -> None:
-        md = event.metadata
-        self._evicted_chunks.value += len(md.get("keys", ()))
-        self._evicted_bytes.value += md.get("num_bytes", 0)
+        md = cast(L1KeysEvicted, event.metadata)
+        self._evicted_chunks.value += len(md.keys)
+        self._evicted_bytes.value += md.num_bytes
         self._occupancy(md)
 
     def _on_alloc_failed(self, event: Event) -> None:
-        md = event.metadata
+        md = cast(L1AllocationFailed, event.metadata)
         self._alloc_failures.value += 1
-        self._alloc_failed_bytes.value += md.get("num_bytes", 0)
+        self._alloc_failed_bytes.value += md.num_bytes
         self._occupancy(md)
 
     def _on_cleared(self, event: Event) -> None:

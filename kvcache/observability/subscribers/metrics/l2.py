@@ -11,12 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import (
+    Event,
+    EventType,
+    L2KeysEvicted,
+    L2LoadFailed,
+    L2LoadFinished,
+    L2Meta,
+    L2StoreFailed,
+    L2StoreFinished,
+)
 from kvcache.observability.instruments import Counter, MetricSet
 
 _COUNTERS = (
@@ -80,39 +89,37 @@ class L2MetricsSubscriber(EventSubscriber):
         return series.counters
 
     def _on_store(self, event: Event) -> None:
-        md: Mapping[str, Any] = event.metadata
-        c = self._backend(md.get("backend", ""))
-        c["store_chunks"].value += len(md.get("keys", ()))
-        c["store_bytes"].value += md.get("num_bytes", 0)
-        c["store_seconds"].value += md.get("duration_s", 0.0)
+        md = cast(L2StoreFinished, event.metadata)
+        c = self._backend(md.backend)
+        c["store_chunks"].value += len(md.keys)
+        c["store_bytes"].value += md.num_bytes
+        c["store_seconds"].value += md.duration_s
 
     def _on_load(self, event: Event) -> None:
-        md: Mapping[str, Any] = event.metadata
-        c = self._backend(md.get("backend", ""))
-        c["load_chunks"].value += len(md.get("keys", ()))
-        c["load_bytes"].value += md.get("num_bytes", 0)
-        c["load_seconds"].value += md.get("duration_s", 0.0)
+        md = cast(L2LoadFinished, event.metadata)
+        c = self._backend(md.backend)
+        c["load_chunks"].value += len(md.keys)
+        c["load_bytes"].value += md.num_bytes
+        c["load_seconds"].value += md.duration_s
 
     def _on_store_failed(self, event: Event) -> None:
-        md = event.metadata
-        backend = str(md.get("backend", ""))
-        self._backend(backend)
-        self._store_failures.counter(backend, str(md.get("reason", ""))).value += 1
+        md = cast(L2StoreFailed, event.metadata)
+        self._backend(md.backend)
+        self._store_failures.counter(md.backend, md.reason).value += 1
 
     def _on_load_failed(self, event: Event) -> None:
-        md = event.metadata
-        backend = str(md.get("backend", ""))
-        self._backend(backend)
-        self._load_failures.counter(backend, str(md.get("reason", ""))).value += 1
+        md = cast(L2LoadFailed, event.metadata)
+        self._backend(md.backend)
+        self._load_failures.counter(md.backend, md.reason).value += 1
 
     def _on_evict(self, event: Event) -> None:
-        md: Mapping[str, Any] = event.metadata
-        c = self._backend(md.get("backend", ""))
-        c["evicted_chunks"].value += len(md.get("keys", ()))
-        c["evicted_bytes"].value += md.get("num_bytes", 0)
+        md = cast(L2KeysEvicted, event.metadata)
+        c = self._backend(md.backend)
+        c["evicted_chunks"].value += len(md.keys)
+        c["evicted_bytes"].value += md.num_bytes
 
     def _on_cleared(self, event: Event) -> None:
-        self._backend(event.metadata.get("backend", ""))["clears"].value += 1
+        self._backend(cast(L2Meta, event.metadata).backend)["clears"].value += 1
 
 
 __all__ = ["L2MetricsSubscriber"]

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, MpRetrieveEnd, MpStoreEnd
 from kvcache.observability.instruments import (
     THROUGHPUT_BYTES_PER_SECOND,
     TRANSFER_BYTES,
@@ -91,14 +92,14 @@ class OffloadMetricsSubscriber(EventSubscriber):
             )
 
     def _record(self, direction: str, event: Event) -> None:
-        md = event.metadata
-        key = (direction, md.get("instance_id", 0), md.get("model_name", ""))
+        md = cast(MpStoreEnd | MpRetrieveEnd, event.metadata)
+        key = (direction, md.instance_id, md.model_name)
         s = self._series.get(key)
         if s is None:
             self._ensure_instance(key[1], key[2])
             s = self._series[key]
-        nbytes = md.get("num_bytes", 0)
-        seconds = md.get("transfer_seconds", 0.0)
+        nbytes = md.num_bytes
+        seconds = md.transfer_seconds
         s.nbytes.value += nbytes
         s.seconds.value += seconds
         if nbytes > 0:

@@ -12,11 +12,12 @@ cache), ``l1`` = ``l1_tokens``, ``l2`` = ``l2_tokens``, ``miss`` = ``missing_tok
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from prometheus_client.registry import CollectorRegistry
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, MpRetrieveEnd
 from kvcache.observability.instruments import Counter, MetricSet
 
 TIERS = ("engine", "l1", "l2", "miss")
@@ -51,10 +52,12 @@ class TierMetricsSubscriber(EventSubscriber):
         return counters
 
     def _on_retrieve_end(self, event: Event) -> None:
-        md = event.metadata
-        counters = self._counters(md.get("model_name", ""), md.get("instance_id", 0))
-        for counter, (_, key) in zip(counters, _SOURCES, strict=True):
-            counter.value += md.get(key, 0)
+        md = cast(MpRetrieveEnd, event.metadata)
+        engine, l1, l2, miss = self._counters(md.model_name, md.instance_id)
+        engine.value += md.skip_tokens
+        l1.value += md.l1_tokens
+        l2.value += md.l2_tokens
+        miss.value += md.missing_tokens
 
 
 __all__ = ["TIERS", "TierMetricsSubscriber"]

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
 
 from kvcache.observability.bus import Callback, EventSubscriber
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, MpRetrieveEnd, MpStoreEnd, OperationMeta
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider
@@ -44,7 +46,7 @@ def _ns(seconds: float | None) -> int:
 def _attributes(event: Event) -> dict[str, Any]:
     """OTel attributes from event metadata: scalars only, prefixed ``kvcache.``."""
     attrs: dict[str, Any] = {"kvcache.session_id": event.session_id}
-    for key, value in event.metadata.items():
+    for key, value in msgspec.structs.asdict(event.metadata).items():
         if isinstance(value, bool | int | float | str):
             attrs[f"kvcache.{key}"] = value
     return attrs
@@ -72,9 +74,8 @@ class TracingSubscriber(EventSubscriber):
 
     @staticmethod
     def _key(event: Event) -> SpanKey:
-        md = event.metadata
-        return (event.session_id, md.get("instance_id"), str(md.get("device", "")),
-                _OPERATION[event.event_type])
+        md = cast(OperationMeta, event.metadata)
+        return (event.session_id, md.instance_id, md.device, _OPERATION[event.event_type])
 
     def _on_start(self, event: Event) -> None:
         key = self._key(event)
@@ -99,7 +100,8 @@ class TracingSubscriber(EventSubscriber):
                 attributes={"kvcache.start_missing": True},
             )
         span.set_attributes(_attributes(event))
-        if event.metadata.get("success", True) is False:
+        md = event.metadata
+        if isinstance(md, MpStoreEnd | MpRetrieveEnd) and not md.success:
             span.set_status(Status(StatusCode.ERROR, "operation reported failure"))
         span.end(end_time=_ns(event.timestamp))
 

@@ -9,9 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import BlockAllocationRecord, Event, EventType
+from kvcache.observability.event import BlockAllocationRecord, EventType
 from kvcache.observability.sampling import Sampler
 from kvcache.observability.subscribers.lifecycle import L0LifecycleSubscriber
+from tests.helpers import event
 
 LIFETIME = "kvcache_l0_block_lifetime_seconds"
 IDLE = "kvcache_l0_block_idle_before_evict_seconds"
@@ -41,11 +42,11 @@ class Harness:
         }
         if block_size is not None:
             md["block_size"] = block_size
-        self.bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=t))
+        self.bus.publish(event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=t))
 
     def end(self, t: float, req: str, instance: int = 1, model: str = "m") -> None:
         md = {"instance_id": instance, "model_name": model, "request_id": req}
-        self.bus.publish(Event(EventType.MP_VLLM_END_SESSION, md, timestamp=t))
+        self.bus.publish(event(EventType.MP_VLLM_END_SESSION, md, timestamp=t))
 
     def hist(self, name: str, instance: int = 1, model: str = "m") -> tuple[float, float]:
         assert self.bus.flush(5)
@@ -179,7 +180,7 @@ def test_series_exist_at_zero(registry: CollectorRegistry) -> None:
 
 def _alloc(sub: L0LifecycleSubscriber, t: float, instance: int, *records: BlockAllocationRecord) -> None:
     md = {"instance_id": instance, "model_name": "m", "records": list(records), "block_size": 1}
-    sub._on_allocation(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=t))
+    sub._on_allocation(event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=t))
 
 
 def _dropped(registry: CollectorRegistry, reason: str) -> float | None:
@@ -255,7 +256,7 @@ def test_unregistering_an_instance_releases_its_state_but_keeps_its_series(
     assert sub.tracked_instances == 2 and sub.tracked_blocks == 6 and sub.tracked_requests == 2
     md = {"instance_id": 1, "model_name": "m"}
     sub.subscriptions()[EventType.INSTANCE_UNREGISTERED](
-        Event(EventType.INSTANCE_UNREGISTERED, md, timestamp=1.0)
+        event(EventType.INSTANCE_UNREGISTERED, md, timestamp=1.0)
     )
     assert sub.tracked_blocks == 3 and sub.tracked_requests == 1
     # The finished engine's histograms still reach the next scrape (the instance cap retires them).
@@ -263,7 +264,7 @@ def test_unregistering_an_instance_releases_its_state_but_keeps_its_series(
     assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "2", "model_name": "m"}) == 0
     # An unknown or repeated unregister is harmless.
     sub.subscriptions()[EventType.INSTANCE_UNREGISTERED](
-        Event(EventType.INSTANCE_UNREGISTERED, md, timestamp=2.0)
+        event(EventType.INSTANCE_UNREGISTERED, md, timestamp=2.0)
     )
     assert sub.tracked_blocks == 3
 
@@ -285,7 +286,7 @@ def test_an_instance_id_reused_for_another_model_starts_over(registry: Collector
     sub = L0LifecycleSubscriber(1.0, registry)
     _alloc(sub, 0.0, 1, BlockAllocationRecord("A", [0], [1]))
     md = {"instance_id": 1, "model_name": "other", "records": [BlockAllocationRecord("B", [0], [9])]}
-    sub._on_allocation(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=5.0))
+    sub._on_allocation(event(EventType.MP_VLLM_BLOCK_ALLOCATION, md, timestamp=5.0))
     # Block 0 of another model's cache is another block: no eviction of the old content.
     assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "1", "model_name": "other"}) == 0
     assert registry.get_sample_value(f"{LIFETIME}_count", {"instance_id": "1", "model_name": "m"}) is None

@@ -10,9 +10,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.observability.sampling import Sampler
 from kvcache.observability.subscribers.lifecycle import L1LifecycleSubscriber
+from tests.helpers import event
 
 LIFETIME = "kvcache_l1_chunk_lifetime_seconds"
 IDLE = "kvcache_l1_chunk_idle_before_evict_seconds"
@@ -29,7 +30,7 @@ class Harness:
         bus.register_subscriber(self.sub)
 
     def send(self, event_type: EventType, t: float, keys: list[int]) -> None:
-        self.bus.publish(Event(event_type, {"keys": keys, "num_bytes": 0}, timestamp=t))
+        self.bus.publish(event(event_type, {"keys": keys, "num_bytes": 0}, timestamp=t))
 
     def write(self, t: float, *keys: int) -> None:
         self.send(EventType.L1_WRITE_FINISHED, t, list(keys))
@@ -103,7 +104,7 @@ def test_untracked_reads_and_evictions_are_ignored(h: Harness) -> None:
 def test_clear_forgets_without_recording(h: Harness) -> None:
     h.write(0, 1, 2, 3)
     h.evict(1, 3)
-    h.bus.publish(Event(EventType.L1_CLEARED, {"num_keys": 2}, timestamp=2))
+    h.bus.publish(event(EventType.L1_CLEARED, {"num_keys": 2}, timestamp=2))
     h.write(3, 3)
     assert h.hist(LIFETIME) == (1, 1)
     assert h.hist(EVICT_REUSE) == (0, 0)
@@ -143,10 +144,10 @@ def test_memory_bounded_at_one_million_keys() -> None:
     before = _rss_bytes()
     for start in range(0, 1_000_000, 10_000):
         keys = list(range(start, start + 10_000))
-        on_write(Event(EventType.L1_WRITE_FINISHED, {"keys": keys}, timestamp=start))
+        on_write(event(EventType.L1_WRITE_FINISHED, {"keys": keys}, timestamp=start))
         if start >= 500_000:  # evict the older half as we go
             old = list(range(start - 500_000, start - 490_000))
-            on_evict(Event(EventType.L1_KEYS_EVICTED, {"keys": old}, timestamp=start))
+            on_evict(event(EventType.L1_KEYS_EVICTED, {"keys": old}, timestamp=start))
     del keys, old
     gc.collect()
     grown = _rss_bytes() - before
@@ -163,7 +164,7 @@ def _write(sub: L1LifecycleSubscriber, t: float, keys: list[int], capacity: int 
     md: dict[str, object] = {"keys": keys, "num_bytes": CHUNK * len(keys)}
     if capacity is not None:
         md["capacity_bytes"], md["used_bytes"] = capacity, capacity
-    sub._on_write(Event(EventType.L1_WRITE_FINISHED, md, timestamp=t))
+    sub._on_write(event(EventType.L1_WRITE_FINISHED, md, timestamp=t))
 
 
 def _dropped(registry: CollectorRegistry, reason: str) -> float | None:
@@ -174,7 +175,7 @@ def test_evictions_remove_tracked_chunks(registry: CollectorRegistry) -> None:
     sub = L1LifecycleSubscriber(1.0, 300.0, registry=registry)
     for i in range(1000):
         if i >= 100:  # L1 holds 100 chunks: room for each write comes from the oldest
-            sub._on_evict(Event(EventType.L1_KEYS_EVICTED, {"keys": [i - 100]}, timestamp=float(i)))
+            sub._on_evict(event(EventType.L1_KEYS_EVICTED, {"keys": [i - 100]}, timestamp=float(i)))
         _write(sub, float(i), [i], capacity=100 * CHUNK)
     assert sub.tracked_chunks == 100
     assert _dropped(registry, "chunk_cap") == 0
@@ -197,7 +198,7 @@ def test_a_chunk_still_read_is_dropped_last(registry: CollectorRegistry) -> None
     _write(sub, 0.0, [hot], capacity=10 * CHUNK)
     for i in range(1000):
         _write(sub, float(i), [i], capacity=10 * CHUNK)
-        sub._on_read(Event(EventType.L1_READ_FINISHED, {"keys": [hot]}, timestamp=float(i)))
+        sub._on_read(event(EventType.L1_READ_FINISHED, {"keys": [hot]}, timestamp=float(i)))
     assert hot in sub._chunks and sub.tracked_chunks == 10
 
 
@@ -205,8 +206,8 @@ def test_without_capacity_the_explicit_cap_bounds_chunks_and_evictions(registry:
     sub = L1LifecycleSubscriber(1.0, 300.0, registry=registry, max_tracked=1000)
     for start in range(0, 100_000, 1000):
         keys = list(range(start, start + 1000))
-        sub._on_write(Event(EventType.L1_WRITE_FINISHED, {"keys": keys}, timestamp=start / 1000))
-        sub._on_evict(Event(EventType.L1_KEYS_EVICTED, {"keys": keys}, timestamp=start / 1000))
+        sub._on_write(event(EventType.L1_WRITE_FINISHED, {"keys": keys}, timestamp=start / 1000))
+        sub._on_evict(event(EventType.L1_KEYS_EVICTED, {"keys": keys}, timestamp=start / 1000))
     # 100k evictions within the 300 s reuse window: only the latest 1000 are remembered.
     assert sub.remembered_evictions == 1000
     assert sub.tracked_chunks <= 1000

@@ -7,8 +7,9 @@ import logging
 import pytest
 
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.observability.subscribers.logging import LoggingSubscriber
+from tests.helpers import event
 
 LOGGER = "kvcache.events"
 
@@ -17,14 +18,14 @@ def test_info_line_per_operation(bus: EventBus, caplog: pytest.LogCaptureFixture
     bus.register_subscriber(LoggingSubscriber())
     caplog.set_level(logging.INFO, logger=LOGGER)
     md = {"instance_id": 1, "model_name": "m", "device": "cpu"}
-    bus.publish(Event(EventType.MP_STORE_START, {**md, "num_tokens": 512}, "op1"))
-    bus.publish(Event(EventType.MP_STORE_END, {
+    bus.publish(event(EventType.MP_STORE_START, {**md, "num_tokens": 512}, "op1"))
+    bus.publish(event(EventType.MP_STORE_END, {
         **md, "num_tokens": 512, "stored_chunks": 2, "skipped_chunks": 0, "failed_chunks": 0,
         "num_bytes": 2_000_000, "transfer_seconds": 0.001, "success": True}, "op1"))
-    bus.publish(Event(EventType.MP_LOOKUP_END, {
+    bus.publish(event(EventType.MP_LOOKUP_END, {
         **md, "num_tokens": 10, "hit_tokens": 5, "l1_hit_tokens": 5, "l2_hit_tokens": 0}, "op2"))
-    bus.publish(Event(EventType.MP_RETRIEVE_END, {**md, "num_tokens": 8, "success": False}, "op3"))
-    bus.publish(Event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1, 2],
+    bus.publish(event(EventType.MP_RETRIEVE_END, {**md, "num_tokens": 8, "success": False}, "op3"))
+    bus.publish(event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1, 2],
                                                   "reason": "corrupt"}))
     assert bus.flush(5)
     records = [r for r in caplog.records if r.name == LOGGER]
@@ -42,11 +43,11 @@ def test_info_line_per_operation(bus: EventBus, caplog: pytest.LogCaptureFixture
 def test_details_only_at_debug(bus: EventBus, caplog: pytest.LogCaptureFixture) -> None:
     bus.register_subscriber(LoggingSubscriber())
     caplog.set_level(logging.INFO, logger=LOGGER)
-    bus.publish(Event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 1}))
+    bus.publish(event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 1}))
     assert bus.flush(5)
     assert not [r for r in caplog.records if r.name == LOGGER]
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    bus.publish(Event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 1}))
+    bus.publish(event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 1}))
     assert bus.flush(5)
     (rec,) = [r for r in caplog.records if r.name == LOGGER]
     assert rec.levelno == logging.DEBUG and "l1.write.finished" in rec.getMessage()

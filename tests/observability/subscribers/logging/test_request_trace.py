@@ -16,13 +16,14 @@ from kvcache.observability.subscribers.logging.request_trace import (
     add_request_trace_args,
     build_request_trace_subscriber,
 )
+from tests.helpers import event
 
 META = {"instance_id": 3, "model_name": "llama", "device": "cpu", "num_tokens": 512}
 
 
 def retrieve(i: int) -> Event:
     md = {**META, "skip_tokens": 128, "l1_tokens": 256, "l2_tokens": 0, "missing_tokens": 128}
-    return Event(EventType.MP_RETRIEVE_END, md, session_id=f"req-{i}", timestamp=float(i))
+    return event(EventType.MP_RETRIEVE_END, md, session_id=f"req-{i}", timestamp=float(i))
 
 
 def test_lines_carry_tiers_for_lookups_and_retrieves(tmp_path: Path) -> None:
@@ -30,7 +31,7 @@ def test_lines_carry_tiers_for_lookups_and_retrieves(tmp_path: Path) -> None:
     bus = EventBus(registry=CollectorRegistry())
     bus.register_subscriber(RequestTraceSubscriber(str(path)))
     with bus:
-        bus.publish(Event(EventType.MP_LOOKUP_END, {**META, "hit_tokens": 384, "l1_hit_tokens": 256,
+        bus.publish(event(EventType.MP_LOOKUP_END, {**META, "hit_tokens": 384, "l1_hit_tokens": 256,
                                                     "l2_hit_tokens": 128}, session_id="req-0", timestamp=1.0))
         bus.publish(retrieve(2))
     lines = [json.loads(x) for x in path.read_text().splitlines()]

@@ -5,8 +5,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.observability.subscribers.metrics import EngineMetricsSubscriber
+from tests.helpers import event
 
 I1 = {"instance_id": "1", "model_name": "llama"}
 I2 = {"instance_id": "2", "model_name": "qwen"}
@@ -18,12 +19,12 @@ def md(instance: int = 1, model: str = "llama", **kw: object) -> dict[str, objec
 
 def test_store_counts_and_latency(bus: EventBus, registry: CollectorRegistry) -> None:
     bus.register_subscriber(EngineMetricsSubscriber(registry))
-    bus.publish(Event(EventType.MP_STORE_START, md(num_tokens=512), "op1", 10.0))
-    bus.publish(Event(EventType.MP_STORE_END, md(
+    bus.publish(event(EventType.MP_STORE_START, md(num_tokens=512), "op1", 10.0))
+    bus.publish(event(EventType.MP_STORE_END, md(
         num_tokens=512, stored_chunks=1, skipped_chunks=1, failed_chunks=0, stored_tokens=256,
         num_bytes=1 << 20, transfer_seconds=0.001, success=True), "op1", 10.004))
-    bus.publish(Event(EventType.MP_STORE_START, md(num_tokens=256), "op2", 11.0))
-    bus.publish(Event(EventType.MP_STORE_END, md(
+    bus.publish(event(EventType.MP_STORE_START, md(num_tokens=256), "op2", 11.0))
+    bus.publish(event(EventType.MP_STORE_END, md(
         num_tokens=256, stored_chunks=0, skipped_chunks=0, failed_chunks=1, stored_tokens=0,
         num_bytes=0, transfer_seconds=0.0, success=False), "op2", 11.5))
     assert bus.flush(5)
@@ -42,12 +43,12 @@ def test_store_counts_and_latency(bus: EventBus, registry: CollectorRegistry) ->
 
 def test_retrieve_and_lookup_counts(bus: EventBus, registry: CollectorRegistry) -> None:
     bus.register_subscriber(EngineMetricsSubscriber(registry))
-    bus.publish(Event(EventType.MP_RETRIEVE_END, md(
+    bus.publish(event(EventType.MP_RETRIEVE_END, md(
         num_tokens=1024, skip_tokens=256, retrieved_tokens=768, l1_tokens=256, l2_tokens=256,
         missing_tokens=256, num_bytes=1000, transfer_seconds=0.01, success=True), "r", 1.0))
-    bus.publish(Event(EventType.MP_LOOKUP_END, md(
+    bus.publish(event(EventType.MP_LOOKUP_END, md(
         num_tokens=1000, hit_tokens=512, l1_hit_tokens=256, l2_hit_tokens=256), "l", 2.0))
-    bus.publish(Event(EventType.MP_LOOKUP_END, md(
+    bus.publish(event(EventType.MP_LOOKUP_END, md(
         2, "qwen", num_tokens=100, hit_tokens=0, l1_hit_tokens=0, l2_hit_tokens=0), "l", 2.0))
     assert bus.flush(5)
     v = registry.get_sample_value
@@ -75,10 +76,10 @@ def test_tp_workers_sharing_a_session_pair_by_device(
     bus.register_subscriber(EngineMetricsSubscriber(registry))
     for dev, t0 in (("cuda:0", 0.0), ("cuda:1", 0.5)):
         m = {**md(num_tokens=1), "device": dev}
-        bus.publish(Event(EventType.MP_RETRIEVE_START, m, "req-1", t0))
+        bus.publish(event(EventType.MP_RETRIEVE_START, m, "req-1", t0))
     for dev, t1 in (("cuda:1", 0.6), ("cuda:0", 0.2)):
         m = {**md(num_tokens=1), "device": dev}
-        bus.publish(Event(EventType.MP_RETRIEVE_END, m, "req-1", t1))
+        bus.publish(event(EventType.MP_RETRIEVE_END, m, "req-1", t1))
     assert bus.flush(5)
     assert registry.get_sample_value("kvcache_retrieve_duration_seconds_count", I1) == 2
     total = registry.get_sample_value("kvcache_retrieve_duration_seconds_sum", I1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import EventType
 from kvcache.observability.subscribers.metrics import L2MetricsSubscriber
+from tests.helpers import event
 
 DISK, REDIS = {"backend": "disk"}, {"backend": "redis"}
 
@@ -16,15 +17,15 @@ def test_l2_counters_per_backend(bus: EventBus, registry: CollectorRegistry) -> 
     bus.register_subscriber(L2MetricsSubscriber(registry, backends=["disk"]))
     assert v("kvcache_l2_store_chunks_total", DISK) == 0  # pre-created backend
     pub = bus.publish
-    pub(Event(EventType.L2_STORE_FINISHED,
+    pub(event(EventType.L2_STORE_FINISHED,
               {"backend": "disk", "keys": [1, 2], "num_bytes": 2048, "duration_s": 0.5}))
-    pub(Event(EventType.L2_LOAD_FINISHED,
+    pub(event(EventType.L2_LOAD_FINISHED,
               {"backend": "redis", "keys": [1], "num_bytes": 1024, "duration_s": 0.25}))
-    pub(Event(EventType.L2_LOAD_FAILED, {"backend": "redis", "keys": [2], "reason": "corrupt"}))
-    pub(Event(EventType.L2_LOAD_FAILED, {"backend": "redis", "keys": [3], "reason": "corrupt"}))
-    pub(Event(EventType.L2_STORE_FAILED, {"backend": "disk", "keys": [4], "reason": "io"}))
-    pub(Event(EventType.L2_KEYS_EVICTED, {"backend": "disk", "keys": [1], "num_bytes": 1024}))
-    pub(Event(EventType.L2_CLEARED, {"backend": "disk", "num_keys": 1}))
+    pub(event(EventType.L2_LOAD_FAILED, {"backend": "redis", "keys": [2], "reason": "corrupt"}))
+    pub(event(EventType.L2_LOAD_FAILED, {"backend": "redis", "keys": [3], "reason": "corrupt"}))
+    pub(event(EventType.L2_STORE_FAILED, {"backend": "disk", "keys": [4], "reason": "io"}))
+    pub(event(EventType.L2_KEYS_EVICTED, {"backend": "disk", "keys": [1], "num_bytes": 1024}))
+    pub(event(EventType.L2_CLEARED, {"backend": "disk", "num_keys": 1}))
     assert bus.flush(5)
     assert v("kvcache_l2_store_chunks_total", DISK) == 2
     assert v("kvcache_l2_store_bytes_total", DISK) == 2048

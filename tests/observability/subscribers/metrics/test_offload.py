@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from kvcache.observability.bus import EventBus
 from kvcache.observability.event import Event, EventType
 from kvcache.observability.subscribers.metrics import OffloadMetricsSubscriber
+from tests.helpers import event
 
 L = {"instance_id": "1", "model_name": "m"}
 
@@ -14,7 +15,7 @@ L = {"instance_id": "1", "model_name": "m"}
 def end(event_type: EventType, nbytes: int, seconds: float) -> Event:
     md = {"instance_id": 1, "model_name": "m", "device": "cpu", "num_bytes": nbytes,
           "transfer_seconds": seconds, "success": True}
-    return Event(event_type, md, "s", 1.0)
+    return event(event_type, md, "s", 1.0)
 
 
 def test_store_and_load_totals_and_histograms(bus: EventBus, registry: CollectorRegistry) -> None:

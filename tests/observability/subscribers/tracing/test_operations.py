@@ -15,9 +15,10 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
 from kvcache.observability.bus import EventBus  # noqa: E402
-from kvcache.observability.event import Event, EventType  # noqa: E402
+from kvcache.observability.event import EventType  # noqa: E402
 from kvcache.observability.otel import build_tracer_provider  # noqa: E402
 from kvcache.observability.subscribers.tracing import TracingSubscriber  # noqa: E402
+from tests.helpers import event  # noqa: E402
 
 
 class Receiver:
@@ -84,15 +85,15 @@ def test_spans_reach_an_otlp_receiver(receiver: Receiver) -> None:
     bus.start()
     pub = bus.publish
     # Two tensor-parallel workers share request id "req-1"; their events interleave.
-    pub(Event(EventType.MP_STORE_START, md("cuda:0", num_tokens=512), "req-1", 1000.0))
-    pub(Event(EventType.MP_STORE_START, md("cuda:1", num_tokens=512), "req-1", 1000.1))
-    pub(Event(EventType.MP_STORE_END, md("cuda:1", stored_chunks=2, success=True), "req-1",
+    pub(event(EventType.MP_STORE_START, md("cuda:0", num_tokens=512), "req-1", 1000.0))
+    pub(event(EventType.MP_STORE_START, md("cuda:1", num_tokens=512), "req-1", 1000.1))
+    pub(event(EventType.MP_STORE_END, md("cuda:1", num_tokens=512, stored_chunks=2, success=True), "req-1",
               1000.2))
-    pub(Event(EventType.MP_STORE_END, md("cuda:0", stored_chunks=2, success=False), "req-1",
+    pub(event(EventType.MP_STORE_END, md("cuda:0", num_tokens=512, stored_chunks=2, success=False), "req-1",
               1000.25))
-    pub(Event(EventType.MP_LOOKUP_START, md(num_tokens=64), "req-2", 1001.0))
-    pub(Event(EventType.MP_LOOKUP_END, md(num_tokens=64, hit_tokens=32), "req-2", 1001.5))
-    pub(Event(EventType.MP_RETRIEVE_START, md(num_tokens=8), "req-3", 1002.0))  # never ends
+    pub(event(EventType.MP_LOOKUP_START, md(num_tokens=64), "req-2", 1001.0))
+    pub(event(EventType.MP_LOOKUP_END, md(num_tokens=64, hit_tokens=32), "req-2", 1001.5))
+    pub(event(EventType.MP_RETRIEVE_START, md(num_tokens=8), "req-3", 1002.0))  # never ends
     assert bus.flush(5)
     assert tracing.open_spans == 1
     bus.stop()  # ends the leaked span
@@ -123,7 +124,7 @@ def test_end_without_start_still_produces_a_span(receiver: Receiver) -> None:
     provider = build_tracer_provider(receiver.url)
     sub = TracingSubscriber(provider)
     on_end = sub.subscriptions()[EventType.MP_STORE_END]
-    on_end(Event(EventType.MP_STORE_END, md(), "lonely", 5.0))
+    on_end(event(EventType.MP_STORE_END, md(), "lonely", 5.0))
     sub.shutdown()
     provider.shutdown()
     (span,) = receiver.spans

@@ -1,0 +1,63 @@
+"""Plain records shared by the data path, the wire and the event vocabulary.
+
+Separate so that ``observability.event``, ``protocol.messages``, ``storage`` and the client
+name one ``ChunkKey``, one ``BlockAllocationRecord``, one ``ChunkIdentity`` and one dtype
+spelling without importing each other (and without importing torch, the bus or Prometheus:
+the event vocabulary must stay light to import).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+ChunkKey = int
+"""A chunk key: an unsigned 128-bit int (``kvcache.keys``)."""
+
+
+class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):
+    """Blocks a serving engine allocated to one request in one scheduler step.
+
+    ``new_token_ids`` are the tokens the request gained in this step; the L0 lifecycle
+    subscriber compares them with a block's previous tokens to tell reuse from eviction.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    new_token_ids: list[int]
+
+
+class ChunkIdentity(msgspec.Struct, frozen=True, gc=False, array_like=True, omit_defaults=True):
+    """What KV events announce one chunk as, kept with the chunk by a tier that persists it
+    (the disk tier's record header) so a restarted daemon announces it as before.
+
+    Written by the store path from the same facts as ``L1_WRITE_FINISHED`` (EVENTS.md), read
+    back in ``L2_KEYS_FOUND``. Without ``block_hashes`` the chunk is announced as its key
+    folded to 64 bits, under the hash its parent chunk was announced with; with them, as
+    those engine blocks of ``block_size`` tokens under ``parent_block_hash``.
+    """
+
+    parent_key: bytes = b""
+    """The chunk key just before this chunk in its prompt, 16 bytes little-endian (msgpack
+    ints stop at 64 bits); empty at the prompt start."""
+    token_ids: list[int] = []
+    block_hashes: list[int] = []
+    block_size: int = 0
+    parent_block_hash: int | None = None
+
+    @property
+    def parent_chunk_key(self) -> ChunkKey | None:
+        return int.from_bytes(self.parent_key, "little") if self.parent_key else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name as chunk records and wire messages spell it (``bfloat16``, not
+    ``torch.bfloat16``); the daemon's IPC checks the name against what it can share."""
+    return str(dtype).removeprefix("torch.")
+
+
+__all__ = ["BlockAllocationRecord", "ChunkIdentity", "ChunkKey", "dtype_name"]
