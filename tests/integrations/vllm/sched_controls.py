@@ -72,6 +72,9 @@ def no_store_cut() -> Iterator[None]:
         unfilled, self._unfilled = self._unfilled, {}
         try:
             store(self, plan)
+            # Waited for: an asynchronous store may copy only after vLLM recomputed the
+            # blocks in place, storing the right bytes by luck.
+            self.wait_stores(None)
         finally:
             self._unfilled = unfilled
 
