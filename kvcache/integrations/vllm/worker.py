@@ -12,6 +12,10 @@ is settled, and a preempted request's stores are waited for before the next step
 forward can write into its old blocks (``begin_step``). With ``async_stores=False`` every
 store is waited for in ``store`` (the blocks are copied before the step's output is processed).
 
+NOTE: an asynchronous store reads the blocks whenever the daemon handles it, so nothing may
+write them in place before: vLLM writes only slots of tokens not yet computed, except when it
+recomputes the blocks a failed load left unfilled, and those are cut from every store (below).
+
 Failures never stop the engine, and never poison the cache: a load that returns fewer
 tokens than planned reports the blocks it did not fill (vLLM recomputes them). Those blocks,
 and everything computed on top of them, are garbage until vLLM has recomputed them, so every
