@@ -24,6 +24,7 @@ COUNTERS: tuple[str, ...] = (
     "store_ops", "store_tokens", "store_bytes", "store_seconds", "store_failures",
     "stores_poisoned", "lookup_ops", "lookup_tokens", "lookup_hit_tokens_l1",
     "lookup_hit_tokens_l2", "lookup_failures", "requests_not_cached",
+    "store_jobs_issued", "store_jobs_settled",
 )  # fmt: skip
 """Summed across workers and intervals."""
 
@@ -56,6 +57,10 @@ PROM_SERIES: list[tuple[str, str, str, str]] = [
      "Stores cut short because the same step's load of the request failed.", "stores_poisoned"),
     ("vllm:kvcache_lookup_failures", "counter",
      "Lookups that failed (treated as a miss).", "lookup_failures"),
+    ("vllm:kvcache_store_jobs_issued", "counter",
+     "Stores handed to kvcache; minus store_jobs_settled: stores in flight.", "store_jobs_issued"),
+    ("vllm:kvcache_store_jobs_settled", "counter",
+     "Stores that finished or failed (their blocks may be freed).", "store_jobs_settled"),
     ("vllm:kvcache_requests_not_cached", "counter",
      "Requests kvcache cannot key faithfully (prompt embeddings): never offered or stored.",
      "requests_not_cached"),

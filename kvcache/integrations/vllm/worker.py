@@ -204,6 +204,7 @@ class ConnectorWorker:
                     ))  # fmt: skip
             except Exception as exc:  # settled as a failed store
                 future.set_exception(exc)
+            self.tally.count("store_jobs_issued")
             self._in_flight.setdefault(spec.req_id, []).append(_InFlight(spec, len(token_ids), future, t0))
         self.poll()
 
@@ -239,6 +240,7 @@ class ConnectorWorker:
     def _settle(self, store: _InFlight) -> None:
         """Count a finished store; hand back what it did not store (``take_not_stored``)."""
         spec, seconds = store.spec, time.perf_counter() - store.t0
+        self.tally.count("store_jobs_settled")
         try:
             result = store.future.result()
         except Exception as exc:  # a dropped store is a later miss, never a wrong answer

@@ -176,6 +176,8 @@ def test_async_stores_release_a_finished_request_only_once_settled(daemon: Daemo
     release = StoreSpec("r", [], [], None, "", final=True)  # r finished: report it once settled
     worker.store(StepPlan(stores=[bad, release]))
     assert worker.take_finished_sending() == set()  # both held at the gate
+    held = worker.tally.totals()
+    assert (held.get("store_jobs_issued"), held.get("store_jobs_settled", 0)) == (2, 0)  # 2 in flight
     with KVCacheClient(daemon.endpoint, 8, "m4", timeout_s=5) as reader:
         reader.register_kv_caches(_kv(8))
         assert reader.lookup(PROMPT) == 0
@@ -185,6 +187,7 @@ def test_async_stores_release_a_finished_request_only_once_settled(daemon: Daemo
         assert reader.lookup(PROMPT) == len(PROMPT)
     totals = worker.tally.totals()
     assert totals["store_failures"] == 1 and totals["store_tokens"] == len(PROMPT)
+    assert totals["store_jobs_issued"] == totals["store_jobs_settled"] == 2
     worker.close()
 
 
