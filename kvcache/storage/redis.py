@@ -11,6 +11,7 @@ never garbage. Batches go in one pipelined round trip (``max_batch`` chunks).
 from __future__ import annotations
 
 import contextlib
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,11 +31,78 @@ from kvcache.storage.redis_url import redact
 DEFAULT_MAX_BATCH = 16
 
 
-class RedisL2Adapter(L2Adapter):
+class PipelinedChunks(L2Adapter):
+    """What the one-server and the cluster tier share: one key per chunk (``chunk_name``),
+    values in the record format, batches as one pipelined ``SET``/``GET``/``EXISTS`` per item.
+
+    A tier supplies ``_run`` (per command the reply or a tagged ``StorageError``: a failure
+    fails only its own commands) and ``_drop_corrupt`` (delete records that failed their
+    checks; a failed delete leaves a miss that the next load finds corrupt again).
+    """
+
+    keeps_meta = True  # another daemon that loads the chunk announces it as its writer did
+    key_prefix: str
+    ttl_s: int | None
+
+    @abstractmethod
+    def _run(self, op: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]: ...
+
+    @abstractmethod
+    def _drop_corrupt(self, keys: list[ChunkKey]) -> None: ...
+
+    def _name(self, key: ChunkKey) -> bytes:
+        return chunk_name(self.key_prefix, key)
+
+    def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
+        return unwrap(self.store_many([(key, chunk, announce)]))
+
+    def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        return unwrap(self.load_many([(key, out)]))
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [unwrap([r]) for r in self.contains_many(keys)]
+
+    def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
+        return self.store_many_with_meta(items, [b""] * len(items))
+
+    def store_many_with_meta(
+        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+    ) -> list[int | Exception]:
+        values = [
+            encode_or_error(key, chunk, meta) for (key, chunk, _), meta in zip(items, metas, strict=True)
+        ]
+        ex = ("EX", self.ttl_s) if self.ttl_s else ()
+        commands = [
+            ("SET", self._name(key), v, *ex)
+            for (key, _, _), v in zip(items, values, strict=True)
+            if not isinstance(v, Exception)
+        ]
+        replies = iter(self._run("store", commands))
+        out: list[int | Exception] = []
+        for (_, _, announce), value in zip(items, values, strict=True):
+            out.append(value if isinstance(value, Exception) else stored(next(replies), value, announce))
+        return out
+
+    def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
+        return self.load_many_with_meta(items)[0]
+
+    def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
+        replies = self._run("load", [("GET", self._name(key)) for key, _ in items])
+        out, metas = decoded_all(items, replies)
+        corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return out, metas
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
+        replies = self._run("contains", [("EXISTS", self._name(key)) for key in keys])
+        return [r if isinstance(r, Exception) else bool(r) for r in replies]
+
+
+class RedisL2Adapter(PipelinedChunks):
     """Values ``<prefix><32 hex digits of the key>`` = header + payload."""
 
     backend = "redis"
-    keeps_meta = True  # another daemon that loads the chunk announces it as its writer did
 
     def __init__(
         self,
@@ -66,19 +134,7 @@ class RedisL2Adapter(L2Adapter):
                 self._client, key_prefix=key_prefix, backend=self.backend, bus=bus
             )
 
-    def _name(self, key: ChunkKey) -> bytes:
-        return chunk_name(self.key_prefix, key)
-
     # -- L2Adapter ------------------------------------------------------------------------
-    def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
-        return unwrap(self.store_many([(key, chunk, announce)]))
-
-    def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        return unwrap(self.load_many([(key, out)]))
-
-    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [unwrap([r]) for r in self.contains_many(keys)]
-
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         if not keys:
             return 0
@@ -86,40 +142,6 @@ class RedisL2Adapter(L2Adapter):
             return int(self._client.delete(*(self._name(k) for k in keys)))
         except Exception as exc:
             raise storage_failure(exc, "delete") from exc
-
-    def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
-        return self.store_many_with_meta(items, [b""] * len(items))
-
-    def store_many_with_meta(
-        self, items: Sequence[StoreItem], metas: Sequence[bytes]
-    ) -> list[int | Exception]:
-        values = [
-            encode_or_error(key, chunk, meta) for (key, chunk, _), meta in zip(items, metas, strict=True)
-        ]
-        commands = [
-            ("SET", self._name(key), v, *(("EX", self.ttl_s) if self.ttl_s else ()))
-            for (key, _, _), v in zip(items, values, strict=True)
-            if not isinstance(v, Exception)
-        ]
-        replies = iter(self._pipeline(commands, "store"))
-        out: list[int | Exception] = []
-        for (_, _, announce), value in zip(items, values, strict=True):
-            out.append(value if isinstance(value, Exception) else stored(next(replies), value, announce))
-        return out
-
-    def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
-        return self.load_many_with_meta(items)[0]
-
-    def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
-        replies = self._pipeline([("GET", self._name(key)) for key, _ in items], "load")
-        out, metas = decoded_all(items, replies)
-        corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
-        self._drop_corrupt(corrupt)
-        return out, metas
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
-        replies = self._pipeline([("EXISTS", self._name(key)) for key in keys], "contains")
-        return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
     def info(self) -> dict[str, Any]:
         watched = self._watcher.state if self._watcher is not None else "off"
@@ -137,7 +159,7 @@ class RedisL2Adapter(L2Adapter):
         self._client.connection_pool.disconnect()
 
     # -- internals ------------------------------------------------------------------------
-    def _pipeline(self, commands: Sequence[tuple[Any, ...]], op: str) -> list[Any]:
+    def _run(self, op: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run ``commands`` in one round trip; per command the reply or a ``StorageError``
         (a lost connection fails every command of the batch)."""
         if not commands:
@@ -262,6 +284,7 @@ def storage_failure(exc: BaseException, op: str, scope: str = "tier", where: str
 
 __all__ = [
     "DEFAULT_MAX_BATCH",
+    "PipelinedChunks",
     "RedisL2Adapter",
     "chunk_name",
     "decoded",

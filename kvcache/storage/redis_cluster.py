@@ -30,25 +30,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 
-from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.errors import StorageError
 from kvcache.observability.event import EventSink, NullEventSink
 from kvcache.records import ChunkKey
-from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, failure_reason, storage_error
-from kvcache.storage.redis import (
-    DEFAULT_MAX_BATCH,
-    chunk_name,
-    decoded_all,
-    encode_or_error,
-    storage_failure,
-    stored,
-    unwrap,
-)
+from kvcache.storage.base import failure_reason, storage_error
+from kvcache.storage.redis import DEFAULT_MAX_BATCH, PipelinedChunks, storage_failure
 from kvcache.storage.redis_cluster_notify import ClusterEvictionWatcher
 from kvcache.storage.redis_url import RedisURLError, parse_redis_url
 
@@ -114,11 +105,10 @@ class ShardHealth:
             return {n: round(max(0.0, at - now), 3) for n, at in self._retry_at.items()}
 
 
-class RedisClusterL2Adapter(L2Adapter):
+class RedisClusterL2Adapter(PipelinedChunks):
     """Values ``<prefix><32 hex digits of the key>`` = header + payload, spread over the slots."""
 
     backend = "redis-cluster"
-    keeps_meta = True  # another daemon that loads the chunk announces it as its writer did
 
     def __init__(
         self,
@@ -174,57 +164,12 @@ class RedisClusterL2Adapter(L2Adapter):
             )
 
     # -- L2Adapter ------------------------------------------------------------------------
-    def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
-        return unwrap(self.store_many([(key, chunk, announce)]))
-
-    def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        return unwrap(self.load_many([(key, out)]))
-
-    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [unwrap([r]) for r in self.contains_many(keys)]
-
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         replies = self._run("delete", [("DEL", self._name(k)) for k in keys])
         errors = [r for r in replies if isinstance(r, Exception)]
         if errors:
             raise errors[0]
         return sum(int(r) for r in replies)
-
-    def store_many(self, items: Sequence[StoreItem]) -> list[int | Exception]:
-        return self.store_many_with_meta(items, [b""] * len(items))
-
-    def store_many_with_meta(
-        self, items: Sequence[StoreItem], metas: Sequence[bytes]
-    ) -> list[int | Exception]:
-        values = [
-            encode_or_error(key, chunk, meta) for (key, chunk, _), meta in zip(items, metas, strict=True)
-        ]
-        ex = ("EX", self.ttl_s) if self.ttl_s else ()
-        commands = [
-            ("SET", self._name(key), v, *ex)
-            for (key, _, _), v in zip(items, values, strict=True)
-            if not isinstance(v, Exception)
-        ]
-        replies = iter(self._run("store", commands))
-        out: list[int | Exception] = []
-        for (_, _, announce), value in zip(items, values, strict=True):
-            out.append(value if isinstance(value, Exception) else stored(next(replies), value, announce))
-        return out
-
-    def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
-        return self.load_many_with_meta(items)[0]
-
-    def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
-        replies = self._run("load", [("GET", self._name(key)) for key, _ in items])
-        out, metas = decoded_all(items, replies)
-        corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
-        if corrupt:  # a failed delete leaves a miss: the next load finds it corrupt again
-            self._run("delete", [("DEL", self._name(k)) for k in corrupt])
-        return out, metas
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | Exception]:
-        replies = self._run("contains", [("EXISTS", self._name(key)) for key in keys])
-        return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
     def info(self) -> dict[str, Any]:
         """Seeds, the masters the client routes to now, the shards failing fast and the masters
@@ -250,8 +195,9 @@ class RedisClusterL2Adapter(L2Adapter):
             client.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _name(self, key: ChunkKey) -> bytes:
-        return chunk_name(self.key_prefix, key)
+    def _drop_corrupt(self, keys: list[ChunkKey]) -> None:
+        # A failed delete leaves a miss: the next load finds it corrupt again.
+        self._run("delete", [("DEL", self._name(k)) for k in keys])
 
     def _cluster(self) -> RedisCluster:
         """The client, created on first use (it reads the slot table from a seed)."""
