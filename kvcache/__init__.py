@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 # working on machines that have only torch and the native module.
 _LAZY = {
     "CacheEngine": "kvcache.engine.engine",
+    "RetrieveResult": "kvcache.engine.engine",
     "StoreResult": "kvcache.engine.engine",
     "EngineConfig": "kvcache.config",
     "OffloadStats": "kvcache.engine.stats",
@@ -60,6 +61,7 @@ __all__ = [
     "LayoutError",
     "OffloadStats",
     "ProtocolError",
+    "RetrieveResult",
     "StorageError",
     "StoreResult",
     "UnknownInstanceError",

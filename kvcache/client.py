@@ -480,7 +480,7 @@ class KVCacheClient:
     ) -> int:
         """Copy cached chunks into ``block_ids``; returns the valid prefix length in tokens."""
         msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
-        return self._finish_retrieve(self._call(msg, m.RetrieveResult))
+        return self._finish_retrieve(self._call(msg, m.RetrieveResult)).retrieved_tokens
 
     def retrieve_async(
         self,
@@ -492,8 +492,36 @@ class KVCacheClient:
         request_id: str = "",
         key_extra: str = "",
     ) -> Future[int]:
-        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
+        """``retrieve`` without waiting: the future holds the valid prefix length."""
         out: Future[int] = Future()
+        inner = self.retrieve_reply_async(
+            token_ids, block_ids, skip_tokens, cache_salt=cache_salt, request_id=request_id,
+            key_extra=key_extra,
+        )  # fmt: skip
+
+        def done(f: Future[m.RetrieveResult]) -> None:
+            try:
+                out.set_result(f.result().retrieved_tokens)
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        inner.add_done_callback(done)
+        return out
+
+    def retrieve_reply_async(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        skip_tokens: int = 0,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        key_extra: str = "",
+    ) -> Future[m.RetrieveResult]:
+        """``retrieve_async`` with the daemon's whole reply: the prefix length and what its
+        copies moved (``num_bytes``, ``transfer_seconds``), for offload statistics."""
+        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
+        out: Future[m.RetrieveResult] = Future()
         inner = self._chain(self._submit(msg), m.RetrieveResult)
 
         def done(f: Future[m.RetrieveResult]) -> None:
@@ -505,13 +533,13 @@ class KVCacheClient:
         inner.add_done_callback(done)
         return out
 
-    def _finish_retrieve(self, reply: m.RetrieveResult) -> int:
+    def _finish_retrieve(self, reply: m.RetrieveResult) -> m.RetrieveResult:
         if reply.cuda_event is not None and self._device.type == "cuda":
             # The engine's stream must not touch the blocks before the daemon's copy is done.
             from kvcache.server.ipc import wait_ipc_event
 
             wait_ipc_event(reply.cuda_event, self._device)
-        return reply.retrieved_tokens
+        return reply
 
     @staticmethod
     def _chain(raw: Future[Any], expected: type[R]) -> Future[R]:

@@ -70,3 +70,9 @@ def daemon_starter(base_args: list[str]) -> Iterator[Callable[..., DaemonProcess
     for d in started:
         d.kill()
         d.remove_runtime_dir()
+
+
+def counts(result: Any) -> tuple[int, int, int, int]:
+    """A store result's chunk and token counts (stored, skipped, failed, stored tokens),
+    without its measured bytes and seconds, for exact comparisons."""
+    return (result.stored_chunks, result.skipped_chunks, result.failed_chunks, result.stored_tokens)

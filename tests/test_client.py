@@ -82,7 +82,17 @@ def test_future_forms_overlap_and_resolve(daemon: DaemonProcess) -> None:
         c.register_kv_caches(kv)
         prompts = [[p * 1000 + i for i in range(32)] for p in range(8)]
         futures = [c.store_async(p, BLOCKS[i * 4 : i * 4 + 8][:8]) for i, p in enumerate(prompts[:4])]
-        assert [f.result(timeout=10).stored_tokens for f in futures] == [32] * 4
+        stored = [f.result(timeout=10) for f in futures]
+        assert [r.stored_tokens for r in stored] == [32] * 4
+        token_bytes = 2 * 2 * 2 * 8 * 2  # layers x (K, V) x heads x head size x fp16
+        # the daemon's copy figures travel with each reply (the engine's one statistics source)
+        assert [r.num_bytes for r in stored] == [32 * token_bytes] * 4
+        assert all(r.transfer_seconds > 0 for r in stored)
+        again = c.store(prompts[0], BLOCKS[:8])
+        assert (again.skipped_chunks, again.num_bytes, again.transfer_seconds) == (2, 0, 0.0)
+        reply = c.retrieve_reply_async(prompts[0], BLOCKS[:8], skip_tokens=4).result(timeout=10)
+        assert (reply.retrieved_tokens, reply.num_bytes) == (32, 28 * token_bytes)
+        assert reply.transfer_seconds > 0
         for t in kv:
             t.zero_()
         got = [c.retrieve_async(p, BLOCKS[i * 4 : i * 4 + 8]) for i, p in enumerate(prompts[:4])]

@@ -46,7 +46,7 @@ from kvcache.engine.instance import Instance
 from kvcache.engine.load import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
-from kvcache.engine.records import StoreResult
+from kvcache.engine.records import RetrieveResult, StoreResult
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.errors import BlockIdError, LayoutError, LimitExceededError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
@@ -245,7 +245,7 @@ class CacheEngine:
             request_id=request_id,
             copy_by=copy_by,
         )
-        return self._wait(instance_id, future)
+        return self._wait(instance_id, future).retrieved_tokens
 
     def _wait(self, instance_id: int, future: Future[_T]) -> _T:
         """``future.result()``, refused on the instance's completer thread (a done-callback
@@ -268,9 +268,10 @@ class CacheEngine:
         cache_salt: str = "",
         request_id: str = "",
         copy_by: float | None = None,
-    ) -> Future[int]:
+    ) -> Future[RetrieveResult]:
         """``retrieve`` without waiting for the copy: the future resolves (after
-        ``MP_RETRIEVE_END``) once the blocks hold the prefix; errors are set on it.
+        ``MP_RETRIEVE_END``) once the blocks hold the prefix, with the prefix length and
+        what the copies moved (``RetrieveResult``); errors are set on it.
 
         NOTE: this call itself waits, within ``retrieve_wait_timeout_s`` and ``copy_by``, for
         the L2 loads a lookup began. The engine must not read ``block_ids`` before the future
@@ -381,4 +382,4 @@ def _failed(err: BaseException) -> Future[Any]:
     return future
 
 
-__all__ = ["CacheEngine", "LookupHit", "StoreResult"]
+__all__ = ["CacheEngine", "LookupHit", "RetrieveResult", "StoreResult"]

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
 from kvcache.engine.instance import Instance
 from kvcache.engine.parts import EngineParts
-from kvcache.engine.records import CopyTally
+from kvcache.engine.records import CopyTally, RetrieveResult
 from kvcache.errors import ChunkMismatchError, DeadlineExceededError
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart
 from kvcache.records import ChunkKey
@@ -117,14 +117,14 @@ def retrieve_async(
     cache_salt: str,
     request_id: str,
     copy_by: float | None = None,
-) -> Future[int]:
+) -> Future[RetrieveResult]:
     """See ``CacheEngine.retrieve_async``. Never raises: every error is set on the future.
 
     The caller's thread checks the request, pins the prefix (waiting for the L2 loads a lookup
     began, within ``retrieve_wait_timeout_s``) and submits one copy; its completion on the
     instance's completer thread releases the chunks, publishes the end event and resolves.
     """
-    future: Future[int] = Future()
+    future: Future[RetrieveResult] = Future()
     try:
         _start_retrieve(
             parts, inst, token_ids, block_ids, skip_tokens, cache_salt, request_id, copy_by, future
@@ -143,7 +143,7 @@ def _start_retrieve(
     cache_salt: str,
     request_id: str,
     copy_by: float | None,
-    future: Future[int],
+    future: Future[RetrieveResult],
 ) -> None:
     ctx = inst.ctx
     num_tokens = len(token_ids)
@@ -178,7 +178,7 @@ def _start_retrieve(
             error is None,
         )  # fmt: skip
         if error is None:
-            future.set_result(retrieved)
+            future.set_result(RetrieveResult(retrieved, copies.nbytes, copies.seconds))
         else:
             future.set_exception(error)
 

@@ -218,8 +218,8 @@ class _StoreOp:
         num_tokens = len(self.token_ids)
         if error is not None:  # earlier batches stay stored; the rest of the request is lost
             failed = len(self.keys) - stored - skipped
-        result = StoreResult(stored, skipped, failed, stored * cs)
         tally = self.tally
+        result = StoreResult(stored, skipped, failed, stored * cs, tally.nbytes, tally.seconds)
         parts.stats.record_store(tally.nbytes, tally.seconds, tally.blocks * inst.ctx.block_size)
         hashes = self.block_hashes if error is None else None
         parts.events.store_end(inst, self.sid, num_tokens, result, tally, error is None, hashes)

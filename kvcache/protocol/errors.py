@@ -11,6 +11,7 @@ from kvcache.errors import (
     AccessDeniedError,
     BlockIdError,
     ChunkMismatchError,
+    CudaError,
     CudaUnavailableError,
     DeadlineExceededError,
     KvcacheError,
@@ -49,13 +50,15 @@ _CODE_TO_CLASS: dict[ErrorCode, type[Exception]] = {
     ErrorCode.CHUNK_MISMATCH: ChunkMismatchError,
     ErrorCode.STORAGE: StorageError,
     ErrorCode.CUDA_UNAVAILABLE: CudaUnavailableError,
+    ErrorCode.CUDA: CudaError,
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
     ErrorCode.ACCESS_DENIED: AccessDeniedError,
     ErrorCode.LIMIT: LimitExceededError,
     ErrorCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
-# Most specific first: CorruptChunkError is a StorageError, UnknownInstanceError a KeyError.
+# Most specific first: CorruptChunkError is a StorageError, UnknownInstanceError a KeyError,
+# CudaUnavailableError a CudaError.
 _CLASS_TO_CODE: list[tuple[type[BaseException], ErrorCode]] = [
     (UnknownInstanceError, ErrorCode.UNKNOWN_INSTANCE),
     (AccessDeniedError, ErrorCode.ACCESS_DENIED),
@@ -66,6 +69,7 @@ _CLASS_TO_CODE: list[tuple[type[BaseException], ErrorCode]] = [
     (ChunkMismatchError, ErrorCode.CHUNK_MISMATCH),
     (StorageError, ErrorCode.STORAGE),
     (CudaUnavailableError, ErrorCode.CUDA_UNAVAILABLE),
+    (CudaError, ErrorCode.CUDA),
     (ProtocolError, ErrorCode.BAD_MESSAGE),
     (ValueError, ErrorCode.BAD_REQUEST),
     (IndexError, ErrorCode.BAD_REQUEST),

@@ -48,6 +48,7 @@ class ErrorCode(str, enum.Enum):
     CHUNK_MISMATCH = "chunk_mismatch"
     STORAGE = "storage"
     CUDA_UNAVAILABLE = "cuda_unavailable"
+    CUDA = "cuda"  # the daemon's CUDA runtime or driver failed (device fault, out of memory, a handle)
     BAD_REQUEST = "bad_request"  # well-formed but invalid arguments
     SHUTTING_DOWN = "shutting_down"
     ACCESS_DENIED = "access_denied"  # wrong or missing registration token, tenant restriction
@@ -285,10 +286,16 @@ class LookupResult(Reply, tag="lookup"):
 
 
 class StoreResult(Reply, tag="store"):
+    """``num_bytes`` / ``transfer_seconds``: what the daemon's copies of this store moved and
+    how long they ran (from its transfer records), so an engine reports offload statistics
+    from the one source the daemon's own metrics use."""
+
     stored_chunks: int
     skipped_chunks: int
     failed_chunks: int
     stored_tokens: int
+    num_bytes: NonNegInt = 0
+    transfer_seconds: float = 0.0
 
 
 class RetrieveResult(Reply, tag="retrieve"):
@@ -301,6 +308,9 @@ class RetrieveResult(Reply, tag="retrieve"):
 
     retrieved_tokens: int
     cuda_event: bytes | None = None
+    num_bytes: NonNegInt = 0
+    """As on ``StoreResult``."""
+    transfer_seconds: float = 0.0
 
 
 class StatusResult(Reply, tag="status"):

@@ -36,6 +36,7 @@ from kvcache.server.registry import Instance, InstanceRegistry
 
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
+    from kvcache.engine.records import RetrieveResult, StoreResult
     from kvcache.server.fdpass import FdInbox
 
 log = logging.getLogger("kvcache.server")
@@ -305,7 +306,7 @@ class Handlers:
             request_id=req.request_id,
             copy_by=copy_deadline(req.deadline_ms),
         )
-        return then(got, lambda tokens: m.RetrieveResult(retrieved_tokens=tokens))
+        return then(got, _retrieve_reply)
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)
@@ -359,12 +360,22 @@ def _error_reply(exc: BaseException, body: m.RequestBody) -> m.Error:
     return error
 
 
-def _store_reply(result: Any) -> m.ReplyBody:
+def _store_reply(result: StoreResult) -> m.ReplyBody:
     return m.StoreResult(
         stored_chunks=result.stored_chunks,
         skipped_chunks=result.skipped_chunks,
         failed_chunks=result.failed_chunks,
         stored_tokens=result.stored_tokens,
+        num_bytes=result.num_bytes,
+        transfer_seconds=result.transfer_seconds,
+    )
+
+
+def _retrieve_reply(result: RetrieveResult) -> m.ReplyBody:
+    return m.RetrieveResult(
+        retrieved_tokens=result.retrieved_tokens,
+        num_bytes=result.num_bytes,
+        transfer_seconds=result.transfer_seconds,
     )
 
 

@@ -29,7 +29,7 @@ from kvcache.observability.event import EventType
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler, native_cpu_copy
 from kvcache.transfer.validate import CheckedJob
-from tests.helpers import RecordingSink
+from tests.helpers import RecordingSink, counts
 
 BS, CS = 16, 32
 FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
@@ -111,7 +111,7 @@ def test_many_stores_in_flight_become_visible_only_when_their_copies_finish(gate
     assert not sink.of(EventType.MP_STORE_END) and not sink.of(EventType.L1_WRITE_FINISHED)
     for p in range(PROMPTS):
         gate.allow()
-        assert futures[p].result(30) == StoreResult(4, 0, 0, 4 * CS)
+        assert counts(futures[p].result(30)) == (4, 0, 0, 4 * CS)
         ends = sink.of(EventType.MP_STORE_END)
         assert [ev.session_id for ev in ends] == [f"r{q}" for q in range(p + 1)]  # before resolving
         assert e.lookup(1, prompt(p)) == 4 * CS
@@ -140,7 +140,7 @@ def test_completions_follow_submission_order_and_a_store_reads_before_a_later_re
     for name, f in (("store0", store0), ("load1", load1), ("store2", store2)):
         f.add_done_callback(lambda _f, name=name: order.append(name))  # type: ignore[misc]
     gate.allow(3)
-    assert store0.result(30).stored_chunks == 4 and load1.result(30) == 4 * CS
+    assert store0.result(30).stored_chunks == 4 and load1.result(30).retrieved_tokens == 4 * CS
     assert store2.result(30).stored_chunks == 4
     assert order == ["store0", "load1", "store2"]
     dst = make_kv_caches(FMT, num_blocks=NB, block_size=BS, seed=3)
@@ -198,7 +198,7 @@ def test_a_copy_queued_past_its_copy_by_never_starts(gate: CopyGate) -> None:
     assert held.result(30).stored_chunks == 4
     with pytest.raises(DeadlineExceededError):
         late_store.result(30)
-    assert late_load.result(30) == 0  # it found nothing to copy, so nothing was late
+    assert late_load.result(30).retrieved_tokens == 0  # it found nothing to copy, so nothing was late
     assert e.lookup(1, prompt(1)) == 0 and e.status()["l1"]["num_chunks"] == 4
     assert caches_equal(caches, before)
     e.close()
@@ -226,16 +226,22 @@ def test_offload_figures_come_from_the_transfer_results_alone(gate: CopyGate) ->
     e, _ = make_engine(sink)
     gate.allow(10)
     futures: list[Future[Any]] = [e.store_async(1, prompt(p), blocks(p)) for p in range(2)]
-    assert [f.result(30).stored_chunks for f in futures] == [4, 4]
-    assert e.store(1, prompt(0), blocks(0)).skipped_chunks == 4  # no copy: no figures
-    assert e.retrieve(1, prompt(1), blocks(3), skip_tokens=BS) == 4 * CS
+    results = [f.result(30) for f in futures]
+    assert [r.stored_chunks for r in results] == [4, 4]
+    again = e.store(1, prompt(0), blocks(0))
+    assert again.skipped_chunks == 4 and again.num_bytes == 0  # no copy: no figures
+    loaded = e.retrieve_async(1, prompt(1), blocks(3), skip_tokens=BS).result(30)
+    assert loaded.retrieved_tokens == 4 * CS
     stats = e.stats_snapshot()
     stores, loads = sink.of(EventType.MP_STORE_END), sink.of(EventType.MP_RETRIEVE_END)
     chunk_bytes = e.status()["instances"][0]["chunk_bytes"]
     assert stats.store.bytes == sum(ev.metadata.num_bytes for ev in stores) == 8 * chunk_bytes
+    assert [r.num_bytes for r in results] == [4 * chunk_bytes] * 2  # the callers see the same figures
     assert stats.store.seconds == pytest.approx(sum(ev.metadata.transfer_seconds for ev in stores))
+    assert stats.store.seconds == pytest.approx(sum(r.transfer_seconds for r in results))
     assert stats.store.ops == 2 and stats.store.tokens == 8 * CS
     assert stats.load.bytes == loads[0].metadata.num_bytes == 4 * chunk_bytes - chunk_bytes // 2
+    assert loaded.num_bytes == stats.load.bytes and loaded.transfer_seconds == stats.load.seconds > 0
     assert stats.load.seconds == pytest.approx(loads[0].metadata.transfer_seconds)
     assert stats.load.tokens == 4 * CS - BS
     e.close()

@@ -7,6 +7,8 @@ import pytest
 from kvcache.errors import (
     BlockIdError,
     CorruptChunkError,
+    CudaError,
+    CudaUnavailableError,
     LayoutError,
     ProtocolError,
     StorageError,
@@ -31,6 +33,8 @@ from kvcache.protocol.messages import Error, ErrorCode
         (CorruptChunkError("crc"), ErrorCode.STORAGE, StorageError),
         (ProtocolError("x"), ErrorCode.BAD_MESSAGE, ProtocolError),
         (ValueError("neg"), ErrorCode.BAD_REQUEST, RemoteError),
+        (CudaError("device fault"), ErrorCode.CUDA, CudaError),
+        (CudaUnavailableError("no GPU"), ErrorCode.CUDA_UNAVAILABLE, CudaUnavailableError),
     ],
 )
 def test_round_trip_keeps_the_class_and_message(
