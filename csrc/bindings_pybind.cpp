@@ -148,7 +148,6 @@ PYBIND11_MODULE(_native, m) {
   m.def("copy_unit_bytes", [](const kvc::PageTable& t, const std::vector<uint64_t>& chunks) {
     return kvc::copy_unit_bytes(t, chunks.data(), static_cast<int64_t>(chunks.size()));
   });
-  m.def("monotonic_ns", &kvc::monotonic_ns, "CLOCK_MONOTONIC in ns (the stream-event clock).");
   m.def("cuda_compiled", &kvc::cuda_compiled, "True when the CUDA kernels were built.");
   m.def("cuda_device_count", &kvc::cuda_device_count,
         "Visible CUDA devices; 0 without a driver. Never raises.");
@@ -171,10 +170,4 @@ PYBIND11_MODULE(_native, m) {
           py::arg("stream"))
       .def_property_readonly("max_block_ids", &kvc::CudaTransfer::max_block_ids)
       .def_property_readonly("last_copy_unit", &kvc::CudaTransfer::last_copy_unit);
-
-  py::class_<kvc::HostEventQueue>(m, "HostEventQueue")
-      .def(py::init<>())
-      .def("record", &kvc::HostEventQueue::record, py::arg("stream"), py::arg("token"),
-           "Enqueue a host function on the stream that stamps (token, monotonic ns).")
-      .def("drain", &kvc::HostEventQueue::drain, "Take every (token, ns) recorded so far.");
 }

@@ -92,7 +92,4 @@ void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes, int num_threads
 // Largest copy unit (16, 4, 2 or 1 bytes) that divides the page and every address.
 int copy_unit_bytes(const PageTable& table, const uint64_t* chunk_ptrs, int64_t n_chunks);
 
-// Monotonic clock in nanoseconds (CLOCK_MONOTONIC), shared by host-side event stamps.
-int64_t monotonic_ns();
-
 }  // namespace kvc

@@ -1,6 +1,5 @@
 // Layout table evaluation, validation and the CPU twin of the transfer kernels.
 #include <omp.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstring>
@@ -255,12 +254,6 @@ int copy_unit_bytes(const PageTable& table, const uint64_t* chunk_ptrs, int64_t 
     if ((bits % static_cast<uint64_t>(unit)) == 0) return unit;
   }
   return 1;
-}
-
-int64_t monotonic_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
 }  // namespace kvc

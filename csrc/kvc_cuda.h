@@ -3,10 +3,7 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <stdexcept>
-#include <utility>
-#include <vector>
 
 #include "kvc.h"
 
@@ -46,20 +43,6 @@ class CudaTransfer {
   int64_t max_chunks_;
   int last_unit_ = 0;
   Impl* impl_ = nullptr;
-};
-
-// Events recorded on a CUDA stream by a host function that never takes the GIL: the
-// callback appends (token, monotonic ns) under a mutex; Python drains the list.
-class HostEventQueue {
- public:
-  HostEventQueue();
-  ~HostEventQueue();
-  void record(uint64_t stream, int64_t token);
-  std::vector<std::pair<int64_t, int64_t>> drain();
-  struct State;
-
- private:
-  State* state_;
 };
 
 }  // namespace kvc

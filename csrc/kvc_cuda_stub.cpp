@@ -1,6 +1,4 @@
 // Built instead of kvc_cuda.cu when nvcc is absent: every CUDA entry point says so.
-#include <mutex>
-
 #include "kvc_cuda.h"
 
 namespace kvc {
@@ -21,16 +19,5 @@ CudaTransfer::~CudaTransfer() = default;
 void CudaTransfer::copy(const TransferSpec&, uint64_t) {
   throw CudaUnavailable("kvcache was built without CUDA");
 }
-
-struct HostEventQueue::State {};
-
-HostEventQueue::HostEventQueue() : state_(new State()) {}
-HostEventQueue::~HostEventQueue() { delete state_; }
-
-void HostEventQueue::record(uint64_t, int64_t) {
-  throw CudaUnavailable("kvcache was built without CUDA");
-}
-
-std::vector<std::pair<int64_t, int64_t>> HostEventQueue::drain() { return {}; }
 
 }  // namespace kvc

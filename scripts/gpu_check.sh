@@ -2,7 +2,7 @@
 # Everything CUDA in one go, for the day a machine with an NVIDIA GPU is at hand:
 #   1. builds kvcache._native with the CUDA kernels (KVCACHE_BUILD_CUDA=1, in place);
 #   2. runs every CUDA test (pytest -m cuda: kernels vs the CPU reference for every layout,
-#      CUDA IPC across processes, the daemon end to end over CUDA IPC, stream-ordered events)
+#      CUDA IPC across processes, the daemon end to end over CUDA IPC)
 #      with KVCACHE_REQUIRE_CUDA=1, so nothing can pass by skipping;
 #   3. runs the GPU transfer benchmark (kernel vs cudaMemcpy ceilings);
 # and writes one report directory: summary.md, the logs, JUnit XML and the benchmark JSON.

@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # the real names for type checkers; at run time they load on 
     )
     from kvcache.observability.prometheus import PrometheusEndpoint, start_prometheus_endpoint
     from kvcache.observability.runtime import Observability, init_observability
-    from kvcache.observability.stream import AnchoredClock, publish_on_stream
 
 _HOME = {
     "DisabledEventBus": "bus",
@@ -44,8 +43,6 @@ _HOME = {
     "start_prometheus_endpoint": "prometheus",
     "Observability": "runtime",
     "init_observability": "runtime",
-    "AnchoredClock": "stream",
-    "publish_on_stream": "stream",
 }
 
 
@@ -59,7 +56,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AnchoredClock",
     "BlockAllocationRecord",
     "ChunkKey",
     "DisabledEventBus",
@@ -74,6 +70,5 @@ __all__ = [
     "PrometheusEndpoint",
     "add_observability_args",
     "init_observability",
-    "publish_on_stream",
     "start_prometheus_endpoint",
 ]

@@ -24,14 +24,12 @@ Contract:
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -40,17 +38,11 @@ from kvcache.observability.disabled import DisabledEventBus  # the null twin, re
 from kvcache.observability.event import Event, EventType
 from kvcache.observability.instruments import MetricSet
 
-if TYPE_CHECKING:
-    from kvcache.observability.stream import StreamEventRecorder
-
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[Event], None]
-Poller = Callable[[], bool]
-"""Called by the dispatcher while idle and by ``flush``; returns True while it has pending
-work (the dispatcher then wakes up every ``poll_interval`` seconds to call it again)."""
 
-_BATCH_LIMIT = 4096  # events between two poller runs under sustained load
+_BATCH_LIMIT = 4096  # events per hold of the dispatch lock under sustained load
 _LAG_SAMPLE_EVERY = 256  # besides the first event of every batch
 _WARN_INTERVAL_S = 10.0
 
@@ -88,17 +80,15 @@ class EventBus:
         max_queue_size: int = 10_000,
         *,
         registry: CollectorRegistry | None,
-        poll_interval: float = 0.001,
     ) -> None:
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
         self.max_queue_size = max_queue_size
-        self.poll_interval = poll_interval
         # (event, monotonic enqueue time); a flush marker is (None, threading.Event).
         self._queue: deque[tuple[Event | None, float | threading.Event]] = deque()
         self._publish_lock = threading.Lock()  # makes "check length + append" atomic
         self._dispatch_lock = threading.Lock()  # one dispatching thread at a time
-        self._state_lock = threading.RLock()
+        self._state_lock = threading.Lock()
         self._wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._idle = False
         self._closed = False
@@ -107,8 +97,6 @@ class EventBus:
         # Keyed by the EventType's value: a str hash is cached, an Enum member's is a Python call.
         self._routes: dict[str, tuple[tuple[str, Callback], ...]] = {}
         self._subscribers: list[EventSubscriber] = []
-        self._pollers: list[Poller] = []
-        self._stream_recorder: StreamEventRecorder | None = None
         # Self-metrics: plain ints, read by the collector at scrape time.
         self._accepted = 0
         self._dispatched = 0
@@ -161,23 +149,6 @@ class EventBus:
     def subscribers(self) -> tuple[EventSubscriber, ...]:
         return tuple(self._subscribers)
 
-    def add_poller(self, poller: Poller) -> None:
-        """Have the dispatcher (and ``flush``) call ``poller`` to publish deferred events."""
-        with self._state_lock:
-            self._pollers = [*self._pollers, poller]
-        self.wake()
-
-    @property
-    def stream_recorder(self) -> StreamEventRecorder:
-        """The recorder behind ``publish_on_stream`` for this bus, created on first use."""
-        with self._state_lock:
-            if self._stream_recorder is None:
-                from kvcache.observability.stream import StreamEventRecorder
-
-                self._stream_recorder = StreamEventRecorder(self)
-            recorder = self._stream_recorder
-        return recorder
-
     def start(self) -> None:
         """Start the dispatcher thread; a second call is a no-op."""
         with self._state_lock:
@@ -197,17 +168,14 @@ class EventBus:
 
         Returns False if ``timeout`` seconds passed first. Without a running dispatcher
         (not started, or stopped) the caller's thread dispatches the backlog itself.
-        NOTE: an event given to ``publish_on_stream`` counts as published once its CUDA
-        stream reached it; synchronise the stream before flushing to include it.
         """
-        self._poll()
         thread = self._thread
         if thread is None or not thread.is_alive():
             return self._drain_inline(timeout)
         done = threading.Event()
         with self._publish_lock:
             self._queue.append((None, done))
-        self.wake()
+        self._wake()
         if done.wait(timeout):
             return True
         if not thread.is_alive():  # stopped meanwhile: the marker may be stranded
@@ -220,11 +188,10 @@ class EventBus:
             if self._stopped:
                 return
             self._stopped = True
-        self._poll()
         self._closed = True
         thread = self._thread
         if thread is not None:
-            self.wake()
+            self._wake()
             thread.join(timeout)
         self._drain_inline(timeout)
         for subscriber in self._subscribers:
@@ -265,19 +232,9 @@ class EventBus:
 
     # -- dispatcher ----------------------------------------------------------------------
 
-    def wake(self) -> None:
-        """Make the dispatcher run its pollers now (``publish_on_stream`` uses it)."""
+    def _wake(self) -> None:
         self._idle = False
         self._wakeup.put(None)
-
-    def _poll(self) -> bool:
-        pending = False
-        for poller in self._pollers:
-            try:
-                pending = poller() or pending
-            except Exception:
-                logger.exception("event-bus poller failed")
-        return pending
 
     def _run(self) -> None:
         q = self._queue
@@ -285,18 +242,14 @@ class EventBus:
             if q:
                 with self._dispatch_lock:
                     self._dispatch_batch(_BATCH_LIMIT)
-                if self._pollers:
-                    self._poll()  # stream events must not wait for the queue to empty
                 continue
-            pending = self._poll() if self._pollers else False
             self._idle = True
             if q:  # published between the check above and going idle
                 self._idle = False
                 continue
             if self._closed:
                 return
-            with contextlib.suppress(queue.Empty):
-                self._wakeup.get(timeout=self.poll_interval if pending else None)
+            self._wakeup.get()
             self._idle = False
 
     def _drain_inline(self, timeout: float | None) -> bool:
@@ -364,4 +317,4 @@ class EventBus:
         )
 
 
-__all__ = ["Callback", "DisabledEventBus", "EventBus", "EventSubscriber", "Poller"]
+__all__ = ["Callback", "DisabledEventBus", "EventBus", "EventSubscriber"]

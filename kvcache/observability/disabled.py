@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvcache.observability.event import Event
 
 if TYPE_CHECKING:
-    from kvcache.observability.bus import EventSubscriber, Poller
+    from kvcache.observability.bus import EventSubscriber
 
 
 class DisabledEventBus:
@@ -30,9 +30,6 @@ class DisabledEventBus:
         return None
 
     def register_subscriber(self, subscriber: EventSubscriber) -> None:
-        return None
-
-    def add_poller(self, poller: Poller) -> None:
         return None
 
     def start(self) -> None:
