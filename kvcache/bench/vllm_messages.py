@@ -1,0 +1,133 @@
+"""What ``python -m kvcache.bench vllm`` and its vLLM-side driver say to each other.
+
+Separate from both ends because they run in different venvs (the project's and vLLM's): this
+module imports neither vLLM nor torch, so each side imports it as the one definition of the
+pipe's contents. One msgspec JSON line per message: commands on the driver's stdin, replies
+on a pipe of their own (vLLM logs to stdout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The random LLaMA the driver builds (no download): ``intermediate`` defaults to 2 x hidden."""
+
+    layers: int = 4
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 0
+    vocab: int = 1000
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.intermediate or 2 * self.hidden
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 4  # float32 K and V
+
+    def label(self) -> str:
+        return (
+            f"LLaMA {self.layers} layers, hidden {self.hidden}, {self.heads} heads ({self.kv_heads} KV, "
+            f"dim {self.head_dim}), FFN {self.ffn}, vocab {self.vocab}, fp32"
+        )
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One warm engine: ``connector`` is ``kv_connector_extra_config``, None for vLLM alone."""
+
+    model_dir: str
+    model: ModelSpec
+    connector: dict[str, Any] | None
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_mb: int = 256
+
+
+class Decode(msgspec.Struct, frozen=True, tag="decode"):
+    """``requests`` prompts of ``prompt_tokens + 32 * i`` tokens (staggered, so their chunks
+    fill in different steps), each generating ``max_tokens`` with ``ignore_eos``, in one batch."""
+
+    seed: int
+    requests: int
+    prompt_tokens: int
+    max_tokens: int
+
+
+class Ttft(msgspec.Struct, frozen=True, tag="ttft"):
+    """Request A (``prefix`` + tail A, one token) stores the prefix; vLLM's prefix cache is
+    reset; request B (``prefix`` + tail B) is timed to its first token."""
+
+    seed: int
+    prefix_tokens: int
+    tail_tokens: int
+
+
+class Quit(msgspec.Struct, frozen=True, tag="quit"):
+    pass
+
+
+Command = Decode | Ttft | Quit
+
+Calls = dict[str, tuple[int, float]]
+"""Connector method -> (calls, seconds) during one command (empty for vLLM alone)."""
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    startup_s: float
+    torch_threads: int
+    async_scheduling: bool
+    kvcache_path: str
+    """Where the engine imported kvcache from (the code measured)."""
+
+
+class DecodeResult(msgspec.Struct, frozen=True, tag="decode_result"):
+    generated: int
+    """Tokens generated, all requests."""
+    seconds: float
+    """From adding the requests to the last token."""
+    decode_tokens: int
+    """Tokens after each request's first one."""
+    decode_seconds: float
+    """From the step that gave the last request its first token to the last token."""
+    step_s: list[float]
+    """Every ``LLMEngine.step`` of the run, in order."""
+    settle_s: float
+    """After the last token, until vLLM could reset its prefix cache (stores settled)."""
+    digest: str
+    """Hash of every generated token id: modes must agree."""
+    calls: Calls
+    stats: dict[str, float]
+    """The connector's counters (``get_kv_connector_stats``), settling included."""
+
+
+class TtftResult(msgspec.Struct, frozen=True, tag="ttft_result"):
+    ttft_s: float
+    """Request B, from ``add_request`` to its first token."""
+    cached_tokens: int
+    """B's prompt tokens vLLM did not compute (loaded from kvcache, or its own prefix cache)."""
+    first_token: int
+    store_s: float
+    """Request A, and stepping until vLLM freed its blocks (its stores settled)."""
+    calls: Calls
+    """Request B's."""
+    stats: dict[str, float]
+    """The connector's counters over A and B."""
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed"):
+    error: str
+
+
+Reply = Ready | DecodeResult | TtftResult | Failed
+
+__all__ = ["Calls", "Command", "Decode", "DecodeResult", "EngineSpec", "Failed", "ModelSpec", "Quit",
+           "Ready", "Reply", "Ttft", "TtftResult"]  # fmt: skip

@@ -1,0 +1,214 @@
+"""The vLLM benchmark without vLLM: arguments, modes, the pipe to an engine, the figures.
+
+A real run needs the vLLM venv and minutes; ``test_quick_run`` (slow) does a short one, and
+only where the venv already exists (it is never built here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvcache.bench import vllm as bench
+from kvcache.bench.vllm_engines import EngineProcess
+from kvcache.bench.vllm_messages import Decode, DecodeResult, EngineSpec, ModelSpec, Ready, Ttft, TtftResult
+from kvcache.bench.vllm_report import connector_ms_per_step, summarize_decode, summarize_ttft, table
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_overrides_only_what_the_command_line_left_alone() -> None:
+    a = bench.parse_args(["--quick", "--pairs", "5"])
+    assert a.pairs == 5 and a.layers == 2 and a.decode_tokens == 256
+    full = bench.parse_args([])
+    assert (full.pairs, full.layers, full.hidden) == (7, 4, 512)
+    assert (full.decode_tokens, full.ttft_prefix) == (1024, 2048)
+    assert full.decode_modes == ["none", "connector"]
+    assert full.ttft_modes == ["connector", "sync-loads", "none"]
+    assert bench.parse_args(["--ttft-modes", ""]).ttft_modes == []
+
+
+@pytest.mark.parametrize("argv", [["--decode-modes", "none,bogus"], ["--ttft-modes", "connector"]])
+def test_bad_modes_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+
+
+def test_a_mode_with_a_key_the_connector_lacks_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(bench.MODES, "future", bench.Mode({"no_such_key": 1}, "a key from the future"))
+    assert bench.unavailable("none") is None and bench.unavailable("connector") is None
+    assert "no_such_key" in (bench.unavailable("future") or "")
+
+
+def test_rotation_puts_every_mode_in_every_position() -> None:
+    modes = ["a", "b", "c"]
+    orders = [bench._rotated(modes, r) for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert [bench._rotated(["x", "y"], r) for r in range(2)] == [["x", "y"], ["y", "x"]]
+
+
+def test_messages_cross_the_pipe_as_one_json_line() -> None:
+    spec = EngineSpec(model_dir="/m", model=ModelSpec(layers=2), connector={"async_stores": False})
+    assert msgspec.json.decode(msgspec.json.encode(spec), type=EngineSpec) == spec
+    for cmd in (Decode(1, 4, 64, 512), Ttft(2, 2048, 64)):
+        line = msgspec.json.encode(cmd)
+        assert b"\n" not in line and msgspec.json.decode(line, type=bench.Command) == cmd  # type: ignore[arg-type]
+    assert ModelSpec().kv_bytes_per_token() == 2 * 4 * 4 * 64 * 4
+
+
+FAKE_DRIVER = """
+import os, sys, time, msgspec
+from kvcache.bench.vllm_messages import *
+fd = int(sys.argv[sys.argv.index("--reply-fd") + 1])
+out = os.fdopen(fd, "wb", buffering=0)
+print("vLLM logs go to stdout", flush=True)
+out.write(msgspec.json.encode(Ready(0.1, 1, False, "/k")) + b"\\n")
+dec = msgspec.json.Decoder(Command)
+for line in sys.stdin.buffer:
+    cmd = dec.decode(line)
+    if isinstance(cmd, Quit):
+        break
+    if cmd.seed == 1:
+        out.write(msgspec.json.encode(Failed("boom")) + b"\\n")
+    elif cmd.seed == 2:
+        time.sleep(30)
+    elif cmd.seed == 3:
+        sys.exit(4)
+    else:
+        out.write(msgspec.json.encode(TtftResult(0.5, 7, 9, 0.1, {}, {})) + b"\\n")
+"""
+
+
+def test_engine_process_pipe_failures_and_deadlines(tmp_path: Path) -> None:
+    """The plumbing against a stand-in driver: replies, a Failed reply, a silent engine, a dead one."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(f"#!{sys.executable}\n" + textwrap.dedent(FAKE_DRIVER))
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    spec = EngineSpec(model_dir="/m", model=ModelSpec(), connector=None)
+    e = EngineProcess(str(fake), spec, env, tmp_path / "engine.log")
+    try:
+        assert e.reply(30) == Ready(0.1, 1, False, "/k")
+        assert e.ask(Ttft(0, 1, 1), 30) == TtftResult(0.5, 7, 9, 0.1, {}, {})
+        with pytest.raises(RuntimeError, match="boom"):
+            e.ask(Ttft(1, 1, 1), 30)
+        with pytest.raises(TimeoutError):
+            e.ask(Ttft(2, 1, 1), 0.5)
+    finally:
+        e.close(timeout_s=1)  # stuck in its sleep: killed
+    assert "vLLM logs go to stdout" in (tmp_path / "engine.log").read_text()
+    e = EngineProcess(str(fake), spec, env, tmp_path / "engine.log")
+    try:
+        e.reply(30)
+        with pytest.raises(RuntimeError, match="exited"):
+            e.ask(Ttft(3, 1, 1), 30)
+    finally:
+        e.close()
+
+
+def _decode(rate: float, step_ms: float, digest: str = "d", calls: bool = False,
+            stats: dict[str, float] | None = None) -> DecodeResult:  # fmt: skip
+    """100 decode tokens at ``rate`` tokens/s, 10 steps of ``step_ms``."""
+    timed = {"wait_for_save": (10, 0.002), "build_connector_meta": (10, 0.001)} if calls else {}
+    if stats is None:
+        stats = {"store_tokens": 512} if calls else {}
+    return DecodeResult(generated=104, seconds=100 / rate + 0.01, decode_tokens=100,
+                        decode_seconds=100 / rate, step_s=[step_ms / 1e3] * 10, settle_s=0.001,
+                        digest=digest, calls=timed, stats=stats)  # fmt: skip
+
+
+def test_decode_figures_are_per_pair_ratios_and_their_median() -> None:
+    rounds = [
+        {"none": _decode(100, 5.0), "connector": _decode(97, 5.1, calls=True)},
+        {"none": _decode(50, 9.0), "connector": _decode(49, 9.5, calls=True)},  # a loaded spell: both slow
+        {"none": _decode(100, 5.0), "connector": _decode(90, 5.5, calls=True)},
+    ]
+    s = summarize_decode(rounds, "none")
+    r = s["ratios"]["connector"]
+    assert r["decode_tokens_per_s"]["values"] == pytest.approx([0.97, 0.98, 0.90])
+    assert r["decode_tokens_per_s"]["median"] == pytest.approx(0.97) and r["met"]
+    assert (r["decode_tokens_per_s"]["min"], r["decode_tokens_per_s"]["max"]) == pytest.approx((0.90, 0.98))
+    assert r["step_median"]["values"] == pytest.approx([5.1 / 5.0, 9.5 / 9.0, 5.5 / 5.0])
+    assert r["step_median"]["median"] == pytest.approx(9.5 / 9.0)
+    assert s["modes"]["none"]["decode_tokens_per_s"]["median"] == pytest.approx(100)
+    assert s["modes"]["connector"]["connector_ms_per_step"] == pytest.approx(
+        {"build_connector_meta": 0.1, "wait_for_save": 0.2, "total": 0.3})
+    assert s["modes"]["connector"]["connector_stats"]["store_tokens"] == 3 * 512
+    assert s["tokens_agree"] and s["valid"]
+    text = table({"decode": s}, {"none": "none: alone"})
+    assert "0.970  [0.900 .. 0.980] (target >= 0.95: met)" in text and "none: alone" in text
+
+    slow = [{"none": _decode(100, 5.0), "connector": _decode(90, 5.5, calls=True)}]
+    assert not summarize_decode(slow, "none")["ratios"]["connector"]["met"]
+    assert "MISSED" in table({"decode": summarize_decode(slow, "none")}, {})
+
+
+def test_decode_runs_that_did_not_do_the_work_are_flagged() -> None:
+    bad = [{"none": _decode(100, 5.0, digest="x"),
+            "connector": _decode(100, 5.0, digest="y", calls=True, stats={"store_failures": 3})}]  # fmt: skip
+    s = summarize_decode(bad, "none")
+    assert not s["valid"] and not s["tokens_agree"]
+    assert s["problems"] == ["the modes generated different tokens", "connector: nothing was stored",
+                             "connector: 3 stores failed"]  # fmt: skip
+    assert "PROBLEM: connector: 3 stores failed" in table({"decode": s}, {})
+
+
+def _ttft(ms: float, cached: int, first: int = 5, calls: bool = True) -> TtftResult:
+    return TtftResult(ttft_s=ms / 1e3, cached_tokens=cached, first_token=first, store_s=0.2,
+                      calls={"start_load_kv": (1, 0.004)} if calls else {}, stats={})  # fmt: skip
+
+
+def test_ttft_ratios_compare_the_default_with_sync_loads_and_recompute() -> None:
+    rounds = [
+        {"connector": _ttft(30, 2048), "sync-loads": _ttft(40, 2048), "none": _ttft(300, 0, calls=False)},
+        {"connector": _ttft(60, 2048), "sync-loads": _ttft(50, 2048), "none": _ttft(600, 0, calls=False)},
+        {"connector": _ttft(20, 2048), "sync-loads": _ttft(40, 2048), "none": _ttft(200, 0, calls=False)},
+    ]
+    s = summarize_ttft(rounds, "connector", "sync-loads")
+    sync, none = s["ratios"]["sync-loads"], s["ratios"]["none"]
+    assert sync["values"] == pytest.approx([0.75, 1.2, 0.5]) and sync["median"] == pytest.approx(0.75)
+    assert sync["met"] and sync["target"] == 1.0
+    assert none["median"] == pytest.approx(0.1) and "target" not in none
+    assert s["modes"]["connector"]["ttft_ms"]["median"] == pytest.approx(30)
+    assert s["modes"]["connector"]["start_load_kv_ms"] == pytest.approx(4)
+    assert s["valid"]
+    text = table({"ttft": s}, {})
+    assert "connector / sync-loads" in text and "(target <= 1.0: met)" in text
+
+    nothing_loaded = [{"connector": _ttft(30, 0), "none": _ttft(30, 2048, first=6, calls=False)}]
+    bad = summarize_ttft(nothing_loaded, "connector", None)
+    assert bad["problems"] == [
+        "the modes' first tokens differ",
+        "connector: B loaded 0 tokens, 0 loads failed",
+        "none: B found 2048 tokens in vLLM's prefix cache",
+    ]
+
+
+def test_connector_time_per_step() -> None:
+    assert connector_ms_per_step({"a": (4, 0.004), "b": (2, 0.002)}, 4) == {"a": 1.0, "b": 0.5, "total": 1.5}
+    assert connector_ms_per_step({}, 0) == {"total": 0.0}
+
+
+@pytest.mark.slow
+def test_quick_run(tmp_path: Path) -> None:
+    """``--quick`` end to end on the toy model (about 30 s), where the vLLM venv is built."""
+    python = REPO / ".vllm-venv" / "bin" / "python"
+    if os.environ.get("KVCACHE_SKIP_VLLM_E2E") == "1":
+        pytest.skip("KVCACHE_SKIP_VLLM_E2E=1")
+    if not list((REPO / ".vllm-venv").glob(".kvcache-vllm-*")):
+        pytest.skip("no vLLM venv (.vllm-venv; scripts/vllm_env.sh makes it)")
+    out = tmp_path / "vllm.json"
+    assert bench.main(["--quick", "--engines", "session", "--vllm-python", str(python), "--work-dir",
+                       str(tmp_path), "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    decode, ttft = result["figures"]["decode"], result["figures"]["ttft"]
+    assert decode["valid"] and ttft["valid"], (decode["problems"], ttft["problems"])
+    assert len(decode["ratios"]["connector"]["decode_tokens_per_s"]["values"]) == 2
+    assert ttft["modes"]["connector"]["cached_tokens"] == [512, 512]
+    assert ttft["modes"]["none"]["cached_tokens"] == [0, 0]
