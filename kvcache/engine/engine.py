@@ -16,17 +16,19 @@ Policies, stated once:
   loads. The first missing chunk ends the prefix.
 * **Asynchronous copies:** ``store_async`` / ``retrieve_async`` submit the copies and return a
   future; each instance's copies are completed on its own completer thread, in submission
-  order. A stored chunk becomes visible to lookups only when its copy finished; ``store`` and
-  ``retrieve`` are waits on the futures.
+  order. ``store_async`` never waits for L1 room on its caller's thread: a store short of room
+  waits on the engine's one waiter thread (``waiter``), in arrival order. A stored chunk
+  becomes visible to lookups only when its copy finished; ``store`` and ``retrieve`` are waits
+  on the futures.
 * **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
   lookup never waits behind another thread's copy.
 * **Statistics** (bytes, seconds, sizes of copies) come from the copies' ``TransferResult``
   records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
 This module is the facade (registration, lifecycle, introspection); the store path lives in
-``store``, lookup/prefetch/retrieve in ``load``, completion of copies in ``completion``,
-request checks in ``ids``, result records in ``records`` and the MP_* event metadata in
-``op_events``.
+``store`` (its waits for L1 room in ``waiter``), lookup/prefetch/retrieve in ``load``,
+completion of copies in ``completion``, request checks in ``ids``, result records in
+``records`` and the MP_* event metadata in ``op_events``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import RetrieveResult, StoreResult
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
+from kvcache.engine.waiter import StoreWaiter
 from kvcache.errors import BlockIdError, LayoutError, LimitExceededError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import (
@@ -95,7 +98,10 @@ class CacheEngine:
         self._instances: dict[int, Instance] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._parts = EngineParts(config, self._pool, self._tiers, self._stats, OpEvents(self._bus))
+        self._waiter = StoreWaiter(self._pool.wake_writers, "kvcache-store-wait")
+        self._parts = EngineParts(
+            config, self._pool, self._tiers, self._stats, OpEvents(self._bus), self._waiter
+        )
 
     # -- registration ---------------------------------------------------------------------
     def register(
@@ -120,11 +126,13 @@ class CacheEngine:
 
     def unregister(self, instance_id: int) -> None:
         """Forget an instance once its copies in flight completed; subscribers holding
-        per-instance state drop it on the event."""
+        per-instance state drop it on the event. Its stores waiting for L1 room stop waiting
+        (each takes what is free, the rest fails) before that."""
         with self._lock:
             inst = self._instances.pop(instance_id, None)
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id} is not registered")
+        self._waiter.cancel(instance_id)
         inst.completer.close()
         meta = InstanceUnregistered(instance_id=instance_id, model_name=inst.model_name)
         self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
@@ -200,9 +208,12 @@ class CacheEngine:
         its copy finished) and ``MP_STORE_END`` was published; errors (a bad request, a failed
         copy, ``copy_by`` passed) are set on it, with the failed chunks' slots freed.
 
-        NOTE: this call itself may wait, within ``store_wait_timeout_s`` and ``copy_by``, for L1
-        room held by earlier stores' write-through. The engine's ``block_ids`` must keep their
-        KV until the future resolves.
+        It never waits for L1 room on the caller's thread: short of room, it submits what fits
+        and hands the rest to the engine's waiter thread (bounded as ``store`` says); while an
+        instance has a store waiting there, its later stores queue behind it, in call order.
+
+        NOTE: the engine's ``block_ids`` must keep their KV until the future resolves: a store
+        that waited copies after later operations that did not (a retrieve into its blocks).
         """
         try:
             inst = self._instance(instance_id)
@@ -248,10 +259,12 @@ class CacheEngine:
         return self._wait(instance_id, future).retrieved_tokens
 
     def _wait(self, instance_id: int, future: Future[_T]) -> _T:
-        """``future.result()``, refused on the instance's completer thread (a done-callback
-        calling ``store``), where it would wait for a completion queued behind itself."""
+        """``future.result()``, refused on the instance's completer thread or the store
+        waiter's (a done-callback calling ``store``), where it would wait for work queued
+        behind itself."""
         inst = self._instances.get(instance_id)
-        if inst is not None and not future.done() and inst.completer.on_own_thread():
+        own = self._waiter.on_own_thread() or (inst is not None and inst.completer.on_own_thread())
+        if own and not future.done():
             raise RuntimeError(
                 "store/retrieve called from a done-callback of an engine future would wait for "
                 "itself; use store_async/retrieve_async there"
@@ -360,10 +373,12 @@ class CacheEngine:
 
     def close(self) -> None:
         """Complete the stores and retrieves in flight (their futures resolve), then finish
-        pending L2 writes and close the tiers; idempotent."""
+        pending L2 writes and close the tiers; idempotent. Stores waiting for L1 room stop
+        waiting first: each takes what is free, the rest fails (``failed_chunks``)."""
         if self._closed:
             return
         self._closed = True
+        self._waiter.close()
         for inst in list(self._instances.values()):
             inst.completer.close()
         for tier in self._tiers:

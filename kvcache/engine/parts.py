@@ -1,4 +1,5 @@
-"""The parts the engine's data paths share: config, L1 pool, L2 tiers, statistics, events.
+"""The parts the engine's data paths share: config, L1 pool, L2 tiers, statistics, events,
+and the thread stores wait for L1 room on.
 
 Separate so the facade builds them once and the store and load paths take one record, instead
 of each path repeating the same constructor (and drifting apart in what it is handed).
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from kvcache.config import EngineConfig
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.stats import OffloadStatsCollector
+from kvcache.engine.waiter import StoreWaiter
 from kvcache.storage.l1_pool import L1Pool
 from kvcache.storage.l2_async import AsyncL2
 
@@ -24,6 +26,7 @@ class EngineParts:
     tiers: list[AsyncL2]
     stats: OffloadStatsCollector
     events: OpEvents
+    waiter: StoreWaiter
 
 
 __all__ = ["EngineParts"]

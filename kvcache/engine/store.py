@@ -4,11 +4,13 @@ Separate from the engine facade because it is the one path that reserves memory 
 write-through pins: each chunk newly written to L1 stays pinned once per tier until that tier's
 write finishes (or is refused), so a slot is never evicted or reused while a tier reads it.
 
-One pass down: the request is checked and its keys computed once (``_StoreOp.begin``), slots are
-reserved and the copies submitted on the caller's thread (``_StoreOp.run``), and each copy's
-``TransferResult`` is completed on the instance's completer thread (``_StoreOp._copied``): the
-entries become READY (visible to lookups) only then, are written through, and the last
-completion publishes the end event and resolves the caller's future.
+One pass down: the request is checked and its keys computed once (``_StoreOp.begin``), the
+slots L1 has room for now are reserved and their copies submitted on the caller's thread
+(``_StoreOp.run``, which never waits), a store short of room is finished on the engine's waiter
+thread (``_StoreOp._wait_pass``, see ``waiter``), and each copy's ``TransferResult`` is completed
+on the instance's completer thread (``_StoreOp._copied``): the entries become READY (visible to
+lookups) only then, are written through, and the last completion publishes the end event and
+resolves the caller's future.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def store_async(
 
     Chunks are reserved and their copies submitted in batches: when L1 runs out while this
     store holds fresh slots, it submits those first and then asks for the rest, so it only
-    ever waits (within ``store_wait_timeout_s``, in all) holding nothing it has not handed on.
-    Without an L2 tier there is nothing to write through, and the first shortage ends it.
+    ever waits (within ``store_wait_timeout_s``, in all, on the engine's waiter thread)
+    holding nothing it has not handed on. Without an L2 tier there is nothing to write
+    through: it waits holding what it reserved, and the first shortage after the wait ends it.
     """
     future: Future[StoreResult] = Future()
     try:
@@ -64,8 +67,9 @@ def store_async(
 
 @dataclass(eq=False)
 class _StoreOp:
-    """One store in flight. The caller's thread fills ``skipped``/``failed`` and submits;
-    the completer thread adds ``stored`` and the tally; ``lock`` guards the shared counts."""
+    """One store in flight. The caller's thread, then (if it was short of room) the waiter's,
+    fill ``skipped``/``failed`` and submit, one after the other; the completer thread adds
+    ``stored`` and the tally; ``lock`` guards the shared counts."""
 
     parts: EngineParts
     inst: Instance
@@ -84,6 +88,8 @@ class _StoreOp:
     failed: int = 0
     pending: int = 1  # the submitting pass itself counts until it is over
     error: BaseException | None = None
+    pos: int = 0  # keys before it are settled (reserved, present or failed)
+    held: list[tuple[int, L1Entry]] = field(default_factory=list)  # reserved, not yet submitted
 
     @classmethod
     def begin(
@@ -114,29 +120,57 @@ class _StoreOp:
 
     # -- caller's thread ------------------------------------------------------------------
     def run(self) -> None:
-        """Reserve and submit batch by batch, then settle the op if nothing is in flight."""
+        """Reserve what L1 has room for now and submit those copies, without waiting. A store
+        short of room, or of an instance with a store waiting already (it must not take that
+        one's room), is handed to the engine's waiter, whose pass settles it."""
+        waiter, iid = self.parts.waiter, self.inst.instance_id
+        handed = False
         try:
-            self._reserve_and_submit()
+            handed = waiter.add(iid, self._wait_pass, only_behind=True)
+            if not handed and self._reserve_and_submit(None):
+                handed = waiter.add(iid, self._wait_pass)
         except Exception as err:  # never leave the future unresolved
+            self._drop_held()
+            self._fail(err)
+        finally:
+            if not handed:
+                self._settle_one()
+
+    # -- waiter's thread ------------------------------------------------------------------
+    def _wait_pass(self, stop: threading.Event) -> None:
+        """The rest of a store short of room: waits for it within the store's deadline, or
+        not at all once ``stop`` is set (the engine or instance is closing)."""
+        try:
+            self._reserve_and_submit(stop)
+        except Exception as err:  # never leave the future unresolved
+            self._drop_held()
             self._fail(err)
         finally:
             self._settle_one()
 
-    def _reserve_and_submit(self) -> None:
+    # -- either pass ----------------------------------------------------------------------
+    def _reserve_and_submit(self, stop: threading.Event | None) -> bool:
+        """Reserve and submit batch by batch from ``pos``. The caller's pass (``stop`` None)
+        never waits: it returns True where the rest needs room that others hold (the slots it
+        reserved without an L2 tier stay ``held`` until then: see ``L1Pool.begin_write``)."""
         parts, keys = self.parts, self.keys
-        pos = 0
-        while pos < len(keys) and self.error is None:
-            left = max(0.0, self.deadline - time.monotonic())
-            partial = bool(parts.tiers)
-            res = parts.pool.begin_write(self.inst.geometry, keys[pos:], wait_s=left, partial=partial)
-            new = [e for _, e in res.new]
+        partial = bool(parts.tiers)
+        while self.pos < len(keys) and self.error is None:
+            waits = stop is not None and not stop.is_set()
+            left = max(0.0, self.deadline - time.monotonic()) if waits else 0.0
+            pool, pos = parts.pool, self.pos
+            res = pool.begin_write(self.inst.geometry, keys[pos:], wait_s=left, partial=partial,
+                                   defer=stop is None, held=len(self.held), stop=stop)  # fmt: skip
+            got = self.held + [(pos + i, e) for i, e in res.new]
+            self.held = []
+            new = [e for _, e in got]
             with self.lock:
                 self.skipped += len(res.present)
                 self.failed += res.failed
             if self.copy_by is not None and time.monotonic() > self.copy_by and (new or res.failed):
                 # The caller gave up (its blocks may hold another request's KV by now): copy
                 # nothing more, and say why the rest is not stored.
-                parts.pool.finish(new, False)
+                pool.finish(new, False)
                 self._fail(
                     DeadlineExceededError(
                         f"store: its client's deadline passed before chunk {pos} could be copied; "
@@ -144,9 +178,20 @@ class _StoreOp:
                     )
                 )
                 break
+            self.pos += res.settled
+            short = stop is None and self.pos < len(keys)
+            if short and not partial:  # no tier frees what it copies: keep the slots, wait
+                self.held = got
+                return True
             if new:
-                self._submit([pos + i for i, _ in res.new], new)
-            pos += res.settled
+                self._submit([i for i, _ in got], new)
+            if short:
+                return True
+        return False
+
+    def _drop_held(self) -> None:
+        held, self.held = self.held, []
+        self.parts.pool.finish([e for _, e in held], False)
 
     def _submit(self, indices: list[int], new: list[L1Entry]) -> None:
         bpc = self.inst.ctx.blocks_per_chunk

@@ -82,7 +82,15 @@ class L1Pool:
 
     # -- reservations ---------------------------------------------------------------------
     def begin_write(
-        self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0, partial: bool = False
+        self,
+        geometry: SlotGeometry,
+        keys: Sequence[ChunkKey],
+        *,
+        wait_s: float = 0.0,
+        partial: bool = False,
+        defer: bool = False,
+        held: int = 0,
+        stop: threading.Event | None = None,
     ) -> WriteReservation:
         """Reserve pinned WRITING slots for the absent keys, in order, until memory runs out.
 
@@ -98,6 +106,12 @@ class L1Pool:
         through, then asks again for the rest. NOTE: waiting while holding part of a
         reservation lets concurrent stores wait on each other's reservations until the bound
         runs out, all of them together.
+
+        ``defer`` is for a caller that must not wait (``store_async``'s): a key that could get
+        a slot only by waiting ends the reservation there (``settled``), nothing failed and
+        nothing published; the caller asks again elsewhere, passing what it kept as ``held``
+        (fresh slots of an earlier call, still pinned: never waited for, like this call's).
+        ``stop``, set by another thread that then calls ``wake_writers``, ends a wait at once.
         """
         new: list[tuple[int, L1Entry]] = []
         present: list[int] = []
@@ -111,12 +125,13 @@ class L1Pool:
                     present.append(i)
                     continue
                 entry = self._allocate(geometry, key, events)
-                if entry is None and partial and new:
+                mine = len(new) + held
+                if entry is None and ((partial and new) or (defer and self._pinned > mine)):
                     settled = i
                     break
-                while entry is None and self._pinned > len(new):  # others hold pins: wait
+                while entry is None and self._pinned > mine:  # others hold pins: wait
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if left <= 0 or (stop is not None and stop.is_set()):
                         break
                     self._waiting_writers += 1
                     try:
@@ -136,6 +151,11 @@ class L1Pool:
                 new.append((i, entry))
         self._publish(events)
         return WriteReservation(new, present, failed, settled)
+
+    def wake_writers(self) -> None:
+        """Wake every ``begin_write`` waiting for room, so one whose ``stop`` is set sees it."""
+        with self._lock:
+            self._room.notify_all()
 
     def begin_load(
         self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0

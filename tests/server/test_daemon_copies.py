@@ -208,3 +208,44 @@ def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGat
         assert handlers.submit(m.Ping()).result().protocol_version == m.PROTOCOL_VERSION  # type: ignore[union-attr]
     finally:
         engine.close()
+
+
+def test_a_store_waiting_for_l1_room_occupies_no_worker(gate: CopyGate) -> None:
+    """L1 holds one store's chunks and the first store's copy is held, so the second must
+    wait for room: it waits on the engine's waiter thread, and the daemon's one bulk worker
+    serves a registration meanwhile (before, the worker waited inside ``store_async``)."""
+    with CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20)) as probe:
+        probe.register(1, "m", _cache())
+        slot = int(probe.status()["instances"][0]["chunk_bytes"])
+    engine = CountingEngine(EngineConfig(chunk_size=16, l1_size_bytes=4 * slot, l1_extent_bytes=slot,
+                                         l1_evict_watermark=1.0, store_wait_timeout_s=60.0))  # fmt: skip
+    config = DaemonConfig(port=0, bulk_workers=1, fast_workers=1, inline_lookups=False)
+    d = Daemon(config, Handlers(engine, InstanceRegistry(), 30.0))
+    thread = threading.Thread(target=d.serve, name="daemon-under-test")
+    thread.start()
+    try:
+        with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as writer, \
+                KVCacheClient(d.endpoint, 2, "m", timeout_s=20) as late:  # fmt: skip
+            writer.register_kv_caches(_cache())
+            socks = [_raw_store(d.endpoint, writer, tokens(0))]
+            _submitted(engine, 1)  # its 4 chunks fill L1; the copy is held
+            socks.append(_raw_store(d.endpoint, writer, tokens(1)))
+            try:
+                _submitted(engine, 1)  # store_async returned, short of room
+                late.register_kv_caches(_cache())  # the one bulk worker is free
+                assert late.ping() is True
+                assert not any(sock.poll(0) for sock in socks)
+                gate.allow(1000)
+                for sock in socks:
+                    assert sock.poll(20_000)
+                    reply = decode_reply(sock.recv()).body
+                    assert isinstance(reply, m.StoreResult) and reply.stored_tokens == 64, reply
+            finally:
+                for sock in socks:
+                    sock.close()
+            assert late.lookup(tokens(1)) == 64
+    finally:
+        gate.allow(1000)
+        d.request_stop()
+        thread.join(30)
+        engine.close()

@@ -1,0 +1,160 @@
+"""The engine's store waiter: the one thread on which stores wait for L1 room.
+
+Separate from the store path because ``store_async`` must not wait on its caller's thread (an
+engine step, a daemon worker serving every client): the caller reserves only what L1 has room
+for now, and a store that needs more is handed here to wait, within its own deadline, on a
+thread the engine owns and closes. The store path supplies what to run (``WaitJob``); this
+module knows nothing of chunks, only of order and of stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("kvcache.engine.waiter")
+
+_IDLE_SLICE_S = 0.1  # an idle thread looks this often whether the interpreter is exiting
+
+#: A store's waiting part. It runs once and settles its store itself (never raises on
+#: purpose); it waits for room only while ``stop`` is not set, and takes what is free then.
+WaitJob = Callable[[threading.Event], None]
+
+
+@dataclass(eq=False)
+class _Job:
+    instance_id: int
+    run: WaitJob
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class StoreWaiter:
+    """Runs stores' waiting parts one at a time, in the order they were handed over.
+
+    One per engine. The thread starts on the first ``add`` and leaves after ``idle_exit_s``
+    without work (or once the main thread has ended), so an engine whose stores always find
+    room holds no thread. One thread, FIFO: stores waiting for room get it in arrival order,
+    and a store never waits behind one that arrived later.
+
+    Ordering per instance: while an instance has a job queued or running, ``add(...,
+    only_behind=True)`` queues its next store too, so a later store cannot take the room an
+    earlier one waits for, and an instance's copies are still submitted in call order.
+
+    Stopping: ``cancel`` (an instance leaving) and ``close`` set the jobs' ``stop`` and call
+    ``wake`` (the L1 pool's ``wake_writers``), so a job waiting for room ends at once, taking
+    what is free; jobs still queued then run on the cancelling thread, so it never waits
+    behind another instance's wait. After ``close``, ``add`` runs its job at once, stopped.
+
+    Thread rules: every method may be called from any thread, a job's own included (a
+    done-callback of a store the job settled); there ``cancel`` and ``close`` do not wait
+    for the job that is running them.
+    """
+
+    def __init__(self, wake: Callable[[], None], name: str, idle_exit_s: float = 2.0) -> None:
+        self._wake = wake
+        self._name = name
+        self._idle_exit_s = idle_exit_s
+        self._cv = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._running: _Job | None = None
+        self._waiting: Counter[int] = Counter()  # instance id -> its jobs queued or running
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, instance_id: int, run: WaitJob, *, only_behind: bool = False) -> bool:
+        """Queue ``run`` for ``instance_id``; True once it is queued (or, after ``close``, ran).
+
+        With ``only_behind`` it is queued only behind a job of the same instance, and False
+        (nothing queued) means the instance has none: the caller may go ahead on its own.
+        """
+        job = _Job(instance_id, run)
+        with self._cv:
+            if only_behind and not self._waiting[instance_id]:
+                return False
+            self._waiting[instance_id] += 1
+            if not self._closed:
+                self._queue.append(job)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name=self._name, daemon=False)
+                    self._thread.start()
+                else:
+                    self._cv.notify_all()
+                return True
+        job.stop.set()  # closed: take what is free now, on this thread
+        self._run(job)
+        return True
+
+    def on_own_thread(self) -> bool:
+        """True on the waiter's thread, where waiting for a store handed here never ends."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def cancel(self, instance_id: int | None = None) -> None:
+        """Stop the waits of ``instance_id``'s jobs (every job's with None) and return once
+        they all ran: each takes what L1 has room for now and settles its store."""
+        with self._cv:
+            mine = [j for j in self._queue if instance_id is None or j.instance_id == instance_id]
+            for job in mine:
+                self._queue.remove(job)
+            running = self._running
+            if running is not None and instance_id is not None and running.instance_id != instance_id:
+                running = None
+        if running is not None:
+            running.stop.set()
+            self._wake()
+            if not self.on_own_thread():  # it goes first: its copies were due first
+                with self._cv:
+                    while self._running is running:
+                        self._cv.wait()
+        for job in mine:
+            job.stop.set()
+            self._run(job)
+
+    def close(self) -> None:
+        """Stop every wait, run what is queued, and let the thread go (idempotent)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()  # an idle thread leaves now, not a slice later
+        self.cancel()
+        if self.on_own_thread():
+            return
+        with self._cv:
+            while self._thread is not None:
+                self._cv.wait()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                idle_since = time.monotonic()
+                while not self._queue:
+                    if (
+                        self._closed
+                        or time.monotonic() - idle_since >= self._idle_exit_s
+                        or not threading.main_thread().is_alive()
+                    ):
+                        self._thread = None
+                        self._cv.notify_all()
+                        return
+                    self._cv.wait(_IDLE_SLICE_S)
+                job = self._running = self._queue.popleft()
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            job.run(job.stop)
+        except Exception:  # a job settles its own store; never lose the thread
+            logger.exception("%s: a waiting store of instance %d failed", self._name, job.instance_id)
+        finally:
+            with self._cv:
+                self._waiting[job.instance_id] -= 1
+                if not self._waiting[job.instance_id]:
+                    del self._waiting[job.instance_id]
+                if self._running is job:
+                    self._running = None
+                self._cv.notify_all()
+
+
+__all__ = ["StoreWaiter", "WaitJob"]
