@@ -12,6 +12,7 @@ several threads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -221,13 +222,16 @@ class GPUCacheContext:
         skip_blocks: int = 0,
         *,
         start_by: float | None = None,
+        after: Any = None,
     ) -> int:
         """Submit engine blocks -> chunks (store); returns the job id on ``transfer``.
 
         Returns before the copy ran; a bad job (ids, chunks) is reported on its result,
-        and so is one not started by ``start_by`` (``TransferJob``).
+        and so is one not started by ``start_by`` (``TransferJob``). ``after``: a CUDA event
+        the copy waits for on the device, the end of the engine's writes to the blocks
+        (``TransferJob.after``; a CPU cache refuses it on the job's result).
         """
-        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by)
+        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by, after)
         return self._handler.submit(job)
 
     def copy_from_chunks_async(

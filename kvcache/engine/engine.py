@@ -168,6 +168,7 @@ class CacheEngine:
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
         copy_by: float | None = None,
+        after: Any = None,
     ) -> StoreResult:
         """Copy the full chunks of ``token_ids`` (held in ``block_ids``) into the cache.
 
@@ -177,7 +178,9 @@ class CacheEngine:
         ``block_hashes`` (the engine's own per-block hashes) are passed through on the end
         event for KV-event publishers. ``copy_by`` (``time.monotonic()`` scale): when the caller
         stops waiting; no copy of its blocks starts later (``DeadlineExceededError``), since
-        the engine may have reused them, and no wait lasts beyond it.
+        the engine may have reused them, and no wait lasts beyond it. ``after``: a CUDA event
+        the engine recorded after writing the blocks (on a stream of its own); the copies wait
+        for it on the device (``TransferJob.after``), and a CPU cache refuses it.
 
         A wait on ``store_async``; raises what its future holds.
         """
@@ -189,6 +192,7 @@ class CacheEngine:
             request_id=request_id,
             block_hashes=block_hashes,
             copy_by=copy_by,
+            after=after,
         )
         return self._wait(instance_id, future)
 
@@ -202,6 +206,7 @@ class CacheEngine:
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
         copy_by: float | None = None,
+        after: Any = None,
     ) -> Future[StoreResult]:
         """``store`` without waiting for the copies: reserves the slots, submits the copies and
         returns. The future resolves after the chunks became visible to lookups (each only once
@@ -228,6 +233,7 @@ class CacheEngine:
             request_id=request_id,
             block_hashes=block_hashes,
             copy_by=copy_by,
+            after=after,
         )
 
     def retrieve(

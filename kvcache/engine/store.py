@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,7 @@ def store_async(
     request_id: str,
     block_hashes: Sequence[int] | None,
     copy_by: float | None = None,
+    after: Any = None,
 ) -> Future[StoreResult]:
     """See ``CacheEngine.store_async``. Never raises: every error is set on the future.
 
@@ -56,7 +58,9 @@ def store_async(
     """
     future: Future[StoreResult] = Future()
     try:
-        op = _StoreOp.begin(parts, inst, token_ids, block_ids, cache_salt, request_id, block_hashes, copy_by)
+        op = _StoreOp.begin(
+            parts, inst, token_ids, block_ids, cache_salt, request_id, block_hashes, copy_by, after
+        )
     except Exception as err:  # a bad request: nothing was reserved or published
         future.set_exception(err)
         return future
@@ -80,6 +84,7 @@ class _StoreOp:
     block_hashes: Sequence[int] | None
     copy_by: float | None
     deadline: float
+    after: Any = None  # a device event every copy waits for (``TransferJob.after``)
     future: Future[StoreResult] = field(default_factory=Future)
     lock: threading.Lock = field(default_factory=threading.Lock)
     tally: CopyTally = field(default_factory=CopyTally)
@@ -102,6 +107,7 @@ class _StoreOp:
         request_id: str,
         block_hashes: Sequence[int] | None,
         copy_by: float | None,
+        after: Any = None,
     ) -> _StoreOp:
         """Check the request once (ids cover the tokens and lie in the cache), compute its
         keys once, and publish ``MP_STORE_START``."""
@@ -113,7 +119,7 @@ class _StoreOp:
         deadline = time.monotonic() + parts.config.store_wait_timeout_s
         if copy_by is not None:
             deadline = min(deadline, copy_by)
-        op = cls(parts, inst, sid, token_ids, keys, ids, block_hashes, copy_by, deadline)
+        op = cls(parts, inst, sid, token_ids, keys, ids, block_hashes, copy_by, deadline, after)
         start = inst.meta(MpStoreStart, num_tokens=len(token_ids), num_chunks=len(keys))
         parts.events.publish(EventType.MP_STORE_START, sid, start)
         return op
@@ -201,7 +207,8 @@ class _StoreOp:
             sel = np.concatenate([self.ids[i * bpc : (i + 1) * bpc] for i in indices])
         ctx = self.inst.ctx
         try:
-            job = ctx.copy_to_chunks_async(sel, [e.tensor for e in new], start_by=self.copy_by)
+            chunks = [e.tensor for e in new]
+            job = ctx.copy_to_chunks_async(sel, chunks, start_by=self.copy_by, after=self.after)
         except Exception as err:  # the handler is closed: nothing was queued
             self.parts.pool.finish(new, False)
             self._fail(err)

@@ -268,15 +268,17 @@ class Handlers:
 
     def store_async(self, req: m.Store, principal: Principal) -> Future[m.ReplyBody]:
         """Checks (token, deadline, limits) raise here, before anything is submitted; the
-        engine's errors (bad ids, a failed copy, ``copy_by`` passed) arrive on the future."""
+        engine's errors (bad ids, a failed copy, ``copy_by`` passed) arrive on the future.
+        Nothing here waits: not for L1 room (the engine's waiter does), nor for the engine's
+        GPU work named by ``cuda_event`` (the copies wait for it on the device)."""
         instance = self._instance(req, principal, token_required=True)
         check_deadline(req.deadline_ms, "store")
         token_ids, block_ids = self._ids(req.token_ids), self._ids(req.block_ids)
         if req.block_hashes is not None and len(req.block_hashes) > self.limits.max_ids:
             raise LimitExceededError(f"{len(req.block_hashes)} block hashes exceed --max-ids")
-        if req.cuda_event is not None:
-            # NOTE: a host wait on the engine's own GPU work (not a copy), on the worker thread.
-            ipc.wait_ipc_event(req.cuda_event, torch.device(instance.device))
+        after = None
+        if req.cuda_event is not None:  # CUDA_UNAVAILABLE here on a daemon without a GPU
+            after = ipc.open_ipc_event(req.cuda_event, torch.device(instance.device))
         stored = self.engine.store_async(
             req.instance_id,
             token_ids,
@@ -285,6 +287,7 @@ class Handlers:
             request_id=req.request_id,
             block_hashes=req.block_hashes,
             copy_by=copy_deadline(req.deadline_ms),
+            after=after,
         )
         return then(stored, _store_reply)
 

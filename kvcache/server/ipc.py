@@ -1,8 +1,8 @@
 """Moving tensors between an engine process and the daemon without copying or pickling them.
 
 Both ends live here because export and import must agree byte for byte: the engine side
-(``empty_shared``, ``export_tensors``, ``record_ipc_event``) and the daemon side
-(``import_tensor``, ``wait_ipc_event``).
+(``empty_shared``, ``export_tensors``, ``record_ipc_event``, ``wait_ipc_event``) and the
+daemon side (``import_tensor``, ``open_ipc_event``).
 
 CPU tensors live in memfds sealed against shrinking and growing; they travel as an index
 into the descriptors handed over by ``fdpass`` plus shape, stride, dtype and byte offset, and
@@ -262,14 +262,28 @@ class EventKeeper:
         return len(self._held) + len(self._recent)
 
 
+def open_ipc_event(handle: bytes, device: torch.device) -> Any:
+    """The ``torch.cuda.Event`` another process recorded and exported as ``handle``.
+
+    The daemon hands a store's event to its copies (``TransferJob.after``): the copy stream
+    waits for it on the device, so no daemon thread blocks on the engine's GPU work. Keep the
+    result referenced while a stream may wait on it (the job holds it); closing the imported
+    event under a pending wait is not defined by CUDA.
+    """
+    with cuda_errors("opening the peer's CUDA IPC event"):
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+
+
 def wait_ipc_event(handle: bytes, device: torch.device) -> None:
     """Block the calling thread until an event another process recorded has completed.
 
-    NOTE: a host wait, not ``stream.wait_event``: the copies run on the cache context's own
-    stream, which the caller does not hold, so only a host-side wait orders them after it.
+    NOTE: a host wait, for a caller with no copy of its own to order after the event (the
+    client, on a retrieve reply's event); the daemon orders its copies on the device instead
+    (``open_ipc_event``).
     """
+    event = open_ipc_event(handle, device)
     with cuda_errors("waiting on the peer's CUDA IPC event"):
-        torch.cuda.Event.from_ipc_handle(device, handle).synchronize()
+        event.synchronize()
 
 
 # -- daemon side -------------------------------------------------------------------------
@@ -415,6 +429,7 @@ __all__ = [
     "export_tensors",
     "flatten_kv_caches",
     "import_tensor",
+    "open_ipc_event",
     "record_ipc_event",
     "shared_dtype_name",
     "to_shared",

@@ -21,6 +21,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,16 @@ class TransferJob:
     started by that time is refused with ``DeadlineExceededError`` and writes nothing.
     NOTE: the CPU handler checks it when the job's turn comes; a CUDA handler when it
     launches the job (at ``submit``), as the device's start time is not known to the host.
+
+    ``after``: a CUDA event (``torch.cuda.Event``, one opened from another process's IPC
+    handle too) marking the end of the caller's own GPU work on the blocks (the engine's
+    writes, on a stream the handler does not know). The CUDA handler makes its stream wait
+    for it on the device (``cudaStreamWaitEvent``: the host does not block) before the
+    copy, so the copy sees those writes; it waits for the event's latest ``record`` issued
+    before ``submit``. A CPU handler has no stream to order and refuses such a job
+    (``CudaUnavailableError``, nothing written). The job holds the event until its result
+    is out, so an imported event stays open while the stream may still wait on it; the
+    exporting process must keep its own event alive that long too.
     """
 
     direction: Direction
@@ -61,6 +72,7 @@ class TransferJob:
     chunks: tuple[torch.Tensor, ...]
     skip_blocks: int = 0
     start_by: float | None = None
+    after: Any = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache import _native
-from kvcache.errors import TransferError, UnknownTransferError
+from kvcache.errors import CudaUnavailableError, TransferError, UnknownTransferError
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
 from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
 
@@ -172,6 +172,11 @@ class CpuTransferHandler(TransferHandler):
     def _execute(self, item: _Queued) -> TransferResult:
         direction = item.job.direction
         try:
+            if item.job.after is not None:
+                raise CudaUnavailableError(
+                    "a copy of a CPU cache cannot wait for a CUDA event (TransferJob.after): "
+                    "there is no stream to order it on; nothing was copied"
+                )
             job = check_job(item.job, self._geometry)
             check_start(item.job)  # last, right before the copy: the check nearest its start
         except Exception as err:  # a malformed job (not just a bad one) fails alone, typed

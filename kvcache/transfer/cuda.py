@@ -56,11 +56,13 @@ class CudaTransferHandler(TransferHandler):
 
     Ordering with the engine: ``submit`` makes the handler's stream wait for the work
     queued so far on the caller's current stream (``wait_stream``: a device-side wait,
-    the host returns at once), so a store reads the blocks the engine just wrote. The
-    other way round, the engine must not read blocks a load is still writing: call
-    ``wait_on_stream(job_id)`` to make the engine's stream wait for the job on the
-    device, or ``wait`` to block the host. Jobs run in submission order because they
-    share one stream; ``get_finished`` polls their events (``query``, never blocking).
+    the host returns at once), so a store reads the blocks the engine just wrote, and for
+    the job's ``after`` event (the engine's writes on another stream or in another
+    process; ``wait_event``, on the device too). The other way round, the engine must not
+    read blocks a load is still writing: call ``wait_on_stream(job_id)`` to make the
+    engine's stream wait for the job on the device, or ``wait`` to block the host. Jobs
+    run in submission order because they share one stream; ``get_finished`` polls their
+    events (``query``, never blocking).
     """
 
     def __init__(
@@ -114,6 +116,8 @@ class CudaTransferHandler(TransferHandler):
         stream = self._stream
         try:
             stream.wait_stream(torch.cuda.current_stream(self._device))
+            if entry.job.after is not None:  # before ``start``: the wait is not the copy's time
+                stream.wait_event(entry.job.after)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
         except Exception as err:  # nothing was queued: the job fails alone, never launched

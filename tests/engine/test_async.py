@@ -23,7 +23,13 @@ import kvcache.context
 from kvcache import _native
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine, StoreResult
-from kvcache.errors import BlockIdError, DeadlineExceededError, TransferError, UnknownInstanceError
+from kvcache.errors import (
+    BlockIdError,
+    CudaUnavailableError,
+    DeadlineExceededError,
+    TransferError,
+    UnknownInstanceError,
+)
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import EventType
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
@@ -285,4 +291,47 @@ def test_unregister_completes_the_instances_copies_first(gate: CopyGate) -> None
     assert not leaving.is_alive() and future.result(0).stored_chunks == 4
     kinds = [ev.event_type for ev in sink.events]
     assert kinds.index(EventType.MP_STORE_END) < kinds.index(EventType.INSTANCE_UNREGISTERED)
+    e.close()
+
+
+def test_a_store_naming_a_device_event_on_a_cpu_cache_fails_with_nothing_stored(gate: CopyGate) -> None:
+    """``after`` orders the copies after the engine's GPU work; a CPU cache cannot, so the
+    store fails typed rather than copy blocks the engine may still be writing."""
+    sink = RecordingSink()
+    e, _ = make_engine(sink)
+    gate.allow(10)
+    failed = e.store_async(1, prompt(0), blocks(0), after=object())
+    assert isinstance(failed.exception(30), CudaUnavailableError)
+    assert e.lookup(1, prompt(0)) == 0 and e.status()["l1"]["num_chunks"] == 0
+    (end,) = sink.of(EventType.MP_STORE_END)
+    assert not end.metadata.success and end.metadata.failed_chunks == 4
+    assert e.store(1, prompt(0), blocks(0)).stored_chunks == 4  # without the event: fine
+    e.close()
+
+
+@pytest.mark.cuda
+def test_a_store_after_the_engines_event_stores_what_the_engine_wrote() -> None:
+    """A CUDA cache written on the engine's own stream behind a slow kernel: ``store`` with
+    the event recorded after the write (and no host synchronisation) stores the written
+    bytes; a retrieve into other blocks brings exactly those back."""
+    e = CacheEngine(EngineConfig(chunk_size=CS, l1_size_bytes=1 << 22))
+    caches = make_kv_caches(FMT, num_blocks=NB, block_size=BS, seed=1, device="cuda")
+    e.register(1, "m", caches)
+    assert isinstance(caches, list)
+    fresh = [torch.randn_like(t) for t in caches]
+    writer = torch.cuda.Stream(device=caches[0].device)
+    writer.wait_stream(torch.cuda.current_stream(caches[0].device))
+    written = torch.cuda.Event()
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(400_000_000)  # the write lands long after the store is submitted
+        for t, f in zip(caches, fresh, strict=True):
+            t.copy_(f)
+        written.record(writer)
+    assert e.store(1, prompt(0), blocks(0), after=written).stored_chunks == 4
+    torch.cuda.synchronize()
+    assert e.retrieve(1, prompt(0), blocks(1)) == 4 * CS
+    torch.cuda.synchronize()
+    for t, f in zip(caches, fresh, strict=True):
+        got = t[:, PROMPT_BLOCKS : 2 * PROMPT_BLOCKS].contiguous().view(torch.uint8)
+        assert torch.equal(got, f[:, :PROMPT_BLOCKS].contiguous().view(torch.uint8))
     e.close()

@@ -60,7 +60,8 @@ def test_a_store_sees_what_the_engine_stream_wrote_just_before(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     """The engine writes its KV on its own stream and stores at once, without synchronizing:
-    the interprocess event the client records must order the daemon's copy after the write."""
+    the interprocess event the client records must order the daemon's copy after the write
+    (the daemon hands it to the copy, whose stream waits for it on the device)."""
     daemon = start_daemon()
     fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
     kv = _caches(fmt, seed=2)

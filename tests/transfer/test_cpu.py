@@ -12,6 +12,7 @@ from kvcache import GPUCacheContext, _native, reference
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
+    CudaUnavailableError,
     DeadlineExceededError,
     TransferError,
     UnknownTransferError,
@@ -281,5 +282,23 @@ def test_a_malformed_job_fails_alone_and_the_worker_goes_on() -> None:
     fine = h.submit(_store([0, 1, 2, 3], poisoned_chunks(ctx, 1)))
     r_broken, r_fine = h.wait([broken, fine])
     assert isinstance(r_broken.error, TransferError) and "AttributeError" in str(r_broken.error)
+    assert r_fine.ok
+    h.close()
+
+
+@pytest.mark.parametrize("direction", [Direction.TO_CHUNKS, Direction.FROM_CHUNKS])
+def test_a_job_naming_a_device_event_is_refused_and_writes_nothing(direction: Direction) -> None:
+    """A CPU cache has no stream to wait on an event with (``TransferJob.after``): copying
+    anyway could read blocks the engine is still writing, so the job fails, typed."""
+    ctx = make_context()
+    h = CpuTransferHandler(page_table(ctx), ctx.geometry, owners=ctx.tensors)
+    before = snapshot(ctx)
+    chunks = poisoned_chunks(ctx, 1)
+    refused = h.submit(TransferJob(direction, [0, 1, 2, 3], tuple(chunks), after=object()))
+    fine = h.submit(_store([4, 5, 6, 7], poisoned_chunks(ctx, 1)))
+    r_refused, r_fine = h.wait([refused, fine])
+    assert isinstance(r_refused.error, CudaUnavailableError) and "CUDA event" in str(r_refused.error)
+    assert (r_refused.blocks, r_refused.bytes) == (0, 0)
+    assert unchanged(ctx, before) and bool((chunks[0].view(torch.uint8) == POISON).all())
     assert r_fine.ok
     h.close()

@@ -43,6 +43,35 @@ def test_store_then_load_in_order_without_a_host_wait_between(place: str) -> Non
     assert all(r.seconds > 0 for r in results)
 
 
+def test_a_store_waits_on_the_device_for_the_engines_event() -> None:
+    """The engine writes the blocks on a stream of its own, behind a slow kernel, and passes
+    the event it recorded there as ``after``: the copy, submitted at once from a thread whose
+    current stream knows nothing of that work, must store the written bytes, and its own
+    time must not include the wait."""
+    ctx = make_context(device="cuda")
+    h = _handler(ctx)
+    ids = [4, 5, 6, 7]
+    old = reference.gather(ctx.tensors, ctx.format, ctx.shape, ids).clone()
+    fresh = [torch.randn_like(t) for t in ctx.tensors]
+    writer = torch.cuda.Stream(device=ctx.device)
+    writer.wait_stream(torch.cuda.current_stream(ctx.device))  # ``fresh`` is ready first
+    written = torch.cuda.Event()
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(400_000_000)  # the write lands long after the submit below
+        for t, f in zip(ctx.tensors, fresh, strict=True):
+            t.copy_(f)
+        written.record(writer)
+    chunk = poisoned_chunks(ctx, 1, device="cuda")
+    job = h.submit(TransferJob(Direction.TO_CHUNKS, ids, tuple(chunk), after=written))
+    assert not written.query()  # queued before the write landed: only the device wait orders it
+    (r,) = h.wait([job])
+    assert r.ok and r.seconds < 0.05
+    torch.cuda.synchronize()
+    want = reference.gather(ctx.tensors, ctx.format, ctx.shape, ids)
+    assert torch.equal(chunk[0].view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(want.view(torch.uint8), old.view(torch.uint8))
+
+
 def test_many_jobs_in_flight_and_get_finished_polls() -> None:
     ctx = make_context(device="cuda")
     h = _handler(ctx)

@@ -38,6 +38,7 @@ class FakeEvent:
 
     def record(self, stream: FakeStream) -> None:
         self.seq = self.gpu.launched
+        self.gpu.log.append(("record", self.seq))
 
     def query(self) -> bool:
         if self.gpu.fault:
@@ -103,7 +104,7 @@ def test_submit_orders_after_the_callers_stream_and_never_waits(rig: Any) -> Non
     h, gpu, _, ctx = rig
     a = h.submit(_store(ctx, [0, 1, 2, 3]))
     b = h.submit(_store(ctx, [4, 5, 6, 7]))
-    assert [e for e in gpu.log if e[0] != "copy"] == [
+    assert [e for e in gpu.log if e[0] not in ("copy", "record")] == [
         ("wait_stream", ("copy", "engine")),
         ("wait_stream", ("copy", "engine")),
     ]
@@ -192,6 +193,48 @@ def test_a_stream_that_fails_before_the_launch_fails_the_job_typed(
     first, second = h.wait([failed, ok])
     assert type(first.error) is CudaError and "launch failure" in str(first.error) and first.bytes == 0
     assert second.ok and gpu.launched == 1
+
+
+def test_a_jobs_event_is_waited_for_on_the_device_before_the_copy(rig: Any) -> None:
+    """``after`` (the engine's writes, on a stream of its own or in another process): the
+    copy stream waits for it on the device, after the caller's stream and before the copy's
+    start event, so the wait is not counted as the copy's time; the host never blocks."""
+    h, gpu, _, ctx = rig
+    gpu.launched = 5  # the engine's work queued so far
+    written = FakeEvent()
+    written.record(FakeStream(gpu, "engine-side"))
+    gpu.log.clear()
+    job = TransferJob(Direction.TO_CHUNKS, [0, 1, 2, 3], tuple(ctx.allocate_chunks(1)), after=written)
+    h.submit(job)
+    assert gpu.log == [
+        ("wait_stream", ("copy", "engine")),
+        ("wait_event", ("copy", 5)),
+        ("record", 5),  # the copy's start, behind the wait
+        ("copy", ([0, 1, 2, 3], True)),
+        ("record", 6),
+    ]
+    h.submit(_store(ctx, [4, 5, 6, 7]))  # a job without an event: no wait
+    assert [e for e in gpu.log if e[0] == "wait_event"] == [("wait_event", ("copy", 5))]
+
+
+def test_an_event_the_stream_cannot_wait_for_fails_the_job_typed(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h, gpu, _, ctx = rig
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def refused(self: FakeStream, event: FakeEvent) -> None:
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FakeStream, "wait_event", refused)
+        failed = h.submit(TransferJob(Direction.TO_CHUNKS, [0, 1, 2, 3], tuple(ctx.allocate_chunks(1)),
+                                      after=FakeEvent()))  # fmt: skip
+    ok = h.submit(_store(ctx, [4, 5, 6, 7]))
+    gpu.run_all()
+    first, second = h.wait([failed, ok])
+    assert type(first.error) is CudaError and "invalid resource handle" in str(first.error)
+    assert first.bytes == 0 and second.ok and gpu.launched == 1  # never launched
 
 
 def test_wait_on_stream_is_a_device_side_wait(rig: Any) -> None:

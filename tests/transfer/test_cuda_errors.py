@@ -74,6 +74,8 @@ def test_the_ipc_edges_fail_typed_without_a_gpu() -> None:
     with pytest.raises(CudaUnavailableError):
         ipc.record_ipc_event(cuda)
     with pytest.raises(CudaUnavailableError):
+        ipc.open_ipc_event(b"\0" * 64, cuda)
+    with pytest.raises(CudaUnavailableError):
         ipc.wait_ipc_event(b"\0" * 64, cuda)
 
 
