@@ -16,8 +16,9 @@ Policies, stated once:
   loads. The first missing chunk ends the prefix.
 * **Asynchronous copies:** ``store_async`` / ``retrieve_async`` submit the copies and return a
   future; each instance's copies are completed on its own completer thread, in submission
-  order. ``store_async`` never waits for L1 room on its caller's thread: a store short of room
-  waits on the engine's one waiter thread (``waiter``), in arrival order. A stored chunk
+  order. Neither waits on its caller's thread: a store short of L1 room waits on the engine's
+  store waiter, a retrieve of chunks still loading from L2 on its retrieve waiter (``waiter``),
+  each in arrival order. A stored chunk
   becomes visible to lookups only when its copy finished; ``store`` and ``retrieve`` are waits
   on the futures.
 * **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
@@ -26,13 +27,14 @@ Policies, stated once:
   records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
 This module is the facade (registration, lifecycle, introspection); the store path lives in
-``store`` (its waits for L1 room in ``waiter``), lookup/prefetch/retrieve in ``load``,
-completion of copies in ``completion``, request checks in ``ids``, result records in
-``records`` and the MP_* event metadata in ``op_events``.
+``store``, lookup/prefetch/retrieve in ``load`` (their waits in ``waiter``),
+completion of copies in ``completion``, request checks in ``ids`` and ``reports``, result
+records in ``records`` and the MP_* event metadata in ``op_events``.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -49,9 +51,10 @@ from kvcache.engine.load import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import RetrieveResult, StoreResult
+from kvcache.engine.reports import check_allocation_report
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
-from kvcache.engine.waiter import StoreWaiter
-from kvcache.errors import BlockIdError, LayoutError, LimitExceededError, UnknownInstanceError
+from kvcache.engine.waiter import Waiter
+from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import (
     Event,
@@ -98,10 +101,13 @@ class CacheEngine:
         self._instances: dict[int, Instance] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._waiter = StoreWaiter(self._pool.wake_writers, "kvcache-store-wait")
-        self._parts = EngineParts(
-            config, self._pool, self._tiers, self._stats, OpEvents(self._bus), self._waiter
+        settled = threading.Condition()  # EngineParts.loads_settled
+        self._waiters = (
+            Waiter(self._pool.wake_writers, "kvcache-store-wait"),
+            Waiter(functools.partial(load_path.notify_settled, settled), "kvcache-retrieve-wait"),
         )
+        shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
+        self._parts = EngineParts(config, *shared, *self._waiters, settled)
 
     # -- registration ---------------------------------------------------------------------
     def register(
@@ -127,12 +133,14 @@ class CacheEngine:
     def unregister(self, instance_id: int) -> None:
         """Forget an instance once its copies in flight completed; subscribers holding
         per-instance state drop it on the event. Its stores waiting for L1 room stop waiting
-        (each takes what is free, the rest fails) before that."""
+        (each takes what is free, the rest fails), and its retrieves waiting for L2 loads copy
+        the READY prefix, before that."""
         with self._lock:
             inst = self._instances.pop(instance_id, None)
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id} is not registered")
-        self._waiter.cancel(instance_id)
+        for waiter in self._waiters:
+            waiter.cancel(instance_id)
         inst.completer.close()
         meta = InstanceUnregistered(instance_id=instance_id, model_name=inst.model_name)
         self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
@@ -249,8 +257,10 @@ class CacheEngine:
     ) -> int:
         """Copy the cached prefix of ``token_ids`` into ``block_ids``, leaving the first
         ``skip_tokens`` (rounded down to whole blocks) alone; returns the prefix length now
-        valid in the engine (skip + copied). ``copy_by``: as for ``store``; waits for L2 loads
-        end there, and past it nothing is written into ``block_ids``.
+        valid in the engine (skip + copied). Chunks still loading from L2 are waited for,
+        within ``retrieve_wait_timeout_s``; the prefix ends at the first one not READY then.
+        ``copy_by``: as for ``store``; waits for L2 loads end there, and past it nothing is
+        written into ``block_ids`` (``DeadlineExceededError``).
 
         A wait on ``retrieve_async``; raises what its future holds."""
         future = self.retrieve_async(
@@ -265,11 +275,11 @@ class CacheEngine:
         return self._wait(instance_id, future).retrieved_tokens
 
     def _wait(self, instance_id: int, future: Future[_T]) -> _T:
-        """``future.result()``, refused on the instance's completer thread or the store
-        waiter's (a done-callback calling ``store``), where it would wait for work queued
-        behind itself."""
+        """``future.result()``, refused on the instance's completer thread or a waiter's (a
+        done-callback calling ``store``), where it would wait for work queued behind itself."""
         inst = self._instances.get(instance_id)
-        own = self._waiter.on_own_thread() or (inst is not None and inst.completer.on_own_thread())
+        own = any(w.on_own_thread() for w in self._waiters)
+        own = own or (inst is not None and inst.completer.on_own_thread())
         if own and not future.done():
             raise RuntimeError(
                 "store/retrieve called from a done-callback of an engine future would wait for "
@@ -288,13 +298,14 @@ class CacheEngine:
         request_id: str = "",
         copy_by: float | None = None,
     ) -> Future[RetrieveResult]:
-        """``retrieve`` without waiting for the copy: the future resolves (after
-        ``MP_RETRIEVE_END``) once the blocks hold the prefix, with the prefix length and
-        what the copies moved (``RetrieveResult``); errors are set on it.
+        """``retrieve`` without waiting: the future resolves (after ``MP_RETRIEVE_END``) once
+        the blocks hold the prefix, with the prefix length and what the copies moved
+        (``RetrieveResult``); errors are set on it.
 
-        NOTE: this call itself waits, within ``retrieve_wait_timeout_s`` and ``copy_by``, for
-        the L2 loads a lookup began. The engine must not read ``block_ids`` before the future
-        resolved.
+        It never waits on the caller's thread: it copies the READY prefix, or, when chunks
+        of it are still loading from L2 (or L2 may hold more), hands the retrieve to the
+        engine's retrieve waiter, behind no store (see ``waiter``), which waits as ``retrieve``
+        says. The engine must not read ``block_ids`` before the future resolved.
         """
         try:
             inst = self._instance(instance_id)
@@ -321,26 +332,7 @@ class CacheEngine:
         (``LimitExceededError``). Subscribers keep state per (instance, block) and per record,
         which stays bounded only if these are."""
         inst = self._instance(instance_id)
-        num_blocks = inst.ctx.num_blocks
-        limit = self.config.max_report_records
-        if len(records) > limit:
-            raise LimitExceededError(
-                f"{len(records)} records in one allocation report of instance {instance_id}; "
-                f"the limit is {limit} (max_report_records); report refused"
-            )
-        for record in records:
-            ids = record.new_block_ids
-            if ids and (min(ids) < 0 or max(ids) >= num_blocks):  # builtins: fast on many ids
-                bad = next(b for b in ids if not 0 <= b < num_blocks)
-                raise BlockIdError(
-                    f"block id {bad} in the allocation report of request {record.req_id!r} is "
-                    f"outside [0, {num_blocks}) of instance {instance_id}; report refused"
-                )
-            if len(ids) > num_blocks:  # valid ids, repeated: still more than a request can get
-                raise LimitExceededError(
-                    f"request {record.req_id!r} reports {len(ids)} new blocks; "
-                    f"instance {instance_id} has {num_blocks}; report refused"
-                )
+        check_allocation_report(instance_id, inst.ctx.num_blocks, self.config.max_report_records, records)
         meta = MpVllmBlockAllocation(
             instance_id=instance_id,
             model_name=inst.model_name,
@@ -379,12 +371,14 @@ class CacheEngine:
 
     def close(self) -> None:
         """Complete the stores and retrieves in flight (their futures resolve), then finish
-        pending L2 writes and close the tiers; idempotent. Stores waiting for L1 room stop
-        waiting first: each takes what is free, the rest fails (``failed_chunks``)."""
+        pending L2 writes and close the tiers; idempotent. Waiting operations stop waiting
+        first: a store takes what is free, the rest fails (``failed_chunks``); a retrieve
+        copies the READY prefix."""
         if self._closed:
             return
         self._closed = True
-        self._waiter.close()
+        for waiter in self._waiters:
+            waiter.close()
         for inst in list(self._instances.values()):
             inst.completer.close()
         for tier in self._tiers:

@@ -3,15 +3,20 @@
 Separate from the engine facade because these three share one rule, kept in one place: the
 prefix is made of chunks in L1 and chunks present in L2 (tiers asked in order), in any
 alternation (a prompt's tail may stay in L1 after its head left for L2), and the first missing
-chunk, refused load or failed load ends it; a retrieve waits for the loads a lookup began.
+chunk, refused load or failed load ends it; a retrieve waits for the loads a lookup began,
+never on its caller's thread: a prefix still loading is waited for on the engine's retrieve
+waiter (see ``waiter``), woken by ``EngineParts.loads_settled`` as each load settles.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvcache.engine.ids import IntArray, block_id_array, check_cover
@@ -99,10 +104,12 @@ def prefetch(
 
         def done(ok: bool, entry: L1Entry = entry) -> None:
             parts.pool.finish([entry], ok)
+            notify_settled(parts.loads_settled)  # a retrieve waiting for it looks again
 
         wait_s = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
         if not src.submit_load(entry.key, entry.tensor, done, wait_s):
             parts.pool.finish(entries[i:], False)
+            notify_settled(parts.loads_settled)
             return i
     return len(entries)
 
@@ -120,127 +127,222 @@ def retrieve_async(
 ) -> Future[RetrieveResult]:
     """See ``CacheEngine.retrieve_async``. Never raises: every error is set on the future.
 
-    The caller's thread checks the request, pins the prefix (waiting for the L2 loads a lookup
-    began, within ``retrieve_wait_timeout_s``) and submits one copy; its completion on the
+    The caller's thread checks the request, pins the leading chunks resident in L1 and, when
+    they are all READY and nothing more could come from L2, submits the copy; a prefix still
+    loading (or needing a prefetch) is handed to the engine's retrieve waiter, whose pass
+    waits for it (``_RetrieveOp.wait_pass``) and submits the copy. Its completion on the
     instance's completer thread releases the chunks, publishes the end event and resolves.
     """
     future: Future[RetrieveResult] = Future()
     try:
-        _start_retrieve(
-            parts, inst, token_ids, block_ids, skip_tokens, cache_salt, request_id, copy_by, future
+        op = _RetrieveOp.begin(
+            parts, inst, token_ids, block_ids, skip_tokens, cache_salt, request_id, copy_by
         )
     except Exception as err:  # a bad request: nothing was pinned or published
         future.set_exception(err)
+        return future
+    op.future = future
+    try:
+        if op.ready_now():
+            op.copy()
+        else:
+            parts.retrieve_waiter.add(inst.instance_id, op.wait_pass)
+    except Exception as err:  # never leave the future unresolved, nor a chunk pinned
+        op.fail(err)
     return future
 
 
-def _start_retrieve(
-    parts: EngineParts,
-    inst: Instance,
-    token_ids: IntArray,
-    block_ids: IntArray,
-    skip_tokens: int,
-    cache_salt: str,
-    request_id: str,
-    copy_by: float | None,
-    future: Future[RetrieveResult],
-) -> None:
-    ctx = inst.ctx
-    num_tokens = len(token_ids)
-    check_cover(ctx, num_tokens, block_ids)
-    if skip_tokens < 0:
-        raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
-    bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, parts.config.chunk_size
-    keys = inst.keys(token_ids, cache_salt)
-    if skip_tokens > len(keys) * cs:
-        # The engine cannot already hold more of this request than the request has: a larger
-        # skip is clamped, so the answer never claims tokens that do not exist.
-        skip_tokens = len(keys) * cs
-    if skip_tokens % bs:
-        logger.info(
-            "retrieve: skip_tokens=%d is not a multiple of block size %d; rounded down", skip_tokens, bs
+@dataclass(eq=False)
+class _RetrieveOp:
+    """One retrieve past its checks (``MP_RETRIEVE_START`` published). ``pinned`` (the
+    leading entries of ``keys``) passes from the caller's thread to the waiter's, and from
+    there to the copy's completion, one thread at a time: whoever holds the op releases it."""
+
+    parts: EngineParts
+    inst: Instance
+    sid: str
+    num_tokens: int
+    skip: int  # tokens left alone (whole blocks)
+    local_skip: int  # blocks of the first chunk left alone
+    keys: list[ChunkKey]  # from the first chunk with a block to copy
+    ids: IntArray  # the block ids of ``keys``
+    copy_by: float | None
+    deadline: float  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``copy_by``)
+    future: Future[RetrieveResult] = field(default_factory=Future)
+    pinned: list[L1Entry] = field(default_factory=list)
+
+    @classmethod
+    def begin(
+        cls,
+        parts: EngineParts,
+        inst: Instance,
+        token_ids: IntArray,
+        block_ids: IntArray,
+        skip_tokens: int,
+        cache_salt: str,
+        request_id: str,
+        copy_by: float | None,
+    ) -> _RetrieveOp:
+        """Check the request, compute its keys and publish ``MP_RETRIEVE_START``."""
+        ctx = inst.ctx
+        num_tokens = len(token_ids)
+        check_cover(ctx, num_tokens, block_ids)
+        if skip_tokens < 0:
+            raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
+        bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, parts.config.chunk_size
+        keys = inst.keys(token_ids, cache_salt)
+        if skip_tokens > len(keys) * cs:
+            # The engine cannot already hold more of this request than the request has: a
+            # larger skip is clamped, so the answer never claims tokens that do not exist.
+            skip_tokens = len(keys) * cs
+        if skip_tokens % bs:
+            logger.info(
+                "retrieve: skip_tokens=%d is not a multiple of block size %d; rounded down", skip_tokens, bs
+            )
+        skip_blocks = skip_tokens // bs
+        ids = block_id_array(ctx, block_ids, len(keys) * bpc)
+        sid = parts.events.session(inst.instance_id, request_id)
+        skip = skip_blocks * bs
+        parts.events.publish(
+            EventType.MP_RETRIEVE_START,
+            sid,
+            inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=skip),
         )
-    skip_blocks = skip_tokens // bs
-    skip = skip_blocks * bs
-    ids = block_id_array(ctx, block_ids, len(keys) * bpc)
-    sid = parts.events.session(inst.instance_id, request_id)
-    start = inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=skip)
-    parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
-    first = skip_blocks // bpc  # the first chunk with a block to copy
-    good = _acquire_ready(parts, inst, keys[first:], copy_by) if first < len(keys) else []
+        first = skip_blocks // bpc  # the first chunk with a block to copy
+        deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
+        if copy_by is not None:
+            deadline = min(deadline, copy_by)
+        local_skip = skip_blocks - first * bpc
+        return cls(parts, inst, sid, num_tokens, skip, local_skip, keys[first:], ids[first * bpc :],
+                   copy_by, deadline)  # fmt: skip
 
-    def end(copies: CopyTally, error: BaseException | None, l2_tokens: int = 0) -> None:
-        copied = copies.blocks * bs
-        retrieved = skip + copied
-        parts.stats.record_load(copies.nbytes, copies.seconds, copied)
-        parts.events.retrieve_end(
-            inst, sid, num_tokens, skip, retrieved, max(0, copied - l2_tokens), l2_tokens, copies,
-            error is None,
-        )  # fmt: skip
-        if error is None:
-            future.set_result(RetrieveResult(retrieved, copies.nbytes, copies.seconds))
-        else:
-            future.set_exception(error)
+    # -- caller's thread ------------------------------------------------------------------
+    def ready_now(self) -> bool:
+        """Pin the leading resident chunks; True (``pinned`` cut to the READY ones) when the
+        copy need not wait: nothing pinned is still loading, and L2 could add nothing."""
+        self.pinned = self.parts.pool.acquire(self.keys)
+        ready, loading = _leading_ready(self.pinned)
+        if loading or (ready == len(self.pinned) < len(self.keys) and self.parts.tiers):
+            return False
+        self._cut(ready)
+        return True
 
-    if copy_by is not None and time.monotonic() > copy_by:
-        parts.pool.release(good)  # the caller gave up: its blocks may belong to another request
-        end(CopyTally(), DeadlineExceededError(
-            "retrieve: its client's deadline passed before the copy could start; no byte was "
-            "written into its blocks"
-        ))  # fmt: skip
-        return
-    if not good:
-        end(CopyTally(), None)
-        return
-    local_skip = skip_blocks - first * bpc
-    sel = ids[first * bpc : (first + len(good)) * bpc]
-    try:
-        chunks = [e.tensor for e in good]
-        job = ctx.copy_from_chunks_async(chunks, sel, skip_blocks=local_skip, start_by=copy_by)
-    except Exception as err:  # the handler is closed: nothing was queued
-        parts.pool.release(good)
-        end(CopyTally(), err)
-        return
+    # -- waiter's thread ------------------------------------------------------------------
+    def wait_pass(self, stop: threading.Event) -> None:
+        """Bring in what L2 holds of the rest of the prefix and wait for its loads, until the
+        deadline, or not at all once ``stop`` is set (the engine or instance is closing);
+        then copy what is READY. The first miss or failed load ends the prefix."""
+        try:
+            parts, keys, entries = self.parts, self.keys, self.pinned
+            while (
+                not stop.is_set()
+                and len(entries) < len(keys)
+                and prefetch(parts, self.inst, keys[len(entries) :], self.deadline)
+            ):
+                more = parts.pool.acquire(keys[len(entries) :])  # the loads just begun, and what follows
+                if not more:  # they failed already
+                    break
+                entries += more
+            settled = parts.loads_settled
+            ready = 0
+            with settled:
+                for entry in entries:
+                    left = max(0.0, self.deadline - time.monotonic())
+                    settled.wait_for(functools.partial(_settled_or_stopped, entry, stop), left)
+                    if not entry.wait(0):
+                        break
+                    ready += 1
+            self._cut(ready)
+            self.copy()
+        except Exception as err:  # never leave the future unresolved, nor a chunk pinned
+            self.fail(err)
 
-    def copied(result: TransferResult) -> None:
+    # -- either pass ----------------------------------------------------------------------
+    def copy(self) -> None:
+        """Submit the copy of ``pinned`` (all READY), or end the retrieve without one."""
+        inst, good = self.inst, self.pinned
+        if self.copy_by is not None and time.monotonic() > self.copy_by:
+            self.fail(DeadlineExceededError(
+                "retrieve: its client's deadline passed before the copy could start; no byte was "
+                "written into its blocks"
+            ))  # fmt: skip  # the caller gave up: its blocks may belong to another request
+            return
+        if not good:
+            self.end(CopyTally(), None)
+            return
+        ctx = inst.ctx
+        sel = self.ids[: len(good) * ctx.blocks_per_chunk]
+        try:
+            chunks = [e.tensor for e in good]
+            job = ctx.copy_from_chunks_async(chunks, sel, skip_blocks=self.local_skip, start_by=self.copy_by)
+        except Exception as err:  # the handler is closed: nothing was queued
+            self.fail(err)
+            return
+        try:
+            inst.completer.add(job, Direction.FROM_CHUNKS, self._copied)
+        except Exception:  # the engine is closing: complete it here
+            (result,) = ctx.transfer.wait([job])
+            self._copied(result)
+
+    def _cut(self, n: int) -> None:
+        """Keep the first ``n`` pinned entries: the prefix ends there."""
+        self.parts.pool.release(self.pinned[n:])
+        self.pinned = self.pinned[:n]
+
+    def fail(self, err: BaseException) -> None:
+        self._cut(0)
+        self.end(CopyTally(), err)
+
+    # -- completer thread -----------------------------------------------------------------
+    def _copied(self, result: TransferResult) -> None:
         copies = CopyTally()
         copies.add(result)
+        good, self.pinned = self.pinned, []
         if result.error is not None:
-            parts.pool.release(good)
-            end(copies, result.error)
+            self.parts.pool.release(good)
+            self.end(copies, result.error)
             return
-        l2_tokens = sum(cs for e in good if e.from_l2)
+        l2_tokens = sum(self.parts.config.chunk_size for e in good if e.from_l2)
         for e in good:
             e.from_l2 = False
-        parts.pool.release(good, read_bytes=result.bytes)
-        end(copies, None, l2_tokens)
+        self.parts.pool.release(good, read_bytes=result.bytes)
+        self.end(copies, None, l2_tokens)
 
-    try:
-        inst.completer.add(job, Direction.FROM_CHUNKS, copied)
-    except Exception:  # the engine is closing: complete it here
-        (result,) = ctx.transfer.wait([job])
-        copied(result)
+    # -- whichever thread ends it ---------------------------------------------------------
+    def end(self, copies: CopyTally, error: BaseException | None, l2_tokens: int = 0) -> None:
+        """Publish the one ``MP_RETRIEVE_END`` and resolve the future."""
+        parts, inst = self.parts, self.inst
+        copied = copies.blocks * inst.ctx.block_size
+        retrieved = self.skip + copied
+        parts.stats.record_load(copies.nbytes, copies.seconds, copied)
+        parts.events.retrieve_end(
+            inst, self.sid, self.num_tokens, self.skip, retrieved, max(0, copied - l2_tokens), l2_tokens,
+            copies, error is None,
+        )  # fmt: skip
+        if error is None:
+            self.future.set_result(RetrieveResult(retrieved, copies.nbytes, copies.seconds))
+        else:
+            self.future.set_exception(error)
 
 
-def _acquire_ready(
-    parts: EngineParts, inst: Instance, keys: Sequence[ChunkKey], copy_by: float | None
-) -> list[L1Entry]:
-    """Pin the leading chunks of ``keys`` that are (or can be brought) in L1 and wait for
-    any load still running (not past ``copy_by``); the first miss or failed load ends the list."""
-    deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
-    if copy_by is not None:
-        deadline = min(deadline, copy_by)
-    entries = parts.pool.acquire(keys)
-    while len(entries) < len(keys) and prefetch(parts, inst, keys[len(entries) :], deadline):
-        more = parts.pool.acquire(keys[len(entries) :])  # the loads just begun, and what follows
-        if not more:  # they failed already
-            break
-        entries += more
+def _leading_ready(entries: Sequence[L1Entry]) -> tuple[int, bool]:
+    """How many leading entries are READY, and whether the next one is still loading (a
+    failed load, like a miss, ends the prefix and is waited for by nobody)."""
     for i, entry in enumerate(entries):
-        if not entry.wait(max(0.0, deadline - time.monotonic())):
-            parts.pool.release(entries[i:])
-            return entries[:i]
-    return entries
+        if not entry.wait(0):
+            return i, entry.ok
+    return len(entries), False
 
 
-__all__ = ["lookup", "prefetch", "retrieve_async"]
+def _settled_or_stopped(entry: L1Entry, stop: threading.Event) -> bool:
+    return stop.is_set() or entry.wait(0) or not entry.ok
+
+
+def notify_settled(settled: threading.Condition) -> None:
+    """Wake the retrieves waiting on ``settled`` (``EngineParts.loads_settled``): a load
+    settled, or (the retrieve waiter's ``wake``) their ``stop`` was set."""
+    with settled:
+        settled.notify_all()
+
+
+__all__ = ["lookup", "notify_settled", "prefetch", "retrieve_async"]

@@ -6,11 +6,11 @@ write finishes (or is refused), so a slot is never evicted or reused while a tie
 
 One pass down: the request is checked and its keys computed once (``_StoreOp.begin``), the
 slots L1 has room for now are reserved and their copies submitted on the caller's thread
-(``_StoreOp.run``, which never waits), a store short of room is finished on the engine's waiter
-thread (``_StoreOp._wait_pass``, see ``waiter``), and each copy's ``TransferResult`` is completed
-on the instance's completer thread (``_StoreOp._copied``): the entries become READY (visible to
-lookups) only then, are written through, and the last completion publishes the end event and
-resolves the caller's future.
+(``_StoreOp.run``, which never waits), a store short of room is finished on the engine's store
+waiter thread (``_StoreOp._wait_pass``, see ``waiter``), and each copy's ``TransferResult`` is
+completed on the instance's completer thread (``_StoreOp._copied``): the entries become READY
+(visible to lookups) only then, are written through, and the last completion publishes the end
+event and resolves the caller's future.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class _StoreOp:
         """Reserve what L1 has room for now and submit those copies, without waiting. A store
         short of room, or of an instance with a store waiting already (it must not take that
         one's room), is handed to the engine's waiter, whose pass settles it."""
-        waiter, iid = self.parts.waiter, self.inst.instance_id
+        waiter, iid = self.parts.store_waiter, self.inst.instance_id
         handed = False
         try:
             handed = waiter.add(iid, self._wait_pass, only_behind=True)

@@ -1,10 +1,22 @@
-"""The engine's store waiter: the one thread on which stores wait for L1 room.
+"""The engine's waiters: the threads on which operations wait, off their caller's thread.
 
-Separate from the store path because ``store_async`` must not wait on its caller's thread (an
-engine step, a daemon worker serving every client): the caller reserves only what L1 has room
-for now, and a store that needs more is handed here to wait, within its own deadline, on a
-thread the engine owns and closes. The store path supplies what to run (``WaitJob``); this
-module knows nothing of chunks, only of order and of stopping.
+Separate from the store and load paths because ``store_async`` and ``retrieve_async`` share one
+rule: they never wait on their caller's thread (an engine step, a daemon worker serving every
+client). The caller does what needs no waiting; an operation that must wait (a store for L1
+room, a retrieve for the L2 -> L1 loads of its prefix) is handed here and waits, within its
+own deadline, on a thread the engine owns and closes. The paths supply what to run
+(``WaitJob``); this module knows nothing of chunks, only of order and of stopping.
+
+One class, two instances per engine (``EngineParts.store_waiter`` / ``retrieve_waiter``), so
+two threads: a store's wait for room blocks its thread inside the L1 pool
+(``L1Pool.begin_write``), and a retrieve must not queue behind another instance's store
+waiting for room (nor behind its own instance's: a store's ``block_ids`` are the caller's to
+keep until its future resolves, and a retrieve reads only chunks already visible, so it has
+nothing to wait for there but would inherit up to ``store_wait_timeout_s`` of latency).
+Stores keep their per-instance FIFO (``only_behind``); retrieves take no place in any
+instance's order: they are FIFO among themselves only. NOTE: so a retrieve waits behind an
+earlier retrieve's wait; the tiers' workers run loads in arrival order too, so a later
+retrieve's loads seldom land first, and each wait ends by its own ``retrieve_wait_timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,8 +32,8 @@ logger = logging.getLogger("kvcache.engine.waiter")
 
 _IDLE_SLICE_S = 0.1  # an idle thread looks this often whether the interpreter is exiting
 
-#: A store's waiting part. It runs once and settles its store itself (never raises on
-#: purpose); it waits for room only while ``stop`` is not set, and takes what is free then.
+#: An operation's waiting part. It runs once and settles its operation itself (never raises
+#: on purpose); it waits only while ``stop`` is not set, and takes what is there then.
 WaitJob = Callable[[threading.Event], None]
 
 
@@ -32,25 +44,26 @@ class _Job:
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-class StoreWaiter:
-    """Runs stores' waiting parts one at a time, in the order they were handed over.
+class Waiter:
+    """Runs operations' waiting parts one at a time, in the order they were handed over.
 
-    One per engine. The thread starts on the first ``add`` and leaves after ``idle_exit_s``
-    without work (or once the main thread has ended), so an engine whose stores always find
-    room holds no thread. One thread, FIFO: stores waiting for room get it in arrival order,
-    and a store never waits behind one that arrived later.
+    One per kind of operation and engine. The thread starts on the first ``add`` and leaves
+    after ``idle_exit_s`` without work (or once the main thread has ended), so an engine whose
+    operations never wait holds no thread. One thread, FIFO: stores waiting for room get it in
+    arrival order, and an operation never waits behind one that arrived later.
 
     Ordering per instance: while an instance has a job queued or running, ``add(...,
     only_behind=True)`` queues its next store too, so a later store cannot take the room an
     earlier one waits for, and an instance's copies are still submitted in call order.
 
     Stopping: ``cancel`` (an instance leaving) and ``close`` set the jobs' ``stop`` and call
-    ``wake`` (the L1 pool's ``wake_writers``), so a job waiting for room ends at once, taking
-    what is free; jobs still queued then run on the cancelling thread, so it never waits
-    behind another instance's wait. After ``close``, ``add`` runs its job at once, stopped.
+    ``wake`` (what the jobs wait on: the L1 pool's ``wake_writers`` for stores, the engine's
+    load signal for retrieves), so a waiting job ends at once, taking what is there; jobs
+    still queued then run on the cancelling thread, so it never waits behind another
+    instance's wait. After ``close``, ``add`` runs its job at once, stopped.
 
     Thread rules: every method may be called from any thread, a job's own included (a
-    done-callback of a store the job settled); there ``cancel`` and ``close`` do not wait
+    done-callback of an operation the job settled); there ``cancel`` and ``close`` do not wait
     for the job that is running them.
     """
 
@@ -89,12 +102,12 @@ class StoreWaiter:
         return True
 
     def on_own_thread(self) -> bool:
-        """True on the waiter's thread, where waiting for a store handed here never ends."""
+        """True on the waiter's thread, where waiting for an operation handed here never ends."""
         return self._thread is not None and threading.current_thread() is self._thread
 
     def cancel(self, instance_id: int | None = None) -> None:
         """Stop the waits of ``instance_id``'s jobs (every job's with None) and return once
-        they all ran: each takes what L1 has room for now and settles its store."""
+        they all ran: each takes what is there now and settles its operation."""
         with self._cv:
             mine = [j for j in self._queue if instance_id is None or j.instance_id == instance_id]
             for job in mine:
@@ -145,8 +158,8 @@ class StoreWaiter:
     def _run(self, job: _Job) -> None:
         try:
             job.run(job.stop)
-        except Exception:  # a job settles its own store; never lose the thread
-            logger.exception("%s: a waiting store of instance %d failed", self._name, job.instance_id)
+        except Exception:  # a job settles its own operation; never lose the thread
+            logger.exception("%s: a waiting job of instance %d failed", self._name, job.instance_id)
         finally:
             with self._cv:
                 self._waiting[job.instance_id] -= 1
@@ -157,4 +170,4 @@ class StoreWaiter:
                 self._cv.notify_all()
 
 
-__all__ = ["StoreWaiter", "WaitJob"]
+__all__ = ["WaitJob", "Waiter"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from kvcache.server.registry import Instance, InstanceRegistry
 from kvcache.testing import make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler, native_cpu_copy
 from kvcache.transfer.validate import CheckedJob
+from tests.engine.test_retrieve_waiter import HeldLoads
 
 BLOCKS = list(range(16))
 STORES = 4
@@ -65,15 +67,22 @@ class CopyGate:
 
 
 class CountingEngine(CacheEngine):
-    """A CacheEngine that says when a store was submitted (``store_async`` returned)."""
+    """A CacheEngine that says when a store or a retrieve was submitted (``store_async`` /
+    ``retrieve_async`` returned)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, bus: Any = None) -> None:
+        super().__init__(config, bus)
         self.submitted = threading.Semaphore(0)
+        self.retrieves = threading.Semaphore(0)
 
     def store_async(self, *args: Any, **kw: Any) -> Any:
         future = super().store_async(*args, **kw)
         self.submitted.release()
+        return future
+
+    def retrieve_async(self, *args: Any, **kw: Any) -> Any:
+        future = super().retrieve_async(*args, **kw)
+        self.retrieves.release()
         return future
 
 
@@ -111,6 +120,17 @@ def _raw_store(endpoint: str, c: KVCacheClient, token_ids: list[int]) -> Any:
     sock.connect(endpoint)
     body = m.Store(instance_id=c.instance_id, token=c._token, token_ids=pack_ids(token_ids),
                    block_ids=pack_ids(BLOCKS))  # fmt: skip
+    sock.send(encode_request(1, body))
+    return sock
+
+
+def _raw_retrieve(endpoint: str, c: KVCacheClient, token_ids: list[int]) -> Any:
+    """A retrieve on its own socket, left waiting (as ``_raw_store``)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    body = m.Retrieve(instance_id=c.instance_id, token=c._token, token_ids=pack_ids(token_ids),
+                      block_ids=pack_ids(BLOCKS))  # fmt: skip
     sock.send(encode_request(1, body))
     return sock
 
@@ -246,6 +266,48 @@ def test_a_store_waiting_for_l1_room_occupies_no_worker(gate: CopyGate) -> None:
             assert late.lookup(tokens(1)) == 64
     finally:
         gate.allow(1000)
+        d.request_stop()
+        thread.join(30)
+        engine.close()
+
+
+def test_a_retrieve_waiting_for_l2_loads_occupies_no_worker(tmp_path: Path) -> None:
+    """The prompt is on disk only and its loads are held (inside their end announcements),
+    so the retrieve must wait for them: it waits on the engine's retrieve waiter, and the
+    daemon's one bulk worker serves a registration meanwhile (before, the worker waited
+    inside ``retrieve_async`` for as long as the loads took)."""
+
+    def disk(**kw: Any) -> EngineConfig:
+        return EngineConfig(chunk_size=16, l1_size_bytes=64 << 20, l2_disk_path=str(tmp_path), **kw)
+
+    with CacheEngine(disk()) as writer_engine:
+        writer_engine.register(1, "m", _cache())
+        assert writer_engine.store(1, tokens(0), BLOCKS).stored_chunks == 4
+    sink = HeldLoads()
+    engine = CountingEngine(disk(retrieve_wait_timeout_s=60.0), bus=sink)
+    config = DaemonConfig(port=0, bulk_workers=1, fast_workers=1, inline_lookups=False)
+    d = Daemon(config, Handlers(engine, InstanceRegistry(), 30.0))
+    thread = threading.Thread(target=d.serve, name="daemon-under-test")
+    thread.start()
+    try:
+        with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as reader, \
+                KVCacheClient(d.endpoint, 2, "m", timeout_s=20) as late:  # fmt: skip
+            reader.register_kv_caches(_cache())
+            assert reader.lookup(tokens(0)) == 64  # its 4 loads start, and are held
+            sock = _raw_retrieve(d.endpoint, reader, tokens(0))
+            try:
+                assert engine.retrieves.acquire(timeout=15), "retrieve_async waited for the loads"
+                late.register_kv_caches(_cache())  # the one bulk worker is free
+                assert late.lookup(tokens(0)) == 64 and late.ping() is True
+                assert not sock.poll(0)
+                sink.allow(1000)
+                assert sock.poll(20_000)
+                reply = decode_reply(sock.recv()).body
+                assert isinstance(reply, m.RetrieveResult) and reply.retrieved_tokens == 64, reply
+            finally:
+                sock.close()
+    finally:
+        sink.allow(1000)
         d.request_stop()
         thread.join(30)
         engine.close()
