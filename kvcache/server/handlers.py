@@ -295,9 +295,10 @@ class Handlers:
         return self.retrieve_async(req, principal).result()
 
     def retrieve_async(self, req: m.Retrieve, principal: Principal) -> Future[m.ReplyBody]:
-        """As ``store_async``. The future resolves once the copy has completed on the host's
-        side, so the engine may use the blocks on the reply; no event is exported (it would
-        have to outlive the client's wait on it, which the daemon cannot know)."""
+        """As ``store_async``; nothing here waits for L2 loads either (the engine's retrieve
+        waiter does). The future resolves once the copy has completed on the host's side, so
+        the engine may use the blocks on the reply; no event is exported (it would have to
+        outlive the client's wait on it, which the daemon cannot know)."""
         self._instance(req, principal, token_required=True)
         check_deadline(req.deadline_ms, "retrieve")
         got = self.engine.retrieve_async(
