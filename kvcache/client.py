@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from kvcache.errors import UnknownInstanceError
+from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.breaker import CircuitBreaker
@@ -493,20 +494,11 @@ class KVCacheClient:
         key_extra: str = "",
     ) -> Future[int]:
         """``retrieve`` without waiting: the future holds the valid prefix length."""
-        out: Future[int] = Future()
-        inner = self.retrieve_reply_async(
+        reply = self.retrieve_reply_async(
             token_ids, block_ids, skip_tokens, cache_salt=cache_salt, request_id=request_id,
             key_extra=key_extra,
         )  # fmt: skip
-
-        def done(f: Future[m.RetrieveResult]) -> None:
-            try:
-                out.set_result(f.result().retrieved_tokens)
-            except BaseException as exc:
-                out.set_exception(exc)
-
-        inner.add_done_callback(done)
-        return out
+        return then(reply, lambda r: r.retrieved_tokens)
 
     def retrieve_reply_async(
         self,
@@ -521,17 +513,7 @@ class KVCacheClient:
         """``retrieve_async`` with the daemon's whole reply: the prefix length and what its
         copies moved (``num_bytes``, ``transfer_seconds``), for offload statistics."""
         msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
-        out: Future[m.RetrieveResult] = Future()
-        inner = self._chain(self._submit(msg), m.RetrieveResult)
-
-        def done(f: Future[m.RetrieveResult]) -> None:
-            try:
-                out.set_result(self._finish_retrieve(f.result()))
-            except BaseException as exc:
-                out.set_exception(exc)
-
-        inner.add_done_callback(done)
-        return out
+        return then(self._chain(self._submit(msg), m.RetrieveResult), self._finish_retrieve)
 
     def _finish_retrieve(self, reply: m.RetrieveResult) -> m.RetrieveResult:
         if reply.cuda_event is not None and self._device.type == "cuda":
@@ -543,16 +525,7 @@ class KVCacheClient:
 
     @staticmethod
     def _chain(raw: Future[Any], expected: type[R]) -> Future[R]:
-        out: Future[R] = Future()
-
-        def done(f: Future[Any]) -> None:
-            try:
-                out.set_result(_unwrap(f.result(), expected))
-            except BaseException as exc:
-                out.set_exception(exc)
-
-        raw.add_done_callback(done)
-        return out
+        return then(raw, lambda reply: _unwrap(reply, expected))
 
     def report_block_allocations(
         self, records: Sequence[BlockAllocationRecord], *, wait: bool = True

@@ -1,8 +1,8 @@
 """Replies that come after their handler returned: store and retrieve answered on completion.
 
 Separate from the handlers and the I/O loop because both ends of a deferred reply need the
-same two small pieces: ``then`` turns the engine's future into a reply future (on the thread
-that completes it), and ``Outbox`` carries the finished reply to the I/O thread from a thread
+same two small pieces: ``kvcache.futures.then`` turns the engine's future into a reply future
+(on the thread that completes it), and ``Outbox`` carries the finished reply to the I/O thread from a thread
 the daemon does not own (an engine completion thread), the one place a ZMQ socket is used from
 more than one thread.
 """
@@ -11,54 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
 
 import zmq
 
 log = logging.getLogger("kvcache.server")
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-def resolved(value: _R) -> Future[_R]:
-    """A future that already holds ``value``."""
-    future: Future[_R] = Future()
-    future.set_result(value)
-    return future
-
-
-def then(
-    source: Future[_T],
-    ok: Callable[[_T], _R],
-    failed: Callable[[BaseException], _R] | None = None,
-) -> Future[_R]:
-    """A future of ``ok(result)``, or of ``failed(error)`` when ``source`` (or ``ok``) raised;
-    without ``failed`` the error is passed on.
-
-    Both run as ``source``'s done-callback, on whichever thread completes it (an engine
-    completion thread): they must be quick and must never wait on another engine future.
-    """
-    target: Future[_R] = Future()
-
-    def settle(done: Future[_T]) -> None:
-        try:
-            try:
-                value = ok(done.result())
-            except Exception as err:  # the copy's error, or ok's own
-                if failed is None:
-                    raise
-                value = failed(err)
-        except BaseException as err:  # never leave the target open
-            target.set_exception(err)
-            return
-        target.set_result(value)
-
-    source.add_done_callback(settle)
-    return target
-
 
 class Outbox:
     """A PUSH socket into the daemon's reply channel, shared by every thread that is not a worker.
@@ -93,4 +49,4 @@ class Outbox:
             self._push.close(linger=0)
 
 
-__all__ = ["Outbox", "resolved", "then"]
+__all__ = ["Outbox"]

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
+from kvcache.futures import resolved, then
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import ipc
 from kvcache.server.auth import LOOPBACK, Principal
 from kvcache.server.deadlines import check_deadline, copy_deadline
-from kvcache.server.deferred import resolved, then
 from kvcache.server.registry import Instance, InstanceRegistry
 
 if TYPE_CHECKING:
