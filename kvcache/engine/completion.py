@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
 from kvcache.errors import KvcacheError, TransferError
+from kvcache.idle import wait_for_work
 from kvcache.transfer.base import Direction, TransferHandler, TransferResult
 
 logger = logging.getLogger("kvcache.engine.completion")
-
-_IDLE_SLICE_S = 0.1  # an idle thread looks this often whether the interpreter is exiting
 
 #: What to run once a job finished; it owns the error handling of its own operation.
 OnDone = Callable[[TransferResult], None]
@@ -85,17 +83,10 @@ class Completer:
     def _run(self) -> None:
         while True:
             with self._cv:
-                idle_since = time.monotonic()
-                while not self._queue:
-                    if (
-                        self._closed
-                        or time.monotonic() - idle_since >= self._idle_exit_s
-                        or not threading.main_thread().is_alive()
-                    ):
-                        self._thread = None
-                        self._cv.notify_all()
-                        return
-                    self._cv.wait(_IDLE_SLICE_S)
+                if not wait_for_work(self._cv, self._queue, lambda: self._closed, self._idle_exit_s):
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
                 job_id, direction, on_done = self._queue[0]
             try:
                 (result,) = self._handler.wait([job_id])

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-logger = logging.getLogger("kvcache.engine.waiter")
+from kvcache.idle import wait_for_work
 
-_IDLE_SLICE_S = 0.1  # an idle thread looks this often whether the interpreter is exiting
+logger = logging.getLogger("kvcache.engine.waiter")
 
 #: An operation's waiting part. It runs once and settles its operation itself (never raises
 #: on purpose); it waits only while ``stop`` is not set, and takes what is there then.
@@ -141,17 +140,10 @@ class Waiter:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                idle_since = time.monotonic()
-                while not self._queue:
-                    if (
-                        self._closed
-                        or time.monotonic() - idle_since >= self._idle_exit_s
-                        or not threading.main_thread().is_alive()
-                    ):
-                        self._thread = None
-                        self._cv.notify_all()
-                        return
-                    self._cv.wait(_IDLE_SLICE_S)
+                if not wait_for_work(self._cv, self._queue, lambda: self._closed, self._idle_exit_s):
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
                 job = self._running = self._queue.popleft()
             self._run(job)
 

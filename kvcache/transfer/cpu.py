@@ -17,10 +17,9 @@ import torch
 
 from kvcache import _native
 from kvcache.errors import CudaUnavailableError, TransferError, UnknownTransferError
+from kvcache.idle import wait_for_work
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
 from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
-
-_IDLE_SLICE_S = 0.1  # an idle worker looks this often whether the interpreter is exiting
 
 #: The native copy's signature; tests pass a wrapper that holds a job in flight.
 CopyFn = Callable[[_native.PageTable, CheckedJob, int], None]
@@ -62,7 +61,7 @@ class CpuTransferHandler(TransferHandler):
     NOTE: the worker is not a daemon thread: one killed at interpreter exit while it
     re-takes the GIL (leaving the native copy) aborts the process ("terminate called
     without an active exception"). It finishes its queue instead, and an idle worker
-    leaves within ``_IDLE_SLICE_S`` once the main thread has ended.
+    leaves within ``kvcache.idle.IDLE_SLICE_S`` once the main thread has ended.
 
     ``owners`` are kept alive for the handler's life: the engine tensors whose
     addresses ``table`` holds, which a queued job may still write.
@@ -148,17 +147,10 @@ class CpuTransferHandler(TransferHandler):
     def _run(self) -> None:
         while True:
             with self._cv:
-                idle_since = time.monotonic()
-                while not self._queue:
-                    if (
-                        self._closed
-                        or time.monotonic() - idle_since >= self._idle_exit_s
-                        or not threading.main_thread().is_alive()  # the interpreter is exiting
-                    ):
-                        self._worker = None
-                        self._cv.notify_all()
-                        return
-                    self._cv.wait(_IDLE_SLICE_S)
+                if not wait_for_work(self._cv, self._queue, lambda: self._closed, self._idle_exit_s):
+                    self._worker = None
+                    self._cv.notify_all()
+                    return
                 item = self._queue[0]
             try:
                 result = self._execute(item)
