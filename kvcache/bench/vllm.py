@@ -4,23 +4,31 @@ Two questions, each answered by runs interleaved in one session: on a shared mac
 ratio of runs measured back to back means anything, so every figure is one.
 
 * **Decode throughput**: a batch of requests generating long outputs (``ignore_eos``) so that
-  the connector stores chunks while they decode, against vLLM without the connector, in
-  pairs whose order alternates. Target: the median pair ratio >= 0.95.
+  the connector stores chunks while they decode, against vLLM without the connector; tokens/s
+  past each request's first token. Target: the median of the per-round ratios >= 0.95.
 * **Time to first token with a loaded prefix**: request A stores a long prefix, vLLM's prefix
   cache is reset, request B sharing the prefix is timed to its first token, so the connector
-  modes load the prefix from the daemon and vLLM alone recomputes it. The modes rotate each
-  round. Target: asynchronous loads (the default) no slower than synchronous ones.
+  modes load the prefix from the daemon and vLLM alone recomputes it. Target: asynchronous
+  loads (the default) no slower than synchronous ones.
 
-Engines: each mode's vLLM runs in a process of its own (``vllm_driver.py`` in the vLLM venv,
-found through scripts/vllm_env.sh), in-process engine core, all against one daemon. By
-default (``--engines round``) every round starts fresh engines, warms each up untimed, then
-times the round's runs back to back: the runs of a round are seconds apart (they see the same
-load from the machine's other users), and whatever differs between two processes of the same
-code (memory placement, which the A/A control ``none-b`` showed to be worth several percent)
-is drawn again each round instead of favouring one mode for the whole session.
-``--engines session`` keeps one warm engine per mode for the whole session (faster, but that
-process bias then stays). Between runs an engine resets vLLM's prefix cache once its stores
-have settled, every round uses fresh prompts, and the daemon's L1 holds all that is stored.
+Each round runs every mode once, the order rotating from round to round (two modes: A B, then
+B A). Each mode's vLLM runs in a process of its own (``vllm_driver.py`` in the vLLM venv, found
+through scripts/vllm_env.sh; in-process engine core), all against one daemon. By default
+(``--engines round``) every round starts fresh engines, so that whatever differs between two
+processes of the same code is drawn again each round instead of favouring one mode for the
+whole session (a session-long A/A pair, ``none`` against ``none-b``, differed by 11% over three
+rounds; fresh engines per round gave 0.985); the runs of a round are still seconds apart, so
+they see the same load from the machine's other users. ``--engines session`` keeps one engine
+per mode (faster). A fresh engine first zeroes its KV cache (``ZeroKV``: what vLLM's own
+allocation does, which the connector's memfd allocation leaves to the first write), then runs
+``--warmup`` untimed rounds. Between runs an engine resets vLLM's prefix cache once its stores
+have settled; every round uses fresh prompts; the daemon's L1 holds all that is stored.
+
+Each decode run also says where its steps went: the connector's methods timed one by one, the
+stepping thread's CPU time and time off CPU, the engine's other threads, page faults, the
+daemon's CPU. The diagnostic modes ``no-traffic`` (connector present, loads and stores off)
+and ``no-shm`` (the same on vLLM's own KV allocation) separate the connector's presence from
+its stores; ``--profile`` writes a cProfile of every command.
 
 Threads: the engines run with ``OMP_NUM_THREADS=1`` by default (``--torch-threads``), what vLLM
 serves CPU models with on this machine (its CPU executor reserves a core for the rest); the
@@ -44,7 +52,16 @@ from typing import Any
 import msgspec
 
 from kvcache.bench.vllm_engines import EngineProcess, engines, find_vllm_python
-from kvcache.bench.vllm_messages import Command, Decode, DecodeResult, EngineSpec, ModelSpec, Ttft, TtftResult
+from kvcache.bench.vllm_messages import (
+    Command,
+    Decode,
+    DecodeResult,
+    EngineSpec,
+    ModelSpec,
+    Ttft,
+    TtftResult,
+    ZeroKV,
+)
 from kvcache.bench.vllm_report import summarize_decode, summarize_ttft, table
 from kvcache.integrations.vllm.config import ConnectorConfig
 from kvcache.server.launch import DaemonProcess
@@ -63,6 +80,10 @@ MODES: dict[str, Mode] = {
     "connector": Mode({}, "connector, defaults"),
     "sync-stores": Mode({"async_stores": False}, "connector, async_stores=false"),
     "sync-loads": Mode({"async_loads": False}, "connector, async_loads=false"),
+    # diagnostics: what of the connector's cost is there without any load or store
+    "no-traffic": Mode({"load": False, "store": False}, "connector, load and store off"),
+    "no-shm": Mode({"shared_memory": False, "load": False, "store": False},
+                   "connector, off, vLLM's own KV allocation"),
 }
 
 
@@ -107,10 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pause", type=float, default=0.2, help="seconds between two runs")
     g.add_argument("--vllm-python", help="the vLLM venv's python (default: from scripts/vllm_env.sh)")
     g.add_argument("--work-dir", help="keep the model and logs here (default: a temporary directory)")
+    g.add_argument("--zero-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="zero every engine's KV cache before its warm-up, as vLLM's own allocation "
+                        "does (ZeroKV in vllm_messages.py; --no-zero-kv measures the connector's "
+                        "KV pages faulted in during the timed runs)")  # fmt: skip
     g.add_argument("--engines", choices=("round", "session"), default="round",
                    help="fresh engines every round, or one per mode for the session (module docstring)")
     g.add_argument("--timeout", type=float, default=600, help="seconds one command may take")
     p.add_argument("--out", metavar="PATH", help="also write raw runs and figures as JSON")
+    p.add_argument("--profile", metavar="DIR",
+                   help="cProfile every command into DIR (<mode>-<n>.prof): to find where time goes; "
+                        "it slows the runs, so not for figures")  # fmt: skip
     return p
 
 
@@ -153,7 +181,8 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
                     "--spec", msgspec.json.encode(model).decode()], check=True, env=env, cwd="/",
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
     flags = ["--chunk-size", str(a.chunk_size), "--l1-size-gb", f"{a.l1_gb or l1_gb(a, model):.3f}"]
-    raw: dict[str, Any] = {"model": model.label(), "ready": [], "decode": [], "ttft": []}
+    raw: dict[str, Any] = {"model": model.label(), "ready": [], "zeroed": [], "decode": [], "ttft": [],
+                           "daemon_cpu_s": {"decode": [], "ttft": []}}  # fmt: skip
     instance = iter(range(1000, 1 << 20))  # a fresh id per engine started
 
     def spec(name: str) -> EngineSpec:
@@ -162,7 +191,7 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
             extra = {**extra, "instance_id": next(instance), "model_name": f"kvcache-bench-{name}"}
         return EngineSpec(model_dir=str(model_dir), model=model, connector=extra, block_size=a.block_size,
                           max_model_len=max(4096, a.ttft_prefix + a.ttft_tail + 64),
-                          kv_cache_mb=a.kv_cache_mb)  # fmt: skip
+                          kv_cache_mb=a.kv_cache_mb, name=name, profile_dir=a.profile)  # fmt: skip
 
     def decode(seed: int) -> Command:
         return Decode(seed, a.decode_requests, a.decode_prompt, a.decode_tokens)
@@ -179,40 +208,58 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
             with engines(python, {m: spec(m) for m in modes}, env, work, a.timeout) as (running, ready):
                 raw["ready"].append(msgspec.to_builtins(ready))
                 for phase, names, command in phases:
-                    _warm_up(a, {m: running[m] for m in names}, command)
+                    _warm_up(a, {m: running[m] for m in names}, command, raw)
                     for r in range(a.pairs if names else 0):
-                        _round(a, phase, r, names, running, command, raw)
+                        _round(a, phase, r, names, running, command, raw, daemon.pid)
         else:
             for phase, names, command in phases:
                 for r in range(a.pairs if names else 0):
                     specs = {m: spec(m) for m in names}
                     with engines(python, specs, env, work, a.timeout) as (running, ready):
                         raw["ready"].append(msgspec.to_builtins(ready))
-                        _warm_up(a, running, command)
-                        _round(a, phase, r, names, running, command, raw)
+                        _warm_up(a, running, command, raw)
+                        _round(a, phase, r, names, running, command, raw, daemon.pid)
     return raw
 
 
-def _warm_up(a: argparse.Namespace, running: dict[str, EngineProcess],
-             command: Callable[[int], Command]) -> None:  # fmt: skip
-    for w in range(a.warmup):  # untimed, on prompts no timed run uses
+def _warm_up(a: argparse.Namespace, running: dict[str, EngineProcess], command: Callable[[int], Command],
+             raw: dict[str, Any]) -> None:  # fmt: skip
+    """Zero each engine's KV cache (``ZeroKV``), then untimed runs on prompts no timed run uses."""
+    if a.zero_kv:
+        raw["zeroed"].append({m: msgspec.to_builtins(e.ask(ZeroKV(), a.timeout)) for m, e in running.items()})
+    for w in range(a.warmup):
         for e in running.values():
             e.ask(command(900 + w), a.timeout)
 
 
 def _round(a: argparse.Namespace, phase: str, r: int, names: list[str], running: dict[str, EngineProcess],
-           command: Callable[[int], Command], raw: dict[str, Any]) -> None:  # fmt: skip
-    """Round ``r``: each mode once, in ``_rotated`` order, on the round's prompts."""
+           command: Callable[[int], Command], raw: dict[str, Any], daemon_pid: int) -> None:  # fmt: skip
+    """Round ``r``: each mode once, in ``_rotated`` order, on the round's prompts; the daemon's
+    CPU time during each run."""
     got: dict[str, Any] = {}
+    daemon_cpu: dict[str, float] = {}
     for name in _rotated(names, r):
         time.sleep(a.pause)
+        cpu0 = process_cpu_s(daemon_pid)
         got[name] = running[name].ask(command(r), a.timeout)
+        daemon_cpu[name] = process_cpu_s(daemon_pid) - cpu0
     raw[phase].append({m: msgspec.to_builtins(got[m]) for m in names})
+    raw["daemon_cpu_s"][phase].append({m: daemon_cpu[m] for m in names})
     if phase == "decode":
         shown = ", ".join(f"{m} {got[m].decode_tokens / got[m].decode_seconds:.0f} tok/s" for m in names)
     else:
         shown = ", ".join(f"{m} {got[m].ttft_s * 1e3:.1f} ms" for m in names)
     print(f"{phase} round {r + 1}/{a.pairs}: {shown}", file=sys.stderr, flush=True)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread) so far; 0 off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rotated(modes: list[str], r: int) -> list[str]:
@@ -224,12 +271,16 @@ def _rotated(modes: list[str], r: int) -> list[str]:
 def summarize(a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     decode = [{m: msgspec.convert(r, DecodeResult) for m, r in rnd.items()} for rnd in raw["decode"]]
     ttft = [{m: msgspec.convert(r, TtftResult) for m, r in rnd.items()} for rnd in raw["ttft"]]
+    def doing(direction: str) -> set[str]:
+        return {m for m, mode in MODES.items() if mode.extra is not None and mode.extra.get(direction, True)}
+
     out: dict[str, Any] = {}
     if decode:
-        out["decode"] = summarize_decode(decode, a.decode_modes[0])
+        daemon_cpu = raw["daemon_cpu_s"]["decode"]
+        out["decode"] = summarize_decode(decode, a.decode_modes[0], doing("store"), daemon_cpu)
     if ttft:
         sync = "sync-loads" if "sync-loads" in a.ttft_modes[1:] else None
-        out["ttft"] = summarize_ttft(ttft, a.ttft_modes[0], sync)
+        out["ttft"] = summarize_ttft(ttft, a.ttft_modes[0], sync, doing("load"))
     return out
 
 
@@ -242,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     a.ttft_modes = [m for m in a.ttft_modes if m not in skipped]
     a.decode_modes, a.ttft_modes = (x if len(x) > 1 else [] for x in (a.decode_modes, a.ttft_modes))
     python = a.vllm_python or find_vllm_python()
+    if a.profile:
+        a.profile = str(Path(a.profile).resolve())
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        print("--profile: every run is slowed by cProfile; its figures are not comparable", file=sys.stderr)
     load0 = os.getloadavg()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-vllm-") as tmp:

@@ -41,6 +41,8 @@ from kvcache.bench.vllm_messages import (
     Reply,
     Ttft,
     TtftResult,
+    Zeroed,
+    ZeroKV,
 )
 
 TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -125,6 +127,23 @@ class ConnectorTimer:
         return out
 
 
+def _cpu() -> tuple[float, float, float, float]:
+    """CPU seconds of this process and of the calling thread; the thread's involuntary switches;
+    the process's minor page faults."""
+    import resource
+
+    return (time.process_time(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt)  # fmt: skip
+
+
+def _zero_kv_caches(worker: Any) -> int:
+    """Runs on the worker (``collective_rpc``): zero its KV cache tensors, return their bytes."""
+    caches = worker.model_runner.kv_caches
+    for t in caches:
+        t.zero_()
+    return sum(int(t.nbytes) for t in caches)
+
+
 class Engine:
     """An in-process ``LLM`` and the commands run on it (see the module docstring)."""
 
@@ -152,6 +171,7 @@ class Engine:
             kv_cache_memory_bytes=spec.kv_cache_mb << 20, enable_prefix_caching=True, **kw,
         )  # fmt: skip
         self._ids = 0
+        self.cpu: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
         self.run([token_ids(random.Random(-1), 64, spec.model.vocab)], max_tokens=16)  # warm-up
         self.settle()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
@@ -164,7 +184,8 @@ class Engine:
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], dict[str, Any]]:
         """Add the prompts, step until every request is done. Returns the start time, each
-        step's duration, and per request: first and last token times, token ids, cached tokens."""
+        step's duration, and per request: first and last token times, token ids, cached tokens;
+        ``self.cpu`` holds the CPU the run used."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -178,6 +199,7 @@ class Engine:
             self._ids += 1
             engine.add_request(f"bench-{self._ids}", TokensPrompt(prompt_token_ids=p), params)
         steps = []
+        cpu0 = _cpu()
         while engine.has_unfinished_requests():
             s = time.perf_counter()
             outs = engine.step()
@@ -192,6 +214,7 @@ class Engine:
                     r["last"] = e
                 r["tokens"] += new
                 r["cached"] = o.num_cached_tokens or r["cached"]
+        self.cpu = tuple(b - a for a, b in zip(cpu0, _cpu(), strict=True))
         return t0, steps, reqs
 
     def settle(self, within_s: float = 60.0) -> None:
@@ -210,7 +233,7 @@ class Engine:
         self.timer.take()
         self.timer.take_stats()
         t0, steps, reqs = self.run(prompts, cmd.max_tokens)
-        calls = self.timer.take()
+        calls, cpu = self.timer.take(), self.cpu
         s = time.perf_counter()
         self.settle()
         settle_s = time.perf_counter() - s
@@ -222,8 +245,15 @@ class Engine:
             generated=generated, seconds=last - t0, decode_tokens=generated - len(reqs),
             decode_seconds=last - first_all, step_s=steps, settle_s=settle_s,
             digest=hashlib.blake2b(repr(tokens).encode(), digest_size=8).hexdigest(), calls=calls,
-            stats=self.timer.take_stats(),
+            stats=self.timer.take_stats(), cpu_s=cpu[0], main_cpu_s=cpu[1], main_preempted=int(cpu[2]),
+            page_faults=int(cpu[3]),
         )  # fmt: skip
+
+    def zero_kv(self, cmd: ZeroKV) -> Zeroed:
+        """See ``ZeroKV``; between requests only (nothing in flight, prefix cache reset)."""
+        t0, faults = time.perf_counter(), _cpu()[3]
+        nbytes = sum(self.llm.collective_rpc(_zero_kv_caches))
+        return Zeroed(nbytes, time.perf_counter() - t0, int(_cpu()[3] - faults))
 
     def ttft(self, cmd: Ttft) -> TtftResult:
         rng = random.Random(cmd.seed)
@@ -258,16 +288,32 @@ def serve(spec: EngineSpec, reply_fd: int) -> int:
             reply(Failed(f"engine start: {type(exc).__name__}: {exc}"))
             raise
         reply(engine.ready)
-        for line in sys.stdin.buffer:
+        for n, line in enumerate(sys.stdin.buffer):
             cmd = decoder.decode(line)
             if isinstance(cmd, Quit):
                 break
             try:
-                reply(engine.decode(cmd) if isinstance(cmd, Decode) else engine.ttft(cmd))
+                with _profiled(spec, n):
+                    if isinstance(cmd, ZeroKV):
+                        reply(engine.zero_kv(cmd))
+                    else:
+                        reply(engine.decode(cmd) if isinstance(cmd, Decode) else engine.ttft(cmd))
             except Exception as exc:
                 reply(Failed(f"{type(cmd).__name__}: {type(exc).__name__}: {exc}"))
                 raise
     return 0
+
+
+@contextmanager
+def _profiled(spec: EngineSpec, n: int) -> Iterator[None]:
+    if spec.profile_dir is None:
+        yield
+        return
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        yield
+    prof.dump_stats(Path(spec.profile_dir) / f"{spec.name or 'engine'}-{n}.prof")
 
 
 @contextmanager

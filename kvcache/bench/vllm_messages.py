@@ -50,6 +50,10 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_mb: int = 256
+    name: str = ""
+    """The mode's name, for file names."""
+    profile_dir: str | None = None
+    """Write a cProfile of every command here (``<name>-<n>.prof``); it slows every run."""
 
 
 class Decode(msgspec.Struct, frozen=True, tag="decode"):
@@ -71,11 +75,18 @@ class Ttft(msgspec.Struct, frozen=True, tag="ttft"):
     tail_tokens: int
 
 
+class ZeroKV(msgspec.Struct, frozen=True, tag="zero_kv"):
+    """Write zeros over vLLM's whole KV cache, as its own ``torch.zeros`` does when vLLM
+    allocates the cache: the connector's memfd allocation is zero by definition and its pages
+    are faulted in one by one on first write, which a fresh engine would otherwise pay inside
+    the timed runs (a server pays it once, during its first pass over the cache)."""
+
+
 class Quit(msgspec.Struct, frozen=True, tag="quit"):
     pass
 
 
-Command = Decode | Ttft | Quit
+Command = Decode | Ttft | ZeroKV | Quit
 
 Calls = dict[str, tuple[int, float]]
 """Connector method -> (calls, seconds) during one command (empty for vLLM alone)."""
@@ -107,6 +118,14 @@ class DecodeResult(msgspec.Struct, frozen=True, tag="decode_result"):
     calls: Calls
     stats: dict[str, float]
     """The connector's counters (``get_kv_connector_stats``), settling included."""
+    cpu_s: float = 0.0
+    """CPU time of the whole engine process (every thread) during the steps."""
+    main_cpu_s: float = 0.0
+    """CPU time of the thread that steps the engine (vLLM's and the connector's work)."""
+    main_preempted: int = 0
+    """Involuntary context switches of that thread: how often it was taken off its core."""
+    page_faults: int = 0
+    """Minor page faults of the engine process: first touches of memory, e.g. KV cache pages."""
 
 
 class TtftResult(msgspec.Struct, frozen=True, tag="ttft_result"):
@@ -123,11 +142,17 @@ class TtftResult(msgspec.Struct, frozen=True, tag="ttft_result"):
     """The connector's counters over A and B."""
 
 
+class Zeroed(msgspec.Struct, frozen=True, tag="zeroed"):
+    bytes: int
+    seconds: float
+    page_faults: int
+
+
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
     error: str
 
 
-Reply = Ready | DecodeResult | TtftResult | Failed
+Reply = Ready | DecodeResult | TtftResult | Zeroed | Failed
 
-__all__ = ["Calls", "Command", "Decode", "DecodeResult", "EngineSpec", "Failed", "ModelSpec", "Quit",
-           "Ready", "Reply", "Ttft", "TtftResult"]  # fmt: skip
+__all__ = ["Calls", "Command", "Decode", "DecodeResult", "EngineSpec", "Failed", "ModelSpec", "Quit", "Ready",
+           "Reply", "Ttft", "TtftResult", "ZeroKV", "Zeroed"]  # fmt: skip

@@ -44,7 +44,24 @@ def _stats(runs: list[DecodeResult] | list[TtftResult]) -> dict[str, float]:
     return out
 
 
-def summarize_decode(rounds: list[dict[str, DecodeResult]], base: str) -> dict[str, Any]:
+CPU_PARTS = ("main_cpu", "main_off_cpu", "other_threads_cpu", "main_preempted", "page_faults")
+
+
+def cpu_per_step(r: DecodeResult) -> dict[str, float]:
+    """Per step: milliseconds the stepping thread ran and did not run (waiting for a core, the
+    GIL or I/O), milliseconds the process's other threads ran, involuntary switches of the
+    stepping thread, minor page faults of the process."""
+    n, wall = len(r.step_s) or 1, sum(r.step_s)
+    return {"main_cpu": r.main_cpu_s * 1e3 / n, "main_off_cpu": (wall - r.main_cpu_s) * 1e3 / n,
+            "other_threads_cpu": (r.cpu_s - r.main_cpu_s) * 1e3 / n, "main_preempted": r.main_preempted / n,
+            "page_faults": r.page_faults / n}  # fmt: skip
+
+
+def summarize_decode(rounds: list[dict[str, DecodeResult]], base: str, storing: set[str] | None = None,
+                     daemon_cpu: list[dict[str, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Ratios of every mode over ``base``, per round; ``storing``: the modes that must have
+    stored without a failure (default: every mode with a connector); ``daemon_cpu``: the
+    daemon's CPU seconds during each run, by round."""
     modes = list(rounds[0]) if rounds else []
     out: dict[str, Any] = {"base": base, "rounds": len(rounds), "modes": {}, "ratios": {}}
     for mode in modes:
@@ -58,6 +75,8 @@ def summarize_decode(rounds: list[dict[str, DecodeResult]], base: str) -> dict[s
             "connector_ms_per_step": {k: _median([p[k] for p in profile]) for k in profile[0]},
             "generated": [r.generated for r in runs],
             "connector_stats": _stats(runs),
+            "cpu_ms_per_step": {k: _median([v[k] for v in map(cpu_per_step, runs)]) for k in CPU_PARTS},
+            "daemon_cpu_s": _median([d[mode] for d in daemon_cpu or []]),
         }
         if mode == base:
             continue
@@ -71,9 +90,11 @@ def summarize_decode(rounds: list[dict[str, DecodeResult]], base: str) -> dict[s
         }
     out["tokens_agree"] = all(len({r.digest for r in rnd.values()}) == 1 for rnd in rounds)
     out["problems"] = [] if out["tokens_agree"] else ["the modes generated different tokens"]
+    if storing is None:
+        storing = {m for m in modes if rounds[0][m].calls}
     for mode, m in out["modes"].items():
         st = m["connector_stats"]
-        if rounds[0][mode].calls:  # a connector mode: it must have stored, and without failures
+        if mode in storing:
             if not st.get("store_tokens"):
                 out["problems"].append(f"{mode}: nothing was stored")
             if st.get("store_failures"):
@@ -82,9 +103,12 @@ def summarize_decode(rounds: list[dict[str, DecodeResult]], base: str) -> dict[s
     return out
 
 
-def summarize_ttft(rounds: list[dict[str, TtftResult]], base: str, sync: str | None) -> dict[str, Any]:
+def summarize_ttft(rounds: list[dict[str, TtftResult]], base: str, sync: str | None,
+                   loading: set[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """``base``: the connector's default (asynchronous loads); ratios are over ``sync`` (the
-    target) and over every other mode present (vLLM alone: recomputing the prefix)."""
+    target) and over every other mode present (vLLM alone: recomputing the prefix).
+    ``loading``: the modes whose request B must have loaded its prefix (default: every mode
+    with a connector); the others must have computed all of it."""
     modes = list(rounds[0]) if rounds else []
     out: dict[str, Any] = {"base": base, "rounds": len(rounds), "modes": {}, "ratios": {}}
     for mode in modes:
@@ -106,9 +130,11 @@ def summarize_ttft(rounds: list[dict[str, TtftResult]], base: str, sync: str | N
                 ratio["met"] = ratio["median"] <= TTFT_TARGET
     out["first_tokens_agree"] = all(len({r.first_token for r in rnd.values()}) == 1 for rnd in rounds)
     out["problems"] = [] if out["first_tokens_agree"] else ["the modes' first tokens differ"]
+    if loading is None:
+        loading = {m for m in modes if rounds[0][m].calls}
     for mode, m in out["modes"].items():
         st, loaded = m["connector_stats"], min(m["cached_tokens"], default=0)
-        if rounds[0][mode].calls:  # a connector mode: B must have loaded its prefix
+        if mode in loading:
             if not loaded or st.get("load_failures"):
                 out["problems"].append(f"{mode}: B loaded {loaded} tokens, {st.get('load_failures', 0):.0f} "
                                        "loads failed")  # fmt: skip
@@ -133,6 +159,13 @@ def table(summary: dict[str, Any], labels: dict[str, str]) -> str:
             lines.append(f"  {mode} / {d['base']}: per pair {_fmt(r['decode_tokens_per_s']['values'])}")
             lines.append(f"    median {_range(r['decode_tokens_per_s'], '.3f')} (target >= {r['target']}: "
                          f"{verdict}); median step time ratio {r['step_median']['median']:.3f}")  # fmt: skip
+        lines.append("  per step (medians): stepping thread ms on CPU + off CPU; other engine threads' CPU "
+                     "ms; its involuntary switches; page faults; then daemon CPU s per run")  # fmt: skip
+        for mode, m in d["modes"].items():
+            c = m["cpu_ms_per_step"]
+            lines.append(f"  {mode:<14} {c['main_cpu']:6.2f} + {c['main_off_cpu']:5.2f}   "
+                         f"{c['other_threads_cpu']:5.2f}   {c['main_preempted']:5.2f}   "
+                         f"{c['page_faults']:6.1f}   {m['daemon_cpu_s']:6.2f}")  # fmt: skip
         lines.append(f"  generated tokens identical across modes: {'yes' if d['tokens_agree'] else 'NO'}")
         lines += [f"  PROBLEM: {p}" for p in d["problems"]]
     if t := summary.get("ttft"):
@@ -160,5 +193,5 @@ def _fmt(xs: list[float]) -> str:
     return " ".join(f"{x:.3f}" for x in xs)
 
 
-__all__ = ["DECODE_TARGET", "TTFT_TARGET", "connector_ms_per_step", "decode_rate", "summarize_decode",
-           "summarize_ttft", "table"]  # fmt: skip
+__all__ = ["DECODE_TARGET", "TTFT_TARGET", "connector_ms_per_step", "cpu_per_step", "decode_rate",
+           "summarize_decode", "summarize_ttft", "table"]  # fmt: skip

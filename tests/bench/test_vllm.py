@@ -18,7 +18,13 @@ import pytest
 from kvcache.bench import vllm as bench
 from kvcache.bench.vllm_engines import EngineProcess
 from kvcache.bench.vllm_messages import Decode, DecodeResult, EngineSpec, ModelSpec, Ready, Ttft, TtftResult
-from kvcache.bench.vllm_report import connector_ms_per_step, summarize_decode, summarize_ttft, table
+from kvcache.bench.vllm_report import (
+    connector_ms_per_step,
+    cpu_per_step,
+    summarize_decode,
+    summarize_ttft,
+    table,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -157,6 +163,9 @@ def test_decode_runs_that_did_not_do_the_work_are_flagged() -> None:
     assert s["problems"] == ["the modes generated different tokens", "connector: nothing was stored",
                              "connector: 3 stores failed"]  # fmt: skip
     assert "PROBLEM: connector: 3 stores failed" in table({"decode": s}, {})
+    plumbing = [{"none": _decode(100, 5.0), "no-traffic": _decode(99, 5.0, calls=True, stats={})}]
+    assert summarize_decode(plumbing, "none", storing=set())["valid"]  # a mode told not to store
+    assert not summarize_decode(plumbing, "none")["valid"]
 
 
 def _ttft(ms: float, cached: int, first: int = 5, calls: bool = True) -> TtftResult:
@@ -188,6 +197,19 @@ def test_ttft_ratios_compare_the_default_with_sync_loads_and_recompute() -> None
         "connector: B loaded 0 tokens, 0 loads failed",
         "none: B found 2048 tokens in vLLM's prefix cache",
     ]
+
+
+def test_where_a_step_goes_splits_the_stepping_thread_from_the_rest() -> None:
+    r = DecodeResult(generated=10, seconds=1.0, decode_tokens=8, decode_seconds=0.9, step_s=[0.01] * 100,
+                     settle_s=0.0, digest="d", calls={}, stats={}, cpu_s=1.2, main_cpu_s=0.8,
+                     main_preempted=50, page_faults=300)  # fmt: skip
+    assert cpu_per_step(r) == pytest.approx({"main_cpu": 8.0, "main_off_cpu": 2.0, "other_threads_cpu": 4.0,
+                                             "main_preempted": 0.5, "page_faults": 3.0})  # fmt: skip
+    rounds = [{"none": r, "connector": r}, {"none": r, "connector": r}]
+    daemon = [{"none": 0.0, "connector": 0.3}, {"none": 0.1, "connector": 0.5}]
+    s = summarize_decode(rounds, "none", storing=set(), daemon_cpu=daemon)
+    assert s["modes"]["connector"]["daemon_cpu_s"] == pytest.approx(0.4)
+    assert s["modes"]["none"]["cpu_ms_per_step"]["main_off_cpu"] == pytest.approx(2.0)
 
 
 def test_connector_time_per_step() -> None:
