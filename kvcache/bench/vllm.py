@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first = the one compared; modes a connector here does not know are skipped")
     g.add_argument("--ttft-prefix", type=int, default=2048, help="prefix tokens stored by A, loaded by B")
     g.add_argument("--ttft-tail", type=int, default=64, help="tokens after the prefix (A's and B's differ)")
+    g.add_argument("--ttft-busy", type=int, default=0,
+                   help="requests decoding when B arrives (0: B alone); the longest step while B "
+                        "waits is what each of their tokens waited")  # fmt: skip
     g = p.add_argument_group("engine and daemon")
     g.add_argument("--block-size", type=int, default=32)
     g.add_argument("--chunk-size", type=int, default=256, help="the daemon's chunk (tokens)")
@@ -197,7 +200,7 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
         return Decode(seed, a.decode_requests, a.decode_prompt, a.decode_tokens)
 
     def ttft(seed: int) -> Command:
-        return Ttft(seed, a.ttft_prefix, a.ttft_tail)
+        return Ttft(seed, a.ttft_prefix, a.ttft_tail, a.ttft_busy)
 
     phases: list[tuple[str, list[str], Callable[[int], Command]]] = [
         ("decode", a.decode_modes, decode), ("ttft", a.ttft_modes, ttft)]  # fmt: skip
@@ -281,6 +284,7 @@ def summarize(a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     if ttft:
         sync = "sync-loads" if "sync-loads" in a.ttft_modes[1:] else None
         out["ttft"] = summarize_ttft(ttft, a.ttft_modes[0], sync, doing("load"))
+        out["ttft"]["busy"] = a.ttft_busy
     return out
 
 

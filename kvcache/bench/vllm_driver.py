@@ -182,38 +182,49 @@ class Engine:
         self.timer.take()
         self.timer.take_stats()
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], dict[str, Any]]:
-        """Add the prompts, step until every request is done. Returns the start time, each
-        step's duration, and per request: first and last token times, token ids, cached tokens;
-        ``self.cpu`` holds the CPU the run used."""
+    def add(self, prompts: list[list[int]], max_tokens: int, reqs: dict[str, dict[str, Any]]) -> list[str]:
+        """Add the prompts (greedy, ``ignore_eos``); their outputs will land in ``reqs``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        engine = self.llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)  # fmt: skip
-        reqs: dict[str, dict[str, Any]] = {}
-        t0 = time.perf_counter()
+        ids = []
         for p in prompts:
             self._ids += 1
-            engine.add_request(f"bench-{self._ids}", TokensPrompt(prompt_token_ids=p), params)
-        steps = []
+            ids.append(f"bench-{self._ids}")
+            self.llm.llm_engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=p), params)
+            reqs[ids[-1]] = {"first": 0.0, "last": 0.0, "tokens": [], "cached": 0}
+        return ids
+
+    def step(self, reqs: dict[str, dict[str, Any]], steps: list[float]) -> None:
+        """One engine step: its duration into ``steps``, its outputs into ``reqs``."""
+        s = time.perf_counter()
+        outs = self.llm.llm_engine.step()
+        e = time.perf_counter()
+        steps.append(e - s)
+        for o in outs:
+            r = reqs[o.request_id]
+            new = list(o.outputs[0].token_ids) if o.outputs else []
+            if new and not r["tokens"]:
+                r["first"] = e
+            if new:
+                r["last"] = e
+            r["tokens"] += new
+            r["cached"] = o.num_cached_tokens or r["cached"]
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], dict[str, Any]]:
+        """Add the prompts, step until every request is done. Returns the start time, each
+        step's duration, and per request: first and last token times, token ids, cached tokens;
+        ``self.cpu`` holds the CPU the run used."""
+        reqs: dict[str, dict[str, Any]] = {}
+        steps: list[float] = []
+        t0 = time.perf_counter()
+        self.add(prompts, max_tokens, reqs)
         cpu0 = _cpu()
-        while engine.has_unfinished_requests():
-            s = time.perf_counter()
-            outs = engine.step()
-            e = time.perf_counter()
-            steps.append(e - s)
-            for o in outs:
-                r = reqs.setdefault(o.request_id, {"first": 0.0, "last": 0.0, "tokens": [], "cached": 0})
-                new = list(o.outputs[0].token_ids) if o.outputs else []
-                if new and not r["tokens"]:
-                    r["first"] = e
-                if new:
-                    r["last"] = e
-                r["tokens"] += new
-                r["cached"] = o.num_cached_tokens or r["cached"]
+        while self.llm.llm_engine.has_unfinished_requests():
+            self.step(reqs, steps)
         self.cpu = tuple(b - a for a, b in zip(cpu0, _cpu(), strict=True))
         return t0, steps, reqs
 
@@ -257,21 +268,35 @@ class Engine:
 
     def ttft(self, cmd: Ttft) -> TtftResult:
         rng = random.Random(cmd.seed)
-        prefix = token_ids(rng, cmd.prefix_tokens, self.spec.model.vocab)
-        a = prefix + token_ids(rng, cmd.tail_tokens, self.spec.model.vocab)
-        b = prefix + token_ids(rng, cmd.tail_tokens, self.spec.model.vocab)
+        vocab = self.spec.model.vocab
+        prefix = token_ids(rng, cmd.prefix_tokens, vocab)
+        a = prefix + token_ids(rng, cmd.tail_tokens, vocab)
+        b = prefix + token_ids(rng, cmd.tail_tokens, vocab)
         self.timer.take_stats()
         s = time.perf_counter()
         self.run([a], max_tokens=1)
         self.settle()
         store_s = time.perf_counter() - s
+        reqs: dict[str, dict[str, Any]] = {}
+        busy = self.add([token_ids(rng, 64, vocab) for _ in range(cmd.busy)], cmd.busy_tokens, reqs)
+        while any(not reqs[i]["tokens"] for i in busy):  # the busy requests are decoding
+            self.step(reqs, [])
         self.timer.take()
-        t0, _, reqs = self.run([b], max_tokens=1)
+        steps: list[float] = []
+        t0 = time.perf_counter()
+        (rid,) = self.add([b], 1, reqs)
+        while not reqs[rid]["tokens"]:
+            self.step(reqs, steps)
         calls = self.timer.take()
-        (r,) = reqs.values()
+        if busy:
+            self.llm.llm_engine.abort_request(busy)
+        while self.llm.llm_engine.has_unfinished_requests():
+            self.step(reqs, [])
         self.settle()
+        r = reqs[rid]
         return TtftResult(ttft_s=r["first"] - t0, cached_tokens=r["cached"], first_token=r["tokens"][0],
-                          store_s=store_s, calls=calls, stats=self.timer.take_stats())  # fmt: skip
+                          store_s=store_s, calls=calls, stats=self.timer.take_stats(),
+                          step_s=steps)  # fmt: skip
 
 
 def serve(spec: EngineSpec, reply_fd: int) -> int:

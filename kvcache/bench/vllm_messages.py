@@ -68,11 +68,15 @@ class Decode(msgspec.Struct, frozen=True, tag="decode"):
 
 class Ttft(msgspec.Struct, frozen=True, tag="ttft"):
     """Request A (``prefix`` + tail A, one token) stores the prefix; vLLM's prefix cache is
-    reset; request B (``prefix`` + tail B) is timed to its first token."""
+    reset; request B (``prefix`` + tail B) is timed to its first token, arriving while
+    ``busy`` other requests decode (64-token prompts, up to ``busy_tokens`` each; aborted
+    once B has its token)."""
 
     seed: int
     prefix_tokens: int
     tail_tokens: int
+    busy: int = 0
+    busy_tokens: int = 1024
 
 
 class ZeroKV(msgspec.Struct, frozen=True, tag="zero_kv"):
@@ -140,6 +144,9 @@ class TtftResult(msgspec.Struct, frozen=True, tag="ttft_result"):
     """Request B's."""
     stats: dict[str, float]
     """The connector's counters over A and B."""
+    step_s: list[float] = []
+    """The steps from adding B to its first token (with busy requests: what each of their
+    tokens waited)."""
 
 
 class Zeroed(msgspec.Struct, frozen=True, tag="zeroed"):

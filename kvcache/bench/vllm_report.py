@@ -119,6 +119,8 @@ def summarize_ttft(rounds: list[dict[str, TtftResult]], base: str, sync: str | N
             "store_ms": _spread([r.store_s * 1e3 for r in runs]),
             "connector_ms": _median([connector_ms_per_step(r.calls, 1)["total"] for r in runs]),
             "start_load_kv_ms": _median([r.calls.get("start_load_kv", (0, 0.0))[1] * 1e3 for r in runs]),
+            "steps": _median([float(len(r.step_s)) for r in runs]),
+            "step_max_ms": _spread([max(r.step_s, default=0.0) * 1e3 for r in runs]),
             "connector_stats": _stats(runs),
         }
     for mode in modes:
@@ -169,11 +171,13 @@ def table(summary: dict[str, Any], labels: dict[str, str]) -> str:
         lines.append(f"  generated tokens identical across modes: {'yes' if d['tokens_agree'] else 'NO'}")
         lines += [f"  PROBLEM: {p}" for p in d["problems"]]
     if t := summary.get("ttft"):
-        lines.append(f"TTFT ms with a loaded prefix, {t['rounds']} rounds (order rotating)"
-                     "  median  [min .. max]   cached tokens")  # fmt: skip
+        busy = f", B arriving while {t['busy']} requests decode" if t.get("busy") else ", B alone"
+        lines.append(f"TTFT ms with a loaded prefix{busy}, {t['rounds']} rounds (order rotating)"
+                     "  median  [min .. max]   cached tokens  steps  longest step ms")  # fmt: skip
         for mode, m in t["modes"].items():
             lines.append(f"  {labels.get(mode, mode):<44} {_range(m['ttft_ms'], '7.1f')}"
-                         f"  {sorted(set(m['cached_tokens']))}")  # fmt: skip
+                         f"  {sorted(set(m['cached_tokens']))}  {m['steps']:4.0f}"
+                         f"  {m['step_max_ms']['median']:7.1f}")  # fmt: skip
         for mode, r in t["ratios"].items():
             verdict = ""
             if "target" in r:
