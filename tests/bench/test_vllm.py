@@ -169,8 +169,10 @@ def test_decode_runs_that_did_not_do_the_work_are_flagged() -> None:
 
 
 def _ttft(ms: float, cached: int, first: int = 5, calls: bool = True) -> TtftResult:
-    return TtftResult(ttft_s=ms / 1e3, cached_tokens=cached, first_token=first, store_s=0.2,
-                      calls={"start_load_kv": (1, 0.004)} if calls else {}, stats={})  # fmt: skip
+    steps = [0.008, ms / 1e3 - 0.008] if calls else [ms / 1e3]  # two steps with a connector
+    timed = {"start_load_kv": (1, 0.004)} if calls else {}
+    return TtftResult(ttft_s=ms / 1e3, cached_tokens=cached, first_token=first, store_s=0.2, calls=timed,
+                      stats={}, step_s=steps)  # fmt: skip
 
 
 def test_ttft_ratios_compare_the_default_with_sync_loads_and_recompute() -> None:
@@ -186,9 +188,12 @@ def test_ttft_ratios_compare_the_default_with_sync_loads_and_recompute() -> None
     assert none["median"] == pytest.approx(0.1) and "target" not in none
     assert s["modes"]["connector"]["ttft_ms"]["median"] == pytest.approx(30)
     assert s["modes"]["connector"]["start_load_kv_ms"] == pytest.approx(4)
+    assert s["modes"]["connector"]["steps"] == 2 and s["modes"]["none"]["steps"] == 1
+    assert s["modes"]["connector"]["step_max_ms"]["median"] == pytest.approx(22)
     assert s["valid"]
     text = table({"ttft": s}, {})
-    assert "connector / sync-loads" in text and "(target <= 1.0: met)" in text
+    assert "connector / sync-loads" in text and "(target <= 1.0: met)" in text and "B alone" in text
+    assert "while 4 requests decode" in table({"ttft": {**s, "busy": 4}}, {})
 
     nothing_loaded = [{"connector": _ttft(30, 0), "none": _ttft(30, 2048, first=6, calls=False)}]
     bad = summarize_ttft(nothing_loaded, "connector", None)
