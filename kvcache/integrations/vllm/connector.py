@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.integrations.vllm.plan import Planner, StepPlan
 from kvcache.integrations.vllm.request_keys import request_key_extra
@@ -49,32 +50,6 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 log = logging.getLogger("kvcache.integrations.vllm")
-
-
-class KVCacheMetadata(KVConnectorMetadata):
-    """The step plan as vLLM's metadata type (pickled to the workers)."""
-
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
-
-
-class KVCacheWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, per step: requests whose chunks are stored only up to a point the
-    plan assumed higher (a store cut short after a failed load, or a failed store), and the
-    step whose load failed (so later plans tell the workers vLLM is recomputing it)."""
-
-    def __init__(self, not_stored: dict[str, int], failed_step: int = -1) -> None:
-        self.not_stored = not_stored
-        self.failed_step = failed_step
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Tensor-parallel ranks: a chunk is stored only if every rank stored its part."""
-        if isinstance(other, KVCacheWorkerMeta):
-            merged = dict(self.not_stored)
-            for req, upto in other.not_stored.items():
-                merged[req] = min(upto, merged.get(req, upto))
-            return KVCacheWorkerMeta(merged, max(self.failed_step, other.failed_step))
-        return self
 
 
 def _tp() -> tuple[int, int]:
