@@ -35,6 +35,13 @@ class ConnectorConfig:
     * ``async_stores``: issue stores without waiting for the daemon's copies (default True);
       vLLM keeps a finished request's blocks until its stores are done. False: every store is
       waited for at the end of its step (``wait_for_save``), as before.
+    * ``async_loads``: loads leave the critical path (default True): a request whose prefix
+      the daemon holds waits in vLLM (``WAITING_FOR_REMOTE_KVS``) while the workers copy it,
+      and the other requests' steps go on; it is scheduled once the workers report its copy
+      settled. False: every load is synchronous, done before the forward of the step that
+      computes on it. Under async scheduling loads are asynchronous whatever this says: the
+      next step is planned before vLLM hears that a synchronous load failed, and vLLM 0.32's
+      recovery from that keeps a token sampled from the unfilled blocks.
     * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
     """
@@ -50,6 +57,7 @@ class ConnectorConfig:
     kv_format: str | None = None
     shared_memory: bool = True
     async_stores: bool = True
+    async_loads: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -7,12 +7,17 @@ connector metadata vLLM ships each step (a ``StepPlan``) and the daemon.
 * Scheduler half: asks the daemon how much of a prompt it holds beyond vLLM's own prefix hit
   (``get_num_new_matched_tokens``), plans loads and chunk-aligned stores (``plan.Planner``),
   reports block allocations and finished requests to the daemon (its L0 lifecycle metrics).
-  Loads are reported synchronous (they land before the same step's forward), except under
-  async scheduling: there the step after a failed load is planned before vLLM hears of it,
-  and vLLM's recovery from a failed synchronous load is not exact, so a loading request
-  waits one step for its load instead (``WAITING_FOR_REMOTE_KVS``).
+  Loads are reported asynchronous by default (``async_loads``): a loading request waits in
+  ``WAITING_FOR_REMOTE_KVS`` until the workers report its copy settled, and the other
+  requests' steps go on meanwhile. Under async scheduling they are asynchronous whatever the
+  setting: the step after a failed load is planned before vLLM hears of it, and vLLM's
+  recovery from a failed synchronous load is not exact. An aborted loading request needs
+  nothing from the connector: vLLM 0.32 (``Scheduler.finish_requests``) keeps the blocks of a
+  request in ``WAITING_FOR_REMOTE_KVS`` until the workers report it received, so the
+  connector must not delay their release a second time (``request_finished``).
 * Worker half: allocates the CPU KV cache in sealed memfds (``get_mem_pool_context``), registers
-  it with the daemon, loads before the forward, stores after it (``worker.ConnectorWorker``).
+  it with the daemon, loads (synchronous ones before the forward; asynchronous ones are only
+  issued) and stores after the forward (``worker.ConnectorWorker``).
   Stores are asynchronous by default (``async_stores``): ``wait_for_save`` only issues them.
   A finished request that had stores planned keeps its blocks (``delay_free_blocks``) until
   the workers report every one of them settled in ``finished_sending``; a block vLLM reused
@@ -50,6 +55,10 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 log = logging.getLogger("kvcache.integrations.vllm")
+
+IDLE_LOAD_WAIT_S = 0.005
+"""How long a step with no forward waits for a load in flight (``get_finished``): enough for
+the client's thread to get the GIL, short next to a step, so an arrival waits little longer."""
 
 
 def _tp() -> tuple[int, int]:
@@ -91,7 +100,8 @@ class KVCacheConnector(KVConnectorBase_V1):
             curve_secret_key=self.config.curve_secret_key,
         )
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
-        self._async_loads = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._async_loads = self.config.async_loads or async_scheduling
         # scheduler half
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
@@ -100,6 +110,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         """The scheduler half's statistics (lookups, requests not cached) for vLLM's metrics."""
         self._steps = 0  # plans built
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
+        self._loading: set[str] = set()  # asynchronous loads planned, not yet reported received
         # worker half
         self._worker = ConnectorWorker(
             self.client, self.block_size, self.config.kv_format, async_stores=self.config.async_stores
@@ -126,7 +137,15 @@ class KVCacheConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.error("kvcache: cannot register the KV cache, running without it: %s", exc)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward (vLLM calls it first in every step): the transfers of requests
+        preempted for this step must be over before the forward writes into their blocks."""
+        if isinstance(kv_connector_metadata, KVCacheMetadata):
+            self._worker.begin_step(kv_connector_metadata.plan)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Before the forward when the step has synchronous loads; otherwise vLLM calls it
+        after launching the forward, and asynchronous loads are only issued here."""
         meta = self._connector_metadata
         if not isinstance(meta, KVCacheMetadata):
             return
@@ -135,7 +154,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             self._worker.load(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-model and finish in start_load_kv
+        return  # loads are whole-model: synchronous ones finish in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:  # fmt: skip
@@ -151,12 +170,15 @@ class KVCacheConnector(KVConnectorBase_V1):
             self._finished_sending.update(s.req_id for s in meta.plan.stores if s.final)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose final store (``request_finished``) is done, so vLLM frees
-        their blocks; requests whose asynchronous load ran in this step's ``start_load_kv``
-        (what failed is in ``get_block_ids_with_load_errors``), so vLLM schedules them."""
+        """Finished requests whose stores are all settled, so vLLM frees their blocks;
+        requests whose asynchronous loads have all settled, so vLLM schedules them (or frees
+        their blocks, if they were aborted while loading). What a load did not fill is in this
+        step's ``get_block_ids_with_load_errors`` or an earlier one's, never a later one's."""
         sent = self._worker.take_finished_sending() | self._finished_sending
         self._finished_sending = set()
-        received = self._worker.take_finished_recving()
+        meta = self._connector_metadata
+        idle = isinstance(meta, KVCacheMetadata) and meta.plan.idle
+        received = self._worker.take_finished_recving(IDLE_LOAD_WAIT_S if idle else 0.0)
         return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -173,8 +195,14 @@ class KVCacheConnector(KVConnectorBase_V1):
         daemon has the bytes before they look."""
         return self._worker.wait_stores(timeout_s) if self._worker.registered else True
 
+    def wait_for_loads(self, timeout_s: float | None = None) -> bool:
+        """As ``wait_for_stores``, for this worker's asynchronous loads (reported to vLLM by
+        the next ``get_finished``)."""
+        return self._worker.wait_loads(timeout_s)
+
     def shutdown(self) -> None:
         self.wait_for_stores(self.config.timeout_s)  # what was issued reaches the daemon
+        self.wait_for_loads(self.config.timeout_s)  # no copy into the blocks after we leave
         self.client.close(unregister=self._worker.registered)
 
     # ------------------------------------------------------------ vLLM's metrics (both halves)
@@ -256,8 +284,11 @@ class KVCacheConnector(KVConnectorBase_V1):
             req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
             request.cache_salt or "", key_extra, self._async_loads,
         )  # fmt: skip
+        if self._async_loads and num_external_tokens > 0:
+            self._loading.add(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self._loading.difference_update(getattr(connector_output, "finished_recving", None) or ())
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVCacheWorkerMeta) and self._planner is not None:
             for req_id, upto in meta.not_stored.items():
@@ -269,8 +300,9 @@ class KVCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         planner = self._planner
         self._steps += 1
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         if planner is None:
-            return KVCacheMetadata(StepPlan(step=self._steps, failures_seen=self._failures_seen))
+            return KVCacheMetadata(StepPlan(step=self._steps, failures_seen=self._failures_seen, idle=idle))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             planner.preempted(req_id)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -290,7 +322,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             hashes = request.block_hashes if self._pass_hashes else []
             rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, groups[0], hashes))
         plan, records = planner.step(rows)
-        plan.step, plan.failures_seen = self._steps, self._failures_seen
+        plan.step, plan.failures_seen, plan.idle = self._steps, self._failures_seen, idle
         plan.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if not self.config.store:
             plan.stores = []
@@ -311,12 +343,19 @@ class KVCacheConnector(KVConnectorBase_V1):
         tells the workers to report it once its stores in flight are settled.
 
         NOTE: that holds the blocks for at least one more step even when its stores finished
-        long ago (the scheduler half does not hear of each store's completion)."""
+        long ago (the scheduler half does not hear of each store's completion).
+
+        A request whose asynchronous load is unreported (aborted while loading) is not held:
+        vLLM holds its blocks itself until the workers report it received, then frees them
+        (``Scheduler.finish_requests``, ``_update_from_kv_xfer_finished``), and a second hold
+        would free them twice. It has nothing to store, and no store in flight (those planned
+        before a preemption were waited for when it was preempted)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._last_hit.pop(req_id, None)
         delay = False
-        if self._planner is not None and self.config.store:
+        # ``_loading`` forgets it when the workers report it received.
+        if req_id not in self._loading and self._planner is not None and self.config.store:
             # KV is written for every computed token whose step has finished.
             written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             hashes = request.block_hashes if self._pass_hashes else []

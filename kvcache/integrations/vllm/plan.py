@@ -76,6 +76,9 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     """Requests vLLM preempted when it scheduled this step: it freed their blocks, so the
     workers let their stores in flight finish before this step writes into any block."""
+    idle: bool = False
+    """No request is scheduled: no forward runs, and vLLM steps again at once. The workers
+    may block briefly on their loads in flight (``ConnectorWorker.take_finished_recving``)."""
 
 
 @dataclass(slots=True)

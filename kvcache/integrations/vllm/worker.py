@@ -1,16 +1,23 @@
 """Worker side: register vLLM's KV tensors with the daemon, run a step's loads and stores.
 
 No vLLM import: it takes the tensors and a ``StepPlan`` and talks to the daemon through
-``KVCacheClient``. Loads finish in ``start_load_kv`` (a synchronous one before the forward
-reads the blocks; an asynchronous one, under async scheduling, for a request vLLM computes
-only after it is reported done). Stores are issued at the end of the step (``store``) and,
+``KVCacheClient``. A synchronous load is done in ``load``, before the forward that reads its
+blocks. An asynchronous one is only issued there (``LoadsInFlight`` holds it): its request
+waits in vLLM (``WAITING_FOR_REMOTE_KVS``) and is reported received (``take_finished_recving``)
+in the first step that finds the copy settled, with the blocks it did not fill among that
+same step's load errors, so vLLM truncates the request before it schedules it. Until then
+vLLM touches none of its blocks, not even when the request is aborted: vLLM 0.32 keeps an
+aborted request's blocks while its load is unreported, and frees them when it is reported.
+Stores are issued at the end of the step (``store``) and,
 by default, not waited for: the daemon copies while vLLM schedules and computes the next
 steps. vLLM must not hand a block to another request before the daemon has copied it (the
 store would cache the other request's bytes), so a finished request is reported sent
 (``take_finished_sending``, vLLM then frees its blocks) only once every store of its blocks
-is settled, and a preempted request's stores are waited for before the next step's loads and
-forward can write into its old blocks (``begin_step``). With ``async_stores=False`` every
-store is waited for in ``store`` (the blocks are copied before the step's output is processed).
+is settled, and a preempted request's stores (and loads, though vLLM never preempts a
+request it has not been told is loaded) are waited for before the step's forward can write
+into its old blocks (``begin_step``, from vLLM's ``handle_preemptions``). With
+``async_stores=False`` every store is waited for in ``store`` (the blocks are copied before
+the step's output is processed).
 
 NOTE: an asynchronous store reads the blocks whenever the daemon handles it, so nothing may
 write them in place before: vLLM writes only slots of tokens not yet computed, except when it
@@ -22,7 +29,10 @@ and everything computed on top of them, are garbage until vLLM has recomputed th
 store stops before the chunk holding the first of them: the loading request's, and any other
 request's that shares them through vLLM's prefix cache. They stay marked until a plan built
 after vLLM processed the failure (``StepPlan.failures_seen``): under async scheduling the next
-step was planned before (and, after a synchronous load, computes on them too). Whatever the
+step was planned before (and, after a synchronous load, computes on them too). A failure is
+the step's that reports it, not the step's that issued the load: an asynchronous load seen
+failed steps after it was issued is unknown to every plan built before that report reached
+vLLM. Whatever the
 plan counted as stored but was not (cut this way, or a store that failed) is handed back to
 the scheduler (``take_not_stored``) so a later step stores the right bytes.
 """
@@ -40,7 +50,8 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
-from kvcache.integrations.vllm.plan import StepPlan, StoreSpec
+from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad
+from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
@@ -105,13 +116,22 @@ class ConnectorWorker:
         self._finished_sending: set[str] = set()
         self._in_flight: dict[str, list[_InFlight]] = {}  # req -> its stores not settled yet
         self._releasing: set[str] = set()  # finished requests whose blocks vLLM holds for us
+        self._loads = LoadsInFlight()
+        self._plan: StepPlan | None = None  # the plan of the step begun last
+        self._step = 0  # its number: load failures seen from now on are this step's
 
     def begin_step(self, plan: StepPlan) -> None:
-        """Wait for the stores of requests vLLM preempted for this step (it freed their blocks
-        and may have handed them to this step's loads and forward); forget the blocks of
-        failed loads that vLLM recomputes from this plan on."""
+        """Wait for the stores and loads of requests vLLM preempted for this step (it freed
+        their blocks and may hand them to this step's loads and forward); forget the blocks of
+        failed loads that vLLM recomputes from this plan on. Once per plan: vLLM calls it
+        before the forward (``handle_preemptions``) and the connector again from
+        ``start_load_kv``, which runs after the forward in a step without synchronous loads."""
+        if plan is self._plan:
+            return
+        self._plan, self._step = plan, plan.step
         for req_id in plan.preempted:
             self._wait(self._in_flight.get(req_id, []), None)
+            self._loads.wait([req_id], None)
         if self._unfilled:
             self._unfilled = {b: v for b, v in self._unfilled.items() if v[0] > plan.failures_seen}
 
@@ -134,43 +154,84 @@ class ConnectorWorker:
         )  # fmt: skip
 
     def load(self, plan: StepPlan) -> None:
-        """Copy the planned prefixes in; whatever did not arrive is reported as load errors
-        (vLLM recomputes it), including every load of a rank that could not register (the
-        scheduler half may still find prefixes through another rank's registration)."""
+        """Copy the planned prefixes in: a synchronous load before returning, an asynchronous
+        one only issued (settled by ``take_finished_recving`` / ``take_load_errors``). What
+        did not arrive is reported as load errors (vLLM recomputes it), including every load
+        of a rank that could not register (the scheduler half may still find prefixes through
+        another rank's registration)."""
         for spec in plan.loads:
-            want = len(spec.token_ids)
             t0 = time.perf_counter()
             if spec.is_async:
-                self._finished_recving.add(spec.req_id)  # done, whatever the outcome
+                self._loads.add(spec, self._retrieve_async(spec), t0)
+                continue
+            error: BaseException | None = None
             try:
-                if not self.registered:
-                    raise KvcacheError("this rank's KV cache is not registered with the daemon")
-                got = self.client.retrieve(
-                    spec.token_ids,
-                    spec.block_ids,
-                    spec.skip_tokens,
-                    cache_salt=spec.cache_salt,
-                    request_id=spec.req_id,
-                    key_extra=spec.key_extra,
-                )
+                got = self._retrieve(spec)
             except Exception as exc:  # the daemon is down or refused: recompute instead
-                log.warning("kvcache: load for %s failed: %s", spec.req_id, exc)
-                got = spec.skip_tokens
-            loaded = max(0, got - spec.skip_tokens)
-            self.tally.transfer("load", loaded, loaded * self.bytes_per_token,
-                                time.perf_counter() - t0, ok=got >= want)  # fmt: skip
-            if got < want:
-                first_bad = max(got, spec.skip_tokens) // self.block_size
-                self._load_errors.update(spec.block_ids[first_bad:])
-                self._unfilled.update((b, (plan.step, not spec.is_async)) for b in spec.block_ids[first_bad:])
-                self._failed_step = plan.step
-                self._not_stored[spec.req_id] = min(
-                    self._not_stored.get(spec.req_id, 1 << 62), self._chunk_floor(first_bad)
-                )
-                log.warning(
-                    "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest",
-                    got, want, spec.req_id,
-                )  # fmt: skip
+                got, error = spec.skip_tokens, exc
+            self._loaded(SettledLoad(spec, got, error, time.perf_counter() - t0), plan.step, True)
+
+    def _retrieve(self, spec: LoadSpec) -> int:
+        if not self.registered:
+            raise KvcacheError("this rank's KV cache is not registered with the daemon")
+        return self.client.retrieve(
+            spec.token_ids, spec.block_ids, spec.skip_tokens,
+            cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
+        )  # fmt: skip
+
+    def _retrieve_async(self, spec: LoadSpec) -> Future[int]:
+        """The load's future; one that could not be issued is already failed."""
+        try:
+            if not self.registered:
+                raise KvcacheError("this rank's KV cache is not registered with the daemon")
+            return self.client.retrieve_async(
+                spec.token_ids, spec.block_ids, spec.skip_tokens,
+                cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
+            )  # fmt: skip
+        except Exception as exc:
+            failed: Future[int] = Future()
+            failed.set_exception(exc)
+            return failed
+
+    def _loaded(self, load: SettledLoad, step: int, computed_on: bool) -> None:
+        """Count a finished load; mark what it did not fill as ``step``'s failure (load errors,
+        unfilled blocks cut from stores, the scheduler's watermark lowered). ``computed_on``:
+        that step's forward read the blocks (a synchronous load)."""
+        spec, got = load.spec, load.got
+        want = len(spec.token_ids)
+        loaded = max(0, got - spec.skip_tokens)
+        self.tally.transfer("load", loaded, loaded * self.bytes_per_token, load.seconds, ok=got >= want)
+        if load.error is not None:
+            log.warning("kvcache: load for %s failed: %s", spec.req_id, load.error)
+        if got >= want:
+            return
+        first_bad = max(got, spec.skip_tokens) // self.block_size
+        self._load_errors.update(spec.block_ids[first_bad:])
+        self._unfilled.update((b, (step, computed_on)) for b in spec.block_ids[first_bad:])
+        self._failed_step = max(self._failed_step, step)
+        self._mark_not_stored(spec.req_id, self._chunk_floor(first_bad))
+        log.warning(
+            "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest", got, want, spec.req_id
+        )
+
+    def _settle_loads(self) -> None:
+        """Take in every asynchronous load that has settled: its failures are this step's,
+        and its request is reported received once it has no load left in flight."""
+        settled, done = self._loads.settled()
+        for load in settled:
+            self._loaded(load, self._step, False)  # vLLM computes on them only once told
+        self._finished_recving |= done
+
+    def wait_loads(self, timeout_s: float | None) -> bool:
+        """Wait (at most ``timeout_s``; None: until each load's own deadline) until no
+        asynchronous load is in flight; True if none is. They are reported by the next
+        ``take_finished_recving``."""
+        return self._loads.wait(None, timeout_s)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Asynchronous loads issued whose copy has not settled yet."""
+        return len(self._loads)
 
     def store(self, plan: StepPlan) -> None:
         """Issue the plan's stores; in synchronous mode, wait for them too."""
@@ -271,7 +332,14 @@ class ConnectorWorker:
         """This step's unfilled blocks, and those of earlier steps vLLM had not processed
         when it planned this one (async scheduling): this step computed on them too, and
         reporting them again makes vLLM discard what it computed instead of keeping a token
-        sampled from garbage."""
+        sampled from garbage.
+
+        NOTE: an asynchronous load's unfilled blocks must reach vLLM no later than its request's
+        ``finished_recving``. Both this and ``take_finished_recving`` take in settled loads,
+        and a load taken in is in both sets from then on: whichever vLLM asks first, the
+        errors are never reported in a later output than the request (vLLM's worker asks for
+        ``get_finished`` first, then the load errors, in the same pass)."""
+        self._settle_loads()
         recomputing = {b for b, (_, computed_on) in self._unfilled.items() if computed_on}
         errors, self._load_errors = self._load_errors | recomputing, set()
         return errors
@@ -281,8 +349,18 @@ class ConnectorWorker:
         step, self._failed_step = self._failed_step, -1
         return step
 
-    def take_finished_recving(self) -> set[str]:
-        """Requests whose asynchronous load ran this step (failed blocks are load errors)."""
+    def take_finished_recving(self, idle_wait_s: float = 0.0) -> set[str]:
+        """Requests whose asynchronous loads have all settled (failed blocks are load errors
+        of this step or an earlier one). ``idle_wait_s``: in a step with no forward, wait that
+        long at most for the first load in flight to settle if none has.
+
+        NOTE: without that wait a lone loading request reaches its first token about twice as
+        late as with a synchronous load: vLLM steps again at once while nothing is scheduled,
+        and its loop holds the GIL that the client's thread needs to receive the reply."""
+        self._settle_loads()
+        if idle_wait_s > 0 and not self._finished_recving and self._loads:
+            self._loads.wait(None, idle_wait_s, first=True)
+            self._settle_loads()
         done, self._finished_recving = self._finished_recving, set()
         return done
 

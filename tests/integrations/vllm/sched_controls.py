@@ -5,8 +5,9 @@ Run by hand in the vLLM venv (not in CI: it doubles the harness's time)::
     .vllm-venv/bin/python tests/integrations/vllm/sched_controls.py [NAME ...]
 
 Each control patches one safeguard out of the connector or the client, runs the scenarios
-that guard it (``sched_scenarios.SCENARIOS``) and reports whether they failed; the exit status
-is 1 if any scenario still passed (it would not prove its safeguard).
+that guard it (``sched_scenarios.SCENARIOS``; a name ending in ``/sync_loads`` runs with the
+connector's ``async_loads: false``) and reports whether they failed; the exit status is 1 if
+any scenario still passed (it would not prove its safeguard).
 """
 
 from __future__ import annotations
@@ -108,6 +109,46 @@ def sync_loads_under_async() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def loads_reported_when_issued() -> Iterator[None]:
+    """Asynchronous loads reported received in the step that issued them, copied or not (as
+    before ``async_loads``): vLLM lets the request go, or frees an aborted one's blocks."""
+    load = ConnectorWorker.load
+
+    def report_at_once(self: ConnectorWorker, plan: Any) -> None:
+        load(self, plan)
+        self._finished_recving |= {s.req_id for s in plan.loads if s.is_async}
+
+    def settle_unreported(self: ConnectorWorker) -> None:
+        settled, _ = self._loads.settled()
+        for done in settled:
+            self._loaded(done, self._step, False)
+
+    with (
+        patched(ConnectorWorker, "load", report_at_once),
+        patched(ConnectorWorker, "_settle_loads", settle_unreported),
+    ):
+        yield
+
+
+@contextmanager
+def loading_released_too() -> Iterator[None]:
+    """``request_finished`` blind to unreported loads: a request with earlier stores is held
+    for them even while vLLM holds it for its load."""
+    cls = connector_mod.KVCacheConnector
+    finished = cls.request_finished
+
+    def unguarded(self: Any, request: Any, block_ids: list[int]) -> Any:
+        loading, self._loading = self._loading, set()
+        try:
+            return finished(self, request, block_ids)
+        finally:
+            self._loading = loading
+
+    with patched(cls, "request_finished", unguarded):
+        yield
+
+
 def _release_at_once(self: ConnectorWorker) -> set[str]:
     """Finished requests reported sent as soon as their release arrives, stores in flight or not."""
     self._finished_sending |= self._releasing
@@ -119,7 +160,7 @@ def _release_at_once(self: ConnectorWorker) -> set[str]:
 CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_key_extra": (no_key_extra, ["lora", "multimodal"]),
     "embeds_keyed_by_tokens": (embeds_keyed_by_tokens, ["prompt_embeds"]),
-    "no_store_cut": (no_store_cut, ["failed_load_sync"]),
+    "no_store_cut": (no_store_cut, ["failed_load_sync/sync_loads"]),
     "no_final_store": (
         lambda: patched(Planner, "final_store", lambda self, *a: False),
         ["shared_prefixes_async"],
@@ -137,6 +178,18 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
         lambda: patched(ConnectorWorker, "take_finished_sending", _release_at_once),
         ["store_release_async"],
     ),
+    # An aborted request's blocks freed while its load may still copy into them.
+    "no_load_hold": (
+        loads_reported_when_issued,
+        ["abort_while_loading_sync", "abort_while_loading_async", "late_loads_sync"],
+    ),
+    # A request aborted while loading held by vLLM and by the connector: reported twice.
+    "no_loading_guard": (loading_released_too, ["abort_resumed_while_loading"]),
+    # A preempted request's stores waited for only in start_load_kv, after the forward.
+    "no_preemption_hook": (
+        lambda: patched(connector_mod.KVCacheConnector, "handle_preemptions", lambda self, meta: None),
+        ["preempted_store"],
+    ),
 }
 
 
@@ -147,10 +200,11 @@ def main(argv: list[str]) -> int:
         write_model_config(str(workdir / "model"))
         for name in argv or list(CONTROLS):
             make, scenarios = CONTROLS[name]
-            for scenario in scenarios:
+            for spec in scenarios:
+                scenario, _, mode = spec.partition("/")
                 with make():
                     try:
-                        with harness(scenario, workdir) as h:
+                        with harness(scenario, workdir, async_loads=mode != "sync_loads") as h:
                             SCENARIOS[scenario](h)
                         verdict, proven = "PASSED (proves nothing)", False
                     except ScenarioSkipped as exc:
@@ -158,7 +212,7 @@ def main(argv: list[str]) -> int:
                     except Exception as exc:
                         last = str(exc).strip().splitlines()
                         verdict = f"failed as it must: {type(exc).__name__}: {last[0] if last else ''}"[:200]
-                print(f"{name} / {scenario}: {verdict}", flush=True)
+                print(f"{name} / {spec}: {verdict}", flush=True)
     return 0 if proven else 1
 
 

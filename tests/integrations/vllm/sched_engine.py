@@ -4,10 +4,12 @@ vLLM's real ``Scheduler`` / ``AsyncScheduler`` with ``KVCacheConnector`` as its 
 and in the same process a WORKER ``KVCacheConnector`` on KV tensors allocated the way vLLM's
 CPU runner allocates them (raw byte buffers inside the connector's ``get_mem_pool_context``,
 viewed as the CPU attention layout ``[blocks, kv_heads, block_size, 2 * head_size]``). Each
-step follows vLLM's model runner: bind the metadata, ``start_load_kv``, forward
-(``sched_model.FakeForward``), ``wait_for_save``, then the connector's outputs
-(``get_finished``, load errors as ``invalid_block_ids``, worker metadata) go to
-``update_from_output``.
+step follows vLLM's model runner (``gpu_model_runner.execute_model`` and
+``kv_connector_model_runner_mixin``): ``handle_preemptions``, bind the metadata,
+``start_load_kv`` (before the forward only when the step has synchronous loads), forward
+(``sched_model.FakeForward``), ``start_load_kv`` otherwise, ``wait_for_save``, then the
+connector's outputs (``get_finished``, load errors as ``invalid_block_ids``, worker metadata)
+go to ``update_from_output``.
 
 Not collected by pytest (no ``test_`` prefix): vLLM is not installed in the project's venv.
 """
@@ -54,7 +56,17 @@ from tests.integrations.vllm.sched_model import (
     WrongRead,
 )
 
-__all__ = ["BLOCK", "KV_HEADS", "LAYERS", "WIDTH", "Engine", "Oracle", "vllm_config", "write_model_config"]
+__all__ = [
+    "BLOCK",
+    "KV_HEADS",
+    "LAYERS",
+    "WIDTH",
+    "Engine",
+    "Oracle",
+    "StepLog",
+    "vllm_config",
+    "write_model_config",
+]
 
 
 def vllm_config(
@@ -127,6 +139,8 @@ class StepLog:
     blocks: dict[str, list[int]]
     sending: set[str]
     """Requests the worker reported sent (``finished_sending``): vLLM frees their blocks."""
+    recving: set[str]
+    """Requests the worker reported received (``finished_recving``): their loads settled."""
 
 
 class Engine:
@@ -214,6 +228,7 @@ class Engine:
             self.planned_loads[load.req_id] = (
                 self.planned_loads.get(load.req_id, 0) + len(load.token_ids) - load.skip_tokens
             )
+        worker.handle_preemptions(meta)  # first thing in vLLM's execute_model
         worker.bind_connector_metadata(meta)
         # As vLLM's runner: synchronous loads feed this step's forward; asynchronous ones
         # start after it (their requests are not in it).
@@ -228,9 +243,10 @@ class Engine:
             worker.start_load_kv(None)
         worker.wait_for_save()
         if not out.total_num_scheduled_tokens:
-            # Nothing ran: vLLM steps again at once, only to hear of stores finishing. Wait a
-            # little for them (bounded: a scenario may hold a store until a later step).
+            # Nothing ran: vLLM steps again at once, only to hear of transfers finishing. Wait
+            # a little for them (bounded: a scenario may hold one until a later step).
             worker.wait_for_stores(0.1)
+            worker.wait_for_loads(0.1)
         sending, recving = worker.get_finished(out.finished_req_ids)
         conn = KVConnectorOutput(
             finished_sending=sending,
@@ -244,7 +260,9 @@ class Engine:
             merge(self.worker_stats, conn.kv_connector_stats.data)
         result.kv_connector_output = conn
         blocks = {r: list(self.forward.reqs[r].blocks) for r in out.num_scheduled_tokens}
-        self.steps.append(StepLog(step, set(conn.invalid_block_ids), blocks, set(sending or ())))
+        self.steps.append(
+            StepLog(step, set(conn.invalid_block_ids), blocks, set(sending or ()), set(recving or ()))
+        )
         return result
 
     def run(self, max_steps: int = 2000) -> None:

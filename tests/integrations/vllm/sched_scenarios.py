@@ -1,8 +1,10 @@
 """Scenarios for the scheduler-level harness; run in the vLLM venv by ``test_sched_harness.py``.
 
-``python sched_scenarios.py --out result.json [--only NAME ...]`` runs each scenario (see
-``SCENARIOS``) against real daemons and writes ``{name: {"ok", "error", "facts"}}``. Every
-scenario checks, besides its own point:
+``python sched_scenarios.py --out result.json [--only NAME ...] [--sync-loads]`` runs each
+scenario (see ``SCENARIOS``; those of loads outliving their step are in ``sched_loads.py``)
+against real daemons and writes ``{name: {"ok", "error", "facts"}}``; ``--sync-loads`` runs
+the connector with ``async_loads: false`` (``SYNC_LOADS``). Every scenario checks, besides
+its own point:
 
 * every request's output tokens equal the oracle's (the fake model's greedy tokens);
 * no step read a wrong context unless vLLM was told that step's load failed for those blocks;
@@ -35,6 +37,7 @@ from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
 from kvcache.storage.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
+from tests.integrations.vllm.sched_loads import SCENARIOS as LOAD_SCENARIOS
 from tests.integrations.vllm.sched_world import (
     CHUNK,
     Daemon,
@@ -91,10 +94,11 @@ def shared_prefixes(h: Harness, async_scheduling: bool) -> None:
 
 def failed_load(h: Harness, async_scheduling: bool) -> None:
     """The daemon restarts between the lookup and the load (its L1 is gone), and only the
-    first chunk is stored again: the load fills 64 of 320 tokens. Sync: in the same step a
-    second request holding the same blocks (vLLM's prefix cache) computes on them and stores
-    its chunks; nothing computed on the unfilled blocks may reach the daemon, vLLM recomputes,
-    and the right bytes are stored afterwards. Async scheduling: loads are asynchronous, the
+    first chunk is stored again: the load fills 64 of 320 tokens. Synchronous loads (the sync
+    scheduler with ``async_loads: false``): in the same step a second request holding the same
+    blocks (vLLM's prefix cache) computes on them and stores its chunks; nothing computed on
+    the unfilled blocks may reach the daemon, vLLM recomputes, and the right bytes are stored
+    afterwards. Asynchronous loads (the default, and always under async scheduling): the
     failure is reported before anything computes on those blocks."""
     prompt = prompts(4, 300, [30])[0]
     first = h.engine(async_scheduling=async_scheduling)
@@ -123,7 +127,7 @@ def failed_load(h: Harness, async_scheduling: bool) -> None:
     )
     assert restarted, "no load was planned"
     assert tally.get("load_failures", 0) >= 1
-    if async_scheduling:  # loads are asynchronous: nothing computes before vLLM knows
+    if async_scheduling or h.async_loads:  # asynchronous loads: nothing computes before vLLM knows
         assert not second.wrong_reads(), second.wrong_reads()
     else:  # the load step's forward read the unfilled blocks, as a real one would
         assert second.wrong_reads(), "the unfilled blocks were never read: the scenario proves nothing"
@@ -467,24 +471,29 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "stalled_redis_l2": lambda h: stalled(h, "redis"),
     "store_release_async": lambda h: store_release(h, True),
     "store_release_sync": lambda h: store_release(h, False),
+    **LOAD_SCENARIOS,
 }
+SYNC_LOADS = [name for name in SCENARIOS if name not in LOAD_SCENARIOS or name == "preempted_store"]
+"""What a run with ``async_loads: false`` runs: the rest need loads that outlive their step."""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--sync-loads", action="store_true", help="the connector's async_loads: false")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvc-sched-") as tmp:
         workdir = Path(tmp)
         write_model_config(str(workdir / "model"))
-        for name in args.only or list(SCENARIOS):
+        default = SYNC_LOADS if args.sync_loads else list(SCENARIOS)
+        for name in args.only or default:
             t0 = time.perf_counter()
             facts: Facts = {}
             try:
-                with harness(name, workdir) as h:
+                with harness(name, workdir, async_loads=not args.sync_loads) as h:
                     facts = h.facts
                     SCENARIOS[name](h)
                 results[name] = {"ok": True, "error": "", "facts": facts}

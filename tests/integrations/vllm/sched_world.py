@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from tests.integrations.vllm.sched_engine import (
     WIDTH,
     Engine,
     Oracle,
+    StepLog,
     vllm_config,
 )
 
@@ -119,8 +122,10 @@ class Reader:
 class Harness:
     """One scenario's world: the model directory, daemons, engines and the checks."""
 
-    def __init__(self, name: str, workdir: Path, daemon: Daemon) -> None:
+    def __init__(self, name: str, workdir: Path, daemon: Daemon, *, async_loads: bool = True) -> None:
         self.name, self.workdir, self.daemon = name, workdir, daemon
+        self.async_loads = async_loads
+        """The connector's ``async_loads`` for this run's engines (async scheduling forces it)."""
         self.model = f"harness-{name}"
         self.engines: list[Engine] = []
         self.facts: Facts = {}
@@ -141,6 +146,7 @@ class Harness:
             "model_name": self.model,
             "timeout_s": timeout_s,
             "async_stores": async_stores,
+            "async_loads": self.async_loads,
         }
         config = vllm_config(
             str(self.workdir / "model"), extra, async_scheduling=async_scheduling, max_batched=max_batched
@@ -191,6 +197,38 @@ def prompts(seed: int, prefix_len: int, tails: Sequence[int]) -> list[list[int]]
     return [prefix + [rng.randrange(3, 1000) for _ in range(n)] for n in tails]
 
 
+def hold_loads(client: KVCacheClient, req_ids: set[str], within_s: float = 60.0) -> threading.Event:
+    """Hold ``client``'s asynchronous loads for ``req_ids`` back, before they reach the daemon,
+    until the returned event is set (at most ``within_s``: a scenario that never opens it
+    fails instead of hanging). Each is held on a thread of its own: the client's background
+    thread, which sends one call at a time, stays free for the other requests' transfers."""
+    gate = threading.Event()
+    retrieve_async = client.retrieve_async
+
+    def held(*args: Any, **kw: Any) -> Future[int]:
+        if kw.get("request_id") not in req_ids:
+            return retrieve_async(*args, **kw)
+        out: Future[int] = Future()
+
+        def send_later() -> None:
+            gate.wait(within_s)
+            inner = retrieve_async(*args, **kw)
+            inner.add_done_callback(
+                lambda f: out.set_exception(exc) if (exc := f.exception()) else out.set_result(f.result())
+            )
+
+        threading.Thread(target=send_later, name="held-load", daemon=True).start()
+        return out
+
+    client.retrieve_async = held  # type: ignore[method-assign]
+    return gate
+
+
+def first_step(eng: Engine, pick: Callable[[StepLog], bool]) -> int:
+    """The first step ``pick`` selects, or -1."""
+    return next((s.step for s in eng.steps if pick(s)), -1)
+
+
 def wait_for_log(daemon: Daemon, text: str, within_s: float = 30.0) -> None:
     """Until the daemon has logged ``text`` (bounded): its work is done, whatever it was."""
     deadline = time.monotonic() + within_s
@@ -225,8 +263,8 @@ def check_outputs(eng: Engine) -> None:
 
 
 @contextmanager
-def harness(name: str, workdir: Path) -> Iterator[Harness]:
-    h = Harness(name, workdir, Daemon())
+def harness(name: str, workdir: Path, *, async_loads: bool = True) -> Iterator[Harness]:
+    h = Harness(name, workdir, Daemon(), async_loads=async_loads)
     try:
         yield h
     finally:

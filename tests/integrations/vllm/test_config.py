@@ -30,3 +30,9 @@ def test_model_name_scoped_per_rank_under_tensor_parallelism() -> None:
     cfg = ConnectorConfig.from_extra({"model_name": "m"})
     assert cfg.resolve_model_name("served") == "m"
     assert ConnectorConfig.from_extra({}).resolve_model_name("served", 1, 2) == "served@tp1of2"
+
+
+def test_transfers_are_asynchronous_by_default() -> None:
+    cfg = ConnectorConfig.from_extra({})
+    assert cfg.async_loads and cfg.async_stores
+    assert not ConnectorConfig.from_extra({"async_loads": False}).async_loads

@@ -189,7 +189,7 @@ def reference(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dic
 def test_vllm_prefix_served_from_kvcache(
     vllm_python: str, tmp_path: Path, daemons: list[Daemon], tracker: TierTracker, reference: dict[str, Any]
 ) -> None:
-    """The default (asynchronous stores) mode end to end."""
+    """The default (asynchronous loads and stores) mode end to end."""
     l2 = tmp_path / "l2"
     ref = reference
 
@@ -239,17 +239,21 @@ def test_vllm_prefix_served_from_kvcache(
     assert re.search(r"retrieved=1024", d3.log.read_text())
 
 
-def test_vllm_sync_stores_mode(
-    vllm_python: str, tmp_path: Path, daemons: list[Daemon], reference: dict[str, Any]
+@pytest.mark.parametrize("flag", ["--sync-stores", "--sync-loads"])
+def test_vllm_synchronous_modes(
+    vllm_python: str, tmp_path: Path, daemons: list[Daemon], reference: dict[str, Any], flag: str
 ) -> None:
-    """``async_stores: false``: every store is waited for in ``wait_for_save``. The same greedy
-    outputs as vLLM alone, and what the first round stored serves the second round's prefix."""
+    """``async_stores: false`` (every store is waited for in ``wait_for_save``) and
+    ``async_loads: false`` (every load is done in ``start_load_kv``, before the forward that
+    computes on it): the same greedy outputs as vLLM alone, and what the first round stored
+    serves the second round's prefix."""
     d = start_daemon(tmp_path, tmp_path / "l2", "daemon_sync")
     daemons.append(d)
-    run = drive(vllm_python, tmp_path, "sync", "--endpoint", "default", "--rounds", "2", "--sync-stores")
+    run = drive(vllm_python, tmp_path, "sync", "--endpoint", "default", "--rounds", "2", flag)
     first, second = run["rounds"]
     assert first["outputs"] == second["outputs"] == reference["outputs"]
     assert first["first_token"] == second["first_token"] == reference["first_token"]
     assert first["first_cached_tokens"] == 0 and second["first_cached_tokens"] == 1024
     assert d.metric("kvcache_store_stored_tokens_total") >= 1024
+    assert d.metric("kvcache_retrieve_retrieved_tokens_total") >= 1024
     d.stop()

@@ -8,8 +8,10 @@ Every scenario checks the tokens against an oracle, that no step computed on a w
 vLLM was not told about, and that every chunk the daemon serves equals the oracle's bytes.
 What each scenario proves is in its docstring in ``sched_scenarios.py``.
 
-The scenarios run in one process (vLLM's import dominates): the module fixture runs them all
-once and each test reads its scenario's result. Skipped with ``KVCACHE_SKIP_VLLM_E2E=1``.
+The scenarios run in one process per connector mode (vLLM's import dominates): the fixture
+runs them all once with asynchronous loads (the default) and once with ``async_loads: false``
+(``SYNC_LOADS``: all but those that need a load to outlive its step), and each test reads
+its scenario's result. Skipped with ``KVCACHE_SKIP_VLLM_E2E=1``.
 ``sched_controls.py`` (by hand, not here) switches each safeguard off in turn and checks that
 its scenarios then fail.
 """
@@ -41,15 +43,29 @@ SCENARIOS = [
     "stalled_redis_l2",
     "store_release_async",
     "store_release_sync",
+    "late_loads_sync",
+    "late_loads_async",
+    "abort_while_loading_sync",
+    "abort_while_loading_async",
+    "abort_resumed_while_loading",
+    "loading_through_preemptions",
+    "preempted_store",
 ]
+NEED_ASYNC_LOADS = {
+    "late_loads_sync",
+    "late_loads_async",
+    "abort_while_loading_sync",
+    "abort_while_loading_async",
+    "abort_resumed_while_loading",
+    "loading_through_preemptions",
+}
+SYNC_LOADS = [n for n in SCENARIOS if n not in NEED_ASYNC_LOADS]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
-    out = tmp_path_factory.mktemp("sched") / "results.json"
+def _run(python: str, out: Path, *flags: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [vllm_python, str(HERE / "sched_scenarios.py"), "--out", str(out)],
+        [python, str(HERE / "sched_scenarios.py"), "--out", str(out), *flags],
         capture_output=True,
         text=True,
         timeout=600,
@@ -61,15 +77,37 @@ def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return data
 
 
-def test_every_scenario_ran(results: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+    """Every scenario, with the connector's default asynchronous loads."""
+    return _run(vllm_python, tmp_path_factory.mktemp("sched") / "results.json")
+
+
+@pytest.fixture(scope="module")
+def sync_loads_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+    """``SYNC_LOADS``, with ``async_loads: false``."""
+    return _run(vllm_python, tmp_path_factory.mktemp("sched") / "sync_loads.json", "--sync-loads")
+
+
+def test_every_scenario_ran(results: dict[str, Any], sync_loads_results: dict[str, Any]) -> None:
     assert sorted(results) == sorted(SCENARIOS)
+    assert sorted(sync_loads_results) == sorted(SYNC_LOADS)
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario(results: dict[str, Any], name: str) -> None:
+def _check(results: dict[str, Any], name: str) -> None:
     result = results.get(name)
     assert result is not None, f"{name} did not run"
     print(f"{name}: {result['seconds']} s, {result['facts']}")
     if result.get("skipped"):
         pytest.skip(result["skipped"])
     assert result["ok"], result["error"]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(results: dict[str, Any], name: str) -> None:
+    _check(results, name)
+
+
+@pytest.mark.parametrize("name", SYNC_LOADS)
+def test_scenario_with_sync_loads(sync_loads_results: dict[str, Any], name: str) -> None:
+    _check(sync_loads_results, name)

@@ -148,14 +148,15 @@ def test_a_rank_that_could_not_register_reports_every_planned_load_as_failed() -
     worker.close()
 
 
-def _gate_stores(client: KVCacheClient) -> threading.Event:
-    """Hold every store before it reaches the daemon until the returned event is set."""
+def _gate_stores(client: KVCacheClient, kind: type = m.Store) -> threading.Event:
+    """Hold every request of ``kind`` before it reaches the daemon until the returned event
+    is set (bounded: a worker that waits for it where it must not fails its test, never hangs)."""
     gate = threading.Event()
     send = client._call_on
 
     def gated(chan: Any, body: Any) -> Any:
-        if isinstance(body, m.Store):
-            assert gate.wait(30), "the test never opened the gate"
+        if isinstance(body, kind):
+            gate.wait(5)
         return send(chan, body)
 
     client._call_on = gated  # type: ignore[method-assign]
@@ -200,4 +201,126 @@ def test_sync_stores_are_done_when_store_returns(daemon: DaemonProcess) -> None:
     with KVCacheClient(daemon.endpoint, 10, "m5", timeout_s=5) as reader:
         reader.register_kv_caches(_kv(10))
         assert reader.lookup(PROMPT) == len(PROMPT)
+    worker.close()
+
+
+def _loader(
+    daemon: DaemonProcess, instance: int, model: str, chunks: int
+) -> tuple[KVCacheClient, ConnectorWorker]:
+    """A worker on ``model`` whose daemon holds the first ``chunks`` chunks of ``PROMPT``."""
+    with KVCacheClient(daemon.endpoint, instance + 100, model, timeout_s=5) as source:
+        source.register_kv_caches(_kv(instance + 100))
+        source.store(PROMPT[: chunks * CS], BLOCKS[: chunks * CS // BS])
+    client = KVCacheClient(daemon.endpoint, instance, model, timeout_s=5)
+    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker.register({f"l{i}": t for i, t in enumerate(_kv(instance))})
+    return client, worker
+
+
+def test_an_async_load_is_issued_without_waiting_and_reported_once_settled(daemon: DaemonProcess) -> None:
+    """``load`` returns while the copy is held back; the request is reported received (vLLM
+    schedules it) only in a step after the copy is done, never before."""
+    client, worker = _loader(daemon, 11, "m6", 3)
+    gate = _gate_stores(client, m.Retrieve)
+    plan = StepPlan(loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0, is_async=True)], step=1)
+    worker.begin_step(plan)
+    worker.load(plan)
+    assert worker.take_finished_recving() == set() and worker.take_load_errors() == set()
+    assert worker.loads_in_flight == 1
+    worker.begin_step(StepPlan(step=2))
+    assert worker.take_finished_recving() == set()  # still held: vLLM keeps it waiting
+    gate.set()
+    assert worker.wait_loads(None)
+    worker.begin_step(StepPlan(step=3))
+    assert worker.take_load_errors() == set() and worker.take_finished_recving() == {"r"}
+    assert worker.take_failed_step() == -1 and worker.take_not_stored() == {}
+    assert worker.tally.totals()["load_tokens"] == 3 * CS and worker.loads_in_flight == 0
+    worker.close()
+
+
+def test_a_late_async_load_failure_is_reported_with_its_request_in_the_step_that_saw_it(
+    daemon: DaemonProcess,
+) -> None:
+    """Issued in step 1, seen failed in step 3: its unfilled blocks are load errors in the same
+    output as its ``finished_recving`` (vLLM truncates the request before scheduling it), and
+    they are step 3's failure: stores stay cut until a plan built after vLLM processed step 3."""
+    client, worker = _loader(daemon, 12, "m7", 1)  # only the first chunk is still cached
+    gate = _gate_stores(client, m.Retrieve)
+    unfilled = set(BLOCKS[CS // BS : 3 * CS // BS])
+    plan = StepPlan(loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0, is_async=True)], step=1)
+    worker.begin_step(plan)
+    worker.load(plan)
+    worker.begin_step(StepPlan(step=2))
+    assert worker.take_finished_recving() == set() and worker.take_load_errors() == set()
+    assert worker.take_failed_step() == -1
+    gate.set()
+    assert worker.wait_loads(None)
+    worker.begin_step(StepPlan(step=3, failures_seen=-1))
+    assert worker.take_finished_recving() == {"r"}
+    assert worker.take_load_errors() == unfilled  # not computed on: named once
+    assert worker.take_failed_step() == 3 and worker.take_not_stored() == {"r": CS}
+    # Step 4, planned before vLLM processed step 3 (async scheduling): a store over the
+    # unfilled blocks is cut; step 5, planned after, is not.
+    sharer = StoreSpec("s", PROMPT, BLOCKS, None, "", stored_before=0)
+    stale = StepPlan(stores=[sharer], step=4, failures_seen=2)
+    worker.begin_step(stale)
+    worker.store(stale)
+    assert worker.wait_stores(None) and worker.take_not_stored() == {"s": CS}
+    assert worker.take_load_errors() == set()
+    fresh = StepPlan(stores=[sharer], step=5, failures_seen=3)
+    worker.begin_step(fresh)
+    worker.store(fresh)
+    assert worker.wait_stores(None) and worker.take_not_stored() == {}
+    assert worker.tally.totals()["load_failures"] == 1
+    worker.close()
+
+
+def test_a_preempted_requests_load_in_flight_is_waited_for_before_the_step(daemon: DaemonProcess) -> None:
+    """vLLM gives a preempted request's blocks to the step's forward: a load still copying into
+    them must be over first (``begin_step``), as its stores are."""
+    client, worker = _loader(daemon, 13, "m8", 2)
+    gate = _gate_stores(client, m.Retrieve)
+    plan = StepPlan(loads=[LoadSpec("p", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], 0, is_async=True)], step=1)
+    worker.begin_step(plan)
+    worker.load(plan)
+    assert worker.loads_in_flight == 1
+    opener = threading.Timer(0.3, gate.set)  # the copy is held until after begin_step is called
+    opener.start()
+    try:
+        worker.begin_step(StepPlan(step=2, preempted=["p"]))
+        assert worker.loads_in_flight == 0, "the step began with the preempted request's load in flight"
+    finally:
+        opener.cancel()
+        gate.set()
+    assert worker.take_finished_recving() == {"p"} and worker.take_load_errors() == set()
+    worker.close()
+
+
+def test_an_async_load_that_cannot_be_issued_is_reported_in_the_same_step() -> None:
+    worker = ConnectorWorker(KVCacheClient("ipc:///nonexistent/kvcache.sock", 14, "m", timeout_s=1), BS)
+    plan = StepPlan(loads=[LoadSpec("a", PROMPT[:CS], [40, 41, 42, 43], 0, is_async=True)], step=7)
+    worker.begin_step(plan)
+    worker.load(plan)
+    assert worker.take_finished_recving() == {"a"} and worker.take_load_errors() == {40, 41, 42, 43}
+    assert worker.take_failed_step() == 7 and worker.loads_in_flight == 0
+    worker.close()
+
+
+def test_a_step_with_no_forward_waits_briefly_for_a_load_to_settle(daemon: DaemonProcess) -> None:
+    """With nothing scheduled vLLM steps again at once; the worker blocks (bounded) for the
+    first load in flight instead, so the client's thread gets the GIL to finish it."""
+    client, worker = _loader(daemon, 15, "m9", 2)
+    gate = _gate_stores(client, m.Retrieve)
+    plan = StepPlan(loads=[LoadSpec("r", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], 0, is_async=True)], step=1)
+    worker.begin_step(plan)
+    worker.load(plan)
+    assert worker.take_finished_recving(idle_wait_s=0.05) == set()  # bounded: still held
+    opener = threading.Timer(0.1, gate.set)
+    opener.start()
+    try:
+        assert worker.take_finished_recving(idle_wait_s=5) == {"r"}  # waited for it
+    finally:
+        opener.cancel()
+        gate.set()
+    assert worker.take_load_errors() == set()
     worker.close()

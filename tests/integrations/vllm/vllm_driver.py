@@ -86,8 +86,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if args.endpoint:
         extra: dict[str, Any] = {"instance_id": args.instance_id, "timeout_s": 30.0}
-        if args.sync_stores:  # the connector's synchronous mode (default: asynchronous stores)
+        if args.sync_stores:  # the connector's synchronous modes (default: asynchronous transfers)
             extra["async_stores"] = False
+        if args.sync_loads:
+            extra["async_loads"] = False
         if args.endpoint != "default":  # "default": the connector's own choice (the Unix socket)
             extra["endpoint"] = args.endpoint
         kw["kv_transfer_config"] = {
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-events-endpoint", default="")
     p.add_argument("--kv-events-topic", default="vllm")
     p.add_argument("--sync-stores", action="store_true")
+    p.add_argument("--sync-loads", action="store_true")
     args = p.parse_args(argv)
     result = run(args)
     Path(args.out).write_text(json.dumps(result))

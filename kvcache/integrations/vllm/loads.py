@@ -1,0 +1,105 @@
+"""Asynchronous loads in flight on one worker rank: which request waits on which copy.
+
+Separate from ``worker.py`` because it is the one piece of state that decides when vLLM may
+touch a loading request's blocks: a request is reported received (vLLM then schedules it, or
+frees its blocks if it was aborted meanwhile) only once every load issued for it has settled,
+and a request vLLM preempted is waited for before the next forward writes into its old
+blocks. What a settled load did to the step bookkeeping (unfilled blocks, load errors) is the
+worker's business; this module only holds the futures.
+
+Called from vLLM's model-runner thread only; the client settles the futures on its own thread,
+and the only thing that runs there is the timestamp of the settlement (``_Loading.t1``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvcache.integrations.vllm.plan import LoadSpec
+
+
+@dataclass(slots=True)
+class SettledLoad:
+    """A load whose copy is over: ``got`` tokens valid (the ``skip_tokens`` prefix counts),
+    or ``error`` when the call failed (nothing it copied can be trusted)."""
+
+    spec: LoadSpec
+    got: int
+    error: BaseException | None
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Loading:
+    spec: LoadSpec
+    future: Future[int]
+    t0: float
+    t1: float = 0.0
+    """When the future settled (set by its done-callback); 0 until then."""
+
+
+class LoadsInFlight:
+    """Issued asynchronous loads, by request, until ``settled`` hands them out."""
+
+    def __init__(self) -> None:
+        self._by_req: dict[str, list[_Loading]] = {}
+
+    def add(self, spec: LoadSpec, future: Future[int], t0: float) -> None:
+        loading = _Loading(spec, future, t0)
+
+        def stamp(_f: Future[int]) -> None:
+            loading.t1 = time.perf_counter()
+
+        future.add_done_callback(stamp)
+        self._by_req.setdefault(spec.req_id, []).append(loading)
+
+    def settled(self) -> tuple[list[SettledLoad], set[str]]:
+        """Every load that has settled since the last call, and the requests left with none
+        in flight (those vLLM may now be told about)."""
+        out: list[SettledLoad] = []
+        done_reqs: set[str] = set()
+        for req_id in list(self._by_req):
+            loads = self._by_req[req_id]
+            pending = [x for x in loads if not x.future.done()]
+            for x in loads:
+                if x.future.done():
+                    out.append(self._settle(x))
+            if pending:
+                self._by_req[req_id] = pending
+            else:
+                del self._by_req[req_id]
+                done_reqs.add(req_id)
+        return out, done_reqs
+
+    @staticmethod
+    def _settle(x: _Loading) -> SettledLoad:
+        seconds = (x.t1 or time.perf_counter()) - x.t0
+        exc = x.future.exception()
+        got = x.spec.skip_tokens if exc is not None else x.future.result()
+        return SettledLoad(x.spec, got, exc, seconds)
+
+    def wait(self, req_ids: Iterable[str] | None, timeout_s: float | None, *, first: bool = False) -> bool:
+        """Wait (at most ``timeout_s``; None: until each call's own deadline, the client bounds
+        every call) until the loads of ``req_ids`` (None: all), or with ``first`` any one of
+        them, have settled; True if they have (or there are none)."""
+        wanted = self._by_req if req_ids is None else {r: self._by_req.get(r, []) for r in req_ids}
+        futures = [x.future for loads in wanted.values() for x in loads]
+        if not futures:
+            return True
+        when = concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED
+        done, pending = concurrent.futures.wait(futures, timeout=timeout_s, return_when=when)
+        return bool(done) if first else not pending
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._by_req
+
+    def __len__(self) -> int:
+        """Loads whose future has not settled yet."""
+        return sum(1 for loads in self._by_req.values() for x in loads if not x.future.done())
+
+
+__all__ = ["LoadsInFlight", "SettledLoad"]
