@@ -8,38 +8,46 @@ blocks. What a settled load did to the step bookkeeping (unfilled blocks, load e
 worker's business; this module only holds the futures.
 
 Called from vLLM's model-runner thread only; the client settles the futures on its own thread,
-and the only thing that runs there is the timestamp of the settlement (``_Loading.t1``).
+and nothing of this module runs there.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvcache.integrations.vllm.plan import LoadSpec
+from kvcache.protocol import messages as m
 
 
 @dataclass(slots=True)
 class SettledLoad:
     """A load whose copy is over: ``got`` tokens valid (the ``skip_tokens`` prefix counts),
-    or ``error`` when the call failed (nothing it copied can be trusted)."""
+    or ``error`` when the call failed (nothing it copied can be trusted). ``num_bytes`` and
+    ``seconds`` are the daemon's figures for its copy (0 when the call failed)."""
 
     spec: LoadSpec
     got: int
     error: BaseException | None
-    seconds: float
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+def settle_load(spec: LoadSpec, future: Future[m.RetrieveResult]) -> SettledLoad:
+    """What a finished load's future says."""
+    exc = future.exception()
+    if exc is not None:
+        return SettledLoad(spec, spec.skip_tokens, exc)
+    reply = future.result()
+    return SettledLoad(spec, reply.retrieved_tokens, None, reply.num_bytes, reply.transfer_seconds)
 
 
 @dataclass(slots=True)
 class _Loading:
     spec: LoadSpec
-    future: Future[int]
-    t0: float
-    t1: float = 0.0
-    """When the future settled (set by its done-callback); 0 until then."""
+    future: Future[m.RetrieveResult]
 
 
 class LoadsInFlight:
@@ -48,14 +56,8 @@ class LoadsInFlight:
     def __init__(self) -> None:
         self._by_req: dict[str, list[_Loading]] = {}
 
-    def add(self, spec: LoadSpec, future: Future[int], t0: float) -> None:
-        loading = _Loading(spec, future, t0)
-
-        def stamp(_f: Future[int]) -> None:
-            loading.t1 = time.perf_counter()
-
-        future.add_done_callback(stamp)
-        self._by_req.setdefault(spec.req_id, []).append(loading)
+    def add(self, spec: LoadSpec, future: Future[m.RetrieveResult]) -> None:
+        self._by_req.setdefault(spec.req_id, []).append(_Loading(spec, future))
 
     def settled(self) -> tuple[list[SettledLoad], set[str]]:
         """Every load that has settled since the last call, and the requests left with none
@@ -67,20 +69,13 @@ class LoadsInFlight:
             pending = [x for x in loads if not x.future.done()]
             for x in loads:
                 if x.future.done():
-                    out.append(self._settle(x))
+                    out.append(settle_load(x.spec, x.future))
             if pending:
                 self._by_req[req_id] = pending
             else:
                 del self._by_req[req_id]
                 done_reqs.add(req_id)
         return out, done_reqs
-
-    @staticmethod
-    def _settle(x: _Loading) -> SettledLoad:
-        seconds = (x.t1 or time.perf_counter()) - x.t0
-        exc = x.future.exception()
-        got = x.spec.skip_tokens if exc is not None else x.future.result()
-        return SettledLoad(x.spec, got, exc, seconds)
 
     def wait(self, req_ids: Iterable[str] | None, timeout_s: float | None, *, first: bool = False) -> bool:
         """Wait (at most ``timeout_s``; None: until each call's own deadline, the client bounds
@@ -102,4 +97,4 @@ class LoadsInFlight:
         return sum(1 for loads in self._by_req.values() for x in loads if not x.future.done())
 
 
-__all__ = ["LoadsInFlight", "SettledLoad"]
+__all__ = ["LoadsInFlight", "SettledLoad", "settle_load"]

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
-from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad
+from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad, settle_load
 from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import GPUKVFormat
@@ -79,7 +78,6 @@ class _InFlight:
     tokens: int
     """Tokens sent (the spec's, or fewer when cut before unfilled blocks)."""
     future: Future[m.StoreResult]
-    t0: float
 
 
 class ConnectorWorker:
@@ -105,8 +103,6 @@ class ConnectorWorker:
         self.registered = False
         self.tally = ConnectorTally()
         """What this rank loaded and stored: vLLM's connector stats (``metrics.py``)."""
-        self.bytes_per_token = 0
-        """KV bytes one token occupies on this rank (all layers), set at registration."""
         self._load_errors: set[int] = set()
         # block id -> (the step whose load left it unfilled, whether that step computed on it)
         self._unfilled: dict[int, tuple[int, bool]] = {}
@@ -146,7 +142,6 @@ class ConnectorWorker:
             fmt = GPUKVFormat.NL_X_NB_PAGE.name
         reply = self.client.register_kv_caches(layers, engine="vllm", block_size=self.block_size, fmt=fmt)
         self.chunk_size = reply.chunk_size
-        self.bytes_per_token = sum(t.nbytes for t in layers) // max(1, reply.num_blocks * reply.block_size)
         self.registered = True
         log.info(
             "kvcache: registered %d layers x %d blocks of %d tokens as %s (chunk %d tokens)",
@@ -160,36 +155,25 @@ class ConnectorWorker:
         of a rank that could not register (the scheduler half may still find prefixes through
         another rank's registration)."""
         for spec in plan.loads:
-            t0 = time.perf_counter()
+            future = self._retrieve_async(spec)
             if spec.is_async:
-                self._loads.add(spec, self._retrieve_async(spec), t0)
+                self._loads.add(spec, future)
                 continue
-            error: BaseException | None = None
-            try:
-                got = self._retrieve(spec)
-            except Exception as exc:  # the daemon is down or refused: recompute instead
-                got, error = spec.skip_tokens, exc
-            self._loaded(SettledLoad(spec, got, error, time.perf_counter() - t0), plan.step, True)
+            concurrent.futures.wait([future])  # the client bounds every call by its timeout
+            self._loaded(settle_load(spec, future), plan.step, True)
 
-    def _retrieve(self, spec: LoadSpec) -> int:
-        if not self.registered:
-            raise KvcacheError("this rank's KV cache is not registered with the daemon")
-        return self.client.retrieve(
-            spec.token_ids, spec.block_ids, spec.skip_tokens,
-            cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
-        )  # fmt: skip
-
-    def _retrieve_async(self, spec: LoadSpec) -> Future[int]:
-        """The load's future; one that could not be issued is already failed."""
+    def _retrieve_async(self, spec: LoadSpec) -> Future[m.RetrieveResult]:
+        """The load's future (the daemon's whole reply: it carries the copy's bytes and
+        seconds); one that could not be issued is already failed."""
         try:
             if not self.registered:
                 raise KvcacheError("this rank's KV cache is not registered with the daemon")
-            return self.client.retrieve_async(
+            return self.client.retrieve_reply_async(
                 spec.token_ids, spec.block_ids, spec.skip_tokens,
                 cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
             )  # fmt: skip
         except Exception as exc:
-            failed: Future[int] = Future()
+            failed: Future[m.RetrieveResult] = Future()
             failed.set_exception(exc)
             return failed
 
@@ -200,7 +184,7 @@ class ConnectorWorker:
         spec, got = load.spec, load.got
         want = len(spec.token_ids)
         loaded = max(0, got - spec.skip_tokens)
-        self.tally.transfer("load", loaded, loaded * self.bytes_per_token, load.seconds, ok=got >= want)
+        self.tally.transfer("load", loaded, load.num_bytes, load.seconds, ok=got >= want)
         if load.error is not None:
             log.warning("kvcache: load for %s failed: %s", spec.req_id, load.error)
         if got >= want:
@@ -249,7 +233,6 @@ class ConnectorWorker:
                 token_ids, block_ids = token_ids[:keep], block_ids[: keep // self.block_size]
             if not token_ids:  # nothing to copy (cut to nothing, or a release marker)
                 continue
-            t0 = time.perf_counter()
             hashes = None if spec.block_hashes is None else spec.block_hashes[: len(block_ids)]
             future: Future[m.StoreResult] = Future()
             try:
@@ -266,7 +249,7 @@ class ConnectorWorker:
             except Exception as exc:  # settled as a failed store
                 future.set_exception(exc)
             self.tally.count("store_jobs_issued")
-            self._in_flight.setdefault(spec.req_id, []).append(_InFlight(spec, len(token_ids), future, t0))
+            self._in_flight.setdefault(spec.req_id, []).append(_InFlight(spec, len(token_ids), future))
         self.poll()
 
     def poll(self) -> None:
@@ -300,18 +283,18 @@ class ConnectorWorker:
 
     def _settle(self, store: _InFlight) -> None:
         """Count a finished store; hand back what it did not store (``take_not_stored``)."""
-        spec, seconds = store.spec, time.perf_counter() - store.t0
+        spec = store.spec
         self.tally.count("store_jobs_settled")
         try:
             result = store.future.result()
         except Exception as exc:  # a dropped store is a later miss, never a wrong answer
-            self.tally.transfer("store", 0, 0, seconds, ok=False)
+            self.tally.transfer("store", 0, 0, 0.0, ok=False)
             self._mark_not_stored(spec.req_id, spec.stored_before)
             log.warning("kvcache: store for %s failed: %s", spec.req_id, exc)
             return
-        # Bytes copied: every chunk not already cached (stored_tokens counts new tokens).
-        tokens = result.stored_tokens
-        self.tally.transfer("store", tokens, tokens * self.bytes_per_token, seconds)
+        # The daemon's own copy figures (its TransferResult records): bytes of the chunks not
+        # already cached, and the copies' time, not the time the store waited in queues.
+        self.tally.transfer("store", result.stored_tokens, result.num_bytes, result.transfer_seconds)
         if result.failed_chunks:  # the daemon dropped some (memory): store them later
             self._mark_not_stored(spec.req_id, store.tokens - result.failed_chunks * self.chunk_size)
 

@@ -148,10 +148,16 @@ def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, Daemon], tmp_p
     hits = total(ours, "vllm:kvcache_lookup_hit_tokens_total")
     assert hits == total(theirs, "kvcache_lookup_hit_tokens_total") >= 1024
     assert total(ours, "vllm:kvcache_lookup_hit_tokens_total", tier="L1") == hits  # nothing from disk yet
-    # vLLM's offloading names, with vLLM's labels: bytes are tokens x the model's KV bytes/token.
+    # vLLM's offloading names, with vLLM's labels, and the daemon's own copy figures: bytes and
+    # seconds travel with each reply, so both sides count the same transfer records.
     load_bytes = total(ours, "vllm:kv_offload_load_bytes_total")
     store_bytes = total(ours, "vllm:kv_offload_store_bytes_total")
     assert load_bytes > 0 and load_bytes / loaded == store_bytes / stored
+    assert load_bytes == total(theirs, "kvcache_offload_load_bytes_total")
+    assert store_bytes == total(theirs, "kvcache_offload_store_bytes_total")
+    for op in ("load", "store"):
+        seconds = total(ours, f"vllm:kv_offload_{op}_time_total")
+        assert seconds == pytest.approx(total(theirs, f"kvcache_offload_{op}_seconds_total"), rel=1e-6)
     assert total(ours, "vllm:kv_offload_load_size_count") >= 1
     assert total(ours, "vllm:kv_offload_load_size_sum") == load_bytes
     assert total(ours, "vllm:kv_offload_load_time_total") > 0
