@@ -82,9 +82,11 @@ def summarize_decode(rounds: list[dict[str, DecodeResult]], base: str, storing: 
             continue
         rates = [_ratio(decode_rate(r[mode]), decode_rate(r[base])) for r in rounds]
         steps = [_ratio(statistics.median(r[mode].step_s), statistics.median(r[base].step_s)) for r in rounds]
+        cpu = [_ratio(cpu_per_step(r[mode])["main_cpu"], cpu_per_step(r[base])["main_cpu"]) for r in rounds]
         out["ratios"][mode] = {
             "decode_tokens_per_s": _spread(rates),
             "step_median": _spread(steps),
+            "main_cpu_per_step": _spread(cpu),
             "target": DECODE_TARGET,
             "met": _median(rates) >= DECODE_TARGET,
         }
@@ -160,7 +162,8 @@ def table(summary: dict[str, Any], labels: dict[str, str]) -> str:
             verdict = "met" if r["met"] else "MISSED"
             lines.append(f"  {mode} / {d['base']}: per pair {_fmt(r['decode_tokens_per_s']['values'])}")
             lines.append(f"    median {_range(r['decode_tokens_per_s'], '.3f')} (target >= {r['target']}: "
-                         f"{verdict}); median step time ratio {r['step_median']['median']:.3f}")  # fmt: skip
+                         f"{verdict}); median step time ratio {r['step_median']['median']:.3f}, "
+                         f"stepping thread CPU per step {r['main_cpu_per_step']['median']:.3f}")  # fmt: skip
         lines.append("  per step (medians): stepping thread ms on CPU + off CPU; other engine threads' CPU "
                      "ms; its involuntary switches; page faults; then daemon CPU s per run")  # fmt: skip
         for mode, m in d["modes"].items():

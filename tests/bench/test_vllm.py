@@ -214,6 +214,7 @@ def test_where_a_step_goes_splits_the_stepping_thread_from_the_rest() -> None:
     daemon = [{"none": 0.0, "connector": 0.3}, {"none": 0.1, "connector": 0.5}]
     s = summarize_decode(rounds, "none", storing=set(), daemon_cpu=daemon)
     assert s["modes"]["connector"]["daemon_cpu_s"] == pytest.approx(0.4)
+    assert s["ratios"]["connector"]["main_cpu_per_step"]["values"] == pytest.approx([1.0, 1.0])
     assert s["modes"]["none"]["cpu_ms_per_step"]["main_off_cpu"] == pytest.approx(2.0)
 
 
