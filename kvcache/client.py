@@ -480,8 +480,25 @@ class KVCacheClient:
         key_extra: str = "",
     ) -> int:
         """Copy cached chunks into ``block_ids``; returns the valid prefix length in tokens."""
+        return self.retrieve_reply(
+            token_ids, block_ids, skip_tokens, cache_salt=cache_salt, request_id=request_id,
+            key_extra=key_extra,
+        ).retrieved_tokens  # fmt: skip
+
+    def retrieve_reply(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        skip_tokens: int = 0,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        key_extra: str = "",
+    ) -> m.RetrieveResult:
+        """``retrieve`` with the daemon's whole reply (the copy's bytes and seconds too), on
+        the caller's own channel: it never queues behind the asynchronous calls in flight."""
         msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
-        return self._finish_retrieve(self._call(msg, m.RetrieveResult)).retrieved_tokens
+        return self._finish_retrieve(self._call(msg, m.RetrieveResult))
 
     def retrieve_async(
         self,

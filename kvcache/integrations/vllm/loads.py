@@ -40,7 +40,11 @@ def settle_load(spec: LoadSpec, future: Future[m.RetrieveResult]) -> SettledLoad
     exc = future.exception()
     if exc is not None:
         return SettledLoad(spec, spec.skip_tokens, exc)
-    reply = future.result()
+    return loaded(spec, future.result())
+
+
+def loaded(spec: LoadSpec, reply: m.RetrieveResult) -> SettledLoad:
+    """What the daemon's reply to a load says."""
     return SettledLoad(spec, reply.retrieved_tokens, None, reply.num_bytes, reply.transfer_seconds)
 
 
@@ -97,4 +101,4 @@ class LoadsInFlight:
         return sum(1 for loads in self._by_req.values() for x in loads if not x.future.done())
 
 
-__all__ = ["LoadsInFlight", "SettledLoad", "settle_load"]
+__all__ = ["LoadsInFlight", "SettledLoad", "loaded", "settle_load"]

@@ -49,7 +49,7 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
-from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad, settle_load
+from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad, loaded
 from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import GPUKVFormat
@@ -155,12 +155,20 @@ class ConnectorWorker:
         of a rank that could not register (the scheduler half may still find prefixes through
         another rank's registration)."""
         for spec in plan.loads:
-            future = self._retrieve_async(spec)
             if spec.is_async:
-                self._loads.add(spec, future)
+                self._loads.add(spec, self._retrieve_async(spec))
                 continue
-            concurrent.futures.wait([future])  # the client bounds every call by its timeout
-            self._loaded(settle_load(spec, future), plan.step, True)
+            try:  # on the caller's channel: not queued behind the stores in flight
+                if not self.registered:
+                    raise KvcacheError("this rank's KV cache is not registered with the daemon")
+                reply = self.client.retrieve_reply(
+                    spec.token_ids, spec.block_ids, spec.skip_tokens,
+                    cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
+                )  # fmt: skip
+                load = loaded(spec, reply)
+            except Exception as exc:  # the daemon is down or refused: recompute instead
+                load = SettledLoad(spec, spec.skip_tokens, exc)
+            self._loaded(load, plan.step, True)
 
     def _retrieve_async(self, spec: LoadSpec) -> Future[m.RetrieveResult]:
         """The load's future (the daemon's whole reply: it carries the copy's bytes and

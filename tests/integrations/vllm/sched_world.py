@@ -22,6 +22,7 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.request_keys import request_key_extra
+from kvcache.protocol import messages as m
 from kvcache.server.ipc import empty_shared
 from kvcache.server.launch import DaemonProcess
 from tests.integrations.vllm.sched_engine import (
@@ -203,12 +204,12 @@ def hold_loads(client: KVCacheClient, req_ids: set[str], within_s: float = 60.0)
     fails instead of hanging). Each is held on a thread of its own: the client's background
     thread, which sends one call at a time, stays free for the other requests' transfers."""
     gate = threading.Event()
-    retrieve_async = client.retrieve_async
+    retrieve_async = client.retrieve_reply_async
 
-    def held(*args: Any, **kw: Any) -> Future[int]:
+    def held(*args: Any, **kw: Any) -> Future[m.RetrieveResult]:
         if kw.get("request_id") not in req_ids:
             return retrieve_async(*args, **kw)
-        out: Future[int] = Future()
+        out: Future[m.RetrieveResult] = Future()
 
         def send_later() -> None:
             gate.wait(within_s)
@@ -220,7 +221,7 @@ def hold_loads(client: KVCacheClient, req_ids: set[str], within_s: float = 60.0)
         threading.Thread(target=send_later, name="held-load", daemon=True).start()
         return out
 
-    client.retrieve_async = held  # type: ignore[method-assign]
+    client.retrieve_reply_async = held  # type: ignore[method-assign]
     return gate
 
 
