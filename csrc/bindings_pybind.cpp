@@ -86,7 +86,7 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<kvc::PageTable>(m, "PageTable")
       .def(py::init(&kvc::make_page_table), py::arg("fmt"), py::arg("num_layers"),
-           py::arg("num_blocks"), py::arg("page_bytes"), py::arg("tensor_ptrs"))
+           py::arg("num_blocks"), py::arg("page_bytes"), py::arg("tensor_ptrs"), py::arg("tensor_bytes"))
       .def_readonly("fmt", &kvc::PageTable::fmt)
       .def_readonly("num_layers", &kvc::PageTable::num_layers)
       .def_readonly("kv", &kvc::PageTable::kv)

@@ -50,8 +50,13 @@ struct PageTable {
   std::vector<uint64_t> base;      // [num_layers * kv] address of block 0's page of (l, k)
 };
 
+// tensor_bytes[i] is the size of tensor i from tensor_ptrs[i]: every page the table can
+// address, for every (layer, kv) and block id in [0, num_blocks), must lie inside its own
+// tensor's bytes, or this throws std::invalid_argument. The caller checks the same at
+// registration; this is the native copy's own guard (defence in depth).
 PageTable make_page_table(int fmt, int64_t num_layers, int64_t num_blocks, int64_t page_bytes,
-                          const std::vector<uint64_t>& tensor_ptrs);
+                          const std::vector<uint64_t>& tensor_ptrs,
+                          const std::vector<int64_t>& tensor_bytes);
 
 // One copy request. Chunks hold [kv, num_layers, tokens, heads*head_size]; chunk c takes
 // block ids [c * blocks_per_chunk, ...), every chunk but the last holds blocks_per_chunk

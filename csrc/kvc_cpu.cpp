@@ -65,16 +65,37 @@ std::vector<PagePlacement> page_placements(int fmt, int64_t num_layers, int64_t 
   return out;
 }
 
+namespace {
+
+// The end (exclusive, in bytes from the tensor's start) of the last page of (l, k):
+// (offset + (num_blocks - 1) * stride + 1) pages, computed without int64 overflow.
+// Returns false when that end cannot be represented (it then lies outside any tensor).
+bool last_page_end(int64_t offset_pages, int64_t stride_pages, int64_t num_blocks,
+                   int64_t page_bytes, int64_t* end_bytes) {
+  int64_t pages = 0;
+  if (offset_pages < 0 || stride_pages < 0 ||
+      __builtin_mul_overflow(num_blocks - 1, stride_pages, &pages) ||
+      __builtin_add_overflow(pages, offset_pages + 1, &pages)) {
+    return false;
+  }
+  return !__builtin_mul_overflow(pages, page_bytes, end_bytes);
+}
+
+}  // namespace
+
 PageTable make_page_table(int fmt, int64_t num_layers, int64_t num_blocks, int64_t page_bytes,
-                          const std::vector<uint64_t>& tensor_ptrs) {
+                          const std::vector<uint64_t>& tensor_ptrs,
+                          const std::vector<int64_t>& tensor_bytes) {
   if (num_layers <= 0 || num_blocks <= 0 || page_bytes <= 0) {
     throw std::invalid_argument("num_layers, num_blocks and page_bytes must be positive");
   }
   const int64_t want = expected_num_tensors(fmt, num_layers);
-  if (static_cast<int64_t>(tensor_ptrs.size()) != want) {
+  if (static_cast<int64_t>(tensor_ptrs.size()) != want ||
+      tensor_bytes.size() != tensor_ptrs.size()) {
     std::ostringstream msg;
     msg << "layout " << layout_info(fmt).name << " with " << num_layers << " layers needs "
-        << want << " tensors, got " << tensor_ptrs.size();
+        << want << " tensors, got " << tensor_ptrs.size() << " addresses and "
+        << tensor_bytes.size() << " sizes";
     throw std::invalid_argument(msg.str());
   }
   PageTable t;
@@ -88,6 +109,18 @@ PageTable make_page_table(int fmt, int64_t num_layers, int64_t num_blocks, int64
   t.block_stride_bytes = stride_pages * page_bytes;
   t.base.resize(places.size());
   for (size_t i = 0; i < places.size(); ++i) {
+    const auto tensor = static_cast<size_t>(places[i].tensor);
+    int64_t end = 0;
+    if (tensor >= tensor_bytes.size() ||
+        !last_page_end(places[i].offset_pages, stride_pages, num_blocks, page_bytes, &end) ||
+        end > tensor_bytes[tensor]) {
+      std::ostringstream msg;
+      msg << "layout " << layout_info(fmt).name << ": the pages of layer "
+          << static_cast<int64_t>(i) / t.kv << " kv " << static_cast<int64_t>(i) % t.kv
+          << " would reach byte " << end << " of tensor " << tensor << ", which holds "
+          << (tensor < tensor_bytes.size() ? tensor_bytes[tensor] : 0) << " bytes";
+      throw std::invalid_argument(msg.str());
+    }
     t.base[i] = tensor_ptrs[static_cast<size_t>(places[i].tensor)] +
                 static_cast<uint64_t>(places[i].offset_pages * page_bytes);
   }

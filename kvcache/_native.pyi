@@ -22,7 +22,13 @@ class PageTable:
     block_stride_bytes: int
     base: list[int]
     def __init__(
-        self, fmt: int, num_layers: int, num_blocks: int, page_bytes: int, tensor_ptrs: list[int]
+        self,
+        fmt: int,
+        num_layers: int,
+        num_blocks: int,
+        page_bytes: int,
+        tensor_ptrs: list[int],
+        tensor_bytes: list[int],
     ) -> None: ...
 
 def validate(

@@ -23,6 +23,7 @@ from kvcache.layouts import (
     GPUKVFormat,
     KVCaches,
     KVShape,
+    check_page_bounds,
     describe,
     detect_format,
     flatten_tensors,
@@ -64,13 +65,19 @@ class GPUCacheContext:
         self._tensors = tensors  # keeps the engine memory alive while registered
         self._dtype = tensors[0].dtype
         self._device = tensors[0].device
-        self._table = _native.PageTable(
-            int(self._format),
-            self._shape.num_layers,
-            self._shape.num_blocks,
-            self._shape.page_bytes,
-            [t.data_ptr() for t in tensors],
-        )
+        tensor_bytes = [t.numel() * t.element_size() for t in tensors]  # contiguous: checked
+        check_page_bounds(self._format, self._shape, tensor_bytes)
+        try:
+            self._table = _native.PageTable(
+                int(self._format),
+                self._shape.num_layers,
+                self._shape.num_blocks,
+                self._shape.page_bytes,
+                [t.data_ptr() for t in tensors],
+                tensor_bytes,
+            )
+        except ValueError as exc:  # the native guard: reached only if the check above missed
+            raise LayoutError(str(exc)) from exc
         self._max_block_ids = max_block_ids
         geometry = ChunkGeometry(
             num_blocks=self._shape.num_blocks,

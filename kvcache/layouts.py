@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache import _native
 from kvcache.errors import LayoutError
 
 # What an engine hands over: one tensor, a list of tensors, or [K_list, V_list].
@@ -196,9 +197,40 @@ def describe(tensors: Sequence[torch.Tensor], fmt: GPUKVFormat, block_size: int 
         nb, bs = nbbs // block_size, block_size
     if block_size is not None and block_size != bs:
         raise LayoutError(f"block_size={block_size} disagrees with the tensors' block size {bs}")
-    if fmt in (GPUKVFormat.NB_NL_TWO_BS_NH_HS,) and shape[2] != 2:
-        raise LayoutError(f"{fmt.name}: the K/V axis must be 2, got {shape[2]}")
+    kv_axis = _KV_AXIS.get(fmt)
+    if kv_axis is not None and shape[kv_axis] != 2:
+        raise LayoutError(f"{fmt.name}: the K/V axis (dimension {kv_axis}) must be 2, got {shape[kv_axis]}")
     return KVShape(nl, nb, bs, nh, hs, esize, row.kv)
+
+
+# Which dimension of each tensor is the K/V axis, for the layouts that have one inside a tensor.
+_KV_AXIS: dict[GPUKVFormat, int] = {
+    GPUKVFormat.NB_NL_TWO_BS_NH_HS: 2,
+    GPUKVFormat.NL_X_TWO_NB_BS_NH_HS: 0,
+    GPUKVFormat.NL_X_NB_TWO_BS_NH_HS: 1,
+}
+
+
+def check_page_bounds(fmt: GPUKVFormat, shape: KVShape, tensor_bytes: Sequence[int]) -> None:
+    """Refuse a registration whose page table could address outside its tensors.
+
+    For every (layer, K/V) the table of ``csrc/layouts.def`` places block 0 at a page offset
+    inside one tensor and steps by a page stride per block id; the last block's page must end
+    within that tensor's ``tensor_bytes``. ``describe`` reads the sizes from the shapes, so a
+    consistent shape passes; this is the one check that does not trust that reading (a named
+    layout whose axes disagree with the tensors was how a copy once ran past a tensor's end).
+    The native page table checks the same again before any copy can use it.
+    """
+    placements, stride = _native.page_placements(int(fmt), shape.num_layers, shape.num_blocks)
+    for lk, (tensor, offset) in enumerate(placements):
+        end = (offset + (shape.num_blocks - 1) * stride + 1) * shape.page_bytes
+        size = tensor_bytes[tensor] if 0 <= tensor < len(tensor_bytes) else 0
+        if end > size:
+            layer, kv = divmod(lk, shape.kv_count)
+            raise LayoutError(
+                f"{fmt.name}: the pages of layer {layer} kv {kv} would reach byte {end} of tensor "
+                f"{tensor}, which holds {size} bytes (the tensors' shapes do not fit this layout)"
+            )
 
 
 def _describe_pages(tensors: Sequence[torch.Tensor], block_size: int | None) -> KVShape:
@@ -224,6 +256,7 @@ __all__ = [
     "KVCaches",
     "KVShape",
     "LayoutRow",
+    "check_page_bounds",
     "describe",
     "detect_format",
     "flatten_tensors",

@@ -33,6 +33,7 @@ def page_table(ctx: GPUCacheContext) -> _native.PageTable:
         ctx.num_blocks,
         ctx.shape.page_bytes,
         [t.data_ptr() for t in ctx.tensors],
+        [t.numel() * t.element_size() for t in ctx.tensors],
     )
 
 
