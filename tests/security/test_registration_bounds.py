@@ -55,27 +55,26 @@ HOSTILE: dict[str, tuple[GPUKVFormat, Callable[[], object], dict[str, object]]] 
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_layout_that_would_address_past_its_tensors_is_refused(
-    start_daemon: Callable[..., DaemonProcess], case: str
+    start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    fmt, make, kwargs = HOSTILE[case]
     d = start_daemon()
     victim_kv = _victim_cache(seed=1)
     with KVCacheClient(d.endpoint, 1, "victim-model", timeout_s=5) as victim:
         victim.register_kv_caches(victim_kv)
         victim.store(TOKENS, BLOCKS)
-        with KVCacheClient(d.endpoint, 2, "attacker-model", timeout_s=5) as attacker:
-            with pytest.raises(LayoutError):
-                attacker.register_kv_caches(make(), fmt=fmt, **kwargs)  # type: ignore[arg-type]
-            # Nothing was registered: a store has nothing to copy from.
-            with pytest.raises((UnknownInstanceError, AccessDeniedError)):
-                attacker.store(TOKENS, [NB - 1] * 16)
-        assert d.proc.poll() is None, "the daemon died"
-        # The victim's chunks are intact: a fresh engine of the victim gets its own bytes back.
+        for case, (fmt, make, kwargs) in sorted(HOSTILE.items()):
+            with KVCacheClient(d.endpoint, 2, "attacker-model", timeout_s=5) as attacker:
+                with pytest.raises(LayoutError):
+                    attacker.register_kv_caches(make(), fmt=fmt, **kwargs)  # type: ignore[arg-type]
+                # Nothing was registered: a store has nothing to copy from.
+                with pytest.raises((UnknownInstanceError, AccessDeniedError)):
+                    attacker.store(TOKENS, [NB - 1] * 16)
+            assert d.proc.poll() is None, f"the daemon died after {case}"
         assert victim.lookup(TOKENS) == len(TOKENS)
-        fresh = to_shared([torch.zeros_like(t) for t in victim_kv])
-        with KVCacheClient(d.endpoint, 3, "victim-model", timeout_s=5) as reader:
-            reader.register_kv_caches(fresh)
-            assert reader.retrieve(TOKENS, BLOCKS) == len(TOKENS)
-        assert caches_equal(fresh, victim_kv)
+    # The victim's chunks are intact: a fresh engine of the victim gets its own bytes back.
+    fresh = to_shared([torch.zeros_like(t) for t in victim_kv])
+    with KVCacheClient(d.endpoint, 3, "victim-model", timeout_s=5) as reader:
+        reader.register_kv_caches(fresh)
+        assert reader.retrieve(TOKENS, BLOCKS) == len(TOKENS)
+    assert caches_equal(fresh, victim_kv)
