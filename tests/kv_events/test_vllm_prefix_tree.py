@@ -44,7 +44,7 @@ BS, CS, NB = 16, 32, 64
 BPC = CS // BS
 CHUNK_BYTES = 2 * 2 * CS * 2 * 64 * 2  # KV x layers x tokens x (heads*head) x bf16
 PREFIX = "tree:"
-pytestmark = pytest.mark.slow  # three vLLM imports (~7 s each) per wire form
+pytestmark = pytest.mark.slow  # one vLLM import (~7 s) for the module
 
 Tree = dict[str, dict[int, tuple[int | None, tuple[int, ...]]]]
 
@@ -185,24 +185,52 @@ class Script:
         return tree
 
 
-def rebuilt(payloads: list[bytes], fmt: str, tmp: Path) -> Tree:
-    path = tmp / f"payloads-{fmt}.msgpack"
-    path.write_bytes(msgspec.msgpack.encode(payloads))
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_tree.py")), fmt, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    raw = json.loads(proc.stdout)
-    return {m: {int(h): (p, tuple(t)) for h, (p, t) in held.items()} for m, held in raw.items() if held}
+class TreeRebuilder:
+    """One ``vllm_tree.py`` process under the vLLM venv, asked once per rebuild (vLLM is
+    imported once for the whole module instead of once per rebuild)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_tree.py"))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def __call__(self, payloads: list[bytes], fmt: str, tmp: Path) -> Tree:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        path = tmp / f"payloads-{fmt}.msgpack"
+        path.write_bytes(msgspec.msgpack.encode(payloads))
+        self.proc.stdin.write(f"{fmt} {path}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            assert self.proc.stderr is not None
+            pytest.fail(f"vllm_tree.py exited: {self.proc.stderr.read()[-4000:]}")
+        raw = json.loads(line)
+        return {m: {int(h): (p, tuple(t)) for h, (p, t) in held.items()} for m, held in raw.items() if held}
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def rebuilt() -> Iterator[TreeRebuilder]:
+    if not VLLM_PYTHON.exists():
+        pytest.skip("no vLLM venv (.vllm-venv; scripts/vllm_env.sh makes it)")
+    r = TreeRebuilder()
+    yield r
+    r.close()
 
 
 @pytest.mark.parametrize("fmt", ["map", "array"])
-def test_vllm_router_tree_equals_true_holdings(tmp_path: Path, redis_server: LocalRedis, fmt: str) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip("no vLLM venv (.vllm-venv; scripts/vllm_env.sh makes it)")
+def test_vllm_router_tree_equals_true_holdings(
+    tmp_path: Path, redis_server: LocalRedis, rebuilt: TreeRebuilder, fmt: str
+) -> None:
     raw = redis.Redis.from_url(redis_server.url)
     script = Script()
     a = Incarnation(tmp_path, redis_server.url, fmt)

@@ -1,8 +1,9 @@
 """Rebuild a router's prefix tree from recorded KV-event payloads with vLLM's own classes.
 
 Run by ``test_vllm_prefix_tree.py`` under the vLLM venv's Python (it imports vLLM, and
-nothing from kvcache): ``python vllm_tree.py FORMAT PAYLOADS`` where PAYLOADS is a file
-holding a msgpack list of the payload frames, in seq order. Prints the tree as JSON:
+nothing from kvcache). It serves many requests from one process, since importing vLLM costs
+seconds: each stdin line ``FORMAT PAYLOADS`` (PAYLOADS a file holding a msgpack list of the
+payload frames, in seq order) is answered by one stdout line, the tree as JSON:
 ``{medium: {block hash: [parent hash, token ids]}}``.
 
 The map form is decoded by vLLM's ``KVEventBatch`` decoder itself. vLLM 0.32 no longer ships
@@ -54,11 +55,12 @@ def rebuild(fmt: str, payloads: list[bytes]) -> dict[str, dict[int, tuple[int | 
 
 
 def main() -> None:
-    fmt, path = sys.argv[1], sys.argv[2]
-    with open(path, "rb") as f:
-        payloads = msgspec.msgpack.decode(f.read(), type=list[bytes])
-    tree = rebuild(fmt, payloads)
-    json.dump({m: {str(h): v for h, v in held.items()} for m, held in tree.items()}, sys.stdout)
+    for line in sys.stdin:
+        fmt, path = line.split()
+        with open(path, "rb") as f:
+            payloads = msgspec.msgpack.decode(f.read(), type=list[bytes])
+        tree = rebuild(fmt, payloads)
+        print(json.dumps({m: {str(h): v for h, v in held.items()} for m, held in tree.items()}), flush=True)
 
 
 if __name__ == "__main__":
