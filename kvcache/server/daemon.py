@@ -73,7 +73,9 @@ class DaemonConfig:
     allow_remote: bool = False
     """Binding a non-loopback address exposes the cache to the network; it must be asked for,
     and it needs CURVE (``curve_secret_key`` and an allow-list with public keys)."""
-    listen_tcp: bool = True
+    listen_tcp: bool = False
+    """Off by default: without CURVE, every local user reaches TCP as one anonymous principal
+    (``auth.LOOPBACK``); the ipc:// socket knows its peer's uid."""
     runtime_dir: str | None = None
     """Private directory (0700) for the Unix sockets: ``daemon.sock`` (the ``ipc://`` request
     endpoint) and ``fds.sock`` (memfd hand-over). None: a fresh temporary directory, removed
