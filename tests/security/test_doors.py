@@ -9,7 +9,9 @@ runtime directory (0700) is what keeps ``nobody`` away from the Unix sockets.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -328,3 +330,24 @@ def test_kv_events_on_tcp_need_curve(start_daemon: Callable[..., DaemonProcess],
         assert _replay_tokens(endpoint, _curve_opts(keys, "tenant")) == "refused"  # a tenant: not its events
         assert as_user(NOBODY, lambda: _replay_tokens(endpoint)) == "refused"  # no key at all
         _served_correctly(owner, kv)
+
+
+def test_kv_events_on_another_ipc_path_admit_only_the_daemons_user(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """An operator's own ipc:// path, in an open directory, with the socket opened up by
+    mistake: ZAP still turns away another user."""
+    home = tempfile.mkdtemp(prefix="kvcache-events-", dir="/tmp")
+    try:
+        os.chmod(home, 0o755)
+        live, replay = os.path.join(home, "ev.sock"), os.path.join(home, "replay.sock")
+        d = start_daemon("--kv-events-endpoint", f"ipc://{live}", "--kv-events-replay-endpoint", f"ipc://{replay}")
+        for path in (live, replay):
+            os.chmod(path, 0o777)
+        owner, kv = _store_something(d)
+        with owner:
+            assert _replay_tokens(f"ipc://{replay}") == TOKENS
+            assert as_user(NOBODY, lambda: _replay_tokens(f"ipc://{replay}")) == "refused"
+            _served_correctly(owner, kv)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
