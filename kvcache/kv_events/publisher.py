@@ -19,6 +19,7 @@ import abc
 import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -209,11 +210,18 @@ class ZmqEventPublisher(EventPublisher):
         except zmq.ZMQError as exc:
             self._close_sockets(0)
             raise ValueError(f"cannot open KV events socket: {exc}") from exc
+        except BaseException:  # refused by _guard: nothing may stay open
+            self._close_sockets(0)
+            raise
         self._thread = threading.Thread(target=self._run, name="kvcache-kv-events", daemon=True)
         self._thread.start()
 
     def _guard(self, sock: zmq.Socket[Any], endpoint: str) -> None:
-        """Before ``sock`` binds ``endpoint``: have ZAP vet its readers, with CURVE on TCP."""
+        """Before ``sock`` binds ``endpoint``: refuse an ipc:// path another process listens
+        on (ZMQ's bind would unlink it from under that process, say a second daemon started
+        on the same runtime directory), then have ZAP vet the readers, with CURVE on TCP."""
+        if endpoint.startswith("ipc://") and _unix_socket_live(endpoint.removeprefix("ipc://")):
+            raise ValueError(f"another process listens on {endpoint}; pick another address")
         if self._readers is None:
             return
         from kvcache.server.auth import ZAP_DOMAIN
@@ -374,6 +382,17 @@ class ZmqEventPublisher(EventPublisher):
         if self._zap is not None:
             self._zap.close()
         self._ctx.term()
+
+
+def _unix_socket_live(path: str) -> bool:
+    """True if something accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
 
 
 PublisherCtor = Callable[..., EventPublisher]

@@ -124,10 +124,12 @@ class Handlers:
     # -- registration ------------------------------------------------------------------
 
     def register(self, req: m.Register, principal: Principal) -> m.ReplyBody:
-        principal.check_model(req.model_name)
-        self._check_registration_size(req)
+        # The hand-over is taken first, so a refused registration frees its slot of the fd
+        # socket's quota at once instead of holding it until the ticket expires.
         received = self.fd_inbox.take(req.fd_ticket) if req.fd_ticket and self.fd_inbox else None
         try:
+            principal.check_model(req.model_name)
+            self._check_registration_size(req)
             ipc_user = principal.name.startswith("uid:")
             if received is not None and ipc_user and principal.name != f"uid:{received.uid}":
                 # A ticket is a bearer secret; still, memory handed over by one local user is

@@ -8,6 +8,7 @@ runtime directory (0700) is what keeps ``nobody`` away from the Unix sockets.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -181,8 +182,6 @@ def _hand_over_and_vanish(fd_socket: str, times: int) -> list[str]:
         fd = os.memfd_create("stray", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, 4096)
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             send_fds(fd_socket, os.urandom(16), [fd], timeout_s=5)
             outcomes.append("kept")
@@ -351,3 +350,18 @@ def test_kv_events_on_another_ipc_path_admit_only_the_daemons_user(
             _served_correctly(owner, kv)
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_second_daemon_cannot_take_the_first_ones_kv_events_socket(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """ZMQ's ipc bind unlinks whatever is at the path: a second daemon started on the same
+    runtime directory used to steal the first one's KV-events socket before noticing it."""
+    runtime_dir = str(tmp_path / "run")
+    first = start_daemon("--kv-events", runtime_dir=runtime_dir)
+    with pytest.raises(DaemonStartError, match="another process listens"):
+        start_daemon("--kv-events", runtime_dir=runtime_dir)
+    owner, kv = _store_something(first)
+    with owner:
+        assert _replay_tokens(f"ipc://{os.path.join(runtime_dir, 'kv-events-replay.sock')}") == TOKENS
+        _served_correctly(owner, kv)
