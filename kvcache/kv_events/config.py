@@ -111,6 +111,12 @@ def build_kv_events_subscriber(
     clients_file = getattr(ns, "clients", None)
     readers = [c for c in load_clients(clients_file) if c.kv_events] if clients_file else []
     key_file = getattr(ns, "curve_secret_key", None)
+    tcp = unauthenticated_binds(endpoint, replay)
+    if tcp and not readers:
+        log.warning(
+            "KV events on %s: no [[client]] of %s has kv_events = true, so no router can read "
+            "them", ", ".join(tcp), clients_file,
+        )  # fmt: skip
     publisher = default_factory().create(
         "zmq",
         endpoint=endpoint,

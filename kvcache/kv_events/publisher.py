@@ -19,7 +19,6 @@ import abc
 import contextlib
 import logging
 import queue
-import socket
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ import msgspec
 import zmq
 
 from kvcache.kv_events.messages import END_SEQ, EventBatch, seq_bytes, seq_from_bytes
+from kvcache.netaddr import unix_socket_live
 
 if TYPE_CHECKING:
     from kvcache.server.auth import AccessPolicy
@@ -220,7 +220,7 @@ class ZmqEventPublisher(EventPublisher):
         """Before ``sock`` binds ``endpoint``: refuse an ipc:// path another process listens
         on (ZMQ's bind would unlink it from under that process, say a second daemon started
         on the same runtime directory), then have ZAP vet the readers, with CURVE on TCP."""
-        if endpoint.startswith("ipc://") and _unix_socket_live(endpoint.removeprefix("ipc://")):
+        if endpoint.startswith("ipc://") and unix_socket_live(endpoint.removeprefix("ipc://")):
             raise ValueError(f"another process listens on {endpoint}; pick another address")
         if self._readers is None:
             return
@@ -382,17 +382,6 @@ class ZmqEventPublisher(EventPublisher):
         if self._zap is not None:
             self._zap.close()
         self._ctx.term()
-
-
-def _unix_socket_live(path: str) -> bool:
-    """True if something accepts connections on the Unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 PublisherCtor = Callable[..., EventPublisher]

@@ -35,7 +35,6 @@ import logging
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -46,7 +45,7 @@ from typing import Any
 import zmq
 
 from kvcache.errors import AccessDeniedError
-from kvcache.netaddr import is_loopback
+from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
@@ -169,7 +168,7 @@ class Daemon:
 
     def _bind_ipc(self) -> str:
         path = os.path.join(self.runtime_dir, "daemon.sock")
-        if _unix_socket_live(path):
+        if unix_socket_live(path):
             raise OSError(
                 f"another kvcache daemon listens on ipc://{path}; stop it or pick another "
                 "--runtime-dir"
@@ -418,17 +417,6 @@ def _user_id(frame: Any) -> str | None:
         return str(frame.get("User-Id"))
     except zmq.ZMQError:  # no ZAP on this connection (inproc)
         return None
-
-
-def _unix_socket_live(path: str) -> bool:
-    """True if something accepts connections on the Unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 __all__ = ["Daemon", "DaemonConfig"]

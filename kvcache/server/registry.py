@@ -98,10 +98,8 @@ class InstanceRegistry:
                 )
             return instance
         if token_required or principal.shared:
-            raise AccessDeniedError(
-                f"instance {instance_id}: this request needs the registration token "
-                + ("(every local user shares this TCP endpoint)" if principal.shared else "")
-            )
+            why = " (every local user shares this TCP endpoint)" if principal.shared else ""
+            raise AccessDeniedError(f"instance {instance_id}: this request needs the registration token{why}")
         return instance
 
     def __len__(self) -> int:
