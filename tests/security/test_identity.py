@@ -77,7 +77,7 @@ def test_a_live_instance_id_cannot_be_taken_over(start_daemon: Callable[..., Dae
 def test_raw_requests_for_another_instance_are_refused(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon()
+    d = start_daemon(tcp=True)
     kv = _cache(5)
     with KVCacheClient(d.endpoint, 11, "victim", timeout_s=5) as victim:
         victim.register_kv_caches(kv)
