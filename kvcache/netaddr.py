@@ -7,6 +7,7 @@ Kept apart so the request socket, the KV-events sockets and the metrics port all
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 # ZMQ transports whose address is HOST:PORT; any other transport but ipc/inproc is exposed.
 _HOST_PORT_SCHEMES = ("tcp", "ws", "wss")
@@ -54,4 +55,16 @@ def endpoint_is_local(endpoint: str) -> bool:
     return host is not None and is_loopback(host)
 
 
-__all__ = ["ZMQ_TRANSPORTS", "endpoint_host", "endpoint_is_local", "is_loopback"]
+def unix_socket_live(path: str) -> bool:
+    """True if something accepts connections on the Unix stream socket ``path`` (ZMQ's
+    ipc://): binding there would unlink it from under a live process."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+__all__ = ["ZMQ_TRANSPORTS", "endpoint_host", "endpoint_is_local", "is_loopback", "unix_socket_live"]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,17 +14,12 @@ from kvcache.client import KVCacheClient, empty_shared, to_shared
 from kvcache.errors import BlockIdError, LayoutError
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol.errors import DaemonUnavailableError
+from kvcache.server.auth import ipc_endpoint
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
 ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--heartbeat-timeout", "0.6"]
 TOKENS, BLOCKS = list(range(128)), list(range(32))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -148,11 +143,9 @@ def test_cpu_tensor_outside_shared_memory_is_refused() -> None:
         c.close()
 
 
-def test_daemon_down_fails_within_the_timeout_then_recovers(
-    tmp_path: object,
-) -> None:
-    port = _free_port()
-    endpoint = f"tcp://127.0.0.1:{port}"
+def test_daemon_down_fails_within_the_timeout_then_recovers(tmp_path: Path) -> None:
+    runtime_dir = str(tmp_path / "run")  # where the daemon will be: nothing listens there yet
+    endpoint = ipc_endpoint(runtime_dir)
     c = KVCacheClient(endpoint, 8, "late", timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(DaemonUnavailableError, match=r"python -m kvcache\.server"):
@@ -166,7 +159,7 @@ def test_daemon_down_fails_within_the_timeout_then_recovers(
     c.report_block_allocations([], wait=False)  # a scheduler's notices never block: dropped
     c.end_session("r", wait=False)
     assert c.dropped_notices == 2
-    with DaemonProcess(ARGS, port=port):
+    with DaemonProcess(ARGS, runtime_dir=runtime_dir):
         _wait_for(lambda: not c.breaker.open, 10, "the background probe to close the breaker")
         c.timeout_s = 5
         assert c.ping() is False  # a fresh socket: no stale replies, not registered yet
@@ -176,12 +169,12 @@ def test_daemon_down_fails_within_the_timeout_then_recovers(
         c.close()
 
 
-def test_restarted_daemon_gets_the_registration_back_by_itself() -> None:
-    port = _free_port()
-    with DaemonProcess(ARGS, port=port) as first:
+def test_restarted_daemon_gets_the_registration_back_by_itself(tmp_path: Path) -> None:
+    runtime_dir = str(tmp_path / "run")  # the same ipc:// endpoint for both daemons
+    with DaemonProcess(ARGS, runtime_dir=runtime_dir) as first:
         c = KVCacheClient(first.endpoint, 9, "survivor", timeout_s=5)
         c.register_kv_caches(_cache(5))
-    with DaemonProcess(ARGS, port=port) as second, \
+    with DaemonProcess(ARGS, runtime_dir=runtime_dir) as second, \
             KVCacheClient(second.endpoint, 10, "observer", timeout_s=5) as observer:  # fmt: skip
         # No call on ``c``: its heartbeat notices the new daemon and registers again.
         _wait_for(lambda: 9 in observer.status()["instances"], 10, "re-registration")

@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
     finally:
         engine.close()
 
-    with DaemonProcess(flags) as daemon:
+    with DaemonProcess(flags, tcp=True) as daemon:  # TCP too, to compare the transports
         with KVCacheClient(daemon.ipc_endpoint, 0, "bench", timeout_s=60) as c, \
                 KVCacheClient(daemon.endpoint, 1, "bench", timeout_s=60) as tcp:  # fmt: skip
             c.register_kv_caches(kv)

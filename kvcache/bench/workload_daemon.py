@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 import kvcache
+from kvcache.server.auth import ipc_endpoint
 
 
 def free_port() -> int:
@@ -43,11 +44,11 @@ class DaemonProcess:
     def __init__(
         self, flags: Sequence[str], kv_events_endpoint: str | None = None, log_path: str | None = None
     ) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-bench-")  # its own Unix sockets
-        argv = [*flags, "--port", str(self.port), "--prometheus-port", str(self.metrics_port),
+        self.endpoint = ipc_endpoint(self.runtime_dir)
+        argv = [*flags, "--prometheus-port", str(self.metrics_port),
                 "--runtime-dir", self.runtime_dir, "--log-level", "WARNING"]  # fmt: skip
         module = "kvcache.server"
         if kv_events_endpoint is not None:

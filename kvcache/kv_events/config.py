@@ -2,13 +2,20 @@
 
 Kept out of the daemon's CLI so any entry point (the daemon, a benchmark, a framework
 embedding ``CacheEngine``) gets the same flags and the same defaults: KV events are off
-unless ``--kv-events-endpoint`` is given.
+unless ``--kv-events`` or ``--kv-events-endpoint`` is given.
+
+Who may read them: every bound socket asks ZAP (``kvcache.server.auth``) about each reader.
+On ``ipc://`` only the daemon's own user gets in (``--kv-events`` puts both sockets in the
+private runtime directory, so no other user even reaches them); on TCP only CURVE keys of the
+allow-list marked ``kv_events = true`` (routers). Tenants are not readers: the stream carries
+every tenant's prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -22,11 +29,14 @@ from kvcache.kv_events.publisher import (
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.netaddr import ZMQ_TRANSPORTS, endpoint_host, endpoint_is_local
 from kvcache.observability.config import positive_int
+from kvcache.server.auth import AccessPolicy, load_clients, load_secret_key
 
 log = logging.getLogger("kvcache.kv_events")
 
 DEFAULT_TOPIC = "kv-events"
 DEFAULT_CHUNK_SIZE = 256
+ENDPOINT_SOCKET, REPLAY_SOCKET = "kv-events.sock", "kv-events-replay.sock"
+"""The ``--kv-events`` sockets, inside the daemon's private runtime directory."""
 
 
 def non_negative_ms(text: str) -> float:
@@ -43,15 +53,23 @@ def non_negative_ms(text: str) -> float:
 def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``kv events`` flag group to ``parser``; returns it."""
     g = parser.add_argument_group("kv events (vLLM-compatible, for cluster routers)")
+    g.add_argument("--kv-events", action="store_true",
+                   help="publish KV events on the private runtime directory's Unix sockets "
+                        f"({ENDPOINT_SOCKET}, replay {REPLAY_SOCKET}): only the daemon's own "
+                        "user can read them. --kv-events-endpoint / "
+                        "--kv-events-replay-endpoint override either address")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
                    help="ZMQ PUB address (vLLM's convention): ipc://, tcp://[::1]:5557 and "
                         "wildcards (tcp://*:5557) bind, a plain host (tcp://router:5557, "
                         "tcp://127.0.0.1:5557) connects to a router that binds; a bind beyond "
-                        "loopback needs --kv-events-allow-remote. Default: KV events off")
+                        "loopback needs --kv-events-allow-remote; any TCP bind needs "
+                        "--curve-secret-key and --clients (readers: kv_events = true). "
+                        "Default: KV events off")
     g.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR",
                    help="ZMQ ROUTER address (always bound) where routers ask for missed "
-                        "batches, e.g. tcp://127.0.0.1:5558; beyond loopback needs "
-                        "--kv-events-allow-remote (default: no replay)")
+                        "batches, e.g. ipc:///run/kvcache/replay.sock; TCP needs CURVE as "
+                        "above, beyond loopback also --kv-events-allow-remote (default: no "
+                        "replay, or the runtime directory's with --kv-events)")
     g.add_argument("--kv-events-allow-remote", action="store_true",
                    help="allow binding the KV-events sockets beyond loopback (tcp://*:N, "
                         "0.0.0.0, [::], a network address); logged as a warning: anyone who "
@@ -90,10 +108,21 @@ def build_kv_events_subscriber(
     if endpoint is None:
         return None
     check_exposure(endpoint, replay, getattr(ns, "kv_events_allow_remote", False))
+    clients_file = getattr(ns, "clients", None)
+    readers = [c for c in load_clients(clients_file) if c.kv_events] if clients_file else []
+    key_file = getattr(ns, "curve_secret_key", None)
+    tcp = unauthenticated_binds(endpoint, replay)
+    if tcp and not readers:
+        log.warning(
+            "KV events on %s: no [[client]] of %s has kv_events = true, so no router can read "
+            "them", ", ".join(tcp), clients_file,
+        )  # fmt: skip
     publisher = default_factory().create(
         "zmq",
         endpoint=endpoint,
         replay_endpoint=replay,
+        readers=AccessPolicy(readers),
+        curve_keys=load_secret_key(key_file) if key_file else None,
         topic=getattr(ns, "kv_events_topic", DEFAULT_TOPIC),
         buffer_steps=getattr(ns, "kv_events_buffer_steps", DEFAULT_BUFFER_STEPS),
         batch_window_s=getattr(ns, "kv_events_batch_window_ms", DEFAULT_BATCH_WINDOW_S * 1000) / 1000,
@@ -149,11 +178,44 @@ def check_exposure(endpoint: str | None, replay: str | None, allow_remote: bool)
     )  # fmt: skip
 
 
+def use_runtime_dir(ns: argparse.Namespace, runtime_dir: str) -> None:
+    """With ``--kv-events``, fill in the endpoints not given: the runtime directory's sockets."""
+    if not getattr(ns, "kv_events", False):
+        return
+    if getattr(ns, "kv_events_endpoint", None) is None:
+        ns.kv_events_endpoint = f"ipc://{os.path.join(runtime_dir, ENDPOINT_SOCKET)}"
+    if getattr(ns, "kv_events_replay_endpoint", None) is None:
+        ns.kv_events_replay_endpoint = f"ipc://{os.path.join(runtime_dir, REPLAY_SOCKET)}"
+
+
+def unauthenticated_binds(endpoint: str | None, replay: str | None) -> list[str]:
+    """The KV-events addresses that would bind on a network transport (TCP, loopback
+    included): every local user reaches those, so only CURVE can tell a router from them."""
+    bound = [e for e in (endpoint if endpoint and should_bind(endpoint) else None, replay) if e]
+    return [e for e in bound if endpoint_host(e)[0] in ZMQ_TRANSPORTS - {"ipc", "inproc"}]
+
+
+def check_readers(ns: argparse.Namespace) -> None:
+    """Refuse a TCP bind of the KV events without CURVE (``--curve-secret-key``, and
+    ``--clients`` naming the readers): the stream carries every tenant's token ids."""
+    exposed = unauthenticated_binds(
+        getattr(ns, "kv_events_endpoint", None), getattr(ns, "kv_events_replay_endpoint", None)
+    )
+    if exposed and not (getattr(ns, "curve_secret_key", None) and getattr(ns, "clients", None)):
+        raise ValueError(
+            f"refusing to bind KV events on {', '.join(exposed)} without CURVE: every local "
+            "user could connect and read every tenant's cached prompts (hashes and token ids); "
+            "use --kv-events (Unix sockets in the private runtime directory), or pass "
+            "--curve-secret-key and --clients with the routers' keys marked kv_events = true"
+        )
+
+
 def validate_kv_events_args(ns: argparse.Namespace) -> None:
     """Check the KV-events flags without opening anything (for the daemon's flag parsing).
 
-    Raises ``ValueError`` for a replay endpoint without an endpoint, or a bind beyond
-    loopback without ``--kv-events-allow-remote``; logs nothing.
+    Raises ``ValueError`` for a replay endpoint without an endpoint, a bind beyond loopback
+    without ``--kv-events-allow-remote``, or a TCP bind without CURVE (``check_readers``);
+    logs nothing.
     """
     endpoint = getattr(ns, "kv_events_endpoint", None)
     replay = getattr(ns, "kv_events_replay_endpoint", None)
@@ -161,13 +223,19 @@ def validate_kv_events_args(ns: argparse.Namespace) -> None:
         raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if not getattr(ns, "kv_events_allow_remote", False):
         check_exposure(endpoint, replay, allow_remote=False)  # raises if exposed, never logs
+    check_readers(ns)
 
 
 __all__ = [
     "DEFAULT_TOPIC",
+    "ENDPOINT_SOCKET",
+    "REPLAY_SOCKET",
     "add_kv_events_args",
     "build_kv_events_subscriber",
     "check_exposure",
+    "check_readers",
     "exposed_binds",
+    "unauthenticated_binds",
+    "use_runtime_dir",
     "validate_kv_events_args",
 ]

@@ -23,12 +23,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from kvcache.kv_events.messages import END_SEQ, EventBatch, seq_bytes, seq_from_bytes
+from kvcache.netaddr import unix_socket_live
+
+if TYPE_CHECKING:
+    from kvcache.server.auth import AccessPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,12 @@ class ZmqEventPublisher(EventPublisher):
     buffered wire batch with ``seq >= start`` (the last ``buffer_steps`` sent) and then the
     end marker ``[b"", END_SEQ, b""]`` (vLLM's replay shape), each reply prefixed by the
     empty delimiter when the request had one.
+
+    Readers: with ``readers`` given, every socket this publisher binds asks ZAP (answered
+    by that ``AccessPolicy`` on this publisher's own ZMQ context) about each connection:
+    ipc:// peers by uid, TCP peers by CURVE key, for which ``curve_keys`` (the daemon's
+    public and secret key) make the bound TCP sockets CURVE servers. A PUB that connects
+    (to a router that binds) is the router's to vet.
     """
 
     def __init__(
@@ -139,6 +149,8 @@ class ZmqEventPublisher(EventPublisher):
         linger_s: float = 1.0,
         batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
         max_merge: int = DEFAULT_MAX_MERGE,
+        readers: AccessPolicy | None = None,
+        curve_keys: tuple[bytes, bytes] | None = None,
     ) -> None:
         if buffer_steps < 1 or max_queue_size < 1 or hwm < 0 or max_merge < 1 or batch_window_s < 0:
             raise ValueError(
@@ -167,13 +179,21 @@ class ZmqEventPublisher(EventPublisher):
         self._closed = False
         self._linger_ms = int(linger_s * 1000)
         self._ctx = zmq.Context()
+        self._zap: Any = None
+        self._readers = readers
+        self._curve_keys = curve_keys
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._replay: zmq.Socket[Any] | None = None
         try:
+            if readers is not None:
+                from kvcache.server.auth import ZapHandler
+
+                self._zap = ZapHandler(self._ctx, readers)
             if wants_ipv6(endpoint):
                 self._pub.setsockopt(zmq.IPV6, 1)
             if should_bind(endpoint):
+                self._guard(self._pub, endpoint)
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -184,13 +204,37 @@ class ZmqEventPublisher(EventPublisher):
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 if wants_ipv6(replay_endpoint):
                     self._replay.setsockopt(zmq.IPV6, 1)
+                self._guard(self._replay, replay_endpoint)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._close_sockets(0)
             raise ValueError(f"cannot open KV events socket: {exc}") from exc
+        except BaseException:  # refused by _guard: nothing may stay open
+            self._close_sockets(0)
+            raise
         self._thread = threading.Thread(target=self._run, name="kvcache-kv-events", daemon=True)
         self._thread.start()
+
+    def _guard(self, sock: zmq.Socket[Any], endpoint: str) -> None:
+        """Before ``sock`` binds ``endpoint``: refuse an ipc:// path another process listens
+        on (ZMQ's bind would unlink it from under that process, say a second daemon started
+        on the same runtime directory), then have ZAP vet the readers, with CURVE on TCP."""
+        if endpoint.startswith("ipc://") and unix_socket_live(endpoint.removeprefix("ipc://")):
+            raise ValueError(f"another process listens on {endpoint}; pick another address")
+        if self._readers is None:
+            return
+        from kvcache.server.auth import ZAP_DOMAIN
+
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        if not endpoint.startswith(("tcp://", "ws://", "wss://")):
+            return  # ipc: ZAP checks the peer's uid; anything else fails to bind anyway
+        if self._curve_keys is None:
+            raise ValueError(f"KV events on {endpoint} need CURVE keys to authenticate readers")
+        public, secret = self._curve_keys
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
     # -- EventPublisher ------------------------------------------------------------------------
 
@@ -335,6 +379,8 @@ class ZmqEventPublisher(EventPublisher):
         self._pub.close(linger=linger_ms)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
         self._ctx.term()
 
 

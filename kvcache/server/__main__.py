@@ -17,12 +17,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvcache.config import EngineConfig, GiB
-from kvcache.kv_events.config import add_kv_events_args, validate_kv_events_args
+from kvcache.kv_events.config import add_kv_events_args, use_runtime_dir, validate_kv_events_args
 from kvcache.observability.config import ObservabilityConfig, add_observability_args
 from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
-from kvcache.server.auth import default_runtime_dir
+from kvcache.server.auth import default_runtime_dir, ensure_private_dir
 from kvcache.server.daemon import DaemonConfig
 from kvcache.server.handlers import Limits
 
@@ -36,18 +36,21 @@ Run the kvcache daemon: serving engines on this host connect to it over ZMQ, sha
 KV cache tensors (GPU: CUDA IPC, CPU: shared memory), and store, look up and retrieve
 KV chunks kept in CPU memory (L1) and optionally on local disk or Redis (L2).
 
-With no flags it listens on tcp://127.0.0.1:5555, keeps a 2 GiB L1 and needs no external
-service. Engines connect with kvcache.client.KVCacheClient("tcp://127.0.0.1:5555", ...)."""
+With no flags it listens only on its Unix socket ipc://$KVCACHE_RUNTIME_DIR/daemon.sock
+(default /tmp/kvcache-UID/daemon.sock, in a directory only this user can enter), keeps a
+2 GiB L1 and needs no external service. Engines of this user connect with
+kvcache.client.KVCacheClient(), which finds that socket. TCP is off unless --tcp is given
+(engines of other users and hosts, with CURVE keys: docs/operator-guide.md, Security)."""
 
 EPILOG = """\
 examples:
   python -m kvcache.server
   python -m kvcache.server --l1-size-gb 32 --l2-disk-path /var/cache/kvcache --l2-disk-size-gb 500
   python -m kvcache.server --l2-redis-url redis+cluster://10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000
-  python -m kvcache.server --config kvcache.toml --port 6000
+  python -m kvcache.server --config kvcache.toml --tcp --port 6000
 
 config file (TOML; flags given on the command line override it):
-  [server]          host, port, allow_remote, workers, fast_workers, heartbeat_timeout, ...
+  [server]          tcp, host, port, allow_remote, workers, fast_workers, heartbeat_timeout, ...
   [storage]         chunk_size, l1_size_gb, l1_evict_watermark, l2_disk_path, l2_disk_size_gb,
                     l2_redis_url, l2_redis_timeout, l2_retry_interval, store_wait_timeout, ...
   [observability]   the observability, kv events, request trace and plug-in flags below
@@ -57,6 +60,7 @@ SIGTERM or Ctrl-C stops it cleanly: no new requests, in-flight ones finish, pend
 writes are flushed, events are drained, exit status 0."""
 
 _SECTIONS = ("server", "storage", "observability")
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 5555
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +93,16 @@ def build_parser(
 
     before = _dests(parser)
     srv = parser.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    srv.add_argument("--port", type=int, default=5555, help="ZMQ port (default %(default)s; 0 = any free)")
+    srv.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=False,
+                     help="also listen on TCP (--host, --port); without CURVE keys every local "
+                     "user reaches it as one anonymous client that must show a registration "
+                     "token for every instance request (default: off, the ipc:// socket only)")
+    srv.add_argument("--host", default=None,
+                     help=f"TCP address to listen on, with --tcp (default {DEFAULT_HOST})")
+    srv.add_argument("--port", type=int, default=None,
+                     help=f"TCP port, with --tcp (default {DEFAULT_PORT}; 0 = any free)")
     srv.add_argument("--allow-remote", action="store_true",
                      help="allow a non-loopback --host (needs --curve-secret-key and --clients)")
-    srv.add_argument("--no-tcp", dest="tcp", action="store_false",
-                     help="do not listen on TCP at all (local engines use the ipc:// socket)")
     srv.add_argument("--runtime-dir", default=None, metavar="DIR",
                      help="private directory (0700) for the Unix sockets daemon.sock (ipc:// "
                      "requests) and fds.sock (CPU memfd hand-over); default $KVCACHE_RUNTIME_DIR "
@@ -103,10 +111,12 @@ def build_parser(
                      help="do not listen on the ipc:// socket (the fd socket stays)")
     srv.add_argument("--curve-secret-key", default=None, metavar="FILE",
                      help="the daemon's CURVE key pair (a .key_secret file from `kvcache keys`): "
-                     "TCP clients must then authenticate and traffic is encrypted")
+                     "TCP clients (and KV-events readers on TCP) must then authenticate and "
+                     "traffic is encrypted")
     srv.add_argument("--clients", default=None, metavar="FILE",
-                     help="allow-list TOML: [[client]] entries with a CURVE public_key or a local "
-                     "uid, optionally restricted to models / cache_salts (docs/operator-guide.md)")
+                     help="allow-list TOML: [[client]] entries with a CURVE public_key, optionally "
+                     "restricted to models / cache_salts, kv_events = true for routers "
+                     "(docs/operator-guide.md)")
     lim = Limits()
     srv.add_argument("--max-instances", type=int, default=lim.max_instances,
                      help="engine instances registered at once (default %(default)s)")
@@ -219,10 +229,17 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
     if first.config:
         parser.set_defaults(**load_toml(first.config, dests))
     ns = parser.parse_args(argv)
+    if not ns.tcp:
+        given = [f for f, v in (("--host", ns.host), ("--port", ns.port),
+                                ("--allow-remote", ns.allow_remote)) if v not in (None, False)]  # fmt: skip
+        if given:  # an upgraded command line or config file must not lose its TCP door silently
+            parser.error(f"{', '.join(given)} configure the TCP endpoint, which is off by "
+                         "default: add --tcp (tcp = true in [server]), or drop them")  # fmt: skip
+    runtime_dir = ns.runtime_dir or default_runtime_dir()
     try:
         daemon = DaemonConfig(
-            host=ns.host,
-            port=ns.port,
+            host=ns.host if ns.host is not None else DEFAULT_HOST,
+            port=ns.port if ns.port is not None else DEFAULT_PORT,
             allow_remote=ns.allow_remote,
             bulk_workers=ns.workers,
             fast_workers=ns.fast_workers,
@@ -234,7 +251,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             inline_lookups=ns.l2_redis_url is None and ns.l2_disk_path is None,
             listen_tcp=ns.tcp,
             listen_ipc=ns.ipc,
-            runtime_dir=ns.runtime_dir or default_runtime_dir(),
+            runtime_dir=runtime_dir,
             curve_secret_key=ns.curve_secret_key,
             clients_file=ns.clients,
         )
@@ -259,6 +276,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             lookup_wait_timeout_s=ns.lookup_wait_timeout,
         )
         obs = ObservabilityConfig.from_args(ns)
+        use_runtime_dir(ns, runtime_dir)
         validate_kv_events_args(ns)  # refuse an exposed KV-events bind before anything binds
     except ValueError as exc:
         parser.error(str(exc))
@@ -289,6 +307,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
         log.error("cannot start observability: %s", exc)
         return 1
     try:
+        if settings.args.kv_events:  # its sockets live in the runtime directory: make it first
+            ensure_private_dir(settings.daemon.runtime_dir or default_runtime_dir())
         _add_flag_subscribers(settings.args, obs)
         engine = CacheEngine(settings.engine, bus=obs.bus)
     except (OSError, ValueError, ImportError) as exc:

@@ -4,11 +4,12 @@ Separate from the I/O loop so the trust rules can be read (and tested) as plain 
 ZMQ asks a ZAP handler about every new connection (RFC 27); this module answers:
 
 * ``ipc://`` peers: ZMQ reports the peer's ``SO_PEERCRED`` uid in the ZAP address
-  (``localhost:UID:GID:PID``); only allowed uids get in (the daemon's own by default), on top
-  of the socket living in a directory only the daemon's user can enter;
+  (``localhost:UID:GID:PID``); only the daemon's own uid gets in, on top of the socket living
+  in a directory only the daemon's user can enter. That user is the operator;
 * ``tcp://`` peers with CURVE: the client's long-term public key must be on the allow-list;
 * ``tcp://`` peers without CURVE: loopback only (the daemon refuses to listen beyond
-  loopback without CURVE).
+  loopback without CURVE), and all of them one shared principal that proves nothing: every
+  request acting on an instance must carry that instance's registration token.
 
 Each accepted connection gets a ZAP user id naming its ``Principal``; ZMQ stamps it on every
 message (the ``User-Id`` frame property), so the daemon knows per request who sent it and
@@ -41,11 +42,18 @@ ZAP_DOMAIN = b"kvcache"
 @dataclass(frozen=True, slots=True)
 class Principal:
     """An authenticated peer: ``name`` is stable per peer kind (``uid:1000``, ``key:team-a``,
-    ``loopback``); ``models`` / ``cache_salts`` restrict it when not None."""
+    ``loopback``); ``models`` / ``cache_salts`` restrict it when not None.
+
+    ``shared``: every local process may be this principal (plain loopback TCP), so being it
+    proves nothing; only a registration token speaks for an instance. ``operator``: the
+    daemon's own user on its Unix socket, who may see the whole cache's usage in ``Status``.
+    """
 
     name: str
     models: frozenset[str] | None = None
     cache_salts: frozenset[str] | None = None
+    shared: bool = False
+    operator: bool = False
 
     def check_model(self, model_name: str) -> None:
         if self.models is not None and model_name not in self.models:
@@ -62,23 +70,23 @@ class Principal:
             )
 
 
-LOOPBACK = Principal("loopback")
-"""A plain-TCP peer on the loopback interface: any local process, unrestricted."""
+LOOPBACK = Principal("loopback", shared=True)
+"""A plain-TCP peer on the loopback interface: any local process, of any user."""
 
 
 @dataclass(frozen=True, slots=True)
 class ClientEntry:
-    """One ``[[client]]`` of the allow-list file: a CURVE public key or a local uid."""
+    """One ``[[client]]`` of the allow-list file: a CURVE public key, with its tenant
+    restrictions; ``kv_events`` lets it read the KV-events stream (every tenant's events)."""
 
     name: str
-    public_key: bytes | None = None
-    uid: int | None = None
+    public_key: bytes
     models: frozenset[str] | None = None
     cache_salts: frozenset[str] | None = None
+    kv_events: bool = False
 
     def principal(self) -> Principal:
-        return Principal(f"key:{self.name}" if self.public_key else f"uid:{self.uid}",
-                         self.models, self.cache_salts)  # fmt: skip
+        return Principal(f"key:{self.name}", self.models, self.cache_salts)
 
 
 def load_clients(path: str) -> list[ClientEntry]:
@@ -88,9 +96,13 @@ def load_clients(path: str) -> list[ClientEntry]:
 
         [[client]]
         name = "team-a"
-        public_key = "<40-character Z85 CURVE public key>"   # or: uid = 1001
+        public_key = "<40-character Z85 CURVE public key>"
         models = ["llama-8b"]        # optional: the model names it may register
         cache_salts = ["team-a"]     # optional: the cache salts it may use ("" = unsalted)
+        kv_events = false            # optional: true for a router reading the KV events
+
+    There are no ``uid`` entries: the Unix sockets live in a directory only the daemon's
+    user can enter, so another local user connects over TCP with a key like a remote one.
     """
     try:
         with open(path, "rb") as f:
@@ -111,25 +123,31 @@ def _entry(path: str, index: int, raw: Any) -> ClientEntry:
     where = f"{path}: [[client]] #{index + 1}"
     if not isinstance(raw, dict):
         raise ValueError(f"{where} is not a table")
-    unknown = sorted(set(raw) - {"name", "public_key", "uid", "models", "cache_salts"})
+    if "uid" in raw:
+        raise ValueError(
+            f"{where}: uid entries are not supported: the daemon's Unix sockets live in a "
+            "directory only its own user can enter, so no other uid could ever connect. "
+            "Give that user a CURVE key pair (`kvcache keys NAME`) and start the daemon with "
+            "--tcp --curve-secret-key (docs/operator-guide.md, Security)"
+        )
+    unknown = sorted(set(raw) - {"name", "public_key", "models", "cache_salts", "kv_events"})
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: needs a non-empty name")
-    key, uid = raw.get("public_key"), raw.get("uid")
-    if (key is None) == (uid is None):
-        raise ValueError(f"{where} ({name}): give exactly one of public_key or uid")
-    if key is not None and (not isinstance(key, str) or len(key) != 40):
+    key = raw.get("public_key")
+    if not isinstance(key, str) or len(key) != 40:
         raise ValueError(f"{where} ({name}): public_key must be a 40-character Z85 string")
-    if uid is not None and (not isinstance(uid, int) or isinstance(uid, bool) or uid < 0):
-        raise ValueError(f"{where} ({name}): uid must be a non-negative integer")
+    kv_events = raw.get("kv_events", False)
+    if not isinstance(kv_events, bool):
+        raise ValueError(f"{where} ({name}): kv_events must be true or false")
     return ClientEntry(
         name=name,
-        public_key=key.encode() if key is not None else None,
-        uid=uid,
+        public_key=key.encode(),
         models=_names(where, raw, "models"),
         cache_salts=_names(where, raw, "cache_salts"),
+        kv_events=kv_events,
     )
 
 
@@ -168,17 +186,17 @@ class AccessPolicy:
     """The daemon's trust rules: ``authenticate`` is the ZAP decision for a new connection,
     ``principal`` maps the ``User-Id`` ZMQ stamps on each message back to its restrictions.
 
-    The daemon's own uid is always allowed over ``ipc://`` (unrestricted unless listed)."""
+    The daemon's own uid is the only one allowed over ``ipc://``: the operator, unrestricted."""
 
     def __init__(self, clients: Iterable[ClientEntry] = (), daemon_uid: int | None = None) -> None:
         self.daemon_uid = os.getuid() if daemon_uid is None else daemon_uid
         self.clients = tuple(clients)
         self._by_user: dict[str, Principal] = {LOOPBACK.name: LOOPBACK}
-        self._by_user[f"uid:{self.daemon_uid}"] = Principal(f"uid:{self.daemon_uid}")
+        self._by_user[f"uid:{self.daemon_uid}"] = Principal(f"uid:{self.daemon_uid}", operator=True)
         for entry in self.clients:
             p = entry.principal()
             self._by_user[p.name] = p
-        self._by_key = {e.public_key: e for e in self.clients if e.public_key is not None}
+        self._by_key = {e.public_key: e for e in self.clients}
 
     @property
     def allowed_uids(self) -> frozenset[int]:

@@ -35,7 +35,6 @@ import logging
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -46,7 +45,7 @@ from typing import Any
 import zmq
 
 from kvcache.errors import AccessDeniedError
-from kvcache.netaddr import is_loopback
+from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
@@ -73,7 +72,9 @@ class DaemonConfig:
     allow_remote: bool = False
     """Binding a non-loopback address exposes the cache to the network; it must be asked for,
     and it needs CURVE (``curve_secret_key`` and an allow-list with public keys)."""
-    listen_tcp: bool = True
+    listen_tcp: bool = False
+    """Off by default: without CURVE, every local user reaches TCP as one anonymous principal
+    (``auth.LOOPBACK``); the ipc:// socket knows its peer's uid."""
     runtime_dir: str | None = None
     """Private directory (0700) for the Unix sockets: ``daemon.sock`` (the ``ipc://`` request
     endpoint) and ``fds.sock`` (memfd hand-over). None: a fresh temporary directory, removed
@@ -167,7 +168,7 @@ class Daemon:
 
     def _bind_ipc(self) -> str:
         path = os.path.join(self.runtime_dir, "daemon.sock")
-        if _unix_socket_live(path):
+        if unix_socket_live(path):
             raise OSError(
                 f"another kvcache daemon listens on ipc://{path}; stop it or pick another "
                 "--runtime-dir"
@@ -416,17 +417,6 @@ def _user_id(frame: Any) -> str | None:
         return str(frame.get("User-Id"))
     except zmq.ZMQError:  # no ZAP on this connection (inproc)
         return None
-
-
-def _unix_socket_live(path: str) -> bool:
-    """True if something accepts connections on the Unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 __all__ = ["Daemon", "DaemonConfig"]

@@ -132,8 +132,9 @@ class FdInbox:
     One thread multiplexes every connection (``selectors``) and never blocks on a peer: a
     SEQPACKET message arrives whole, so a connection is served, in a few syscalls per
     descriptor, only once its message is there. Bounded in every way a client controls:
-    descriptors per hand-over, tickets and descriptors pending per uid (one client that hands
-    memory over and never registers fills only its own quota), tickets pending, time a ticket
+    descriptors per hand-over, tickets pending per engine (the sending process: one engine
+    that hands memory over and never registers fills only its own quota, not its user's),
+    tickets and descriptors pending per uid, tickets pending in all, time a ticket
     waits (``ticket_ttl_s``), time a connection may stay silent (``connection_timeout_s``),
     connections open at once (``max_connections``; the oldest is dropped for a new one).
     Whatever is refused, timed out or expired is closed at once.
@@ -146,6 +147,7 @@ class FdInbox:
         max_fds_per_ticket: int = 1024,
         max_pending: int = 64,
         max_pending_per_uid: int = 8,
+        max_pending_per_engine: int = 2,
         max_fds_per_uid: int = 4096,
         ticket_ttl_s: float = 60.0,
         connection_timeout_s: float = 2.0,
@@ -156,6 +158,7 @@ class FdInbox:
         self.max_fds_per_ticket = max_fds_per_ticket
         self.max_pending = max_pending
         self.max_pending_per_uid = max_pending_per_uid
+        self.max_pending_per_engine = max_pending_per_engine
         self.max_fds_per_uid = max_fds_per_uid
         self.ticket_ttl_s = ticket_ttl_s
         self.connection_timeout_s = connection_timeout_s
@@ -307,6 +310,15 @@ class FdInbox:
             if ticket in self._pending:
                 raise AccessDeniedError("that ticket is already in use")
             mine = [r for r in self._pending.values() if r.uid == received.uid]
+            # An engine registers right after its hand-over, so it has one pending at a time
+            # (two while it retries); a process piling them up is stuck or hostile, and it
+            # must not use up the quota its user's other engines register with.
+            engine = sum(1 for r in mine if r.pid == received.pid)
+            if engine >= self.max_pending_per_engine:
+                raise LimitExceededError(
+                    f"process {received.pid} already has {engine} hand-overs waiting to be "
+                    "registered; register them (or let them expire) first"
+                )
             if len(mine) >= self.max_pending_per_uid:
                 raise LimitExceededError(
                     f"uid {received.uid} already has {len(mine)} hand-overs waiting to be registered"

@@ -124,10 +124,12 @@ class Handlers:
     # -- registration ------------------------------------------------------------------
 
     def register(self, req: m.Register, principal: Principal) -> m.ReplyBody:
-        principal.check_model(req.model_name)
-        self._check_registration_size(req)
+        # The hand-over is taken first, so a refused registration frees its slot of the fd
+        # socket's quota at once instead of holding it until the ticket expires.
         received = self.fd_inbox.take(req.fd_ticket) if req.fd_ticket and self.fd_inbox else None
         try:
+            principal.check_model(req.model_name)
+            self._check_registration_size(req)
             ipc_user = principal.name.startswith("uid:")
             if received is not None and ipc_user and principal.name != f"uid:{received.uid}":
                 # A ticket is a bearer secret; still, memory handed over by one local user is
@@ -325,19 +327,26 @@ class Handlers:
     # -- health ------------------------------------------------------------------------
 
     def status(self, req: m.Status, principal: Principal) -> m.ReplyBody:
-        """Daemon health for anyone who may connect, but only the caller's own instances."""
+        """Daemon health for anyone who may connect; usage only as far as it is the caller's.
+
+        The operator (the daemon's own user) sees the whole cache: every instance, L1 and L2
+        usage, all requests in flight. Anyone else sees its own instances and requests and
+        the chunk size, nothing that moves with another tenant's traffic (L1/L2 fill, chunk
+        counts, waiters), which would tell it what others are doing."""
         mine = self.registry.ids(principal)
         engine_status = self.engine.status()
         engine_status["instances"] = [
             info for info in engine_status["instances"] if info["instance_id"] in mine
         ]
+        if not principal.operator:
+            engine_status = {k: engine_status[k] for k in ("chunk_size", "instances")}
         return m.StatusResult(
             protocol_version=m.PROTOCOL_VERSION,
             pid=os.getpid(),
             uptime_s=time.monotonic() - self.started,
             instances=mine,
             engine=msgspec.to_builtins(engine_status, enc_hook=str, str_keys=True),
-            in_flight=self.registry.in_flight(),
+            in_flight=self.registry.in_flight(principal),
         )
 
     def ping(self, req: m.Ping, principal: Principal) -> m.ReplyBody:

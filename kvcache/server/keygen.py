@@ -49,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f'[[client]]\nname = "{ns.name}"\npublic_key = "{public.decode()}"')
     print('# models = ["my-model"]      # optional restriction')
     print('# cache_salts = [""]         # optional restriction')
+    print("# kv_events = true           # a router: may read every tenant's KV events")
+    print("# models = []                # with it: a reader only, registers no engine")
     return 0
 
 

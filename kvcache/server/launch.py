@@ -31,10 +31,12 @@ class DaemonStartError(RuntimeError):
 class DaemonProcess:
     """A daemon child process; its stderr is collected in ``lines`` (and echoed if asked).
 
-    ``endpoint`` is the ZMQ address clients connect to (TCP unless ``--no-tcp``);
-    ``ipc_endpoint`` the Unix socket one (or ``"off"``); ``metrics_url`` is the Prometheus
-    URL, or ``"off"``. Without ``runtime_dir`` the daemon gets a fresh private directory for
-    its sockets (removed with the process object), so concurrent daemons never collide.
+    ``endpoint`` is the ZMQ address clients connect to: TCP with ``tcp=True`` (on ``port``,
+    0 = a free one), else the Unix socket; ``ipc_endpoint`` the Unix socket one (or
+    ``"off"``); ``metrics_url`` is the Prometheus URL, or ``"off"``. Without ``runtime_dir``
+    the daemon gets a fresh private directory for its sockets (removed with the process
+    object), so concurrent daemons never collide; pass the same ``runtime_dir`` to start a
+    daemon again at the same ipc:// endpoint.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class DaemonProcess:
         args: Sequence[str] = (),
         *,
         port: int = 0,
+        tcp: bool = False,
         prometheus_port: int | None = 0,
         ready_timeout_s: float = 60.0,
         echo: bool = False,
@@ -51,8 +54,10 @@ class DaemonProcess:
         self._own_dir = runtime_dir is None
         self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-") if runtime_dir is None else runtime_dir
         # The ready line is logged at INFO; its log is captured here, not shown unless ``echo``.
-        cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port),
-               "--runtime-dir", self.runtime_dir, *args, "--log-level", "INFO"]  # fmt: skip
+        cmd = [sys.executable, "-m", "kvcache.server", "--runtime-dir", self.runtime_dir, *args,
+               "--log-level", "INFO"]  # fmt: skip
+        if tcp:
+            cmd += ["--tcp", "--port", str(port)]
         if prometheus_port is not None:
             cmd += ["--prometheus-port", str(prometheus_port)]
         self.lines: list[str] = []

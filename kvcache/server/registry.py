@@ -76,12 +76,20 @@ class InstanceRegistry:
     ) -> Instance:
         """The instance, if ``principal`` may act for it; raises otherwise.
 
-        Operations that move bytes or change the registration need the registration token.
-        Metadata operations (lookup, block reports, end of request, heartbeat) may instead
-        come from the same principal without it: a vLLM scheduler looks up the instance its
-        worker registered, in another process that never saw the token.
+        Only the principal that registered an instance may act for it, token or not: a token
+        that leaks (a log line, a core dump) is useless to anyone else. Operations that move
+        bytes or change the registration need the registration token too. Metadata operations
+        (lookup, block reports, end of request, heartbeat) may come without it from a
+        principal that identifies its peer: a vLLM scheduler looks up the instance its worker
+        registered, in another process that never saw the token. A ``shared`` principal (plain
+        loopback TCP: any local user) identifies nobody, so it always needs the token.
         """
         instance = self.get(instance_id)
+        if principal.name != instance.principal.name:
+            raise AccessDeniedError(
+                f"instance {instance_id} was registered by another client; only that client "
+                "may act for it"
+            )
         if token:
             if not secrets.compare_digest(token, instance.token):
                 raise AccessDeniedError(
@@ -89,11 +97,9 @@ class InstanceRegistry:
                     "that registered it may use it"
                 )
             return instance
-        if token_required or principal.name != instance.principal.name:
-            raise AccessDeniedError(
-                f"instance {instance_id} was registered by another client; this request needs "
-                "the registration token that client received"
-            )
+        if token_required or principal.shared:
+            why = " (every local user shares this TCP endpoint)" if principal.shared else ""
+            raise AccessDeniedError(f"instance {instance_id}: this request needs the registration token{why}")
         return instance
 
     def __len__(self) -> int:
@@ -105,17 +111,21 @@ class InstanceRegistry:
             return instance_id in self._instances
 
     def ids(self, principal: Principal | None = None) -> list[int]:
-        """Registered ids; only those ``principal`` registered when one is given (a client
-        learns nothing of other tenants' instances)."""
+        """Registered ids; only those ``principal`` may see when one is given (``visible``):
+        a client learns nothing of other tenants' instances."""
         with self._lock:
             return sorted(
                 i for i, inst in self._instances.items()
-                if principal is None or inst.principal.name == principal.name
+                if principal is None or _visible(inst, principal)
             )
 
-    def in_flight(self) -> int:
+    def in_flight(self, principal: Principal | None = None) -> int:
+        """Requests in flight; only for the instances ``principal`` may see when one is given."""
         with self._lock:
-            return sum(inst.in_flight for inst in self._instances.values())
+            return sum(
+                inst.in_flight for inst in self._instances.values()
+                if principal is None or _visible(inst, principal)
+            )
 
     def remove(self, instance_id: int) -> Instance | None:
         with self._lock:
@@ -169,11 +179,21 @@ class InstanceRegistry:
 
 
 def _may_act(instance: Instance, principal: Principal, token: bytes) -> bool:
-    """The lenient rule of ``authorize`` (metadata operations), as a yes/no: the right token,
-    or no token and the principal that registered."""
+    """The lenient rule of ``authorize`` (metadata operations), as a yes/no: the principal
+    that registered, with the right token or, unless it is ``shared``, none."""
+    if principal.name != instance.principal.name:
+        return False
     if token:
         return secrets.compare_digest(token, instance.token)
-    return principal.name == instance.principal.name
+    return not principal.shared
+
+
+def _visible(instance: Instance, principal: Principal) -> bool:
+    """Whether ``Status`` shows ``instance`` to ``principal``: the operator sees every one,
+    a ``shared`` principal none (it proves no identity), any other its own."""
+    if principal.operator:
+        return True
+    return not principal.shared and principal.name == instance.principal.name
 
 
 __all__ = ["Instance", "InstanceRegistry"]

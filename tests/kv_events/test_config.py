@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -24,9 +25,9 @@ def test_off_by_default() -> None:
     assert build_kv_events_subscriber(ns, CollectorRegistry()) is None
 
 
-def test_flags_build_a_publishing_subscriber() -> None:
-    ns = parse("--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint",
-               "tcp://127.0.0.1:*", "--kv-events-topic", "t", "--kv-events-format", "array",
+def test_flags_build_a_publishing_subscriber(tmp_path: Path) -> None:
+    ns = parse("--kv-events-endpoint", f"ipc://{tmp_path}/ev.sock", "--kv-events-replay-endpoint",
+               f"ipc://{tmp_path}/replay.sock", "--kv-events-topic", "t", "--kv-events-format", "array",
                "--kv-events-buffer-steps", "5", "--kv-events-batch-window-ms", "0.5",
                "--no-kv-events-token-ids")
     ns.chunk_size = 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -33,3 +34,38 @@ def raw_call(endpoint: str, body: m.RequestBody, timeout_ms: int = 5000) -> m.Re
         return decode_reply(sock.recv()).body
     finally:
         sock.close()
+
+
+def as_user(uid: int, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child that dropped to ``uid`` (and its gid, no groups), as
+    another local user's process would run; returns what ``fn`` returned (msgpack-able).
+
+    Forked, not spawned: the child needs no access to this interpreter's files, only to the
+    sockets and paths it goes after. An exception in ``fn`` fails the calling test."""
+    import os
+
+    import msgspec
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report and exit, never return into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                data, code = msgspec.msgpack.encode(fn()), 0
+            except BaseException as exc:
+                data = repr(exc).encode()
+            with os.fdopen(write_end, "wb") as out:
+                out.write(data)
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child as uid {uid} failed: {data.decode()}"
+    return msgspec.msgpack.decode(data)

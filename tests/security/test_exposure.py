@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,7 @@ from kvcache.netaddr import endpoint_is_local, is_loopback
 from kvcache.observability import init_observability
 from kvcache.observability.config import ObservabilityConfig
 from kvcache.observability.prometheus import start_prometheus_endpoint
+from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess, DaemonStartError
 
 
@@ -59,9 +61,17 @@ def test_local_binds_and_connects_need_no_flag(caplog: pytest.LogCaptureFixture)
     assert "reachable from the network" in caplog.text
 
 
-def test_allowed_wildcard_bind_really_binds_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+def test_allowed_wildcard_bind_really_binds_and_warns(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    ns = _ns("--kv-events-endpoint", "tcp://*:0", "--kv-events-allow-remote")
+    with pytest.raises(ValueError, match="without CURVE"):  # any TCP bind authenticates readers
+        build_kv_events_subscriber(ns)
+    assert keygen(["daemon", "--dir", str(tmp_path)]) == 0
+    (tmp_path / "clients.toml").write_text("")
+    ns.curve_secret_key, ns.clients = str(tmp_path / "daemon.key_secret"), str(tmp_path / "clients.toml")
     with caplog.at_level(logging.WARNING, logger="kvcache.kv_events"):
-        sub = build_kv_events_subscriber(_ns("--kv-events-endpoint", "tcp://*:0", "--kv-events-allow-remote"))
+        sub = build_kv_events_subscriber(ns)
     assert sub is not None
     sub.shutdown()
     assert "reachable from the network" in caplog.text
@@ -98,7 +108,11 @@ def test_validation_needs_no_socket() -> None:
     """The daemon can refuse the flags while parsing them, before anything is bound."""
     with pytest.raises(ValueError, match="--kv-events-allow-remote"):
         validate_kv_events_args(_ns("--kv-events-endpoint", "tcp://*:5557"))
-    validate_kv_events_args(_ns("--kv-events-endpoint", "tcp://*:5557", "--kv-events-allow-remote"))
+    allowed = _ns("--kv-events-endpoint", "tcp://*:5557", "--kv-events-allow-remote")
+    with pytest.raises(ValueError, match="without CURVE"):
+        validate_kv_events_args(allowed)
+    allowed.curve_secret_key, allowed.clients = "daemon.key_secret", "clients.toml"  # read later
+    validate_kv_events_args(allowed)
     validate_kv_events_args(_ns("--kv-events-endpoint", "tcp://router:5557"))
     validate_kv_events_args(_ns())
 

@@ -77,7 +77,7 @@ def test_a_live_instance_id_cannot_be_taken_over(start_daemon: Callable[..., Dae
 def test_raw_requests_for_another_instance_are_refused(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon()
+    d = start_daemon(tcp=True)
     kv = _cache(5)
     with KVCacheClient(d.endpoint, 11, "victim", timeout_s=5) as victim:
         victim.register_kv_caches(kv)
@@ -107,7 +107,7 @@ def test_a_lookup_without_the_token_is_allowed_for_the_same_principal(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     """A vLLM scheduler looks up the instance its worker registered, in another process."""
-    d = start_daemon()
+    d = start_daemon(tcp=True)
     with KVCacheClient(d.ipc_endpoint, 12, "m", timeout_s=5) as worker:
         worker.register_kv_caches(_cache(6))
         worker.store(TOKENS, BLOCKS)
@@ -124,7 +124,7 @@ def test_another_client_can_neither_keep_an_instance_alive_nor_list_it(
 ) -> None:
     """A dead engine's instance is reaped even while a stranger pings it and sends requests
     naming it; the daemon's status lists only the caller's own instances."""
-    d = start_daemon("--heartbeat-timeout", "1.5")
+    d = start_daemon("--heartbeat-timeout", "1.5", tcp=True)
     fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name
     dead = engine("kill_mid_store", d.ipc_endpoint, 21, "victim", fmt, seed=1)
     dead.wait(timeout=60)

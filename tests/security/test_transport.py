@@ -64,7 +64,7 @@ def test_curve_daemon_serves_a_known_key_and_refuses_others(
     start_daemon: Callable[..., DaemonProcess], keys: Path
 ) -> None:
     d = start_daemon("--curve-secret-key", str(keys / "daemon.key_secret"),
-                     "--clients", str(keys / "clients.toml"))  # fmt: skip
+                     "--clients", str(keys / "clients.toml"), tcp=True)  # fmt: skip
     with _curve_client(d, keys, "tenant-a", "model-a", 1) as a:
         a.register_kv_caches(_cache())
         assert a.store(TOKENS, BLOCKS, cache_salt="a").stored_tokens == 64
@@ -87,9 +87,11 @@ def test_curve_daemon_serves_a_known_key_and_refuses_others(
 
 def test_listening_beyond_loopback_needs_curve(start_daemon: Callable[..., DaemonProcess]) -> None:
     with pytest.raises(DaemonStartError, match="CURVE"):
-        start_daemon("--host", "0.0.0.0", "--allow-remote")
+        start_daemon("--host", "0.0.0.0", "--allow-remote", tcp=True)
     with pytest.raises(DaemonStartError, match="--allow-remote"):
-        start_daemon("--host", "0.0.0.0")
+        start_daemon("--host", "0.0.0.0", tcp=True)
+    with pytest.raises(DaemonStartError, match="add --tcp"):  # TCP flags without TCP: told, not ignored
+        start_daemon("--host", "0.0.0.0", "--allow-remote")
 
 
 @pytest.fixture

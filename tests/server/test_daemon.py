@@ -178,9 +178,9 @@ def test_client_killed_mid_store_leaves_whole_chunks_and_is_reaped(
 def test_sigterm_during_traffic_exits_cleanly_and_restart_finds_disk_chunks(
     start_daemon: Callable[..., DaemonProcess], tmp_path: object
 ) -> None:
-    port = free_port()
-    disk = ["--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "0.1"]
-    first = start_daemon(*disk, port=port)
+    runtime_dir = os.path.join(str(tmp_path), "run")  # the same ipc:// endpoint after the restart
+    disk = ["--l2-disk-path", os.path.join(str(tmp_path), "l2"), "--l2-disk-size-gb", "0.1"]
+    first = start_daemon(*disk, runtime_dir=runtime_dir)
     fmt = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS  # FlashInfer layout, this process's engine
     kv = to_shared(make_kv_caches(fmt, num_layers=2, num_blocks=16, block_size=4, head_size=8))
     expected = clone_caches(kv)
@@ -199,7 +199,7 @@ def test_sigterm_during_traffic_exits_cleanly_and_restart_finds_disk_chunks(
     assert summary["other"] == 0, summary["errors"]
     assert int(summary["ok"]) >= 3  # type: ignore[call-overload]
 
-    second = start_daemon(*disk, port=port)
+    second = start_daemon(*disk, runtime_dir=runtime_dir)
     for t in kv:
         t.zero_()
     # The same client object: it re-registers with the new daemon by itself.

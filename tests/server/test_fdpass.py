@@ -363,7 +363,8 @@ def test_one_uid_flooding_tickets_never_blocks_another(tmp_path: Path) -> None:
     home = tempfile.mkdtemp(prefix="kvcache-fd-quota-", dir="/tmp")
     os.chmod(home, 0o755)
     box = FdInbox(os.path.join(home, "fds.sock"), frozenset({os.getuid(), NOBODY}),
-                  max_fds_per_ticket=8, max_pending=8, max_pending_per_uid=3)  # fmt: skip
+                  max_fds_per_ticket=8, max_pending=8, max_pending_per_uid=3,
+                  max_pending_per_engine=8)  # fmt: skip
     box.start()
     os.chmod(box.path, 0o777)
     try:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from kvcache.layouts import GPUKVFormat
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
+from kvcache.server.auth import Principal
 from kvcache.server.fdpass import FdInbox, send_fds
 from kvcache.server.handlers import Handlers
 from kvcache.server.ipc import export_tensors, to_shared
@@ -112,9 +114,14 @@ def test_lifecycle_register_report_reap(handlers: Handlers) -> None:
     pong = handlers.handle(m.Ping(instance_id=3, token=again.token))
     assert isinstance(pong, m.Pong) and pong.registered and pong.fd_socket
     report = m.ReportBlockAllocations(instance_id=3, records=[BlockAllocationRecord("r", [1], [9] * 4)])
+    # Registered over the default (shared, loopback) principal: every request needs the token.
+    refused = handlers.handle(report)
+    assert isinstance(refused, m.Error) and refused.code is m.ErrorCode.ACCESS_DENIED
+    report = msgspec.structs.replace(report, token=again.token)
     assert isinstance(handlers.handle(report), m.Done)
-    assert isinstance(handlers.handle(m.EndSession(instance_id=3, request_id="r")), m.Done)
-    status = handlers.handle(m.Status())
+    assert isinstance(handlers.handle(m.EndSession(instance_id=3, request_id="r", token=again.token)), m.Done)
+    assert handlers.handle(m.Status()).instances == []  # type: ignore[union-attr]
+    status = handlers.handle(m.Status(), Principal("uid:0", operator=True))
     assert isinstance(status, m.StatusResult) and status.instances == [3]
     assert status.engine["instances"][0]["instance_id"] == 3
     (instance,) = handlers.registry.pop_expired(0.0, now=1e12)

@@ -18,6 +18,8 @@ from .helpers import free_port
 def test_defaults_need_no_external_service() -> None:
     s = parse_settings([])
     assert (s.daemon.host, s.daemon.port, s.daemon.allow_remote) == ("127.0.0.1", 5555, False)
+    assert s.daemon.listen_tcp is False and s.daemon.listen_ipc is True  # the Unix socket only
+    assert parse_settings(["--tcp"]).daemon.listen_tcp is True
     assert s.engine.l2_disk_path is None and s.engine.l2_redis_url is None
     assert s.engine.chunk_size == 256 and s.engine.l1_size_bytes == 2 * GiB
     assert s.daemon.inline_lookups is True
@@ -48,8 +50,8 @@ def test_redis_timeouts_back_off_and_store_wait_are_flags() -> None:
 
 
 def test_security_and_limit_flags_reach_the_daemon() -> None:
-    s = parse_settings(["--runtime-dir", "/run/kvc", "--no-ipc", "--max-ids", "99", "--max-tensors", "7",
-                        "--max-instances", "3", "--max-registration-gb", "2"])  # fmt: skip
+    s = parse_settings(["--runtime-dir", "/run/kvc", "--no-ipc", "--tcp", "--max-ids", "99", "--max-tensors",
+                        "7", "--max-instances", "3", "--max-registration-gb", "2"])  # fmt: skip
     assert (s.daemon.runtime_dir, s.daemon.listen_ipc, s.daemon.listen_tcp) == ("/run/kvc", False, True)
     assert (s.limits.max_ids, s.limits.max_tensors, s.limits.max_instances) == (99, 7, 3)
     assert s.limits.max_registration_bytes == 2 * GiB
@@ -59,7 +61,7 @@ def test_security_and_limit_flags_reach_the_daemon() -> None:
 def test_toml_file_then_flags_override_it(tmp_path: Path) -> None:
     cfg = tmp_path / "kvcache.toml"
     cfg.write_text(
-        '[server]\nport = 6001\nheartbeat-timeout = 12.5\n'
+        '[server]\ntcp = true\nport = 6001\nheartbeat-timeout = 12.5\n'
         '[storage]\nchunk_size = 64\nl2_disk_path = "/var/cache/kv"\n'
         '[observability]\ndisable_lifecycle_metrics = true\nprometheus_port = 9999\n'
         'kv_events_topic = "t"\n'
@@ -97,16 +99,19 @@ def test_invalid_values_exit_with_a_usage_error(capsys: pytest.CaptureFixture[st
 
 def test_non_loopback_needs_allow_remote_and_curve(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        parse_settings(["--host", "0.0.0.0"])
+        parse_settings(["--tcp", "--host", "0.0.0.0"])
     assert "--allow-remote" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_settings(["--host", "0.0.0.0", "--allow-remote"])
+        parse_settings(["--tcp", "--host", "0.0.0.0", "--allow-remote"])
     assert "CURVE" in capsys.readouterr().err
-    s = parse_settings(["--host", "0.0.0.0", "--allow-remote", "--curve-secret-key", "d.key_secret",
-                        "--clients", "c.toml"])  # fmt: skip
+    s = parse_settings(["--tcp", "--host", "0.0.0.0", "--allow-remote", "--curve-secret-key",
+                        "d.key_secret", "--clients", "c.toml"])  # fmt: skip
     assert s.daemon.host == "0.0.0.0" and s.daemon.curve_secret_key == "d.key_secret"
-    # --no-tcp: no TCP endpoint, so no network exposure whatever --host says
-    assert parse_settings(["--no-tcp", "--host", "0.0.0.0"]).daemon.listen_tcp is False
+    # TCP flags without --tcp are refused, not silently dropped (an upgraded config file)
+    for argv in (["--host", "0.0.0.0"], ["--port", "6000"], ["--no-tcp", "--allow-remote"]):
+        with pytest.raises(SystemExit):
+            parse_settings(argv)
+        assert "add --tcp" in capsys.readouterr().err
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         assert DaemonConfig(host=host).host == host
 
@@ -114,7 +119,7 @@ def test_non_loopback_needs_allow_remote_and_curve(capsys: pytest.CaptureFixture
 def test_help_explains_the_daemon_to_a_newcomer() -> None:
     parser, dests = build_parser()
     text = parser.format_help()
-    for needle in ("tcp://127.0.0.1:5555", "KVCacheClient", "--l2-disk-path", "--config FILE",
+    for needle in ("daemon.sock", "--tcp", "KVCacheClient", "--l2-disk-path", "--config FILE",
                    "SIGTERM", "--prometheus-port", "--kv-events-endpoint", "--subscriber"):  # fmt: skip
         assert needle in text
     assert {"server", "storage", "observability"} == set(dests)
@@ -126,7 +131,7 @@ def test_redis_password_never_reaches_the_log() -> None:
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
-def test_port_in_use_is_a_clear_error_not_a_traceback() -> None:
+def test_port_in_use_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
     import socket
 
     port = free_port()
@@ -134,7 +139,8 @@ def test_port_in_use_is_a_clear_error_not_a_traceback() -> None:
         s.bind(("127.0.0.1", port))
         s.listen()
         proc = subprocess.run(
-            [sys.executable, "-m", "kvcache.server", "--port", str(port), "--prometheus-port", "0"],
+            [sys.executable, "-m", "kvcache.server", "--tcp", "--port", str(port), "--prometheus-port", "0",
+             "--runtime-dir", str(tmp_path / "run")],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert proc.returncode == 1

@@ -8,7 +8,7 @@ from kvcache.errors import UnknownInstanceError
 from kvcache.server.auth import Principal
 from kvcache.server.registry import Instance, InstanceRegistry
 
-OWNER, STRANGER = Principal("uid:1000"), Principal("loopback")
+OWNER, STRANGER = Principal("uid:1000"), Principal("loopback", shared=True)
 
 
 def _inst(i: int, t: float = 0.0) -> Instance:
@@ -64,5 +64,6 @@ def test_a_stranger_neither_touches_nor_pins_an_instance() -> None:
     assert not reg.begin(1, STRANGER, now=4.0)
     assert not reg.touch(1, STRANGER, token=b"x" * 16, now=4.0)  # a guessed token
     assert reg.in_flight() == 0 and reg.ids(STRANGER) == [] and reg.ids(OWNER) == [1]
-    assert reg.touch(1, STRANGER, token=inst.token, now=4.0)  # the token speaks for it anywhere
+    assert not reg.touch(1, STRANGER, token=inst.token, now=4.0)  # a stolen token: useless
+    assert reg.touch(1, OWNER, token=inst.token, now=4.0)
     assert reg.pop_expired(5.0, now=8.0) == []

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.integrations.vllm.connector import KVCacheMetadata
 from kvcache.protocol import messages as m
-from kvcache.server.launch import DaemonProcess
 from kvcache.storage.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
 from tests.integrations.vllm.sched_loads import SCENARIOS as LOAD_SCENARIOS
@@ -288,7 +287,7 @@ def daemon_killed(h: Harness) -> None:
     h.facts["sends_after_kill"] = dict(sends)
     assert sends["scheduler"] <= 2 and sends["worker"] <= 2, f"calls sent to a dead daemon: {sends}"
     assert eng.tally().get("store_failures", 0) + eng.tally().get("lookup_failures", 0) >= 2
-    h.daemon.proc = DaemonProcess(h.daemon.args, port=h.daemon.port, prometheus_port=0)
+    h.daemon.proc = h.daemon.start()
     for client in (eng.sched_connector.client, eng.worker.client):
         wait_closed(client)
     eng.add("after", prompts(8, 150, [90])[0], 3)

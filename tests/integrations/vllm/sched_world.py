@@ -9,7 +9,9 @@ served with the oracle; ``Harness`` holds a scenario's engines and runs the comm
 from __future__ import annotations
 
 import random
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,30 +54,34 @@ def stored_tokens(seq_len: int) -> int:
 
 
 class Daemon:
-    """A daemon on a fixed port, so that it can be killed and started again in place."""
+    """A daemon in a fixed runtime directory (so at a fixed ipc:// endpoint), so that it can
+    be killed and started again in place."""
 
-    def __init__(self, port: int = 0, extra: Sequence[str] = ()) -> None:
+    def __init__(self, extra: Sequence[str] = ()) -> None:
         self.args = ["--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--disable-metrics", *extra]
-        self.proc = DaemonProcess(self.args, port=port, prometheus_port=0)
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-sched-")
+        self.proc = self.start()
         self.endpoint = self.proc.endpoint
-        self.port = int(self.endpoint.rsplit(":", 1)[1])
+
+    def start(self) -> DaemonProcess:
+        """A fresh daemon process at this daemon's endpoint."""
+        return DaemonProcess(self.args, runtime_dir=self.runtime_dir, prometheus_port=0)
 
     def kill(self) -> None:
         self.proc.stop(signal.SIGKILL)
-        self.proc.remove_runtime_dir()
 
     def restart(self, graceful: bool = False) -> None:
         """SIGKILL (or SIGTERM: L2 writes finish), then a fresh daemon (empty L1) in place."""
-        if graceful:
-            self.close()
+        if graceful and self.proc.proc.poll() is None:
+            self.proc.stop()
         else:
             self.kill()
-        self.proc = DaemonProcess(self.args, port=self.port, prometheus_port=0)
+        self.proc = self.start()
 
     def close(self) -> None:
         if self.proc.proc.poll() is None:
             self.proc.stop()
-        self.proc.remove_runtime_dir()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 class Reader:

@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvcache.server.auth import ipc_endpoint
 from kvcache.storage import codec
 from tests.integrations.vllm.tier_tracker import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TierTracker
 from tests.integrations.vllm.vllm_driver import prompts
@@ -88,9 +89,9 @@ class Daemon:
 
 
 def start_daemon(tmp: Path, l2: Path, name: str, extra: Sequence[str] = ()) -> Daemon:
-    port, mport = _free_port(), _free_port()
+    mport = _free_port()
     log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "kvcache.server", "--port", str(port), "--l1-size-gb", "0.25",
+    cmd = [sys.executable, "-m", "kvcache.server", "--l1-size-gb", "0.25",
            "--runtime-dir", str(tmp / "run"),
            "--l2-disk-path", str(l2), "--l2-disk-size-gb", "1", "--prometheus-port", str(mport),
            "--metrics-sample-rate", "1.0", *extra]  # fmt: skip
@@ -101,7 +102,7 @@ def start_daemon(tmp: Path, l2: Path, name: str, extra: Sequence[str] = ()) -> D
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "daemon did not start:\n" + log.read_text()
         time.sleep(0.1)
-    return Daemon(f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", proc, log)
+    return Daemon(ipc_endpoint(str(tmp / "run")), f"http://127.0.0.1:{mport}/metrics", proc, log)
 
 
 @pytest.fixture
