@@ -148,7 +148,9 @@ def daemon_lost(h: Harness) -> None:
     the worker issues ``l``'s load (8 chunks), while ``o`` decodes: the load waits out
     ``timeout_s`` and fills nothing. The daemon comes back (started again in place and given
     the prefix, or continued) before ``l`` is admitted again; ``l`` is recomputed, and ``o``
-    never stops."""
+    never stops. (After the kill a block report the scheduler half sent into the outage may
+    time out late and open its breaker again: its next lookup then misses, and no second
+    load would be offered even without the workaround. The stop offers it every time.)"""
     prompt = prompts(91, 8 * CHUNK, [20])[0]
     warm = h.engine()
     warm.add("warm", prompt, 2)
