@@ -504,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 with harness(name, workdir, async_loads=not args.sync_loads) as h:
                     facts = h.facts
                     SCENARIOS[name](h)
+                    h.check_all_done()
                 results[name] = {"ok": True, "error": "", "facts": facts}
             except ScenarioSkipped as exc:
                 results[name] = {"ok": True, "error": "", "facts": facts, "skipped": str(exc)}
