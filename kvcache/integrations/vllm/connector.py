@@ -111,6 +111,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._steps = 0  # plans built
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._loading: set[str] = set()  # asynchronous loads planned, not yet reported received
+        self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
         # worker half
         self._worker = ConnectorWorker(
             self.client, self.block_size, self.config.kv_format, async_stores=self.config.async_stores
@@ -187,7 +188,10 @@ class KVCacheConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         not_stored = self._worker.take_not_stored()
         failed_step = self._worker.take_failed_step()
-        return KVCacheWorkerMeta(not_stored, failed_step) if not_stored or failed_step >= 0 else None
+        failed_async = self._worker.take_failed_async()
+        if not (not_stored or failed_step >= 0 or failed_async):
+            return None
+        return KVCacheWorkerMeta(not_stored, failed_step, failed_async)
 
     def wait_for_stores(self, timeout_s: float | None = None) -> bool:
         """Wait (bounded by ``timeout_s``, or by each store's deadline) until this worker has no
@@ -246,6 +250,12 @@ class KVCacheConnector(KVConnectorBase_V1):
         key_extra = request_key_extra(request)
         if key_extra is None:  # cannot be keyed faithfully (prompt embeddings): not offered
             return 0, False
+        if request.request_id in self._recompute:
+            # Its asynchronous load failed outright and vLLM freed its blocks. vLLM 0.32 still
+            # counts it among its in-flight prefills, so a second asynchronous load would
+            # reserve its own blocks against it and, in a busy or small cache, never be
+            # admitted (docs/vllm.md): it recomputes instead, as after a synchronous failure.
+            return 0, False
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
         cached = self._last_hit.get(request.request_id)
@@ -273,6 +283,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         if planner is None:
             return
         req_id = request.request_id
+        self._recompute.discard(req_id)  # admitted: a later admission (a preemption) may load
         key_extra = request_key_extra(request)
         if key_extra is None:  # never stored either
             self.tally.count("requests_not_cached")
@@ -290,6 +301,8 @@ class KVCacheConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         self._loading.difference_update(getattr(connector_output, "finished_recving", None) or ())
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVCacheWorkerMeta):
+            self._recompute.update(r for r in meta.failed_async if r in self._requests)
         if isinstance(meta, KVCacheWorkerMeta) and self._planner is not None:
             for req_id, upto in meta.not_stored.items():
                 self._planner.not_stored(req_id, upto)
@@ -353,6 +366,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._last_hit.pop(req_id, None)
+        self._recompute.discard(req_id)
         delay = False
         # ``_loading`` forgets it when the workers report it received.
         if req_id not in self._loading and self._planner is not None and self.config.store:

@@ -108,6 +108,7 @@ class ConnectorWorker:
         self._unfilled: dict[int, tuple[int, bool]] = {}
         self._finished_recving: set[str] = set()
         self._failed_step = -1  # the last step with a failed load, not yet reported
+        self._failed_async: set[str] = set()  # requests whose asynchronous load failed, unreported
         self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
         self._finished_sending: set[str] = set()
         self._in_flight: dict[str, list[_InFlight]] = {}  # req -> its stores not settled yet
@@ -201,6 +202,8 @@ class ConnectorWorker:
         self._load_errors.update(spec.block_ids[first_bad:])
         self._unfilled.update((b, (step, computed_on)) for b in spec.block_ids[first_bad:])
         self._failed_step = max(self._failed_step, step)
+        if spec.is_async:
+            self._failed_async.add(spec.req_id)
         self._mark_not_stored(spec.req_id, self._chunk_floor(first_bad))
         log.warning(
             "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest", got, want, spec.req_id
@@ -339,6 +342,13 @@ class ConnectorWorker:
         """The last step whose load failed since the previous call, or -1."""
         step, self._failed_step = self._failed_step, -1
         return step
+
+    def take_failed_async(self) -> frozenset[str]:
+        """Requests whose asynchronous load failed since the previous call. A settled load is
+        taken in by ``take_finished_recving`` or ``take_load_errors``, both called before this
+        in vLLM's pass, so a request is named here in the output that reports it received."""
+        out, self._failed_async = frozenset(self._failed_async), set()
+        return out
 
     def take_finished_recving(self, idle_wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads have all settled (failed blocks are load errors

@@ -185,6 +185,17 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     ),
     # A request aborted while loading held by vLLM and by the connector: reported twice.
     "no_loading_guard": (loading_released_too, ["abort_resumed_while_loading"]),
+    # Issue 26: a request whose asynchronous load failed outright offered a load again at its
+    # next admission; vLLM 0.32 reserves its own blocks against it, and it waits forever.
+    "no_failed_load_recompute": (
+        lambda: patched(ConnectorWorker, "take_failed_async", lambda self: frozenset()),
+        [
+            "slow_l2",
+            "daemon_lost_while_loading",
+            "partial_batch_failure",
+            "preempted_resume_fails",
+        ],
+    ),
     # A preempted request's stores waited for only in start_load_kv, after the forward.
     "no_preemption_hook": (
         lambda: patched(connector_mod.KVCacheConnector, "handle_preemptions", lambda self, meta: None),

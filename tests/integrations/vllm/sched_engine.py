@@ -17,6 +17,7 @@ Not collected by pytest (no ``test_`` prefix): vLLM is not installed in the proj
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcache.integrations.vllm.connector import KVCacheConnector, KVCacheMetadata
 from kvcache.integrations.vllm.stats import Payload, merge
+from tests.integrations.vllm.sched_invariants import RUN_BOUND_S, check_no_limbo, describe_unfinished
 from tests.integrations.vllm.sched_model import (
     BLOCK,
     HEAD,
@@ -265,15 +267,20 @@ class Engine:
         )
         return result
 
-    def run(self, max_steps: int = 2000) -> None:
+    def run(self, max_steps: int = 2000, within_s: float = RUN_BOUND_S) -> None:
         """Step until every request finished; under async scheduling the next step is
         scheduled (and executed) before the previous one's output is processed, as in
-        vLLM's batch queue."""
+        vLLM's batch queue. After every step no request may be in limbo (``check_no_limbo``);
+        a run that has not finished after ``max_steps`` steps or ``within_s`` seconds fails
+        with every unfinished request's state (a request left behind hangs its caller)."""
         pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         is_async = self.config.scheduler_config.async_scheduling
+        deadline = time.monotonic() + within_s
         for _ in range(max_steps):
             if not self.scheduler.has_requests() and pending is None:
                 return
+            if time.monotonic() > deadline:
+                break
             if self.before_schedule is not None:
                 self.before_schedule(len(self.steps))
             out = self.scheduler.schedule()
@@ -287,7 +294,11 @@ class Engine:
             if is_async and not self.scheduler.has_requests():
                 self.scheduler.update_from_output(*pending)  # type: ignore[misc]
                 pending = None
-        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+            check_no_limbo(self.scheduler, len(self.steps) - 1)
+        raise AssertionError(
+            f"requests left behind after {len(self.steps)} steps ({within_s} s at most): "
+            + describe_unfinished(self.scheduler)
+        )
 
     def abort(self, req_id: str) -> None:
         """As a client disconnect: vLLM finishes the request as aborted."""

@@ -36,6 +36,8 @@ from kvcache.integrations.vllm.connector import KVCacheMetadata
 from kvcache.protocol import messages as m
 from kvcache.storage.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
+from tests.integrations.vllm.sched_failures import ONCE
+from tests.integrations.vllm.sched_failures import SCENARIOS as FAILURE_SCENARIOS
 from tests.integrations.vllm.sched_loads import SCENARIOS as LOAD_SCENARIOS
 from tests.integrations.vllm.sched_world import (
     CHUNK,
@@ -471,9 +473,15 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "store_release_async": lambda h: store_release(h, True),
     "store_release_sync": lambda h: store_release(h, False),
     **LOAD_SCENARIOS,
+    **FAILURE_SCENARIOS,
 }
-SYNC_LOADS = [name for name in SCENARIOS if name not in LOAD_SCENARIOS or name == "preempted_store"]
-"""What a run with ``async_loads: false`` runs: the rest need loads that outlive their step."""
+SYNC_LOADS = [
+    name
+    for name in SCENARIOS
+    if (name not in LOAD_SCENARIOS or name == "preempted_store") and name not in ONCE
+]
+"""What a run with ``async_loads: false`` runs: the rest need loads that outlive their step, or
+do not use the connector at all (``sched_failures.ONCE``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                 with harness(name, workdir, async_loads=not args.sync_loads) as h:
                     facts = h.facts
                     SCENARIOS[name](h)
+                    h.check_all_done()
                 results[name] = {"ok": True, "error": "", "facts": facts}
             except ScenarioSkipped as exc:
                 results[name] = {"ok": True, "error": "", "facts": facts, "skipped": str(exc)}

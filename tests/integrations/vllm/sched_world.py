@@ -191,6 +191,16 @@ class Harness:
                 )
                 assert req_id in eng.aborted or hit == stored_tokens(len(tokens))
 
+    def check_all_done(self) -> None:
+        """The scenario's end: every request of every engine finished (its tokens, a stop, or
+        an abort) and the scheduler holds none; each ``Engine.run`` bounds the wall-clock time
+        it takes to get there, so a request left behind fails its run instead of hanging it."""
+        for eng in self.engines:
+            unfinished = sorted(r for r, q in eng.requests.items() if not q.is_finished())
+            assert not unfinished, f"{self.name}: requests never finished: {unfinished}"
+            held = list(eng.scheduler.requests)
+            assert not held, f"{self.name}: the scheduler still holds {held}"
+
     def close(self) -> None:
         for eng in self.engines:
             eng.shutdown()

@@ -88,12 +88,13 @@ class Daemon:
         assert self.proc.returncode == 0, self.log.read_text()[-3000:]
 
 
-def start_daemon(tmp: Path, l2: Path, name: str, extra: Sequence[str] = ()) -> Daemon:
+def start_daemon(tmp: Path, l2: Path | None, name: str, extra: Sequence[str] = ()) -> Daemon:
+    """A daemon with a disk L2 at ``l2`` (None: no disk tier; ``extra`` may name another)."""
     mport = _free_port()
     log = tmp / f"{name}.log"
+    disk = ["--l2-disk-path", str(l2), "--l2-disk-size-gb", "1"] if l2 is not None else []
     cmd = [sys.executable, "-m", "kvcache.server", "--l1-size-gb", "0.25",
-           "--runtime-dir", str(tmp / "run"),
-           "--l2-disk-path", str(l2), "--l2-disk-size-gb", "1", "--prometheus-port", str(mport),
+           "--runtime-dir", str(tmp / "run"), *disk, "--prometheus-port", str(mport),
            "--metrics-sample-rate", "1.0", *extra]  # fmt: skip
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=REPO)
@@ -259,3 +260,73 @@ def test_vllm_synchronous_modes(
     assert d.metric("kvcache_store_stored_tokens_total") >= 1024
     assert d.metric("kvcache_retrieve_retrieved_tokens_total") >= 1024
     d.stop()
+
+
+SMALL_KV_BLOCKS = 65
+"""vLLM's KV cache in ``test_vllm_slow_l2_load_times_out``: 64 usable blocks of 32 tokens (each
+layer's tensor just over the connector's 1 MiB shared-memory floor). The 1,064-token prompt
+needs 34 and loads 32: 34 + 32 > 64, so vLLM 0.32 could never admit it again after a failed
+load if it were offered the load a second time (docs/vllm.md)."""
+
+
+def fill_garbage(endpoint: str, model: str, tokens: list[int]) -> None:
+    """Store ``tokens``' whole chunks as another engine of vLLM's CPU geometry would (2 layers of
+    [blocks, 2 KV heads, 32, 2 x 32] float32 pages), with random bytes: loaded, they would
+    change vLLM's greedy tokens, so only a load that failed gives vLLM's own output."""
+    from kvcache.client import KVCacheClient
+    from kvcache.server.ipc import empty_shared
+
+    n = len(tokens) // 32
+    kv = [empty_shared([n, 2, 32, 64], torch.float32) for _ in range(2)]
+    for layer in kv:
+        layer.normal_(0.0, 3.0)
+    client = KVCacheClient(endpoint, 99, model, timeout_s=30)
+    try:
+        client.register_kv_caches(kv, engine="vllm", block_size=32, fmt="NL_X_NB_PAGE")
+        assert client.store(tokens, list(range(n))).stored_tokens == len(tokens)
+    finally:
+        client.close()
+
+
+def test_vllm_slow_l2_load_times_out(
+    vllm_python: str, tmp_path: Path, daemons: list[Daemon], reference: dict[str, Any]
+) -> None:
+    """Issue 26 end to end, under the connector's defaults (asynchronous loads): the prompt's
+    1,024-token prefix sits only in a Redis L2 whose values arrive 1.5 s late (``SlowLink``),
+    and the connector's ``timeout_s`` is 0.5. The lookup finds it, the load times out and
+    fills nothing, and vLLM recomputes: the same tokens as vLLM alone. What the L2 holds is
+    garbage, so a load that had served it would show. Before the fix the request was offered
+    the load again and never admitted (the driver's watchdog exits 3)."""
+    import shutil
+
+    from kvcache.storage.redis_local import LocalRedis
+    from tests.integrations.vllm.slow_link import SlowLink
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    model = str(tmp_path / "model")
+    prompt = prompts(0, 1024, 3, 40)[0]
+    with LocalRedis() as redis:
+        link = SlowLink(redis.port).start()
+        try:
+            l2 = ["--l2-redis-url", link.url, "--l2-redis-timeout", "30"]
+            filler = start_daemon(tmp_path, None, "filler", l2)
+            daemons.append(filler)
+            fill_garbage(filler.endpoint, model, prompt[:1024])
+            filler.stop()  # graceful: the L2 writes finish; the next daemon's L1 is empty
+            d = start_daemon(tmp_path, None, "slow_l2_daemon", l2)
+            daemons.append(d)
+            link.delay_s = 1.5
+            run = drive(vllm_python, tmp_path, "slow_l2", "--endpoint", "default", "--timeout-s", "0.5",
+                        "--kv-cache-bytes", str(SMALL_KV_BLOCKS * 32 * 1024), "--max-model-len", "2048",
+                        "--within-s", "240")  # fmt: skip
+            assert d.metric("kvcache_lookup_hit_tokens_total") >= 1024  # the load was offered
+            d.stop()
+        finally:
+            link.close()
+    first = run["rounds"][0]
+    assert first["first_token"] == reference["first_token"]
+    assert first["outputs"] == reference["outputs"]
+    log = (tmp_path / "slow_l2.log").read_text()  # the driver's: vLLM's and the connector's lines
+    assert "deadline passed" in log and "loaded 0 of 1024 tokens" in log, log[-3000:]
+    assert "Recovered from KV load failure" in log, log[-3000:]

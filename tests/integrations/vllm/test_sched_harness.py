@@ -5,12 +5,15 @@ a worker ``KVCacheConnector`` moving real bytes through real daemons, stepped in
 with a model-free forward whose KV is a function of the whole prefix (``sched_model.py``,
 stepped by ``sched_engine.py``; daemons and the reader engine in ``sched_world.py``).
 Every scenario checks the tokens against an oracle, that no step computed on a wrong context
-vLLM was not told about, and that every chunk the daemon serves equals the oracle's bytes.
-What each scenario proves is in its docstring in ``sched_scenarios.py``.
+vLLM was not told about, and that every chunk the daemon serves equals the oracle's bytes;
+after every step, that no request is in limbo, and that every run ends within a wall-clock
+bound (``sched_invariants.py``). What each scenario proves is in its docstring in
+``sched_scenarios.py``, ``sched_loads.py`` and ``sched_failures.py``.
 
 The scenarios run in one process per connector mode (vLLM's import dominates): the fixture
 runs them all once with asynchronous loads (the default) and once with ``async_loads: false``
-(``SYNC_LOADS``: all but those that need a load to outlive its step), and each test reads
+(``SYNC_LOADS``: all but those that need a load to outlive its step, and the one that runs
+vLLM alone), and each test reads
 its scenario's result. Skipped with ``KVCACHE_SKIP_VLLM_E2E=1``.
 ``sched_controls.py`` (by hand, not here) switches each safeguard off in turn and checks that
 its scenarios then fail.
@@ -50,14 +53,20 @@ SCENARIOS = [
     "abort_resumed_while_loading",
     "loading_through_preemptions",
     "preempted_store",
+    "slow_l2",
+    "daemon_lost_while_loading",
+    "partial_batch_failure",
+    "preempted_resume_fails",
+    "vllm_failed_load_fact",
 ]
-NEED_ASYNC_LOADS = {
+NEED_ASYNC_LOADS = {  # and those run once
     "late_loads_sync",
     "late_loads_async",
     "abort_while_loading_sync",
     "abort_while_loading_async",
     "abort_resumed_while_loading",
     "loading_through_preemptions",
+    "vllm_failed_load_fact",  # vLLM alone: once
 }
 SYNC_LOADS = [n for n in SCENARIOS if n not in NEED_ASYNC_LOADS]
 pytestmark = pytest.mark.slow

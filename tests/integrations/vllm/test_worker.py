@@ -58,6 +58,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
     worker.begin_step(plan)
     worker.load(plan)
     assert worker.take_load_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
+    assert worker.take_failed_async() == frozenset()  # a synchronous load's request runs on
     worker.store(plan)
     assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.tally.totals()["stores_poisoned"] == 1
@@ -252,13 +253,15 @@ def test_a_late_async_load_failure_is_reported_with_its_request_in_the_step_that
     worker.load(plan)
     worker.begin_step(StepPlan(step=2))
     assert worker.take_finished_recving() == set() and worker.take_load_errors() == set()
-    assert worker.take_failed_step() == -1
+    assert worker.take_failed_step() == -1 and worker.take_failed_async() == frozenset()
     gate.set()
     assert worker.wait_loads(None)
     worker.begin_step(StepPlan(step=3, failures_seen=-1))
     assert worker.take_finished_recving() == {"r"}
     assert worker.take_load_errors() == unfilled  # not computed on: named once
     assert worker.take_failed_step() == 3 and worker.take_not_stored() == {"r": CS}
+    # Named with its report: the scheduler half offers it no second load (issue 26).
+    assert worker.take_failed_async() == frozenset({"r"}) and worker.take_failed_async() == frozenset()
     # Step 4, planned before vLLM processed step 3 (async scheduling): a store over the
     # unfilled blocks is cut; step 5, planned after, is not.
     sharer = StoreSpec("s", PROMPT, BLOCKS, None, "", stored_before=0)
@@ -303,6 +306,7 @@ def test_an_async_load_that_cannot_be_issued_is_reported_in_the_same_step() -> N
     worker.load(plan)
     assert worker.take_finished_recving() == {"a"} and worker.take_load_errors() == {40, 41, 42, 43}
     assert worker.take_failed_step() == 7 and worker.loads_in_flight == 0
+    assert worker.take_failed_async() == frozenset({"a"})
     worker.close()
 
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     make_model(model)
     kw: dict[str, Any] = {}
     if args.endpoint:
-        extra: dict[str, Any] = {"instance_id": args.instance_id, "timeout_s": 30.0}
+        extra: dict[str, Any] = {"instance_id": args.instance_id, "timeout_s": args.timeout_s}
         if args.sync_stores:  # the connector's synchronous modes (default: asynchronous transfers)
             extra["async_stores"] = False
         if args.sync_loads:
@@ -106,10 +107,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events_endpoint,
             topic=args.kv_events_topic,
         )  # fmt: skip
+    if args.within_s:  # a request left behind hangs generate(): fail instead, and say so
+        watchdog = threading.Timer(args.within_s, _left_behind, (args.within_s,))
+        watchdog.daemon = True
+        watchdog.start()
     llm = LLM(
         model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
-        block_size=32, max_model_len=4096, max_num_batched_tokens=4096, seed=0,
-        kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True, **kw,
+        block_size=32, max_model_len=args.max_model_len, max_num_batched_tokens=4096, seed=0,
+        kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True, **kw,
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out: dict[str, Any] = {"rounds": []}
@@ -138,6 +143,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reset_prefix_cache(llm)
     out["ttft"] = measure_ttft(llm, args) if args.ttft_reps else None
     return out
+
+
+def _left_behind(within_s: float) -> None:
+    print(f"vllm_driver: still running after {within_s} s: a request was left behind", flush=True)
+    os._exit(3)
 
 
 def measure_ttft(llm: Any, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -178,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-events-topic", default="vllm")
     p.add_argument("--sync-stores", action="store_true")
     p.add_argument("--sync-loads", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="the connector's timeout_s")
+    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--within-s", type=float, default=0.0, help="exit 3 if the run lasts longer")
     args = p.parse_args(argv)
     result = run(args)
     Path(args.out).write_text(json.dumps(result))
