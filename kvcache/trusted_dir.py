@@ -54,7 +54,7 @@ def check_mode(
         mode = stat.S_IMODE(st.st_mode)
         want = "700" if kind == stat.S_IFDIR else "600"
         raise UntrustedPathError(
-            f"{what} {path} is open to other users (mode {mode:o}): they could read, and maybe "
+            f"{what} {path} is open to other users (mode {mode:o}, not 0{want}): they could read, and maybe "
             f"change, what is in it. chmod {want} {path} if its contents are trusted, else "
             "remove it"
         )
@@ -98,10 +98,16 @@ def open_private_dir(
     return fd
 
 
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket, as the
+    kernel recorded them at its ``connect`` or ``listen`` (``SO_PEERCRED``)."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(pid), int(uid), int(gid)
+
+
 def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
-    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return int(uid)
+    """The uid of the process at the other end of a connected Unix socket."""
+    return peer_cred(sock)[1]
 
 
 def ipc_peer_uid(zap_address: str) -> int | None:
@@ -122,5 +128,6 @@ __all__ = [
     "ensure_private_dir",
     "ipc_peer_uid",
     "open_private_dir",
+    "peer_cred",
     "peer_uid",
 ]
