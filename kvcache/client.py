@@ -37,7 +37,7 @@ import torch
 import zmq
 
 from kvcache import trusted_dir
-from kvcache.errors import UnknownInstanceError, UntrustedPathError
+from kvcache.errors import AccessDeniedError, UnknownInstanceError, UntrustedPathError
 from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
@@ -367,6 +367,9 @@ class KVCacheClient:
         except DaemonUnavailableError as exc:  # the next beat retries; sync calls report it
             log.debug("heartbeat failed: %s", exc)
             return
+        except AccessDeniedError as exc:  # a refused or untrusted peer: the thread lives on
+            log.warning("heartbeat refused: %s", exc)
+            return
         if isinstance(pong, m.Pong) and not pong.registered:
             try:
                 if self._register_again(chan, generation):
@@ -378,7 +381,7 @@ class KVCacheClient:
         """Ask the daemon once whether it is back; close the breaker if it answers."""
         try:
             chan.call(m.Ping(), self.breaker.probe_interval_s)
-        except DaemonUnavailableError:
+        except (DaemonUnavailableError, AccessDeniedError):
             return
         if self.breaker.close():
             log.info("kvcache daemon at %s answers again", self.endpoint)

@@ -136,6 +136,34 @@ def test_the_client_refuses_a_daemon_of_another_uid(open_tmp: Path) -> None:
 
 
 @needs_root
+def test_a_fake_daemon_taking_over_after_a_restart_gets_nothing(
+    start_daemon: Callable[..., DaemonProcess], open_tmp: Path
+) -> None:
+    """The engine's daemon stops and a process of another uid takes its sockets over (the
+    directory swapped in and out under it): ZMQ reconnects on its own, and the peer check
+    refuses that connection too. The heartbeat thread lives on, so asynchronous calls fail
+    with the refusal instead of hanging."""
+    runtime = open_tmp / "kvcache-run"
+    runtime.mkdir(mode=0o700)
+    d = start_daemon(runtime_dir=str(runtime))
+    client = KVCacheClient(d.ipc_endpoint, 1, "victim", timeout_s=5)
+    try:
+        client.register_kv_caches(_cache())
+        assert d.stop() == 0
+        os.chown(runtime, NOBODY, NOBODY)
+        with impostor(runtime, "--zmq", "--fds", uid=NOBODY) as fake:
+            os.chown(runtime, 0, 0)
+            with pytest.raises(AccessDeniedError, match=f"runs as uid {NOBODY}"):
+                client.lookup(TOKENS)
+            future = client.store_async(TOKENS, BLOCKS)
+            with pytest.raises(AccessDeniedError, match=f"runs as uid {NOBODY}"):
+                future.result(timeout=60)  # a guard against a hang, not a timing assert
+    finally:
+        client.close(unregister=False)
+    assert fake.caught == []
+
+
+@needs_root
 @pytest.mark.parametrize("how", ["foreign-dir", "foreign-listener"])
 def test_memfds_go_only_to_a_verified_fd_socket(open_tmp: Path, how: str) -> None:
     """A loopback TCP endpoint (no peer credentials there) answered by a fake daemon whose
