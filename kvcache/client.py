@@ -12,17 +12,14 @@ Two DEALER sockets, so that neither kind of call waits for the other:
   own socket; it resolves ``concurrent.futures.Future`` objects and, if a restarted daemon has
   forgotten this instance, registers it again.
 
-Whom it trusts (issue 20): the daemon runs as an expected uid (``daemon_uid``,
-``$KVCACHE_DAEMON_UID``, else this process's). An ``ipc://`` endpoint's directory must be a
-private directory of that uid (``kvcache.trusted_dir``), each connection's peer must run as
-it (``peer_check``, before any request leaves), and memfds go only to ``fds.sock`` in that
-directory, checked again and with the listener's uid checked by ``SO_PEERCRED``.
+Whom it trusts (issue 20): a daemon of the expected uid only (``daemon_uid``,
+``$KVCACHE_DAEMON_UID``, else this process's): its ``ipc://`` directory, the peer of every
+connection and the fd socket it hands memfds to are checked (``protocol.peer_check``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -36,8 +33,7 @@ import msgspec
 import torch
 import zmq
 
-from kvcache import trusted_dir
-from kvcache.errors import AccessDeniedError, UnknownInstanceError, UntrustedPathError
+from kvcache.errors import AccessDeniedError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
@@ -45,14 +41,8 @@ from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
-from kvcache.protocol.peer_check import DaemonUidCheck
-from kvcache.server.auth import (
-    default_runtime_dir,
-    fd_socket_path,
-    ipc_endpoint,
-    load_public_key,
-    load_secret_key,
-)
+from kvcache.protocol.peer_check import DaemonTrust, expected_daemon_uid
+from kvcache.server.auth import default_runtime_dir, ipc_endpoint, load_public_key, load_secret_key
 from kvcache.server.ipc import (
     EventKeeper,
     ExportedEvent,
@@ -68,32 +58,10 @@ log = logging.getLogger("kvcache.client")
 R = TypeVar("R", bound=m.Reply)
 
 
-def expected_daemon_uid(daemon_uid: int | None = None) -> int:
-    """The uid the daemon must run as: ``daemon_uid``, else ``$KVCACHE_DAEMON_UID``, else this
-    process's own (a daemon of the same user, the default setup)."""
-    if daemon_uid is None:
-        raw = os.environ.get("KVCACHE_DAEMON_UID", "")
-        if not raw:
-            return os.getuid()
-        if not raw.isdigit():
-            raise ValueError(f"KVCACHE_DAEMON_UID must be a uid (a non-negative integer), got {raw!r}")
-        daemon_uid = int(raw)
-    if isinstance(daemon_uid, bool) or not isinstance(daemon_uid, int) or daemon_uid < 0:
-        raise ValueError(f"daemon_uid must be a non-negative integer, got {daemon_uid!r}")
-    return daemon_uid
-
-
 def default_endpoint(daemon_uid: int | None = None) -> str:
     """The co-located daemon's Unix socket: in ``$KVCACHE_RUNTIME_DIR``, else in
     /tmp/kvcache-UID, UID the daemon's (``expected_daemon_uid``)."""
     return ipc_endpoint(default_runtime_dir(expected_daemon_uid(daemon_uid)))
-
-
-def _ipc_dir(endpoint: str) -> str | None:
-    """The directory of an ``ipc://`` endpoint's socket; None for other transports."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    return os.path.dirname(os.path.abspath(endpoint[len("ipc://") :]))
 
 
 def curve_sockopts(server_public_key: str, secret_key_file: str) -> dict[int, int | bytes]:
@@ -142,10 +110,7 @@ class KVCacheClient:
         with ``UntrustedPathError`` (here already, if the directory exists)."""
         self.daemon_uid = expected_daemon_uid(daemon_uid)
         self.endpoint = endpoint if endpoint is not None else default_endpoint(self.daemon_uid)
-        self._runtime_dir = _ipc_dir(self.endpoint)
-        """The daemon's runtime directory when connected by ``ipc://``: its fd socket is there."""
-        if self._runtime_dir is not None and os.path.lexists(self._runtime_dir):
-            self._check_dir(self._runtime_dir, f"not connecting to {self.endpoint}")
+        self._trust = DaemonTrust(self.endpoint, self.daemon_uid)
         self.instance_id = instance_id if instance_id is not None else secrets.randbelow(1 << 31)
         self.model_name = model_name
         self.timeout_s = timeout_s
@@ -159,9 +124,8 @@ class KVCacheClient:
         self._nonce = secrets.token_bytes(16)  # proves "same client" when re-registering
         self._token = b""  # the daemon's registration token, sent with every instance request
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._peer_check: DaemonUidCheck | None = None
-        if self._runtime_dir is not None:  # ipc://: the peer's uid is checked on every connection
-            self._peer_check = DaemonUidCheck(self._ctx, self.daemon_uid)
+        self._peer_check = self._trust.peer_check(self._ctx)  # ipc://: every connection's peer
+        if self._peer_check is not None:
             self._sockopts.update(self._peer_check.sockopts)
         self._lock = threading.Lock()
         self._chan = self._channel()
@@ -186,32 +150,6 @@ class KVCacheClient:
     def _channel(self) -> Channel:
         check = self._peer_check
         return Channel(self._ctx, self.endpoint, self._sockopts, (lambda: check.refusal) if check else None)
-
-    def _check_dir(self, path: str, doing: str) -> None:
-        """``UntrustedPathError`` unless ``path`` is a private directory of the daemon's uid."""
-        try:
-            trusted_dir.check_private_dir(path, self.daemon_uid, "the daemon's runtime directory")
-        except UntrustedPathError as exc:
-            raise UntrustedPathError(f"{doing}: {exc}") from None
-        except FileNotFoundError:
-            raise DaemonUnavailableError(f"{doing}: {path} does not exist; is the daemon running?") from None
-
-    def _fd_socket(self, pong: m.Pong) -> str:
-        """Where to hand memfds over: ``fds.sock`` in the ``ipc://`` endpoint's directory,
-        whatever the reply names. Over TCP there is no directory of the endpoint's own, nor a
-        peer uid to check, so the path the reply names is used, but only if it is an
-        ``fds.sock`` whose directory passes the same check; the listener's uid is checked
-        when connecting (``send_fds``) either way."""
-        if not pong.fd_socket:
-            raise DaemonUnavailableError(
-                "the daemon has no fd socket, so it cannot map CPU tensors; CPU engines "
-                "must run on the daemon's host"
-            )
-        path = fd_socket_path(self._runtime_dir) if self._runtime_dir is not None else pong.fd_socket
-        if os.path.basename(path) != "fds.sock" or not os.path.isabs(path):
-            raise UntrustedPathError(f"not handing memfds to {path!r}: not an absolute path to fds.sock")
-        self._check_dir(os.path.dirname(path), f"not handing memfds to {path}")
-        return path
 
     def _call(self, body: m.RequestBody, expected: type[R]) -> R:
         if self._closed:
@@ -297,7 +235,12 @@ class KVCacheClient:
         ticket = b""
         if fds:
             pong = _unwrap(chan.call(m.Ping(), self.timeout_s), m.Pong)
-            path = self._fd_socket(pong)
+            if not pong.fd_socket:
+                raise DaemonUnavailableError(
+                    "the daemon has no fd socket, so it cannot map CPU tensors; CPU engines "
+                    "must run on the daemon's host"
+                )
+            path = self._trust.fd_socket(pong.fd_socket)
             from kvcache.server.fdpass import send_fds
 
             ticket = secrets.token_bytes(16)

@@ -1,4 +1,10 @@
-"""The client's check of who answers on ``ipc://``: the daemon's uid, before any request leaves.
+"""What a client checks about its daemon before trusting it (issue 20, finding 5).
+
+The daemon must run as an expected uid (``expected_daemon_uid``). ``DaemonTrust`` holds
+the checks for one endpoint: an ``ipc://`` endpoint's directory must be a private directory of
+that uid (``kvcache.trusted_dir``), and memfds go only to the fd socket in that directory,
+never to a path a reply names. ``DaemonUidCheck`` checks the uid of the process behind every
+``ipc://`` connection, before any request leaves:
 
 libzmq runs the ZAP handshake (RFC 27) on whichever end of a connection sets
 ``ZMQ_ZAP_DOMAIN``, the connecting end included, and for an ``ipc://`` peer it appends the
@@ -15,15 +21,77 @@ checking the socket file's owner alone, which says nothing about the process tha
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 import zmq
 
-from kvcache.trusted_dir import ipc_peer_uid
+from kvcache.errors import UntrustedPathError
+from kvcache.protocol.errors import DaemonUnavailableError
+from kvcache.trusted_dir import check_private_dir, ipc_peer_uid
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"kvcache-daemon"
+
+
+FD_SOCKET_NAME = "fds.sock"
+
+
+def expected_daemon_uid(daemon_uid: int | None = None) -> int:
+    """The uid the daemon must run as: ``daemon_uid``, else ``$KVCACHE_DAEMON_UID``, else this
+    process's own (a daemon of the same user, the default setup)."""
+    if daemon_uid is None:
+        raw = os.environ.get("KVCACHE_DAEMON_UID", "")
+        if not raw:
+            return os.getuid()
+        if not raw.isdigit():
+            raise ValueError(f"KVCACHE_DAEMON_UID must be a uid (a non-negative integer), got {raw!r}")
+        daemon_uid = int(raw)
+    if isinstance(daemon_uid, bool) or not isinstance(daemon_uid, int) or daemon_uid < 0:
+        raise ValueError(f"daemon_uid must be a non-negative integer, got {daemon_uid!r}")
+    return daemon_uid
+
+
+class DaemonTrust:
+    """The checks for one endpoint and daemon uid. ``runtime_dir``: the directory of an
+    ``ipc://`` endpoint's socket (None for TCP). Made, it has checked that directory if it
+    exists yet (``UntrustedPathError``; a daemon not started yet is no error)."""
+
+    def __init__(self, endpoint: str, uid: int) -> None:
+        self.endpoint, self.uid = endpoint, uid
+        self.runtime_dir: str | None = None
+        if endpoint.startswith("ipc://"):
+            self.runtime_dir = os.path.dirname(os.path.abspath(endpoint[len("ipc://") :]))
+            if os.path.lexists(self.runtime_dir):
+                self.check_dir(self.runtime_dir, f"not connecting to {endpoint}")
+
+    def check_dir(self, path: str, doing: str) -> None:
+        """``UntrustedPathError`` unless ``path`` is a private directory of the daemon's uid
+        (the message starts with ``doing``); ``DaemonUnavailableError`` if it is missing."""
+        try:
+            check_private_dir(path, self.uid, "the daemon's runtime directory")
+        except UntrustedPathError as exc:
+            raise UntrustedPathError(f"{doing}: {exc}") from None
+        except FileNotFoundError:
+            raise DaemonUnavailableError(f"{doing}: {path} does not exist; is the daemon running?") from None
+
+    def fd_socket(self, named: str) -> str:
+        """Where to hand memfds over, ``named`` being the path the daemon's reply names:
+        ``fds.sock`` in the ``ipc://`` endpoint's directory, whatever the reply says. Over TCP
+        there is no directory of the endpoint's own, nor a peer uid to check, so ``named`` is
+        used, but only if it is an absolute ``.../fds.sock`` whose directory passes the same
+        check. Either way the listener's uid is checked when connecting (``send_fds``)."""
+        path = named if self.runtime_dir is None else os.path.join(self.runtime_dir, FD_SOCKET_NAME)
+        if os.path.basename(path) != FD_SOCKET_NAME or not os.path.isabs(path):
+            raise UntrustedPathError(f"not handing memfds to {path!r}: not an absolute path to fds.sock")
+        self.check_dir(os.path.dirname(path), f"not handing memfds to {path}")
+        return path
+
+    def peer_check(self, context: zmq.Context[Any]) -> DaemonUidCheck | None:
+        """The ZAP handler that checks every ``ipc://`` connection's peer (None for TCP,
+        which has no peer credentials)."""
+        return DaemonUidCheck(context, self.uid) if self.runtime_dir is not None else None
 
 
 class DaemonUidCheck:
@@ -88,4 +156,4 @@ class DaemonUidCheck:
             sock.close(linger=0)
 
 
-__all__ = ["ZAP_DOMAIN", "DaemonUidCheck"]
+__all__ = ["FD_SOCKET_NAME", "ZAP_DOMAIN", "DaemonTrust", "DaemonUidCheck", "expected_daemon_uid"]

@@ -30,6 +30,7 @@ import zmq.auth
 from zmq.utils import z85
 
 from kvcache.errors import AccessDeniedError
+from kvcache.protocol.peer_check import FD_SOCKET_NAME
 from kvcache.trusted_dir import ipc_peer_uid
 
 log = logging.getLogger("kvcache.server")
@@ -265,7 +266,7 @@ def ipc_endpoint(runtime_dir: str) -> str:
 
 
 def fd_socket_path(runtime_dir: str) -> str:
-    return os.path.join(runtime_dir, "fds.sock")
+    return os.path.join(runtime_dir, FD_SOCKET_NAME)
 
 
 __all__ = [
