@@ -11,6 +11,10 @@ Two DEALER sockets, so that neither kind of call waits for the other:
 * ``store_async``/``retrieve_async`` and heartbeats go through a background thread with its
   own socket; it resolves ``concurrent.futures.Future`` objects and, if a restarted daemon has
   forgotten this instance, registers it again.
+
+Whom it trusts (issue 20): a daemon of the expected uid only (``daemon_uid``,
+``$KVCACHE_DAEMON_UID``, else this process's): its ``ipc://`` directory, the peer of every
+connection and the fd socket it hands memfds to are checked (``protocol.peer_check``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.errors import UnknownInstanceError
+from kvcache.errors import AccessDeniedError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
@@ -37,6 +41,7 @@ from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
+from kvcache.protocol.peer_check import DaemonTrust, expected_daemon_uid
 from kvcache.server.auth import default_runtime_dir, ipc_endpoint, load_public_key, load_secret_key
 from kvcache.server.ipc import (
     EventKeeper,
@@ -53,9 +58,10 @@ log = logging.getLogger("kvcache.client")
 R = TypeVar("R", bound=m.Reply)
 
 
-def default_endpoint() -> str:
-    """The co-located daemon's Unix socket (``$KVCACHE_RUNTIME_DIR`` or /tmp/kvcache-UID)."""
-    return ipc_endpoint(default_runtime_dir())
+def default_endpoint(daemon_uid: int | None = None) -> str:
+    """The co-located daemon's Unix socket: in ``$KVCACHE_RUNTIME_DIR``, else in
+    /tmp/kvcache-UID, UID the daemon's (``expected_daemon_uid``)."""
+    return ipc_endpoint(default_runtime_dir(expected_daemon_uid(daemon_uid)))
 
 
 def curve_sockopts(server_public_key: str, secret_key_file: str) -> dict[int, int | bytes]:
@@ -93,12 +99,18 @@ class KVCacheClient:
         timeout_s: float = 10.0,
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
+        daemon_uid: int | None = None,
     ) -> None:
         """``endpoint``: default ``default_endpoint()`` (the local daemon's Unix socket).
         ``instance_id``: default a random id, unique per client (two engines on defaults
         never share one). ``curve_server_key`` / ``curve_secret_key``: for a daemon that
-        requires CURVE (the daemon's public key; this client's ``.key_secret`` file)."""
-        self.endpoint = endpoint if endpoint is not None else default_endpoint()
+        requires CURVE (the daemon's public key; this client's ``.key_secret`` file).
+        ``daemon_uid``: the uid the daemon runs as (default ``$KVCACHE_DAEMON_UID``, else
+        this process's); an ``ipc://`` directory, peer or fd socket of another uid is refused
+        with ``UntrustedPathError`` (here already, if the directory exists)."""
+        self.daemon_uid = expected_daemon_uid(daemon_uid)
+        self.endpoint = endpoint if endpoint is not None else default_endpoint(self.daemon_uid)
+        self._trust = DaemonTrust(self.endpoint, self.daemon_uid)
         self.instance_id = instance_id if instance_id is not None else secrets.randbelow(1 << 31)
         self.model_name = model_name
         self.timeout_s = timeout_s
@@ -112,8 +124,11 @@ class KVCacheClient:
         self._nonce = secrets.token_bytes(16)  # proves "same client" when re-registering
         self._token = b""  # the daemon's registration token, sent with every instance request
         self._ctx: zmq.Context[Any] = zmq.Context()
+        self._peer_check = self._trust.peer_check(self._ctx)  # ipc://: every connection's peer
+        if self._peer_check is not None:
+            self._sockopts.update(self._peer_check.sockopts)
         self._lock = threading.Lock()
-        self._chan = Channel(self._ctx, self.endpoint, self._sockopts)
+        self._chan = self._channel()
         self._register_msg: _Registration | None = None
         self._kv_caches: Any = None
         self._registered: m.Registered | None = None
@@ -131,6 +146,10 @@ class KVCacheClient:
         """Block reports and end-of-request notices dropped (daemon down, or too many queued)."""
 
     # -- plumbing ----------------------------------------------------------------------
+
+    def _channel(self) -> Channel:
+        check = self._peer_check
+        return Channel(self._ctx, self.endpoint, self._sockopts, (lambda: check.refusal) if check else None)
 
     def _call(self, body: m.RequestBody, expected: type[R]) -> R:
         if self._closed:
@@ -221,10 +240,11 @@ class KVCacheClient:
                     "the daemon has no fd socket, so it cannot map CPU tensors; CPU engines "
                     "must run on the daemon's host"
                 )
+            path = self._trust.fd_socket(pong.fd_socket)
             from kvcache.server.fdpass import send_fds
 
             ticket = secrets.token_bytes(16)
-            send_fds(pong.fd_socket, ticket, fds, self.timeout_s)
+            send_fds(path, ticket, fds, self.timeout_s, peer_uid=self.daemon_uid)
         msg = msgspec.structs.replace(registration.msg, tensors=descs, fd_ticket=ticket)
         reply = _unwrap(chan.call(msg, self.timeout_s), m.Registered)
         self._token, self._registered = reply.token, reply
@@ -249,7 +269,7 @@ class KVCacheClient:
 
     def _background(self) -> None:
         """Runs queued async calls; sends a heartbeat ping whenever it has been idle."""
-        chan = Channel(self._ctx, self.endpoint, self._sockopts)
+        chan = self._channel()
         try:
             while True:
                 interval = self._heartbeat_interval()
@@ -290,6 +310,9 @@ class KVCacheClient:
         except DaemonUnavailableError as exc:  # the next beat retries; sync calls report it
             log.debug("heartbeat failed: %s", exc)
             return
+        except AccessDeniedError as exc:  # a refused or untrusted peer: the thread lives on
+            log.warning("heartbeat refused: %s", exc)
+            return
         if isinstance(pong, m.Pong) and not pong.registered:
             try:
                 if self._register_again(chan, generation):
@@ -301,7 +324,7 @@ class KVCacheClient:
         """Ask the daemon once whether it is back; close the breaker if it answers."""
         try:
             chan.call(m.Ping(), self.breaker.probe_interval_s)
-        except DaemonUnavailableError:
+        except (DaemonUnavailableError, AccessDeniedError):
             return
         if self.breaker.close():
             log.info("kvcache daemon at %s answers again", self.endpoint)
@@ -602,6 +625,8 @@ class KVCacheClient:
             self._worker.join(timeout=self.timeout_s + 1)
         with self._lock:
             self._chan.close()
+        if self._peer_check is not None:
+            self._peer_check.close()
         if self._worker is not None and self._worker.is_alive():
             self._ctx.destroy(linger=0)  # term() would wait for the stuck thread's socket
         else:
@@ -623,4 +648,11 @@ class _Registration:
     leaves: list[torch.Tensor]
 
 
-__all__ = ["KVCacheClient", "curve_sockopts", "default_endpoint", "empty_shared", "to_shared"]
+__all__ = [
+    "KVCacheClient",
+    "curve_sockopts",
+    "default_endpoint",
+    "empty_shared",
+    "expected_daemon_uid",
+    "to_shared",
+]

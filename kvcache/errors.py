@@ -13,6 +13,7 @@ Each error also derives from the matching builtin, so callers that already catch
     │   └── CorruptChunkError             a stored chunk failed its header or checksum check
     ├── UnknownInstanceError (KeyError)   a request names an instance that never registered
     ├── AccessDeniedError (PermissionError)  a wrong registration token, an unknown peer, a tenant limit
+    │   └── UntrustedPathError            a directory, file or socket another user could have planted
     ├── LimitExceededError (ValueError)   a configured bound (tensors, ids, instances) was hit
     ├── DeadlineExceededError (TimeoutError)  the caller's deadline passed before a copy began
     ├── TransferError (RuntimeError)      a copy job failed on the device, or its handler is closed
@@ -69,6 +70,12 @@ class AccessDeniedError(KvcacheError, PermissionError):
     credentials are not allowed, or its tenant is restricted to other models or salts."""
 
 
+class UntrustedPathError(AccessDeniedError):
+    """A directory, file or socket kvcache was pointed at could have been planted by another
+    user: a symlink, the wrong owner, a group- or world-accessible mode, or a socket served by
+    another uid. Nothing was read from it or handed to it; the message says how to fix it."""
+
+
 class LimitExceededError(KvcacheError, ValueError):
     """A request exceeds a configured bound (tensors per registration, ids per request,
     registered instances, descriptors); nothing was changed."""
@@ -109,4 +116,5 @@ __all__ = [
     "TransferError",
     "UnknownInstanceError",
     "UnknownTransferError",
+    "UntrustedPathError",
 ]

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvcache.errors import AccessDeniedError, ProtocolError
+from kvcache.errors import AccessDeniedError, ProtocolError, UntrustedPathError
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
 from kvcache.protocol.errors import DaemonUnavailableError
@@ -36,12 +36,24 @@ class Channel:
         ctx: zmq.Context[Any],
         endpoint: str,
         sockopts: Mapping[int, int | bytes] | None = None,
+        peer_refusal: Callable[[], str | None] | None = None,
     ) -> None:
-        """``sockopts`` are set before connecting (the CURVE client keys, for one)."""
+        """``sockopts`` are set before connecting (the CURVE client keys, for one).
+        ``peer_refusal``: why this client refused the daemon's end of a handshake, if it did
+        (``peer_check.DaemonUidCheck.refusal``); a refused handshake is then reported as
+        ``UntrustedPathError`` rather than as the daemon refusing this client."""
         self._ctx, self._endpoint = ctx, endpoint
         self._sockopts = dict(sockopts or {})
+        self._peer_refusal = peer_refusal
         self._ids = itertools.count(1)
         self._sock, self._monitor = self._open()
+        self._poller = self._make_poller()
+
+    def _make_poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        return poller
 
     def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         sock = self._ctx.socket(zmq.DEALER)
@@ -62,9 +74,21 @@ class Channel:
             reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
         return reason
 
+    def _refused(self, reason: str) -> AccessDeniedError:
+        """The error for a refused handshake (the socket is reset: ZMQ would retry forever)."""
+        self.reset()
+        ours = self._peer_refusal() if self._peer_refusal is not None else None
+        if ours is not None:
+            return UntrustedPathError(f"not talking to {self._endpoint}: {ours}")
+        return AccessDeniedError(
+            f"the kvcache daemon at {self._endpoint} refused this client: {reason}; "
+            "check its --clients allow-list, the CURVE keys, or the peer's uid"
+        )
+
     def reset(self) -> None:
         self.close()
         self._sock, self._monitor = self._open()
+        self._poller = self._make_poller()
 
     def close(self) -> None:
         self._sock.disable_monitor()
@@ -77,18 +101,20 @@ class Channel:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
+            ready = dict(self._poller.poll(max(remaining_ms, 0)))
+            if self._monitor in ready or not ready:
+                # A refused handshake ends the call at once: ZMQ would only retry it.
                 refused = self._refusal()
-                self.reset()
                 if refused is not None:
-                    raise AccessDeniedError(
-                        f"the kvcache daemon at {self._endpoint} refused this client: {refused}; "
-                        "check its --clients allow-list, the CURVE keys, or the peer's uid"
-                    )
+                    raise self._refused(refused)
+            if not ready:
+                self.reset()
                 raise DaemonUnavailableError(
                     f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
                     f"({type(body).__name__}); is `python -m kvcache.server` running?"
                 )
+            if self._sock not in ready:
+                continue  # monitor events only
             try:
                 envelope = decode_reply(self._sock.recv())
             except (msgspec.DecodeError, ValueError) as exc:

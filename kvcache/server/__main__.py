@@ -104,9 +104,11 @@ def build_parser(
     srv.add_argument("--allow-remote", action="store_true",
                      help="allow a non-loopback --host (needs --curve-secret-key and --clients)")
     srv.add_argument("--runtime-dir", default=None, metavar="DIR",
-                     help="private directory (0700) for the Unix sockets daemon.sock (ipc:// "
+                     help="private directory for the Unix sockets daemon.sock (ipc:// "
                      "requests) and fds.sock (CPU memfd hand-over); default $KVCACHE_RUNTIME_DIR "
-                     "or /tmp/kvcache-UID, where clients look by default")
+                     "or /tmp/kvcache-UID, where clients look by default. Created 0700 if "
+                     "missing; an existing one must be a real directory of this user, 0700, or "
+                     "the daemon refuses to start")
     srv.add_argument("--no-ipc", dest="ipc", action="store_false",
                      help="do not listen on the ipc:// socket (the fd socket stays)")
     srv.add_argument("--curve-secret-key", default=None, metavar="FILE",
@@ -152,7 +154,9 @@ def build_parser(
                     help="after a store, evict least recently used chunks down to this fraction "
                     "of L1 (default %(default)s)")
     st.add_argument("--l2-disk-path", default=None, metavar="DIR",
-                    help="directory for the disk tier; chunks survive restarts (default: off)")
+                    help="directory for the disk tier; chunks survive restarts (default: off). "
+                    "It, its subdirectories and chunk files must be this user's, closed to others "
+                    "(0700 / 0600) and no symlinks, or the daemon refuses to start")
     st.add_argument("--l2-disk-size-gb", type=float, default=defaults.l2_disk_size_bytes / GiB,
                     help="bound of the disk tier, GiB (default %(default)g)")
     st.add_argument("--l2-redis-url", default=None, metavar="URL",

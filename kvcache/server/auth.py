@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -32,6 +31,8 @@ import zmq.auth
 from zmq.utils import z85
 
 from kvcache.errors import AccessDeniedError
+from kvcache.protocol.peer_check import FD_SOCKET_NAME
+from kvcache.trusted_dir import ipc_peer_uid
 
 log = logging.getLogger("kvcache.server")
 
@@ -216,7 +217,7 @@ class AccessPolicy:
             return True, entry.principal().name
         if mechanism != b"NULL":
             return False, f"mechanism {mechanism.decode(errors='replace')} not accepted"
-        uid = _ipc_uid(address)
+        uid = ipc_peer_uid(address)
         if uid is not None:
             if f"uid:{uid}" in self._by_user:
                 return True, f"uid:{uid}"
@@ -231,17 +232,6 @@ class AccessPolicy:
             return self._by_user[user_id]
         except KeyError:
             raise AccessDeniedError(f"unknown principal {user_id!r}") from None
-
-
-def _ipc_uid(address: str) -> int | None:
-    """The uid libzmq appends to an ipc peer's address (``host:uid:gid:pid``); None for TCP."""
-    parts = address.rsplit(":", 3)
-    if len(parts) != 4:
-        return None
-    try:
-        return int(parts[1])
-    except ValueError:
-        return None
 
 
 class ZapHandler:
@@ -283,26 +273,10 @@ class ZapHandler:
         self._sock.close(linger=0)
 
 
-def ensure_private_dir(path: str) -> str:
-    """Create ``path`` 0700 or check that an existing one is ours, a real directory, and
-    closed to everyone else; raises ``OSError`` otherwise (someone may have planted it)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} exists and is not a directory")
-    if st.st_uid != os.getuid():
-        raise OSError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o077:
-        raise OSError(
-            f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
-            "it must be 0700: chmod 700 it or pick another --runtime-dir"
-        )
-    return path
-
-
-def default_runtime_dir() -> str:
-    """Where the daemon's Unix sockets live: ``$KVCACHE_RUNTIME_DIR`` or /tmp/kvcache-UID."""
-    return os.environ.get("KVCACHE_RUNTIME_DIR") or f"/tmp/kvcache-{os.getuid()}"
+def default_runtime_dir(uid: int | None = None) -> str:
+    """Where the daemon's Unix sockets live: ``$KVCACHE_RUNTIME_DIR`` or /tmp/kvcache-UID, UID
+    the daemon's (by default this process's: a client passes the daemon's it expects)."""
+    return os.environ.get("KVCACHE_RUNTIME_DIR") or f"/tmp/kvcache-{os.getuid() if uid is None else uid}"
 
 
 def ipc_endpoint(runtime_dir: str) -> str:
@@ -310,7 +284,7 @@ def ipc_endpoint(runtime_dir: str) -> str:
 
 
 def fd_socket_path(runtime_dir: str) -> str:
-    return os.path.join(runtime_dir, "fds.sock")
+    return os.path.join(runtime_dir, FD_SOCKET_NAME)
 
 
 __all__ = [
@@ -320,7 +294,6 @@ __all__ = [
     "Principal",
     "ZapHandler",
     "default_runtime_dir",
-    "ensure_private_dir",
     "fd_socket_path",
     "ipc_endpoint",
     "load_clients",

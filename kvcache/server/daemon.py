@@ -51,6 +51,7 @@ from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
 from kvcache.server.deferred import Outbox
 from kvcache.server.handlers import Handlers
+from kvcache.trusted_dir import ensure_private_dir
 
 log = logging.getLogger("kvcache.server")
 
@@ -129,7 +130,7 @@ class Daemon:
         self._own_dir = config.runtime_dir is None
         self.runtime_dir = (
             tempfile.mkdtemp(prefix="kvcache-") if config.runtime_dir is None
-            else auth.ensure_private_dir(config.runtime_dir)
+            else ensure_private_dir(config.runtime_dir, what="runtime directory (--runtime-dir)")
         )  # fmt: skip
         self._ctx = zmq.Context()
         self._zap = auth.ZapHandler(self._ctx, self.policy)

@@ -23,7 +23,6 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,14 +30,20 @@ from typing import Literal
 
 import msgspec
 
-from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError, ProtocolError
+from kvcache import trusted_dir
+from kvcache.errors import (
+    AccessDeniedError,
+    LayoutError,
+    LimitExceededError,
+    ProtocolError,
+    UntrustedPathError,
+)
 
 log = logging.getLogger("kvcache.server")
 
 MIN_TICKET, MAX_TICKET = 16, 64
 MAX_FDS_PER_MESSAGE = 253
 """Linux's ``SCM_MAX_FD``: ``sendmsg`` refuses more descriptors in one message (EINVAL)."""
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FD_SIZE = array.array("i").itemsize
 
 RefusalCode = Literal["", "access_denied", "limit", "layout"]
@@ -62,10 +67,14 @@ _REPLY_DECODER = msgspec.msgpack.Decoder(FdReply)
 # -- client side --------------------------------------------------------------------------
 
 
-def send_fds(socket_path: str, ticket: bytes, fds: list[int], timeout_s: float) -> None:
+def send_fds(
+    socket_path: str, ticket: bytes, fds: list[int], timeout_s: float, *, peer_uid: int | None = None
+) -> None:
     """Hand ``fds`` to the daemon under ``ticket``; raises the daemon's refusal as the
     matching kvcache error (``AccessDeniedError``, ``LimitExceededError``, ``LayoutError``),
-    ``ConnectionError`` when the socket cannot be reached or closes without an answer."""
+    ``ConnectionError`` when the socket cannot be reached or closes without an answer.
+    ``peer_uid``: the uid the listening process must run as (``SO_PEERCRED``), checked after
+    connecting and before a byte is sent (``UntrustedPathError`` otherwise)."""
     if not MIN_TICKET <= len(ticket) <= MAX_TICKET:
         raise ValueError(f"a ticket is {MIN_TICKET}..{MAX_TICKET} bytes, got {len(ticket)}")
     if len(fds) > MAX_FDS_PER_MESSAGE:
@@ -82,6 +91,12 @@ def send_fds(socket_path: str, ticket: bytes, fds: list[int], timeout_s: float) 
                 f"cannot reach the daemon's fd socket {socket_path}: {exc.strerror}; CPU engines "
                 "must run on the daemon's host, as its user (or a uid in its --clients)"
             ) from None
+        if peer_uid is not None and (uid := trusted_dir.peer_uid(sock)) != peer_uid:
+            raise UntrustedPathError(
+                f"not handing memfds to {socket_path}: the process listening there runs as uid "
+                f"{uid}, not as the expected daemon uid {peer_uid}; another user may have "
+                "planted it"
+            )
         try:
             socket.send_fds(sock, [ticket], fds)
             data = sock.recv(4096)
@@ -247,7 +262,7 @@ class FdInbox:
         refused. False when there was nothing to read after all (the connection stays)."""
         fds: list[int] = []
         try:
-            pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            pid, uid, _ = trusted_dir.peer_cred(conn)
             # Read first, refuse after: closing with a message unread resets the
             # connection, and the peer would never see why it was refused.
             ticket, fds = self._receive(conn)

@@ -9,8 +9,14 @@ place, so a reader sees the whole record or none (a crash leaves only ``*.tmp`` 
 on the next start). No fsync: this is a cache; after a power loss a torn file fails its CRC and
 is dropped like any other corrupt record.
 
-Privacy: cached KV is as sensitive as the prompts it came from, so files are 0600 and
-directories 0700 whatever the umask.
+Privacy and trust: cached KV is as sensitive as the prompts it came from, and a chunk file
+another user could replace is served as KV (its CRC is no MAC). So the tier directory and each
+subdirectory must be real directories (no symlinks) of the daemon's uid, 0700, and each chunk
+file a regular file of that uid, 0600 (``kvcache.trusted_dir``); anything else stops the tier
+at start with a message that says how to fix it, never loosened or tightened silently. After
+the check every file is reached relative to a descriptor of the checked directory, opened with
+``O_NOFOLLOW``: nobody else can add an entry in it, and renaming a directory above it changes
+nothing. Files are created 0600 and directories 0700 whatever the umask.
 
 A full disk (ENOSPC, EDQUOT) is not the end of the tier: it evicts its own oldest chunks and
 retries once, and from then on bounds itself by what the disk really has free: re-read at every
@@ -22,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import shutil
+import stat
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -39,10 +48,13 @@ from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvict
 from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage import codec
 from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
+from kvcache.trusted_dir import check_mode, open_private_dir
 
 _SUFFIX = ".kvc"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_EVERY = 64
+_WHAT = "disk tier (--l2-disk-path)"
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 log = logging.getLogger(__name__)
 
 
@@ -63,8 +75,12 @@ class DiskL2Adapter(L2Adapter):
         """The bound in force: ``size_bytes``, or less while the disk has less free."""
         self._writes = 0
         self._full_logged = False
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        _make_private(self.path)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._root = open_private_dir(self.path, _WHAT)
+        """Every file is reached relative to this descriptor of the checked directory."""
+        weakref.finalize(self, os.close, self._root)  # never while a method may still use it
+        self._subdirs: set[str] = set()
+        """Subdirectories checked (or made) by this adapter."""
         self._scan()
 
     # -- L2Adapter ------------------------------------------------------------------------
@@ -115,11 +131,12 @@ class DiskL2Adapter(L2Adapter):
     def _write(
         self, key: ChunkKey, header: bytes, payload: memoryview, size: int, announce: Announce | None
     ) -> None:
-        final = self._file(key)
+        final = self._rel(key)
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            self._subdir(final[:2])
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=self._root)
             with open(fd, "wb", buffering=0) as f:  # the slow part, outside the lock
                 f.write(header)
                 view = payload
@@ -129,7 +146,7 @@ class DiskL2Adapter(L2Adapter):
             # NOTE: rename, index, events and evictions happen under one lock, so the index,
             # the files and the published events agree even with several writer threads.
             with self._lock:
-                os.replace(tmp, final)
+                os.replace(tmp, final, src_dir_fd=self._root, dst_dir_fd=self._root)
                 if key not in self._index:
                     self._index[key] = size
                     self.used_bytes += size
@@ -140,7 +157,7 @@ class DiskL2Adapter(L2Adapter):
                     self._probe_capacity(0)
                 self._evict_over_limit()
         except BaseException:
-            _unlink(tmp)
+            _unlink(tmp, self._root)
             raise
 
     def _shrink_to_disk(self, need: int) -> None:
@@ -175,9 +192,8 @@ class DiskL2Adapter(L2Adapter):
             if key not in self._index:
                 return False
             self._index.move_to_end(key)
-        path = self._file(key)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with self._open(key) as f:
                 head = f.read(codec.MAX_HEADER)
                 header = codec.decode_header(head)
                 codec.check_fits(header, key, out)
@@ -214,7 +230,7 @@ class DiskL2Adapter(L2Adapter):
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         removed = self._forget(keys)
         for key in removed:
-            _unlink(self._file(key))
+            _unlink(self._rel(key), self._root)
         return len(removed)
 
     def info(self) -> dict[str, Any]:
@@ -230,27 +246,40 @@ class DiskL2Adapter(L2Adapter):
 
     # -- internals ------------------------------------------------------------------------
     def _file(self, key: ChunkKey) -> str:
+        """The chunk's file, as a path (for messages and tests; the adapter uses ``_rel``)."""
+        return os.path.join(self.path, self._rel(key))
+
+    @staticmethod
+    def _rel(key: ChunkKey) -> str:
+        """The chunk's file relative to the tier directory: ``ab/ab12...ef.kvc``."""
         name = f"{key:032x}"
-        return os.path.join(self.path, name[:2], name + _SUFFIX)
+        return f"{name[:2]}/{name}{_SUFFIX}"
+
+    def _subdir(self, name: str) -> None:
+        """Make ``name`` (or check it once, if it exists) a private directory of ours."""
+        if name not in self._subdirs:
+            shown = os.path.join(self.path, name)
+            os.close(open_private_dir(name, f"{_WHAT} subdirectory", self._root, shown))
+            self._subdirs.add(name)
+
+    def _open(self, key: ChunkKey) -> io.FileIO:
+        """The chunk's file for reading; a symlink there (``O_NOFOLLOW``: ELOOP) is corrupt."""
+        try:
+            fd = os.open(self._rel(key), _READ, dir_fd=self._root)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise CorruptChunkError(f"{self._file(key)} is a symlink, not a chunk file") from None
+        return open(fd, "rb", buffering=0)
 
     def _scan(self) -> None:
         """Rebuild the index from the files present, oldest modification first (LRU order)."""
         found: list[tuple[float, ChunkKey, int]] = []
-        for sub in os.scandir(self.path):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.endswith(".tmp"):
-                    _unlink(entry.path)  # a write interrupted by a crash
-                    continue
-                if not entry.name.endswith(_SUFFIX):
-                    continue
-                try:
-                    key = int(entry.name[: -len(_SUFFIX)], 16)
-                    st = entry.stat(follow_symlinks=False)
-                except (ValueError, OSError):
-                    continue
-                found.append((st.st_mtime, key, st.st_size))
+        with os.scandir(self._root) as entries:
+            subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()]
+        for name in subdirs:
+            self._subdir(name)  # raises for a symlink or a directory another user could write
+            found += self._scan_subdir(name)
         found.sort()
         with self._lock:
             for _, key, size in found:
@@ -264,11 +293,36 @@ class DiskL2Adapter(L2Adapter):
             meta = L2KeysFound(backend=self.backend, keys=keys, num_bytes=used, identities=identities)
             self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 
+    def _scan_subdir(self, name: str) -> list[tuple[float, ChunkKey, int]]:
+        """(mtime, key, size) of the chunk files in one (checked) subdirectory; refuses one
+        that is not a regular file of ours closed to others, removes crashed writes."""
+        found: list[tuple[float, ChunkKey, int]] = []
+        fd = os.open(name, _READ | os.O_DIRECTORY, dir_fd=self._root)
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".tmp"):
+                        _unlink(entry.name, fd)  # a write interrupted by a crash
+                        continue
+                    if not entry.name.endswith(_SUFFIX):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                    shown = os.path.join(self.path, name, entry.name)
+                    check_mode(st, shown, os.getuid(), f"{_WHAT} chunk file", stat.S_IFREG)
+                    try:
+                        key = int(entry.name[: -len(_SUFFIX)], 16)
+                    except ValueError:
+                        continue
+                    found.append((st.st_mtime, key, st.st_size))
+        finally:
+            os.close(fd)
+        return found
+
     def _identity(self, key: ChunkKey) -> ChunkIdentity | None:
         """How KV events announced ``key`` before the restart (its file's meta); None for a
         file without one (written by an older build) or one that cannot be read."""
         try:
-            with open(self._file(key), "rb", buffering=0) as f:
+            with self._open(key) as f:
                 head = f.read(codec.MAX_HEADER)
                 header = codec.decode_header(head)
                 if header.header_len > len(head):
@@ -285,7 +339,7 @@ class DiskL2Adapter(L2Adapter):
         while self.used_bytes > self.capacity_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.used_bytes -= size
-            _unlink(self._file(key))
+            _unlink(self._rel(key), self._root)
             evicted.append((key, size))
         if evicted:
             meta = L2KeysEvicted(
@@ -303,19 +357,9 @@ class DiskL2Adapter(L2Adapter):
         return removed
 
 
-def _make_private(path: str) -> None:
-    """Close a tier directory we own to other users (chunks are as private as prompts)."""
-    try:
-        st = os.stat(path)
-        if st.st_uid == os.getuid() and st.st_mode & 0o077:
-            os.chmod(path, 0o700)
-    except OSError as exc:
-        log.warning("cannot make %s private: %s", path, exc)
-
-
-def _unlink(path: str) -> None:
+def _unlink(path: str, dir_fd: int) -> None:
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
 
 
 __all__ = ["DiskL2Adapter"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.errors import CorruptChunkError, StorageError, UntrustedPathError
 from kvcache.observability.event import Event, EventType, L2KeysEvicted
 from kvcache.storage.base import failure_reason
 from kvcache.storage.disk import DiskL2Adapter
@@ -262,8 +262,101 @@ def test_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
     os.chmod(shared, 0o755)
-    DiskL2Adapter(str(shared), 1 << 20)  # an existing directory of ours is closed too
-    assert shared.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(UntrustedPathError, match="chmod 700"):  # refused, not changed
+        DiskL2Adapter(str(shared), 1 << 20)
+    assert shared.stat().st_mode & 0o777 == 0o755
+
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="plays another user with chown")
+
+
+def _plant(root: Path, how: str) -> None:
+    """Leave ``root`` (a tier with chunk 0xab.. stored) as another user could have."""
+    sub = root / "ab"
+    chunk_file = sub / f"ab{'0' * 30}.kvc"
+    if how == "foreign-owner":
+        os.chown(root, NOBODY, NOBODY)
+    elif how == "group-writable":
+        os.chmod(root, 0o770)
+    elif how == "foreign-subdir":
+        os.chown(sub, NOBODY, NOBODY)
+    elif how == "open-subdir":
+        os.chmod(sub, 0o707)
+    elif how == "symlinked-subdir":
+        shutil.move(sub, root.parent / "elsewhere")
+        sub.symlink_to(root.parent / "elsewhere")
+    elif how == "symlink-in-root":
+        (root / "README").symlink_to("/etc/passwd")
+    elif how == "foreign-chunk":
+        os.chown(chunk_file, NOBODY, NOBODY)
+    elif how == "open-chunk":
+        os.chmod(chunk_file, 0o666)
+    elif how == "symlinked-chunk":
+        forged = root.parent / "forged.kvc"
+        shutil.move(chunk_file, forged)
+        chunk_file.symlink_to(forged)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("foreign-owner", marks=needs_root),
+        "group-writable",
+        pytest.param("foreign-subdir", marks=needs_root),
+        "open-subdir",
+        "symlinked-subdir",
+        "symlink-in-root",
+        pytest.param("foreign-chunk", marks=needs_root),
+        "open-chunk",
+        "symlinked-chunk",
+    ],
+)
+def test_a_planted_tier_is_refused_at_start(tmp_path: Path, how: str) -> None:
+    """Issue 20, finding 4: whatever another user could have put or changed in the tier stops
+    it at start (the daemon then refuses to start) instead of being served as KV."""
+    root = tmp_path / "tier"
+    key = int("ab" + "0" * 30, 16)
+    DiskL2Adapter(str(root), 1 << 20).store(key, chunk(1))
+    _plant(root, how)
+    with pytest.raises(UntrustedPathError, match=r"chown|chmod|remove"):
+        DiskL2Adapter(str(root), 1 << 20)
+
+
+def test_a_symlinked_tier_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(UntrustedPathError, match="symlink"):
+        DiskL2Adapter(str(tmp_path / "link"), 1 << 20)
+
+
+def test_a_chunk_replaced_by_a_symlink_while_running_is_never_read(tmp_path: Path) -> None:
+    """Files are opened ``O_NOFOLLOW``: a link planted after the start check is a corrupt
+    chunk (removed, a miss), and its target is never read into the engine's memory."""
+    d = DiskL2Adapter(str(tmp_path / "tier"), 1 << 20)
+    d.store(1, chunk(1))
+    d.store(2, chunk(2))
+    forged = tmp_path / "forged.kvc"
+    shutil.copy(d._file(2), forged)  # a valid record: followed, it would load
+    os.unlink(d._file(1))
+    os.symlink(forged, d._file(1))
+    out = torch.zeros_like(chunk(1))
+    with pytest.raises(CorruptChunkError, match="symlink"):
+        d.load(1, out)
+    assert not out.any() and not os.path.lexists(d._file(1)) and d.contains([1]) == [False]
+
+
+def test_renaming_the_tier_away_does_not_redirect_it(tmp_path: Path) -> None:
+    """The tier works relative to the directory it checked, not to its path: a directory
+    swapped in under that path later (by whoever can write its parent) is never used."""
+    d = DiskL2Adapter(str(tmp_path / "tier"), 1 << 20)
+    d.store(1, chunk(1))
+    os.rename(tmp_path / "tier", tmp_path / "moved")
+    (tmp_path / "tier").mkdir(mode=0o700)
+    d.store(2, chunk(2))
+    out = torch.empty_like(chunk(1))
+    assert d.load(1, out) and torch.equal(out.view(torch.uint8), chunk(1).view(torch.uint8))
+    assert not files(tmp_path / "tier") and len(files(tmp_path / "moved")) == 2
 
 
 def test_a_restart_reads_back_each_chunks_identity_and_old_files_still_load(tmp_path: Path) -> None:
