@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvcache.server.launch import DaemonProcess
 from kvcache.storage.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine
 from tests.integrations.vllm.sched_world import (
@@ -176,7 +175,7 @@ def _lose_daemon_once(h: Harness, how: str, prompt: list[int]) -> None:
 
     def bring_back() -> None:
         if how == "killed":
-            h.daemon.proc = DaemonProcess(h.daemon.args, port=h.daemon.port, prometheus_port=0)
+            h.daemon.proc = h.daemon.start()  # in place: the same runtime directory, empty L1
             h.reader.store_oracle("", prompt[: 8 * CHUNK])
         else:
             os.kill(pid, signal.SIGCONT)
