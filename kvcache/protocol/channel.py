@@ -30,6 +30,7 @@ class Channel:
     """
 
     _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    _WATCHED = _AUTH_FAILURES | zmq.EVENT_DISCONNECTED
 
     def __init__(
         self,
@@ -48,19 +49,23 @@ class Channel:
         sock.setsockopt(zmq.LINGER, 0)
         for option, value in self._sockopts.items():
             sock.setsockopt(option, value)
-        # A refused handshake is otherwise silent (ZMQ retries it forever): watch for it so a
-        # timed-out call can say "refused" instead of "no reply".
-        monitor = sock.get_monitor_socket(self._AUTH_FAILURES)
+        # A refused handshake or a dropped connection is otherwise silent (ZMQ reconnects):
+        # watch for them so a timed-out call can say why instead of just "no reply".
+        monitor = sock.get_monitor_socket(self._WATCHED)
         sock.connect(self._endpoint)
         return sock, monitor
 
-    def _refusal(self) -> str | None:
-        """The reason of a refused handshake seen on this socket, if any."""
-        reason = None
+    def _refusal(self) -> tuple[str | None, bool]:
+        """The reason of a refused handshake seen on this socket, if any, and whether the
+        daemon closed a connection of it."""
+        reason, dropped = None, False
         while self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())
-            reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
-        return reason
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                dropped = True
+            else:
+                reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
+        return reason, dropped
 
     def reset(self) -> None:
         self.close()
@@ -73,17 +78,25 @@ class Channel:
 
     def call(self, body: m.RequestBody, timeout_s: float) -> m.ReplyBody:
         request_id = next(self._ids)
-        self._sock.send(encode_request(request_id, body))
+        frame = encode_request(request_id, body)
+        self._sock.send(frame)
         deadline = time.monotonic() + timeout_s
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                refused = self._refusal()
+                refused, dropped = self._refusal()
                 self.reset()
                 if refused is not None:
                     raise AccessDeniedError(
                         f"the kvcache daemon at {self._endpoint} refused this client: {refused}; "
                         "check its --clients allow-list, the CURVE keys, or the peer's uid"
+                    )
+                if dropped:
+                    raise DaemonUnavailableError(
+                        f"the kvcache daemon at {self._endpoint} closed the connection and sent no "
+                        f"reply within {timeout_s:g} s ({type(body).__name__}, {len(frame)} bytes): "
+                        "it closes a connection whose request exceeds its --max-message-mb, and "
+                        "new connections while at its --max-connections; or it restarted"
                     )
                 raise DaemonUnavailableError(
                     f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
