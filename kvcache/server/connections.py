@@ -201,7 +201,7 @@ class ConnectionGuard:
     def _run(self) -> None:
         assert self._monitor is not None
         while not self._stop.is_set():
-            if not self._monitor.poll(200):
+            if not self._monitor.poll(1000):  # MONITOR_STOPPED ends it; this is a fallback
                 continue
             # Read everything there is before acting: a descriptor whose DISCONNECTED is
             # already queued may have been reused by a newer connection.
