@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,10 +23,13 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
+from kvcache.server import ipc
+from kvcache.server.fdpass import send_fds
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
 from . import zmtp
+from .conftest import raw_call
 
 TOKENS, BLOCKS = list(range(64)), list(range(16))
 MiB = 1 << 20
@@ -164,6 +168,36 @@ def test_a_peer_that_stops_answering_heartbeats_is_closed(
         finally:
             mute.close()
         _served(tenant, kv)  # libzmq clients answer the pings and stay
+
+
+def test_a_registration_that_would_use_up_the_descriptors_is_refused(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Each mapped CPU tensor keeps a descriptor: 800 views of one memfd under a limit of
+    1024, then a few idle connections, used to leave the ipc:// listener nothing."""
+    d = start_daemon(nofile=(1024, 1024))
+    with _tenant(d, 1) as (tenant, kv):
+        pong = raw_call(d.ipc_endpoint, m.Ping())
+        assert isinstance(pong, m.Pong)
+        memory = ipc.empty_shared((1024,), torch.float16)
+        _, fds = ipc.export_cpu_tensors([memory])
+        ticket = secrets.token_bytes(16)
+        send_fds(pong.fd_socket, ticket, fds, 5)
+        view = m.FdTensor(fd_index=0, offset=0, shape=[2, 4, 4, 2, 8], stride=[256, 64, 16, 8, 1],
+                          dtype="float16")  # fmt: skip
+        reply = raw_call(d.ipc_endpoint, m.Register(instance_id=3, model_name="greedy",
+                                                    tensors=[view] * 800, fd_ticket=ticket))  # fmt: skip
+        assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.LIMIT, reply
+        assert "short of descriptors" in reply.message
+        flood = [zmtp.connect(d.endpoint) for _ in range(200)]  # what is left, taken
+        try:
+            with KVCacheClient(d.ipc_endpoint, 2, "newcomer", timeout_s=10) as newcomer:
+                newcomer.register_kv_caches(_cache(2))
+            _served(tenant, kv)
+        finally:
+            for s in flood:
+                s.close()
+    assert d.proc.poll() is None
 
 
 # -- finding 3: unfinished frames ------------------------------------------------------------
