@@ -209,19 +209,18 @@ class ConnectionGuard:
             while self._monitor.poll(0):
                 batch.append(self._monitor.recv_multipart())
             events = [_parse(frames) for frames in batch]
-            gone = {fd for kind, fd, _ in events if kind == zmq.EVENT_DISCONNECTED}
-            for i, (kind, fd, endpoint) in enumerate(events):
+            for kind, fd, endpoint, closed in _with_fates(events):
                 if kind == zmq.EVENT_MONITOR_STOPPED:
                     return
                 if kind == zmq.EVENT_ACCEPTED:
-                    later_gone = fd in gone and any(
-                        k == zmq.EVENT_DISCONNECTED and f == fd for k, f, _ in events[i + 1 :]
-                    )
-                    self._accepted(fd, endpoint, closed=later_gone)
+                    self._accepted(fd, endpoint, closed)
                 elif kind == zmq.EVENT_DISCONNECTED:
                     self._disconnected(fd)
 
     def _accepted(self, fd: int, endpoint: str, closed: bool) -> None:
+        """Count a new connection, or shut it down when over a cap; ``closed``: its
+        DISCONNECTED is already in hand, so it is only counted."""
+        self._disconnected(fd)  # a stale entry for a reused descriptor would hold a slot
         sock = _borrow(fd, endpoint)
         if sock is None:  # already closed and reused by something else: nothing to count
             return
@@ -289,6 +288,21 @@ class ConnectionGuard:
         more = f" ({self._unlogged} more refused since the last report)" if self._unlogged else ""
         log.warning("refused a connection from %s on %s: %s%s", client, endpoint, reason, more)
         self._last_log, self._unlogged = now, 0
+
+
+def _with_fates(events: list[tuple[int, int, str]]) -> list[tuple[int, int, str, bool]]:
+    """The events with, for each, whether a later one in the batch closes its descriptor
+    (then its descriptor may already belong to another connection: never shut it down)."""
+    out: list[tuple[int, int, str, bool]] = []
+    closing: set[int] = set()
+    for kind, fd, endpoint in reversed(events):
+        out.append((kind, fd, endpoint, fd in closing))
+        if kind == zmq.EVENT_DISCONNECTED:
+            closing.add(fd)
+        elif kind == zmq.EVENT_ACCEPTED:
+            closing.discard(fd)
+    out.reverse()
+    return out
 
 
 def _parse(frames: list[bytes]) -> tuple[int, int, str]:

@@ -140,6 +140,21 @@ def test_connections_are_capped_in_total_and_per_client(
     assert d.proc.poll() is None
 
 
+def test_a_local_user_is_held_to_its_own_cap_on_the_unix_socket(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6")
+    flood = [zmtp.connect(d.ipc_endpoint, timeout_s=10) for _ in range(10)]
+    try:
+        assert sum(_answers_ping(s) for s in flood) == 6  # uid:N, counted by SO_PEERCRED
+        flood.append(zmtp.connect(d.endpoint, timeout_s=10))
+        assert _answers_ping(flood[-1])  # loopback TCP is another client, with its own cap
+    finally:
+        for s in flood:
+            s.close()
+    assert "refused a connection from uid:" in d.log
+
+
 def test_a_connection_that_never_finishes_its_handshake_is_closed(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:

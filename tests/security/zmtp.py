@@ -1,4 +1,4 @@
-"""A hand-written ZMTP 3.1 peer over a plain TCP socket, for clients libzmq would not be.
+"""A hand-written ZMTP 3.1 peer over a plain socket, for clients libzmq would not be.
 
 libzmq clients answer pings, finish their frames and never hold a connection half open; a
 hostile peer does all three. This speaks just enough of ZMTP (RFC 37) with the NULL mechanism
@@ -14,10 +14,14 @@ _COMMAND, _LONG = 0x04, 0x02
 
 
 def connect(endpoint: str, timeout_s: float = 10.0) -> socket.socket:
-    """A plain TCP connection to a ``tcp://host:port`` endpoint (nothing sent yet)."""
+    """A plain connection to a ``tcp://host:port`` or ``ipc://path`` endpoint (nothing sent)."""
+    if endpoint.startswith("ipc://"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.connect(endpoint.removeprefix("ipc://"))
+        return sock
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
-    return sock
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
 
 
 def handshake(sock: socket.socket) -> None:
