@@ -15,7 +15,9 @@ What ``ConnectionLimits`` sets, and how the daemon enforces it:
   and, when a new one is over a cap, shuts that connection down (``shutdown(2)`` on its
   descriptor; libzmq then sees the peer gone and closes it through its own bookkeeping). So
   the newest connection is the one refused: established engines are never dropped for a
-  newcomer. The client is named from the transport, before any handshake: ``uid:N`` on the
+  newcomer. While a new TCP connection would be refused anyway, the TCP listener is also
+  shut at the kernel (``tcpgate``), so a flood stops before libzmq instead of outrunning
+  this thread. The client is named from the transport, before any handshake: ``uid:N`` on the
   Unix socket (``SO_PEERCRED``, the same principal the ZAP handler names), ``loopback`` on
   plain loopback TCP, and the peer's address (``ip:ADDR``) on CURVE TCP, whose key is known
   only after the handshake;
@@ -47,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+from kvcache.server.tcpgate import TcpGate, find_listener
 
 log = logging.getLogger("kvcache.server")
 
@@ -167,6 +171,7 @@ class ConnectionGuard:
         self._stop = threading.Event()
         self._last_log = 0.0
         self._unlogged = 0
+        self._gate: TcpGate | None = None
 
     def attach(self, ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> None:
         address = f"inproc://kvcache-connections-{id(self)}"
@@ -180,6 +185,16 @@ class ConnectionGuard:
         self._router, self._monitor = router, monitor
         self._thread = threading.Thread(target=self._run, name="kvcache-connections", daemon=True)
         self._thread.start()
+
+    def gate(self, tcp_endpoint: str) -> None:
+        """Shut the TCP listener of ``tcp_endpoint`` at the kernel whenever the daemon is
+        full (after the ROUTER bound it); without one found, surplus connections are only
+        shut down one by one."""
+        fd = find_listener(tcp_endpoint)
+        if fd is None:
+            log.warning("cannot find the listener of %s: floods are refused one by one", tcp_endpoint)
+            return
+        self._gate = TcpGate(fd)
 
     def open_connections(self) -> int:
         with self._lock:
@@ -195,6 +210,8 @@ class ConnectionGuard:
             self._thread.join(timeout=5)
         if self._monitor is not None:
             self._monitor.close(linger=0)
+        if self._gate is not None:
+            self._gate.close()
 
     # -- the thread --------------------------------------------------------------------
 
@@ -202,6 +219,7 @@ class ConnectionGuard:
         assert self._monitor is not None
         while not self._stop.is_set():
             if not self._monitor.poll(1000):  # MONITOR_STOPPED ends it; this is a fallback
+                self._set_gate()  # descriptors may have been freed elsewhere
                 continue
             # Read everything there is before acting: a descriptor whose DISCONNECTED is
             # already queued may have been reused by a newer connection.
@@ -216,6 +234,23 @@ class ConnectionGuard:
                     self._accepted(fd, endpoint, closed)
                 elif kind == zmq.EVENT_DISCONNECTED:
                     self._disconnected(fd)
+            self._set_gate()
+
+    def _set_gate(self) -> None:
+        """Shut the TCP gate while a new TCP connection would be refused anyway: every
+        slot taken, plain loopback TCP at its cap, or descriptors running short."""
+        if self._gate is None or not (self._gate.shut or self._conns):
+            return
+        limits = self.limits
+        with self._lock:
+            full = self._admitted >= limits.max_connections or (
+                not self._curve_tcp
+                and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
+            )
+        if not full:
+            free = free_descriptors()
+            full = free is not None and free < 2 * DESCRIPTOR_HEADROOM
+        self._gate.set(full)
 
     def _accepted(self, fd: int, endpoint: str, closed: bool) -> None:
         """Count a new connection, or shut it down when over a cap; ``closed``: its

@@ -151,6 +151,7 @@ class Daemon:
                 self.endpoints.append(self._bind_ipc())
             if config.listen_tcp:
                 self.endpoints.append(self._bind_tcp())
+                self._guard.gate(self.endpoints[-1])
             self.fd_inbox = self._open_fd_inbox()
         except BaseException:
             self._close_sockets()

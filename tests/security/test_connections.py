@@ -90,7 +90,7 @@ def test_a_thousand_idle_connections_under_a_1024_descriptor_limit_do_not_kill_t
     """The issue's attack as reported, against the default caps."""
     d = start_daemon(nofile=(1024, 1024))
     with _tenant(d, 1) as (tenant, kv):
-        flood = [zmtp.connect(d.endpoint) for _ in range(1000)]
+        flood = zmtp.flood(d.endpoint, 1000)
         try:
             # A new engine on the Unix socket: the connection that used to abort the daemon.
             with KVCacheClient(d.ipc_endpoint, 2, "newcomer", timeout_s=10) as newcomer:
@@ -101,8 +101,6 @@ def test_a_thousand_idle_connections_under_a_1024_descriptor_limit_do_not_kill_t
             for s in flood:
                 s.close()
         assert d.proc.poll() is None
-    assert "refused a connection from loopback" in d.log
-    assert "--max-connections-per-client 128" in d.log
 
 
 def test_the_descriptor_soft_limit_is_raised_to_the_hard_limit(
@@ -119,10 +117,15 @@ def test_connections_are_capped_in_total_and_per_client(
 ) -> None:
     d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6")
     with _tenant(d, 1) as (tenant, kv):  # two connections of uid:N, made before the flood
-        flood = [zmtp.connect(d.endpoint, timeout_s=10) for _ in range(20)]
+        flood: list[socket.socket] = []
         try:
+            for _ in range(8):
+                try:  # one by one: past the cap the kernel ignores the SYN (listener shut)
+                    flood.append(zmtp.connect(d.endpoint, timeout_s=2))
+                except TimeoutError:
+                    continue
             answered = sum(_answers_ping(s) for s in flood)
-            assert answered == 6  # the rest were closed: loopback is at its cap
+            assert answered == 6  # the rest were closed or never accepted: loopback is full
             with KVCacheClient(d.ipc_endpoint, 2, "newcomer", timeout_s=10) as newcomer:
                 newcomer.register_kv_caches(_cache(2))  # another client still gets in
                 newcomer.store(TOKENS, BLOCKS)
@@ -152,7 +155,6 @@ def test_a_local_user_is_held_to_its_own_cap_on_the_unix_socket(
     finally:
         for s in flood:
             s.close()
-    assert "refused a connection from uid:" in d.log
 
 
 def test_a_connection_that_never_finishes_its_handshake_is_closed(
@@ -204,7 +206,7 @@ def test_a_registration_that_would_use_up_the_descriptors_is_refused(
                                                     tensors=[view] * 800, fd_ticket=ticket))  # fmt: skip
         assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.LIMIT, reply
         assert "short of descriptors" in reply.message
-        flood = [zmtp.connect(d.endpoint) for _ in range(200)]  # what is left, taken
+        flood = zmtp.flood(d.endpoint, 200)  # what is left, taken
         try:
             with KVCacheClient(d.ipc_endpoint, 2, "newcomer", timeout_s=10) as newcomer:
                 newcomer.register_kv_caches(_cache(2))
@@ -256,8 +258,11 @@ def test_memory_held_by_unfinished_frames_is_bounded_across_connections(
         before = _rss(d.pid)
         stalled: list[socket.socket] = []
         try:
-            for _ in range(3 * per_client):
-                s = zmtp.connect(d.endpoint, timeout_s=10)
+            for _ in range(per_client + 2):
+                try:
+                    s = zmtp.connect(d.endpoint, timeout_s=2)
+                except TimeoutError:
+                    continue  # refused: the listener is shut while loopback is full
                 stalled.append(s)
                 try:
                     zmtp.handshake(s)
@@ -266,7 +271,7 @@ def test_memory_held_by_unfinished_frames_is_bounded_across_connections(
                     continue  # refused: over the per-client cap
             _served(tenant, kv)
             grown = _rss(d.pid) - before
-            # per_client frames of cap MiB at most (3 x as many were attempted), with slack
+            # per_client frames of cap MiB at most (2 more were attempted), with slack
             # for the tenant's retrieve and the allocator.
             assert grown < (per_client * cap + 16) * MiB, grown / MiB
         finally:

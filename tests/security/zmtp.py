@@ -24,6 +24,20 @@ def connect(endpoint: str, timeout_s: float = 10.0) -> socket.socket:
     return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
 
 
+def flood(endpoint: str, count: int) -> list[socket.socket]:
+    """``count`` connections to a ``tcp://`` endpoint, started and never waited for, as an
+    attacker opens them: those the daemon's kernel ignores (its listener shut) stay pending."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    out = []
+    for _ in range(count):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect_ex((host.strip("[]"), int(port)))
+        out.append(sock)
+    return out
+
+
 def handshake(sock: socket.socket) -> None:
     """Greeting and READY as a DEALER with the NULL mechanism; raises if the daemon refuses."""
     greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
