@@ -24,17 +24,16 @@ def connect(endpoint: str, timeout_s: float = 10.0) -> socket.socket:
     return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
 
 
-def flood(endpoint: str, count: int) -> list[socket.socket]:
-    """``count`` connections to a ``tcp://`` endpoint, started and never waited for, as an
-    attacker opens them: those the daemon's kernel ignores (its listener shut) stay pending."""
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    out = []
+def flood(endpoint: str, count: int, patience_s: float = 2.0) -> list[socket.socket]:
+    """Up to ``count`` connections, one after another, held open and silent; stops early at
+    the first connect left unanswered for ``patience_s`` (the daemon's listener is shut, or
+    its accept queue is full because it can accept no more)."""
+    out: list[socket.socket] = []
     for _ in range(count):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.connect_ex((host.strip("[]"), int(port)))
-        out.append(sock)
+        try:
+            out.append(connect(endpoint, timeout_s=patience_s))
+        except TimeoutError:
+            break
     return out
 
 
