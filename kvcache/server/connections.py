@@ -158,8 +158,6 @@ class ConnectionGuard:
 
     def __init__(self, limits: ConnectionLimits, curve_tcp: bool) -> None:
         self.limits = limits
-        self.refused = 0
-        """Connections shut down for being over a cap (or short of descriptors)."""
         self._curve_tcp = curve_tcp
         self._conns: dict[int, _Conn] = {}
         self._per_client: dict[str, int] = {}
@@ -195,10 +193,6 @@ class ConnectionGuard:
             log.warning("cannot find the listener of %s: floods are refused one by one", tcp_endpoint)
             return
         self._gate = TcpGate(fd)
-
-    def open_connections(self) -> int:
-        with self._lock:
-            return self._admitted
 
     def close(self) -> None:
         """Stop watching and end the thread (before the ROUTER closes)."""
@@ -314,8 +308,7 @@ class ConnectionGuard:
         return None
 
     def _refuse(self, client: str, endpoint: str, reason: str) -> None:
-        """Count a refusal; log the first, then at most one summary per ``_LOG_EVERY_S``."""
-        self.refused += 1
+        """Log the first refusal, then at most one summary per ``_LOG_EVERY_S``."""
         now = time.monotonic()
         if now - self._last_log < _LOG_EVERY_S:
             self._unlogged += 1

@@ -140,9 +140,9 @@ class Daemon:
         self._router.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN)
         # The frame cap is the message cap: a larger frame drops its connection before
         # libzmq allocates it, so unfinished frames hold at most one cap per connection.
-        self.connection_limits = config.connections.fitted(descriptor_limit())
-        self.connection_limits.apply(self._router, config.max_message_bytes)
-        self._guard = ConnectionGuard(self.connection_limits, curve_tcp=config.curve_secret_key is not None)
+        limits = config.connections.fitted(descriptor_limit())
+        limits.apply(self._router, config.max_message_bytes)
+        self._guard = ConnectionGuard(limits, curve_tcp=config.curve_secret_key is not None)
         self.endpoints: list[str] = []
         self.fd_inbox: Any = None
         try:
