@@ -30,6 +30,7 @@ class Channel:
     """
 
     _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    _WATCHED = _AUTH_FAILURES | zmq.EVENT_DISCONNECTED
 
     def __init__(
         self,
@@ -60,19 +61,23 @@ class Channel:
         sock.setsockopt(zmq.LINGER, 0)
         for option, value in self._sockopts.items():
             sock.setsockopt(option, value)
-        # A refused handshake is otherwise silent (ZMQ retries it forever): watch for it so a
-        # timed-out call can say "refused" instead of "no reply".
-        monitor = sock.get_monitor_socket(self._AUTH_FAILURES)
+        # A refused handshake or a dropped connection is otherwise silent (ZMQ reconnects):
+        # watch for them so a timed-out call can say why instead of just "no reply".
+        monitor = sock.get_monitor_socket(self._WATCHED)
         sock.connect(self._endpoint)
         return sock, monitor
 
-    def _refusal(self) -> str | None:
-        """The reason of a refused handshake seen on this socket, if any."""
-        reason = None
+    def _refusal(self) -> tuple[str | None, bool]:
+        """The reason of a refused handshake seen on this socket, if any, and whether the
+        daemon closed a connection of it."""
+        reason, dropped = None, False
         while self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())
-            reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
-        return reason
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                dropped = True
+            else:
+                reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
+        return reason, dropped
 
     def _refused(self, reason: str) -> AccessDeniedError:
         """The error for a refused handshake (the socket is reset: ZMQ would retry forever)."""
@@ -97,18 +102,28 @@ class Channel:
 
     def call(self, body: m.RequestBody, timeout_s: float) -> m.ReplyBody:
         request_id = next(self._ids)
-        self._sock.send(encode_request(request_id, body))
+        frame = encode_request(request_id, body)
+        self._sock.send(frame)
         deadline = time.monotonic() + timeout_s
+        closed_by_daemon = False
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             ready = dict(self._poller.poll(max(remaining_ms, 0)))
             if self._monitor in ready or not ready:
                 # A refused handshake ends the call at once: ZMQ would only retry it.
-                refused = self._refusal()
+                refused, dropped = self._refusal()
+                closed_by_daemon = closed_by_daemon or dropped
                 if refused is not None:
                     raise self._refused(refused)
             if not ready:
                 self.reset()
+                if closed_by_daemon:
+                    raise DaemonUnavailableError(
+                        f"the kvcache daemon at {self._endpoint} closed the connection and sent no "
+                        f"reply within {timeout_s:g} s ({type(body).__name__}, {len(frame)} bytes): "
+                        "it closes a connection whose request exceeds its --max-message-mb, and "
+                        "new connections while at its --max-connections; or it restarted"
+                    )
                 raise DaemonUnavailableError(
                     f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
                     f"({type(body).__name__}); is `python -m kvcache.server` running?"

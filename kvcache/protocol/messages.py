@@ -29,7 +29,9 @@ PROTOCOL_VERSION = 2
 (``FdTensor``) instead of /dev/shm paths."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-"""Frames larger than this get a ``TOO_LARGE`` reply (token lists of ~10M ids fit)."""
+"""The default request cap (token lists of ~10M ids fit). The daemon closes a connection whose
+frame announces more (``ZMQ_MAXMSGSIZE``); ``decode_request`` answers ``TOO_LARGE`` to a
+whole frame over its cap."""
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TensorNesting = Literal["tensor", "list", "nested"]

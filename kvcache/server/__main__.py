@@ -23,6 +23,7 @@ from kvcache.observability.subscribers.logging.request_trace import add_request_
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from kvcache.server.auth import default_runtime_dir, ensure_private_dir
+from kvcache.server.connections import ConnectionLimits, raise_descriptor_limit
 from kvcache.server.daemon import DaemonConfig
 from kvcache.server.handlers import Limits
 
@@ -138,7 +139,23 @@ def build_parser(
                      help="release an engine's registration after this long without a message "
                      "(clients ping every third of it; default %(default)s)")
     srv.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2**20,
-                     help="larger requests get an error reply (default %(default)g)")
+                     help="largest request frame; a larger one closes its connection "
+                     "(default %(default)g)")
+    conn = ConnectionLimits()
+    srv.add_argument("--max-connections", type=int, default=conn.max_connections,
+                     help="open connections in all; a new one beyond it is closed at once "
+                     "(default %(default)s; with --max-message-mb it bounds the memory of "
+                     "requests still arriving)")
+    srv.add_argument("--max-connections-per-client", type=int,
+                     default=conn.max_connections_per_client,
+                     help="open connections of one client: a uid on ipc://, all of loopback TCP, "
+                     "or one address on CURVE TCP (default %(default)s)")
+    srv.add_argument("--handshake-timeout", type=float, default=conn.handshake_timeout_s,
+                     metavar="SECONDS", help="close a connection that has not finished its ZMQ "
+                     "handshake by then (default %(default)s)")
+    srv.add_argument("--peer-heartbeat", type=float, default=conn.peer_heartbeat_s,
+                     metavar="SECONDS", help="ping each connection this often and close it after "
+                     "three intervals without an answer (default %(default)s; 0 = off)")
     srv.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on shutdown, wait this long for in-flight requests (default %(default)s)")
     dests["server"] = _dests(parser) - before
@@ -258,6 +275,12 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             runtime_dir=runtime_dir,
             curve_secret_key=ns.curve_secret_key,
             clients_file=ns.clients,
+            connections=ConnectionLimits(
+                max_connections=ns.max_connections,
+                max_connections_per_client=ns.max_connections_per_client,
+                handshake_timeout_s=ns.handshake_timeout,
+                peer_heartbeat_s=ns.peer_heartbeat,
+            ),
         )
         limits = Limits(
             max_instances=ns.max_instances,
@@ -305,6 +328,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
     from kvcache.server.handlers import Handlers
     from kvcache.server.registry import InstanceRegistry
 
+    raise_descriptor_limit()  # before anything opens: connections are sized from it
     try:
         obs = init_observability(settings.observability)
     except (OSError, ValueError) as exc:

@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -49,6 +49,7 @@ from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
+from kvcache.server.connections import ConnectionGuard, ConnectionLimits, descriptor_limit
 from kvcache.server.deferred import Outbox
 from kvcache.server.handlers import Handlers
 from kvcache.trusted_dir import ensure_private_dir
@@ -93,6 +94,8 @@ class DaemonConfig:
     """On shutdown, how long in-flight requests may take before the daemon stops anyway."""
     inline_lookups: bool = True
     """Serve lookups on the I/O thread; turn off when a lookup may wait (any L2 tier)."""
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """Connection caps, handshake and heartbeat timeouts (``connections``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -136,16 +139,21 @@ class Daemon:
         self._zap = auth.ZapHandler(self._ctx, self.policy)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 1000)
-        # Hard cap well above the soft limit: past it ZMQ drops the peer instead of replying.
-        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes + 4096)
         self._router.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN)
+        # The frame cap is the message cap: a larger frame drops its connection before
+        # libzmq allocates it, so unfinished frames hold at most one cap per connection.
+        limits = config.connections.fitted(descriptor_limit())
+        limits.apply(self._router, config.max_message_bytes)
+        self._guard = ConnectionGuard(limits, curve_tcp=config.curve_secret_key is not None)
         self.endpoints: list[str] = []
         self.fd_inbox: Any = None
         try:
+            self._guard.attach(self._ctx, self._router)  # before binding: count every connection
             if config.listen_ipc:
                 self.endpoints.append(self._bind_ipc())
             if config.listen_tcp:
                 self.endpoints.append(self._bind_tcp())
+                self._guard.gate(self.endpoints[-1])
             self.fd_inbox = self._open_fd_inbox()
         except BaseException:
             self._close_sockets()
@@ -214,6 +222,7 @@ class Daemon:
         leave for up to the ROUTER's LINGER first."""
         if self.fd_inbox is not None:
             self.fd_inbox.close()
+        self._guard.close()
         self._router.close(linger=linger)
         self._zap.close()
         self._ctx.term()

@@ -38,6 +38,7 @@ from kvcache.errors import (
     ProtocolError,
     UntrustedPathError,
 )
+from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
 
 log = logging.getLogger("kvcache.server")
 
@@ -151,7 +152,10 @@ class FdInbox:
     that hands memory over and never registers fills only its own quota, not its user's),
     tickets and descriptors pending per uid, tickets pending in all, time a ticket
     waits (``ticket_ttl_s``), time a connection may stay silent (``connection_timeout_s``),
-    connections open at once (``max_connections``; the oldest is dropped for a new one).
+    connections open at once (``max_connections``; the oldest is dropped for a new one),
+    descriptors received at once (never more than the process can spare beyond
+    ``connections.DESCRIPTOR_HEADROOM``). SEQPACKET delivers a message whole and only its
+    ticket is read, so no partial message is ever buffered here.
     Whatever is refused, timed out or expired is closed at once.
     """
 
@@ -291,9 +295,17 @@ class FdInbox:
         return True
 
     def _receive(self, conn: socket.socket) -> tuple[bytes, list[int]]:
-        fd_bytes = max(self.max_fds_per_ticket, 1) * _FD_SIZE
+        # Room for no more descriptors than the process can spare: the kernel installs them
+        # before any check here, and a process out of descriptors loses its ipc:// listener
+        # (``connections``). Those that do not fit are discarded by the kernel (MSG_CTRUNC).
+        free = free_descriptors()
+        room = self.max_fds_per_ticket
+        if free is not None:
+            room = min(room, free - DESCRIPTOR_HEADROOM)
         msg, ancdata, flags, _ = conn.recvmsg(
-            MAX_TICKET + 1, socket.CMSG_SPACE(fd_bytes), socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+            MAX_TICKET + 1,
+            socket.CMSG_SPACE(room * _FD_SIZE) if room > 0 else 0,
+            socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT,
         )
         if not msg and not ancdata and not flags:
             raise ConnectionResetError("the peer left without sending anything")
@@ -304,6 +316,11 @@ class FdInbox:
                 arr.frombytes(data[: len(data) - len(data) % _FD_SIZE])
                 fds += list(arr)
         try:
+            if (flags & socket.MSG_CTRUNC or len(fds) > room) and room < self.max_fds_per_ticket:
+                raise LimitExceededError(
+                    f"the daemon is short of descriptors ({free} free, {DESCRIPTOR_HEADROOM} kept "
+                    "in reserve); try again later, or raise its `ulimit -n`"
+                )
             if flags & socket.MSG_CTRUNC or len(fds) > self.max_fds_per_ticket:
                 raise LimitExceededError(f"more than {self.max_fds_per_ticket} descriptors in one hand-over")
             if flags & socket.MSG_TRUNC or not MIN_TICKET <= len(msg) <= MAX_TICKET:

@@ -31,6 +31,7 @@ from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import ipc
 from kvcache.server.auth import LOOPBACK, Principal
+from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
 from kvcache.server.deadlines import check_deadline, copy_deadline
 from kvcache.server.registry import Instance, InstanceRegistry
 
@@ -189,6 +190,15 @@ class Handlers:
             raise LimitExceededError(
                 f"the registration maps {total} bytes; the limit is {lim.max_registration_bytes} "
                 "(--max-registration-gb)"
+            )
+        # Each mapped CPU tensor keeps a descriptor open for the registration's life.
+        mapped = sum(isinstance(desc, m.FdTensor) for desc in req.tensors)
+        free = free_descriptors()
+        if mapped and free is not None and free - mapped < DESCRIPTOR_HEADROOM:
+            raise LimitExceededError(
+                f"mapping {mapped} CPU tensors would leave the daemon short of descriptors "
+                f"({free} free, {DESCRIPTOR_HEADROOM} kept for connections): register fewer, "
+                "larger tensors, or raise the daemon's `ulimit -n`"
             )
 
     def _make_room_for(self, req: m.Register, principal: Principal) -> None:

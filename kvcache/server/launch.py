@@ -7,9 +7,11 @@ own process and the endpoints from its start line, rather than each parsing logs
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -24,6 +26,11 @@ _READY = re.compile(
 )
 
 
+def _limit_descriptors(nofile: tuple[int, int]) -> None:
+    """In the child before exec: its descriptor (soft, hard) limit."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+
 class DaemonStartError(RuntimeError):
     """The daemon exited or stayed silent before logging its ready line."""
 
@@ -36,7 +43,8 @@ class DaemonProcess:
     ``"off"``); ``metrics_url`` is the Prometheus URL, or ``"off"``. Without ``runtime_dir``
     the daemon gets a fresh private directory for its sockets (removed with the process
     object), so concurrent daemons never collide; pass the same ``runtime_dir`` to start a
-    daemon again at the same ipc:// endpoint.
+    daemon again at the same ipc:// endpoint. ``nofile`` starts it under that (soft, hard)
+    descriptor limit, as a host with a low ``ulimit -n`` would.
     """
 
     def __init__(
@@ -50,6 +58,7 @@ class DaemonProcess:
         echo: bool = False,
         env: dict[str, str] | None = None,
         runtime_dir: str | None = None,
+        nofile: tuple[int, int] | None = None,
     ) -> None:
         self._own_dir = runtime_dir is None
         self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-") if runtime_dir is None else runtime_dir
@@ -70,6 +79,7 @@ class DaemonProcess:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            preexec_fn=None if nofile is None else functools.partial(_limit_descriptors, nofile),
         )
         self._reader = threading.Thread(target=self._read, name="kvcache-daemon-log", daemon=True)
         self._reader.start()

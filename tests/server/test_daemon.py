@@ -18,7 +18,9 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import UnknownInstanceError
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
+from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
+from kvcache.protocol.errors import DaemonUnavailableError
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
@@ -87,7 +89,6 @@ def _raw_call(endpoint: str, *frames: bytes, timeout_ms: int = 5000) -> m.ReplyB
         ((b"\xc1garbage",), m.ErrorCode.BAD_MESSAGE),
         ((encode_request(5, m.Ping())[:-3],), m.ErrorCode.BAD_MESSAGE),  # truncated
         ((encode_request(5, m.Ping(), version=m.PROTOCOL_VERSION + 1),), m.ErrorCode.VERSION_MISMATCH),
-        ((b"x" * (1 << 20 + 1),), m.ErrorCode.TOO_LARGE),
         ((encode_request(5, m.Ping()), b"extra"), m.ErrorCode.BAD_MESSAGE),
         ((msgspec.msgpack.encode({"v": m.PROTOCOL_VERSION, "id": 1, "body": {"op": "unheard_of"}}),),
          m.ErrorCode.BAD_MESSAGE),
@@ -96,7 +97,7 @@ def _raw_call(endpoint: str, *frames: bytes, timeout_ms: int = 5000) -> m.ReplyB
         ((encode_request(5, m.Store(instance_id=4242, token_ids=pack_ids([1]), block_ids=pack_ids([0]))),),
          m.ErrorCode.UNKNOWN_INSTANCE),
     ],
-    ids=["garbage", "truncated", "version", "oversized", "two-frames", "unknown-op", "unknown-lookup",
+    ids=["garbage", "truncated", "version", "two-frames", "unknown-op", "unknown-lookup",
          "unknown-store"],
 )  # fmt: skip
 def test_bad_requests_get_typed_errors_and_the_daemon_stays_up(
@@ -106,6 +107,35 @@ def test_bad_requests_get_typed_errors_and_the_daemon_stays_up(
     assert isinstance(reply, m.Error) and reply.code is code, reply
     assert "Traceback" not in reply.message
     assert isinstance(_raw_call(shared_daemon.endpoint, encode_request(6, m.Ping())), m.Pong)
+
+
+def test_a_frame_over_the_message_cap_closes_its_connection(shared_daemon: DaemonProcess) -> None:
+    """The frame cap is the message cap (issue 20, finding 3): libzmq drops the connection
+    when the header announces more, before it buffers any of it; the daemon stays up."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(shared_daemon.endpoint)
+    try:
+        sock.send(b"x" * ((1 << 20) + 1))  # the shared daemon's cap is 1 MiB
+        assert monitor.poll(5000), "the daemon kept a connection whose frame is over the cap"
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+    assert isinstance(_raw_call(shared_daemon.endpoint, encode_request(6, m.Ping())), m.Pong)
+
+
+def test_a_client_whose_request_is_over_the_cap_is_told_why(shared_daemon: DaemonProcess) -> None:
+    chan = Channel(zmq.Context.instance(), shared_daemon.endpoint)
+    try:
+        huge = m.Lookup(instance_id=1, token_ids=pack_ids(range(1 << 19)))  # 2 MiB of ids
+        with pytest.raises(DaemonUnavailableError, match=r"closed the connection.*--max-message-mb"):
+            chan.call(huge, timeout_s=2)
+        assert isinstance(chan.call(m.Ping(), timeout_s=5), m.Pong)
+    finally:
+        chan.close()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import secrets
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import torch
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol.messages import FdTensor
 from kvcache.server import fdpass, ipc
+from kvcache.server.connections import DESCRIPTOR_HEADROOM
 from kvcache.server.fdpass import MAX_FDS_PER_MESSAGE, FdInbox, send_fds
 
 
@@ -106,6 +108,26 @@ def test_too_many_descriptors_are_refused_and_closed(inbox: FdInbox) -> None:
     with pytest.raises(LimitExceededError, match="more than 8"):
         send_fds(inbox.path, secrets.token_bytes(16), fds, 5)
     assert not _fds_open() - before
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_hand_over_never_takes_the_descriptors_the_process_keeps_in_reserve(inbox: FdInbox) -> None:
+    """Out of descriptors, libzmq's ipc:// listener aborts the process (issue 20, finding 2):
+    the inbox refuses what would eat into the reserve, and the kernel closes the rest."""
+    fds = [_memfd() for _ in range(4)]
+    before = _fds_open()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + DESCRIPTOR_HEADROOM + 2, hard))
+    try:
+        with pytest.raises(LimitExceededError, match="short of descriptors"):
+            send_fds(inbox.path, secrets.token_bytes(16), fds, 5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not _fds_open() - before and inbox.pending() == 0
+    send_fds(inbox.path, secrets.token_bytes(16), fds, 5)  # room again
+    assert inbox.pending() == 1
     for fd in fds:
         os.close(fd)
 

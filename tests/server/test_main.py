@@ -10,6 +10,7 @@ import pytest
 
 from kvcache.config import GiB
 from kvcache.server.__main__ import build_parser, parse_settings, redact_url
+from kvcache.server.connections import ConnectionLimits
 from kvcache.server.daemon import DaemonConfig
 
 from .helpers import free_port
@@ -88,6 +89,16 @@ def test_bad_toml_is_refused_with_the_key_named(tmp_path: Path, text: str, messa
     cfg.write_text(text)
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_settings(["--config", str(cfg)])
+
+
+def test_connection_flags_reach_the_daemon(capsys: pytest.CaptureFixture[str]) -> None:
+    s = parse_settings(["--max-connections", "40", "--max-connections-per-client", "10",
+                        "--handshake-timeout", "2", "--peer-heartbeat", "0"])  # fmt: skip
+    assert s.daemon.connections == ConnectionLimits(40, 10, 2.0, 0.0)
+    assert parse_settings([]).daemon.connections == ConnectionLimits()
+    with pytest.raises(SystemExit):  # one client may not be allowed more than everyone
+        parse_settings(["--max-connections", "40", "--max-connections-per-client", "41"])
+    assert "max_connections_per_client" in capsys.readouterr().err
 
 
 def test_invalid_values_exit_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

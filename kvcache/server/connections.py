@@ -1,0 +1,372 @@
+"""Bounding the daemon's connections: how many, per client, for how long, and how large a frame.
+
+Why the daemon counts connections itself: libzmq accepts every connection its listeners see,
+has no option to cap them, and aborts the whole process when an ``ipc://`` accept meets
+``EMFILE`` (it asserts in ``ipc_listener.cpp``); a thousand idle TCP connections to the
+loopback port used to be enough. And it allocates a frame's whole buffer when the frame's
+header announces it, so each connection may hold one frame cap of memory while the frame
+trickles in (or never finishes).
+
+What ``ConnectionLimits`` sets, and how the daemon enforces it:
+
+* ``max_connections`` in total and ``max_connections_per_client``: a socket monitor on the
+  ROUTER reports every accepted connection with its descriptor (``EVENT_ACCEPTED``) and
+  every closed one (``EVENT_DISCONNECTED``). ``ConnectionGuard`` counts them on its own thread
+  and, when a new one is over a cap, shuts that connection down (``shutdown(2)`` on its
+  descriptor; libzmq then sees the peer gone and closes it through its own bookkeeping). So
+  the newest connection is the one refused: established engines are never dropped for a
+  newcomer. While a new TCP connection would be refused anyway, the TCP listener is also
+  shut at the kernel (``tcpgate``), so a flood stops before libzmq instead of outrunning
+  this thread. The client is named from the transport, before any handshake: ``uid:N`` on the
+  Unix socket (``SO_PEERCRED``, the same principal the ZAP handler names), ``loopback`` on
+  plain loopback TCP, and the peer's address (``ip:ADDR``) on CURVE TCP, whose key is known
+  only after the handshake;
+* the descriptor soft limit is raised to the hard one at start (``raise_descriptor_limit``),
+  the total cap is clamped to half of what the limit leaves after ``DESCRIPTOR_HEADROOM``, and
+  a new connection is also refused while fewer than ``DESCRIPTOR_HEADROOM`` descriptors are
+  free, so libzmq never meets ``EMFILE``;
+* ``handshake_timeout_s`` (``ZMQ_HANDSHAKE_IVL``) closes connections that never finish the
+  ZMTP handshake, and ``peer_heartbeat_s`` (``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) closes
+  those whose peer stops answering pings, so dead or idle peers give their slot back;
+* the frame cap (``ZMQ_MAXMSGSIZE``) equals the message cap: a frame announced larger makes
+  libzmq drop the connection at once, before it allocates anything. Memory held by unfinished
+  frames is therefore at most ``max_connections`` frames of ``max_message_bytes`` in all
+  (``max_connections_per_client`` of them per client): libzmq fills a frame's buffer inside
+  its I/O thread, where no byte accounting can reach, so the connection count is the lever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvcache.server.tcpgate import TcpGate, find_listener
+
+log = logging.getLogger("kvcache.server")
+
+DESCRIPTOR_HEADROOM = 256
+"""Descriptors kept free for everything but connections (ZMQ's own, files, the fd socket,
+L2 tiers, the metrics endpoint): a new connection is refused when fewer are free."""
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+_LOG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """How many connections the request socket holds, and how long an idle one may stay."""
+
+    max_connections: int = 256
+    """Open connections on all request endpoints together (handshaking ones included)."""
+    max_connections_per_client: int = 128
+    """Open connections of one client (``uid:N``, ``loopback``, or a CURVE peer's address)."""
+    handshake_timeout_s: float = 10.0
+    """A connection that has not finished the ZMTP handshake by then is closed."""
+    peer_heartbeat_s: float = 10.0
+    """Ping each connection this often; one silent for three intervals is closed (0: off)."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not 1 <= self.max_connections_per_client <= self.max_connections:
+            raise ValueError(
+                f"max_connections_per_client must be in [1, max_connections={self.max_connections}], "
+                f"got {self.max_connections_per_client}"
+            )
+        if not self.handshake_timeout_s > 0:
+            raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
+        if self.peer_heartbeat_s < 0:
+            raise ValueError(f"peer_heartbeat_s must be >= 0, got {self.peer_heartbeat_s}")
+
+    def apply(self, router: zmq.Socket[Any], max_message_bytes: int) -> None:
+        """Set the timeouts and the frame cap on the ROUTER (before it binds)."""
+        router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        router.setsockopt(zmq.HANDSHAKE_IVL, _ms(self.handshake_timeout_s))
+        if self.peer_heartbeat_s > 0:
+            router.setsockopt(zmq.HEARTBEAT_IVL, _ms(self.peer_heartbeat_s))
+            router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(3 * self.peer_heartbeat_s))
+            router.setsockopt(zmq.HEARTBEAT_TTL, _ms(3 * self.peer_heartbeat_s))
+
+    def fitted(self, soft_limit: int) -> ConnectionLimits:
+        """These limits, the total clamped to half the descriptors left after the headroom."""
+        room = max(1, (soft_limit - DESCRIPTOR_HEADROOM) // 2)
+        if self.max_connections <= room:
+            return self
+        log.warning(
+            "the descriptor limit (%d) leaves room for %d connections, not %d: accepting at most "
+            "%d (raise `ulimit -n` to allow more)", soft_limit, room, self.max_connections, room,
+        )  # fmt: skip
+        per_client = min(self.max_connections_per_client, room)
+        return ConnectionLimits(room, per_client, self.handshake_timeout_s, self.peer_heartbeat_s)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's descriptor soft limit to its hard limit; returns the soft limit.
+
+    Many systems start processes at a soft limit of 1024 while allowing far more; a daemon
+    serving many engines should not be held to it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def descriptor_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def free_descriptors() -> int | None:
+    """Descriptors this process may still open (None where /proc cannot tell)."""
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+    return descriptor_limit() - used
+
+
+@dataclass(slots=True)
+class _Conn:
+    client: str
+    admitted: bool
+
+
+class ConnectionGuard:
+    """Counts the ROUTER's connections from its monitor and refuses those over a cap.
+
+    Runs its own thread; the I/O loop never waits on it. ``attach`` before the ROUTER binds,
+    so that no connection goes uncounted; ``close`` before the ROUTER closes."""
+
+    def __init__(self, limits: ConnectionLimits, curve_tcp: bool) -> None:
+        self.limits = limits
+        self._curve_tcp = curve_tcp
+        self._conns: dict[int, _Conn] = {}
+        self._per_client: dict[str, int] = {}
+        self._admitted = 0
+        self._lock = threading.Lock()
+        self._monitor: zmq.Socket[Any] | None = None
+        self._router: zmq.Socket[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._last_log = 0.0
+        self._unlogged = 0
+        self._gate: TcpGate | None = None
+
+    def attach(self, ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> None:
+        address = f"inproc://kvcache-connections-{id(self)}"
+        router.monitor(address, _EVENTS)
+        monitor = ctx.socket(zmq.PAIR)
+        # Unbounded: a lost DISCONNECTED would leak a slot for good (the events are tiny,
+        # and as many as the connections libzmq accepts faster than this thread reads).
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        self._router, self._monitor = router, monitor
+        self._thread = threading.Thread(target=self._run, name="kvcache-connections", daemon=True)
+        self._thread.start()
+
+    def gate(self, tcp_endpoint: str) -> None:
+        """Shut the TCP listener of ``tcp_endpoint`` at the kernel whenever the daemon is
+        full (after the ROUTER bound it); without one found, surplus connections are only
+        shut down one by one."""
+        fd = find_listener(tcp_endpoint)
+        if fd is None:
+            log.warning("cannot find the listener of %s: floods are refused one by one", tcp_endpoint)
+            return
+        self._gate = TcpGate(fd)
+
+    def close(self) -> None:
+        """Stop watching and end the thread (before the ROUTER closes)."""
+        if self._router is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.disable_monitor()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        if self._gate is not None:
+            self._gate.close()
+
+    # -- the thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        assert self._monitor is not None
+        while not self._stop.is_set():
+            if not self._monitor.poll(1000):  # MONITOR_STOPPED ends it; this is a fallback
+                self._set_gate()  # descriptors may have been freed elsewhere
+                continue
+            # Read everything there is before acting: a descriptor whose DISCONNECTED is
+            # already queued may have been reused by a newer connection.
+            batch = [self._monitor.recv_multipart()]
+            while self._monitor.poll(0):
+                batch.append(self._monitor.recv_multipart())
+            events = [_parse(frames) for frames in batch]
+            for kind, fd, endpoint, closed in _with_fates(events):
+                if kind == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                if kind == zmq.EVENT_ACCEPTED:
+                    self._accepted(fd, endpoint, closed)
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    self._disconnected(fd)
+            self._set_gate()
+
+    def _set_gate(self) -> None:
+        """Shut the TCP gate while a new TCP connection would be refused anyway: every
+        slot taken, plain loopback TCP at its cap, or descriptors running short."""
+        if self._gate is None or not (self._gate.shut or self._conns):
+            return
+        limits = self.limits
+        with self._lock:
+            full = self._admitted >= limits.max_connections or (
+                not self._curve_tcp
+                and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
+            )
+        if not full:
+            free = free_descriptors()
+            full = free is not None and free < 2 * DESCRIPTOR_HEADROOM
+        self._gate.set(full)
+
+    def _accepted(self, fd: int, endpoint: str, closed: bool) -> None:
+        """Count a new connection, or shut it down when over a cap; ``closed``: its
+        DISCONNECTED is already in hand, so it is only counted."""
+        self._disconnected(fd)  # a stale entry for a reused descriptor would hold a slot
+        sock = _borrow(fd, endpoint)
+        if sock is None:  # already closed and reused by something else: nothing to count
+            return
+        try:
+            client = self._client(sock)
+            reason = None if closed else self._over_cap(client)
+            with self._lock:
+                self._conns[fd] = _Conn(client, admitted=reason is None)
+                if reason is None:
+                    self._admitted += 1
+                    self._per_client[client] = self._per_client.get(client, 0) + 1
+            if reason is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                self._refuse(client, endpoint, reason)
+        finally:
+            sock.detach()
+
+    def _disconnected(self, fd: int) -> None:
+        with self._lock:
+            conn = self._conns.pop(fd, None)
+            if conn is not None and conn.admitted:
+                self._admitted -= 1
+                left = self._per_client[conn.client] - 1
+                if left:
+                    self._per_client[conn.client] = left
+                else:
+                    del self._per_client[conn.client]
+
+    def _client(self, sock: socket.socket) -> str:
+        if sock.family == socket.AF_UNIX:
+            _, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            return f"uid:{uid}"
+        if not self._curve_tcp:
+            return "loopback"
+        try:
+            return f"ip:{sock.getpeername()[0]}"
+        except OSError:
+            return "ip:?"
+
+    def _over_cap(self, client: str) -> str | None:
+        limits = self.limits
+        with self._lock:
+            total = self._admitted
+            mine = self._per_client.get(client, 0)
+        if total >= limits.max_connections:
+            return f"{total} connections open (--max-connections {limits.max_connections})"
+        if mine >= limits.max_connections_per_client:
+            return (
+                f"{client} has {mine} connections open "
+                f"(--max-connections-per-client {limits.max_connections_per_client})"
+            )
+        free = free_descriptors()
+        if free is not None and free < DESCRIPTOR_HEADROOM:
+            return f"only {free} descriptors left (ulimit -n {descriptor_limit()})"
+        return None
+
+    def _refuse(self, client: str, endpoint: str, reason: str) -> None:
+        """Log the first refusal, then at most one summary per ``_LOG_EVERY_S``."""
+        now = time.monotonic()
+        if now - self._last_log < _LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more refused since the last report)" if self._unlogged else ""
+        log.warning("refused a connection from %s on %s: %s%s", client, endpoint, reason, more)
+        self._last_log, self._unlogged = now, 0
+
+
+def _with_fates(events: list[tuple[int, int, str]]) -> list[tuple[int, int, str, bool]]:
+    """The events with, for each, whether a later one in the batch closes its descriptor
+    (then its descriptor may already belong to another connection: never shut it down)."""
+    out: list[tuple[int, int, str, bool]] = []
+    closing: set[int] = set()
+    for kind, fd, endpoint in reversed(events):
+        out.append((kind, fd, endpoint, fd in closing))
+        if kind == zmq.EVENT_DISCONNECTED:
+            closing.add(fd)
+        elif kind == zmq.EVENT_ACCEPTED:
+            closing.discard(fd)
+    out.reverse()
+    return out
+
+
+def _parse(frames: list[bytes]) -> tuple[int, int, str]:
+    """(event, value, endpoint) of a monitor message; the value of ACCEPTED and
+    DISCONNECTED is the connection's descriptor."""
+    kind, value = struct.unpack("=HI", frames[0][:6])
+    return kind, value, frames[1].decode(errors="replace")
+
+
+def _borrow(fd: int, endpoint: str) -> socket.socket | None:
+    """A socket object over ``fd`` (``detach`` it, never close it: libzmq owns the
+    descriptor), or None unless ``fd`` is still a connection accepted on ``endpoint``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        local = sock.getsockname()
+        if endpoint.startswith("ipc://"):
+            same = local == endpoint[len("ipc://") :]
+        else:
+            port = int(endpoint.rsplit(":", 1)[1])
+            same = sock.family in (socket.AF_INET, socket.AF_INET6) and local[1] == port
+    except (OSError, ValueError, IndexError):
+        same = False
+    if not same:
+        sock.detach()
+        return None
+    return sock
+
+
+__all__ = [
+    "DESCRIPTOR_HEADROOM",
+    "ConnectionGuard",
+    "ConnectionLimits",
+    "descriptor_limit",
+    "free_descriptors",
+    "raise_descriptor_limit",
+]
