@@ -22,10 +22,11 @@ from kvcache.observability.config import ObservabilityConfig, add_observability_
 from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
-from kvcache.server.auth import default_runtime_dir, ensure_private_dir
+from kvcache.server.auth import default_runtime_dir
 from kvcache.server.connections import ConnectionLimits, raise_descriptor_limit
 from kvcache.server.daemon import DaemonConfig
 from kvcache.server.handlers import Limits
+from kvcache.trusted_dir import ensure_private_dir
 
 if TYPE_CHECKING:
     from kvcache.observability import Observability
@@ -336,7 +337,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
         return 1
     try:
         if settings.args.kv_events:  # its sockets live in the runtime directory: make it first
-            ensure_private_dir(settings.daemon.runtime_dir or default_runtime_dir())
+            runtime_dir = settings.daemon.runtime_dir or default_runtime_dir()
+            ensure_private_dir(runtime_dir, what="runtime directory (--runtime-dir)")
         _add_flag_subscribers(settings.args, obs)
         engine = CacheEngine(settings.engine, bus=obs.bus)
     except (OSError, ValueError, ImportError) as exc:
