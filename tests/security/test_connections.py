@@ -88,7 +88,7 @@ def test_a_thousand_idle_connections_under_a_1024_descriptor_limit_do_not_kill_t
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     """The issue's attack as reported, against the default caps."""
-    d = start_daemon(nofile=(1024, 1024))
+    d = start_daemon(nofile=(1024, 1024), tcp=True)
     with _tenant(d, 1) as (tenant, kv):
         flood = zmtp.flood(d.endpoint, 1100)  # more than the descriptor table holds
         try:
@@ -106,7 +106,7 @@ def test_a_thousand_idle_connections_under_a_1024_descriptor_limit_do_not_kill_t
 def test_the_descriptor_soft_limit_is_raised_to_the_hard_limit(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon(nofile=(1024, 4096))
+    d = start_daemon(nofile=(1024, 4096), tcp=True)
     with open(f"/proc/{d.pid}/limits") as f:
         line = next(line for line in f if line.startswith("Max open files"))
     assert line.split()[3:5] == ["4096", "4096"], line
@@ -115,7 +115,7 @@ def test_the_descriptor_soft_limit_is_raised_to_the_hard_limit(
 def test_connections_are_capped_in_total_and_per_client(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6")
+    d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6", tcp=True)
     with _tenant(d, 1) as (tenant, kv):  # two connections of uid:N, made before the flood
         flood = zmtp.flood(d.endpoint, 8)  # past the cap the listener may be shut: fewer
         try:
@@ -141,7 +141,7 @@ def test_connections_are_capped_in_total_and_per_client(
 def test_a_local_user_is_held_to_its_own_cap_on_the_unix_socket(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6")
+    d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6", tcp=True)
     flood = [zmtp.connect(d.ipc_endpoint, timeout_s=10) for _ in range(10)]
     try:
         assert sum(_answers_ping(s) for s in flood) == 6  # uid:N, counted by SO_PEERCRED
@@ -155,7 +155,7 @@ def test_a_local_user_is_held_to_its_own_cap_on_the_unix_socket(
 def test_a_connection_that_never_finishes_its_handshake_is_closed(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon("--handshake-timeout", "0.5")
+    d = start_daemon("--handshake-timeout", "0.5", tcp=True)
     with _tenant(d, 1) as (tenant, kv):
         silent = zmtp.connect(d.endpoint, timeout_s=10)
         half = zmtp.connect(d.endpoint, timeout_s=10)
@@ -171,7 +171,7 @@ def test_a_connection_that_never_finishes_its_handshake_is_closed(
 def test_a_peer_that_stops_answering_heartbeats_is_closed(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon("--peer-heartbeat", "0.2")
+    d = start_daemon("--peer-heartbeat", "0.2", tcp=True)
     with _tenant(d, 1) as (tenant, kv):
         mute = zmtp.connect(d.endpoint, timeout_s=10)
         try:
@@ -187,7 +187,7 @@ def test_a_registration_that_would_use_up_the_descriptors_is_refused(
 ) -> None:
     """Each mapped CPU tensor keeps a descriptor: 800 views of one memfd under a limit of
     1024, then a few idle connections, used to leave the ipc:// listener nothing."""
-    d = start_daemon(nofile=(1024, 1024))
+    d = start_daemon(nofile=(1024, 1024), tcp=True)
     with _tenant(d, 1) as (tenant, kv):
         pong = raw_call(d.ipc_endpoint, m.Ping())
         assert isinstance(pong, m.Pong)
@@ -218,7 +218,7 @@ def test_a_registration_that_would_use_up_the_descriptors_is_refused(
 def test_a_frame_announced_beyond_the_message_cap_closes_its_connection_at_once(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    d = start_daemon("--max-message-mb", "1")
+    d = start_daemon("--max-message-mb", "1", tcp=True)
     with _tenant(d, 1) as (tenant, kv):
         stalled = zmtp.connect(d.endpoint, timeout_s=5)
         try:
@@ -248,7 +248,7 @@ def test_memory_held_by_unfinished_frames_is_bounded_across_connections(
 ) -> None:
     cap, per_client = 4, 8  # MiB per frame, connections per client
     d = start_daemon("--max-message-mb", str(cap), "--max-connections", "16",
-                     "--max-connections-per-client", str(per_client))  # fmt: skip
+                     "--max-connections-per-client", str(per_client), tcp=True)  # fmt: skip
     with _tenant(d, 1) as (tenant, kv):
         before = _rss(d.pid)
         stalled: list[socket.socket] = []
