@@ -382,7 +382,12 @@ def _import_cuda(desc: CudaIpcTensor) -> torch.Tensor:
         )
     except RuntimeError as exc:  # a handle that names no memory of this GPU, say
         raise LayoutError(f"cannot open the engine's CUDA IPC handle: {exc}") from None
-    _check_within_allocation(index, storage.data_ptr(), desc.storage_size_bytes)
+    # torch maps the handle's allocation and adds storage_offset_bytes to its start: the
+    # storage must end inside that allocation, not merely inside whichever one it lands in.
+    handle_base = storage.data_ptr() - desc.storage_offset_bytes
+    if handle_base <= 0:
+        raise LayoutError("the CUDA IPC handle maps no device memory")
+    _check_within_allocation(index, handle_base, desc.storage_offset_bytes + desc.storage_size_bytes)
     span = _span_elements(desc.shape, desc.stride) * _itemsize(dtype)
     if (desc.storage_offset * _itemsize(dtype)) + span > desc.storage_size_bytes:
         raise LayoutError(
@@ -394,9 +399,12 @@ def _import_cuda(desc: CudaIpcTensor) -> torch.Tensor:
 
 
 def _check_within_allocation(index: int, address: int, nbytes: int) -> None:
-    """Refuse a storage the client claims larger than the device allocation its handle maps:
-    copies past the allocation would fault the daemon's context (every engine loses its
-    service) or touch memory the engine never shared."""
+    """Refuse a storage that does not fit the device allocation its handle maps: ``address``
+    is where the handle's memory starts in the daemon, ``nbytes`` the client's offset plus
+    storage size. Copies past that allocation would fault the daemon's context (every engine
+    loses its service) or, with an offset aimed at the next mapping, read and write another
+    engine's KV. The allocation is looked up at ``address`` itself, never at the offset
+    address: that one may lie in any allocation the daemon has mapped."""
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     with cuda_errors("asking the CUDA driver for the IPC storage's allocation"), torch.cuda.device(index):
         result = _driver().cuMemGetAddressRange_v2(
@@ -406,8 +414,8 @@ def _check_within_allocation(index: int, address: int, nbytes: int) -> None:
         raise LayoutError(f"the CUDA IPC storage is not device memory (driver error {result})")
     if address + nbytes > base.value + size.value:
         raise LayoutError(
-            f"the storage claims {nbytes} bytes but its allocation ends "
-            f"{base.value + size.value - address} bytes after its start"
+            f"the storage claims {nbytes} bytes (its offset included) but the allocation its "
+            f"handle maps ends {base.value + size.value - address} bytes after its start"
         )
 
 

@@ -234,3 +234,39 @@ def test_an_exported_event_outlives_its_request_and_lingers_after() -> None:
     assert [ref() is None for ref in alive] == [True, True, False, False]  # only the last two linger
     assert len(keeper) == 2
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_offset_aimed_at_another_mapping_is_refused() -> None:
+    """torch places an imported storage at the handle's base plus ``storage_offset_bytes``,
+    unchecked. An offset that lands inside another allocation the daemon has mapped (another
+    engine's KV) must be refused: the allocation checked is the handle's own, not whichever
+    one the offset reaches. Deterministic: the importer maps two allocations of one exporter,
+    then one handle again with the offset that reaches the other's storage."""
+    from kvcache.protocol.codec import encode_request
+    from kvcache.protocol.messages import Register
+
+    # Two large tensors: each its own device allocation, each its own IPC handle.
+    tensors = [torch.full((8 << 20,), float(i), dtype=torch.float32, device="cuda") for i in (1, 2)]
+    descs, _ = ipc.export_tensors(tensors)
+    frame = encode_request(1, Register(instance_id=0, model_name="m", tensors=list(descs)))
+    code = (
+        "import sys, msgspec\n"
+        "from kvcache.errors import LayoutError\n"
+        "from kvcache.protocol.codec import decode_request\n"
+        "from kvcache.server import ipc\n"
+        "descs = decode_request(sys.stdin.buffer.read()).body.tensors\n"
+        "mapped = [(ipc.import_tensor(d).tensor, d) for d in descs]\n"
+        "(low, low_d), (high, high_d) = sorted(mapped, key=lambda p: p[0].data_ptr())\n"
+        "low_base = low.untyped_storage().data_ptr() - low_d.storage_offset_bytes\n"
+        "forged = msgspec.structs.replace(\n"
+        "    low_d, storage_offset_bytes=high.untyped_storage().data_ptr() - low_base,\n"
+        "    storage_size_bytes=high_d.storage_size_bytes)\n"
+        "try:\n"
+        "    t = ipc.import_tensor(forged).tensor\n"
+        "    print('accepted', t[0].item())\n"
+        "except LayoutError as exc:\n"
+        "    print('refused', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=frame, capture_output=True, check=True)
+    assert out.stdout.decode().startswith("refused"), out.stdout.decode() + out.stderr.decode()
