@@ -1,15 +1,22 @@
-"""Attacks on the connection caps after issue 20: unauthenticated TCP peers must not take
-the slots the daemon's own engines need on its Unix socket.
+"""Attacks on the connection and message caps after issue 20.
 
-On CURVE TCP the per-client cap counts connections by source address (``ip:ADDR``), which
-the guard reads before any handshake. A local user owns every address of 127.0.0.0/8 (and a
-remote one may own many), so two source addresses, each at the per-client cap, fill the
-total cap, and the daemon's own user can no longer connect over ipc:// until the peers'
-handshake timeout (and they simply reconnect). The peers never authenticate.
+Connection slots: unauthenticated TCP peers must not take the slots the daemon's own
+engines need on its Unix socket. On CURVE TCP the per-client cap counts connections by
+source address (``ip:ADDR``), which the guard reads before any handshake. A local user owns
+every address of 127.0.0.0/8 (and a remote one may own many), so two source addresses, each
+at the per-client cap, fill the total cap, and the daemon's own user can no longer connect
+over ipc:// until the peers' handshake timeout (and they simply reconnect). The peers never
+authenticate.
+
+Message size: ``ZMQ_MAXMSGSIZE`` caps each frame, not a message. A peer that sends frames
+flagged MORE and never the last one has every frame buffered by libzmq (a message's frames
+reach the socket only once it is complete, and the receive high-water mark counts complete
+messages only), so one connection holds as much memory as it cares to send.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +27,9 @@ from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess
 
 from . import zmtp
-from .test_connections import _answers_ping
+from .test_connections import _answers_ping, _rss, _served, _tenant
+
+MiB = 1 << 20
 
 
 def _curve_daemon(start_daemon: Callable[..., DaemonProcess], tmp_path: Path) -> DaemonProcess:
@@ -83,4 +92,31 @@ def test_unauthenticated_tcp_peers_cannot_lock_the_operator_out_of_the_unix_sock
     finally:
         for sock in held:
             sock.close()
+    assert d.proc.poll() is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="message cap: ZMQ_MAXMSGSIZE bounds each frame only; the frames of a multipart "
+    "message that never ends are all buffered by libzmq, without limit",
+)
+def test_a_multipart_message_that_never_ends_is_held_to_the_message_cap(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--max-message-mb", "1", tcp=True)
+    with _tenant(d, 1) as (tenant, kv):
+        before = _rss(d.pid)
+        endless = zmtp.connect(d.endpoint, timeout_s=10)
+        try:
+            zmtp.handshake(endless)
+            frame = zmtp.frame_header(MiB - 64, more=True) + bytes(MiB - 64)
+            with contextlib.suppress(ConnectionError):  # closed on the way: as it should be
+                for _ in range(96):  # 96 MiB, each frame under the cap, the message unfinished
+                    endless.sendall(frame)
+            # The kernel's socket buffers hold a few MiB at most: the rest reached the daemon.
+            grown = _rss(d.pid) - before
+            assert grown < 32 * MiB, f"one unfinished message holds {grown / MiB:.0f} MiB"
+        finally:
+            endless.close()
+        _served(tenant, kv)
     assert d.proc.poll() is None
