@@ -258,19 +258,26 @@ class Handlers:
         return instance
 
     @staticmethod
-    def _key_salt(req: m.Lookup | m.Store | m.Retrieve) -> str:
+    def _key_salt(req: m.Lookup | m.Store | m.Retrieve, instance: Instance) -> str:
         """The salt the engine keys chunks with: the tenant's ``cache_salt`` and the request's
-        ``key_extra``, joined by a separator neither may contain (so no two pairs collide)."""
+        ``key_extra``, joined by a separator neither may contain (so no two pairs collide).
+
+        An instance of a ``shared`` principal (plain loopback TCP: any local user) gets a third
+        part, its principal's name, which no other request can produce: what it stores is
+        never a hit for an engine on another door, and what they store never one for it, or
+        any local user could plant KV for the operator's engines or read their prefixes."""
         if _SEP in req.cache_salt or _SEP in req.key_extra:
             raise ValueError("cache_salt and key_extra may not contain \\x1f")
+        if instance.principal.shared:
+            return f"{req.cache_salt}{_SEP}{req.key_extra}{_SEP}{instance.principal.name}"
         return f"{req.cache_salt}{_SEP}{req.key_extra}" if req.key_extra else req.cache_salt
 
     def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
-        self._instance(req, principal, token_required=False)
+        instance = self._instance(req, principal, token_required=False)
         hit = self.engine.lookup_tiers(
             req.instance_id,
             self._ids(req.token_ids),
-            cache_salt=self._key_salt(req),
+            cache_salt=self._key_salt(req, instance),
             request_id=req.request_id,
         )
         return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_tokens)
@@ -295,7 +302,7 @@ class Handlers:
             req.instance_id,
             token_ids,
             block_ids,
-            cache_salt=self._key_salt(req),
+            cache_salt=self._key_salt(req, instance),
             request_id=req.request_id,
             block_hashes=req.block_hashes,
             copy_by=copy_deadline(req.deadline_ms),
@@ -311,14 +318,14 @@ class Handlers:
         waiter does). The future resolves once the copy has completed on the host's side, so
         the engine may use the blocks on the reply; no event is exported (it would have to
         outlive the client's wait on it, which the daemon cannot know)."""
-        self._instance(req, principal, token_required=True)
+        instance = self._instance(req, principal, token_required=True)
         check_deadline(req.deadline_ms, "retrieve")
         got = self.engine.retrieve_async(
             req.instance_id,
             self._ids(req.token_ids),
             self._ids(req.block_ids),
             req.skip_tokens,
-            cache_salt=self._key_salt(req),
+            cache_salt=self._key_salt(req, instance),
             request_id=req.request_id,
             copy_by=copy_deadline(req.deadline_ms),
         )
