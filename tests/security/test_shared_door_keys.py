@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
+from kvcache.errors import LimitExceededError
 from kvcache.layouts import GPUKVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, make_kv_caches
@@ -67,4 +69,29 @@ def test_a_loopback_stranger_cannot_read_the_prefixes_of_an_engine_on_the_unix_s
         with KVCacheClient(d.ipc_endpoint, 3, MODEL, timeout_s=10) as reader:
             reader.register_kv_caches(fresh)
             assert reader.retrieve(TOKENS, BLOCKS) == 64 and caches_equal(fresh, victim_kv)
+    assert d.proc.poll() is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="--max-instances counts every principal together: the loopback door (any local "
+    "user) can register them all and lock the operator's engines out of registering",
+)
+def test_a_loopback_stranger_cannot_take_every_instance_slot(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--max-instances", "2", tcp=True)
+    strangers = [KVCacheClient(d.endpoint, 10 + i, MODEL, timeout_s=10) for i in range(3)]
+    try:
+        for i, stranger in enumerate(strangers):
+            try:
+                stranger.register_kv_caches(_cache(10 + i))
+            except LimitExceededError:
+                break  # the stranger is held to its share: as it should be
+        with KVCacheClient(d.ipc_endpoint, 1, MODEL, timeout_s=10) as operator_engine:
+            operator_engine.register_kv_caches(_cache(1))  # refused while the stranger holds all
+            assert operator_engine.store(TOKENS, BLOCKS).stored_tokens == 64
+    finally:
+        for stranger in strangers:
+            stranger.close()
     assert d.proc.poll() is None
