@@ -180,7 +180,8 @@ def build_parser(
     st.add_argument("--l2-redis-url", default=None, metavar="URL",
                     help="a Redis/Valkey tier shared by hosts: redis://host:port/db for one "
                     "server, redis+cluster://host:port,host:port,... for a Redis/Valkey "
-                    "Cluster (docs/cluster.md); default: off")
+                    "Cluster (docs/cluster.md); a URL with a password belongs in --config "
+                    "(every local user reads a command line); default: off")
     st.add_argument("--l2-redis-timeout", type=float, default=defaults.l2_redis_socket_timeout_s,
                     metavar="SECONDS", help="bound on one Redis command (default %(default)s)")
     st.add_argument("--l2-redis-connect-timeout", type=float,
