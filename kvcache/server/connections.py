@@ -9,7 +9,9 @@ trickles in (or never finishes).
 
 What ``ConnectionLimits`` sets, and how the daemon enforces it:
 
-* ``max_connections`` in total and ``max_connections_per_client``: a socket monitor on the
+* ``max_connections`` TCP connections in total (Unix-socket ones are bounded per uid and by
+  the descriptor reserve, so the network can never lock the daemon's own user out of its
+  Unix socket) and ``max_connections_per_client``: a socket monitor on the
   ROUTER reports every accepted connection with its descriptor (``EVENT_ACCEPTED``) and
   every closed one (``EVENT_DISCONNECTED``). ``ConnectionGuard`` counts them on its own thread
   and, when a new one is over a cap, shuts that connection down (``shutdown(2)`` on its
@@ -30,8 +32,8 @@ What ``ConnectionLimits`` sets, and how the daemon enforces it:
   those whose peer stops answering pings, so dead or idle peers give their slot back;
 * the frame cap (``ZMQ_MAXMSGSIZE``) equals the message cap: a frame announced larger makes
   libzmq drop the connection at once, before it allocates anything. Memory held by unfinished
-  frames is therefore at most ``max_connections`` frames of ``max_message_bytes`` in all
-  (``max_connections_per_client`` of them per client): libzmq fills a frame's buffer inside
+  frames is therefore at most ``max_connections`` frames of ``max_message_bytes`` over TCP,
+  plus ``max_connections_per_client`` of them on the Unix socket (its one uid): libzmq fills a frame's buffer inside
   its I/O thread, where no byte accounting can reach, so the connection count is the lever.
 """
 
@@ -148,6 +150,7 @@ def free_descriptors() -> int | None:
 class _Conn:
     client: str
     admitted: bool
+    network: bool  # a TCP connection: counts toward ``max_connections``
 
 
 class ConnectionGuard:
@@ -255,11 +258,12 @@ class ConnectionGuard:
             return
         try:
             client = self._client(sock)
-            reason = None if closed else self._over_cap(client)
+            network = sock.family != socket.AF_UNIX
+            reason = None if closed else self._over_cap(client, network)
             with self._lock:
-                self._conns[fd] = _Conn(client, admitted=reason is None)
+                self._conns[fd] = _Conn(client, admitted=reason is None, network=network)
                 if reason is None:
-                    self._admitted += 1
+                    self._admitted += network
                     self._per_client[client] = self._per_client.get(client, 0) + 1
             if reason is not None:
                 with contextlib.suppress(OSError):
@@ -272,7 +276,7 @@ class ConnectionGuard:
         with self._lock:
             conn = self._conns.pop(fd, None)
             if conn is not None and conn.admitted:
-                self._admitted -= 1
+                self._admitted -= conn.network
                 left = self._per_client[conn.client] - 1
                 if left:
                     self._per_client[conn.client] = left
@@ -290,13 +294,17 @@ class ConnectionGuard:
         except OSError:
             return "ip:?"
 
-    def _over_cap(self, client: str) -> str | None:
+    def _over_cap(self, client: str, network: bool) -> str | None:
+        """Why a new connection of ``client`` is refused, or None. The total cap counts TCP
+        connections only: the Unix socket admits the daemon's own uid alone (its 0700
+        directory and ZAP), bounded per uid and by the descriptor reserve, so peers on the
+        network, authenticated or not, can never lock the operator's engines out of it."""
         limits = self.limits
         with self._lock:
             total = self._admitted
             mine = self._per_client.get(client, 0)
-        if total >= limits.max_connections:
-            return f"{total} connections open (--max-connections {limits.max_connections})"
+        if network and total >= limits.max_connections:
+            return f"{total} TCP connections open (--max-connections {limits.max_connections})"
         if mine >= limits.max_connections_per_client:
             return (
                 f"{client} has {mine} connections open "

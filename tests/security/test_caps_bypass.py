@@ -61,12 +61,6 @@ def _from(source: str, endpoint: str) -> socket.socket | None:
     return sock
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="connection caps: CURVE TCP peers are counted per source address before they "
-    "authenticate, and share the total cap with ipc://, so unauthenticated peers from two "
-    "loopback addresses lock the daemon's own engines out of its Unix socket",
-)
 def test_unauthenticated_tcp_peers_cannot_lock_the_operator_out_of_the_unix_socket(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
