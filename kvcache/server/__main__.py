@@ -124,6 +124,9 @@ def build_parser(
     lim = Limits()
     srv.add_argument("--max-instances", type=int, default=lim.max_instances,
                      help="engine instances registered at once (default %(default)s)")
+    srv.add_argument("--max-instances-per-client", type=int, default=lim.max_instances_per_client,
+                     help="instances one client other than the daemon's own user may hold "
+                     "(default %(default)s; never all of --max-instances)")
     srv.add_argument("--max-tensors", type=int, default=lim.max_tensors,
                      help="KV tensors in one registration (default %(default)s)")
     srv.add_argument("--max-registration-gb", type=float,
@@ -286,6 +289,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
         )
         limits = Limits(
             max_instances=ns.max_instances,
+            max_instances_per_client=ns.max_instances_per_client,
             max_tensors=ns.max_tensors,
             max_registration_bytes=int(ns.max_registration_gb * GiB),
             max_ids=ns.max_ids,

@@ -33,8 +33,9 @@ What ``ConnectionLimits`` sets, and how the daemon enforces it:
 * the frame cap (``ZMQ_MAXMSGSIZE``) equals the message cap: a frame announced larger makes
   libzmq drop the connection at once, before it allocates anything. Memory held by unfinished
   frames is therefore at most ``max_connections`` frames of ``max_message_bytes`` over TCP,
-  plus ``max_connections_per_client`` of them on the Unix socket (its one uid): libzmq fills a frame's buffer inside
-  its I/O thread, where no byte accounting can reach, so the connection count is the lever.
+  plus ``max_connections_per_client`` of them on the Unix socket (its one uid): libzmq fills
+  a frame's buffer inside its I/O thread, where no byte accounting can reach, so the
+  connection count is the lever.
 """
 
 from __future__ import annotations

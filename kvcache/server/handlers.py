@@ -50,6 +50,9 @@ class Limits:
     Hitting one is a ``LIMIT`` error reply and changes nothing."""
 
     max_instances: int = 256
+    max_instances_per_client: int = 64
+    """Instances one principal other than the operator may hold (at most ``max_instances`` - 1:
+    a tenant, or every local user sharing plain loopback TCP, never takes every slot)."""
     max_tensors: int = 1024
     """KV tensors per registration (each is a mapping; vLLM uses one per layer)."""
     max_registration_bytes: int = 1 << 40
@@ -58,7 +61,8 @@ class Limits:
     """Token ids, block ids or block hashes in one request (4 Mi: a 4M-token prompt)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_instances", "max_tensors", "max_registration_bytes", "max_ids"):
+        for name in ("max_instances", "max_instances_per_client", "max_tensors",
+                     "max_registration_bytes", "max_ids"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -210,6 +214,12 @@ class Handlers:
                 raise LimitExceededError(
                     f"{len(self.registry)} instances are registered; the limit is "
                     f"{self.limits.max_instances} (--max-instances)"
+                )
+            share = min(self.limits.max_instances_per_client, self.limits.max_instances - 1)
+            if not principal.operator and self.registry.count(principal) >= share:
+                raise LimitExceededError(
+                    f"{principal.name} holds {share} registered instances, its share "
+                    "(--max-instances-per-client, and never every --max-instances slot)"
                 )
             return
         same = (

@@ -110,6 +110,11 @@ class InstanceRegistry:
         with self._lock:
             return instance_id in self._instances
 
+    def count(self, principal: Principal) -> int:
+        """Instances registered by ``principal`` (its share of ``--max-instances``)."""
+        with self._lock:
+            return sum(inst.principal.name == principal.name for inst in self._instances.values())
+
     def ids(self, principal: Principal | None = None) -> list[int]:
         """Registered ids; only those ``principal`` may see when one is given (``visible``):
         a client learns nothing of other tenants' instances."""
