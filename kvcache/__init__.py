@@ -13,6 +13,7 @@ from kvcache.errors import (
     ChunkMismatchError,
     CorruptChunkError,
     CudaUnavailableError,
+    DaemonUnavailableError,
     KvcacheError,
     LayoutError,
     ProtocolError,
@@ -32,7 +33,6 @@ _LAZY = {
     "EngineConfig": "kvcache.config",
     "OffloadStats": "kvcache.engine.stats",
     "KVCacheClient": "kvcache.client",
-    "DaemonUnavailableError": "kvcache.protocol.errors",
 }
 
 

@@ -33,14 +33,14 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.errors import AccessDeniedError, UnknownInstanceError
+from kvcache.errors import AccessDeniedError, DaemonUnavailableError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import pack_ids
-from kvcache.protocol.errors import DaemonUnavailableError, exception_from_error
+from kvcache.protocol.errors import exception_from_error
 from kvcache.protocol.peer_check import DaemonTrust, expected_daemon_uid
 from kvcache.server.auth import default_runtime_dir, ipc_endpoint, load_public_key, load_secret_key
 from kvcache.server.ipc import (

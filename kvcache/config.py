@@ -12,14 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.errors import KvcacheError
+from kvcache.errors import ConfigError  # re-exported: its public home before kvcache.errors
 
 GiB = 1 << 30
 MiB = 1 << 20
-
-
-class ConfigError(KvcacheError, ValueError):
-    """A configuration value is out of range or inconsistent; the message names the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +105,8 @@ class EngineConfig:
         ):
             raise ConfigError(f"l2_disk_path must be a non-empty path, got {self.l2_disk_path!r}")
         if self.l2_redis_url is not None:
-            # Imported here: the parser's error type derives from ConfigError, defined above.
+            # Imported here, not above: a config record should not load the storage package
+            # (the L1 pool, msgspec) just to be built or compared.
             from kvcache.storage.redis_url import parse_redis_url
 
             parse_redis_url(self.l2_redis_url)  # raises RedisURLError, a ConfigError

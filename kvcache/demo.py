@@ -21,8 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
+from kvcache.errors import DaemonStartError
 from kvcache.layouts import GPUKVFormat
-from kvcache.server.launch import DaemonProcess, DaemonStartError
+from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 8, 1024, 16, 4, 64

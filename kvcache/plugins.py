@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from kvcache.config import ConfigError
+from kvcache.errors import ConfigError
 from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import Event, EventType
 from kvcache.observability.instruments import MetricSet

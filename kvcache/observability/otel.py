@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcache.errors import KvcacheError
+from kvcache.errors import TracingUnavailableError  # re-exported: its home before kvcache.errors
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-
-
-class TracingUnavailableError(KvcacheError, RuntimeError):
-    """Tracing was asked for but the OpenTelemetry SDK or exporter is not installed."""
 
 
 def build_tracer_provider(endpoint: str, service_name: str = "kvcache") -> TracerProvider:

@@ -15,10 +15,14 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvcache.errors import AccessDeniedError, ProtocolError, UntrustedPathError
+from kvcache.errors import (
+    AccessDeniedError,
+    DaemonUnavailableError,
+    ProtocolError,
+    UntrustedPathError,
+)
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
-from kvcache.protocol.errors import DaemonUnavailableError
 
 
 class Channel:

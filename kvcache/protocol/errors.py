@@ -3,86 +3,63 @@
 The daemon turns whatever a handler raises into an ``Error(code, message)`` reply; the client
 turns that reply back into the same exception class, so a caller of ``KVCacheClient`` catches
 ``BlockIdError`` exactly as it would around an in-process ``CacheEngine``.
+
+Neither direction is a hand-kept table: a kvcache exception carries its code as the class
+attribute ``wire_code`` (``kvcache.errors``), and the client's lookup is derived from the
+classes that name a code of their own. Errors from outside kvcache (Python's, a library's) are
+given a code at one edge, ``_foreign_code``.
 """
 
 from __future__ import annotations
 
+import kvcache.errors
 from kvcache.errors import (
-    AccessDeniedError,
-    BlockIdError,
-    ChunkMismatchError,
-    CudaError,
-    CudaUnavailableError,
-    DeadlineExceededError,
+    DaemonUnavailableError,
+    ErrorCode,
     KvcacheError,
-    LayoutError,
-    LimitExceededError,
-    ProtocolError,
-    StorageError,
-    UnknownInstanceError,
+    RemoteError,
+    ShuttingDownError,
 )
-from kvcache.protocol.messages import Error, ErrorCode
+from kvcache.protocol.messages import Error
+
+GENERIC_CODES = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.INTERNAL})
+"""Codes that unrelated errors share (any ``ValueError`` is a ``BAD_REQUEST``), so they name no
+class: a client raises ``RemoteError`` carrying the code."""
 
 
-class DaemonUnavailableError(KvcacheError, TimeoutError):
-    """No reply from the daemon within the client's timeout (down, restarting or overloaded)."""
+def _code_to_class() -> dict[ErrorCode, type[KvcacheError]]:
+    """The client's lookup: each specific code to the one class that names it in its body."""
+    table: dict[ErrorCode, type[KvcacheError]] = {}
+    for cls in vars(kvcache.errors).values():
+        if not (isinstance(cls, type) and issubclass(cls, KvcacheError)):
+            continue
+        own = (cls.wire_code,) if "wire_code" in cls.__dict__ else ()
+        for code in own + cls.__dict__.get("wire_aliases", ()):
+            if code in GENERIC_CODES:
+                continue
+            if code in table:
+                raise TypeError(f"{code} is named by both {table[code].__name__} and {cls.__name__}")
+            table[code] = cls
+    return table
 
 
-class RemoteError(KvcacheError, RuntimeError):
-    """The daemon failed in a way no more specific class describes (``INTERNAL`` and the rest)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
+_CODE_TO_CLASS = _code_to_class()
 
 
-class ShuttingDownError(DaemonUnavailableError):
-    """The daemon is stopping and refused new work; retry against its successor."""
-
-
-_CODE_TO_CLASS: dict[ErrorCode, type[Exception]] = {
-    ErrorCode.BAD_MESSAGE: ProtocolError,
-    ErrorCode.VERSION_MISMATCH: ProtocolError,
-    ErrorCode.TOO_LARGE: ProtocolError,
-    ErrorCode.UNKNOWN_INSTANCE: UnknownInstanceError,
-    ErrorCode.LAYOUT: LayoutError,
-    ErrorCode.BLOCK_ID: BlockIdError,
-    ErrorCode.CHUNK_MISMATCH: ChunkMismatchError,
-    ErrorCode.STORAGE: StorageError,
-    ErrorCode.CUDA_UNAVAILABLE: CudaUnavailableError,
-    ErrorCode.CUDA: CudaError,
-    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
-    ErrorCode.ACCESS_DENIED: AccessDeniedError,
-    ErrorCode.LIMIT: LimitExceededError,
-    ErrorCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
-
-# Most specific first: CorruptChunkError is a StorageError, UnknownInstanceError a KeyError,
-# CudaUnavailableError a CudaError.
-_CLASS_TO_CODE: list[tuple[type[BaseException], ErrorCode]] = [
-    (UnknownInstanceError, ErrorCode.UNKNOWN_INSTANCE),
-    (AccessDeniedError, ErrorCode.ACCESS_DENIED),
-    (LimitExceededError, ErrorCode.LIMIT),
-    (DeadlineExceededError, ErrorCode.DEADLINE_EXCEEDED),
-    (BlockIdError, ErrorCode.BLOCK_ID),
-    (LayoutError, ErrorCode.LAYOUT),
-    (ChunkMismatchError, ErrorCode.CHUNK_MISMATCH),
-    (StorageError, ErrorCode.STORAGE),
-    (CudaUnavailableError, ErrorCode.CUDA_UNAVAILABLE),
-    (CudaError, ErrorCode.CUDA),
-    (ProtocolError, ErrorCode.BAD_MESSAGE),
-    (ValueError, ErrorCode.BAD_REQUEST),
-    (IndexError, ErrorCode.BAD_REQUEST),
-    (TypeError, ErrorCode.BAD_REQUEST),
-]
+def _foreign_code(exc: BaseException) -> ErrorCode:
+    """The one edge for errors that are not kvcache's: bad arguments are the caller's fault,
+    anything else is the daemon's."""
+    if isinstance(exc, (ValueError, IndexError, TypeError)):
+        return ErrorCode.BAD_REQUEST
+    return ErrorCode.INTERNAL
 
 
 def error_from_exception(exc: BaseException) -> Error:
     """The reply for an exception a handler raised; unknown kinds become ``INTERNAL``."""
-    for cls, code in _CLASS_TO_CODE:
-        if isinstance(exc, cls):
-            return Error(code=code, message=str(exc) or type(exc).__name__)
-    return Error(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+    code = type(exc).wire_code if isinstance(exc, KvcacheError) else _foreign_code(exc)
+    if code is ErrorCode.INTERNAL:
+        return Error(code=code, message=f"{type(exc).__name__}: {exc}")
+    return Error(code=code, message=str(exc) or type(exc).__name__)
 
 
 def exception_from_error(err: Error) -> Exception:
@@ -90,8 +67,6 @@ def exception_from_error(err: Error) -> Exception:
     cls = _CODE_TO_CLASS.get(err.code)
     if cls is None:
         return RemoteError(err.code, err.message)
-    if cls is ShuttingDownError:
-        return ShuttingDownError(err.message)
     return cls(err.message)
 
 

@@ -15,11 +15,11 @@ file + shape/stride/dtype/offset, or CUDA IPC handle bytes + device UUID), never
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvcache.errors import ErrorCode  # re-exported: the wire vocabulary names it
 from kvcache.records import BlockAllocationRecord
 
 PROTOCOL_VERSION = 2
@@ -36,27 +36,6 @@ whole frame over its cap."""
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TensorNesting = Literal["tensor", "list", "nested"]
 """How the engine's ``kv_caches`` object nests its tensors: one tensor, a list, or a list of lists."""
-
-
-class ErrorCode(str, enum.Enum):
-    """Why a request failed. The client maps each code back to one exception class."""
-
-    BAD_MESSAGE = "bad_message"  # undecodable, truncated, wrong frame count, schema violation
-    VERSION_MISMATCH = "version_mismatch"
-    TOO_LARGE = "too_large"
-    UNKNOWN_INSTANCE = "unknown_instance"
-    LAYOUT = "layout"  # tensors match no KV layout, or cannot be mapped
-    BLOCK_ID = "block_id"
-    CHUNK_MISMATCH = "chunk_mismatch"
-    STORAGE = "storage"
-    CUDA_UNAVAILABLE = "cuda_unavailable"
-    CUDA = "cuda"  # the daemon's CUDA runtime or driver failed (device fault, out of memory, a handle)
-    BAD_REQUEST = "bad_request"  # well-formed but invalid arguments
-    SHUTTING_DOWN = "shutting_down"
-    ACCESS_DENIED = "access_denied"  # wrong or missing registration token, tenant restriction
-    LIMIT = "limit"  # a per-registration or per-request bound was hit
-    DEADLINE_EXCEEDED = "deadline_exceeded"  # the client's deadline passed before the copy began
-    INTERNAL = "internal"
 
 
 class _Wire(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=False):

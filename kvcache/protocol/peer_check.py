@@ -27,8 +27,7 @@ from typing import Any
 
 import zmq
 
-from kvcache.errors import UntrustedPathError
-from kvcache.protocol.errors import DaemonUnavailableError
+from kvcache.errors import DaemonUnavailableError, UntrustedPathError
 from kvcache.trusted_dir import check_private_dir, ipc_peer_uid
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"

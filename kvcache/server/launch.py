@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvcache.errors import DaemonStartError  # re-exported: tests and benches import it here
+
 _READY = re.compile(
     r"kvcache daemon ready: zmq (?P<zmq>\S+), ipc (?P<ipc>\S+), fds \S+, metrics (?P<metrics>[^,]+),"
 )
@@ -29,10 +31,6 @@ _READY = re.compile(
 def _limit_descriptors(nofile: tuple[int, int]) -> None:
     """In the child before exec: its descriptor (soft, hard) limit."""
     resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
-
-
-class DaemonStartError(RuntimeError):
-    """The daemon exited or stayed silent before logging its ready line."""
 
 
 class DaemonProcess:

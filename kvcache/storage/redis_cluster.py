@@ -35,13 +35,13 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 
-from kvcache.errors import StorageError
+from kvcache.errors import RedisURLError, StorageError
 from kvcache.observability.event import EventSink, NullEventSink
 from kvcache.records import ChunkKey
 from kvcache.storage.base import failure_reason, storage_error
 from kvcache.storage.redis import DEFAULT_MAX_BATCH, PipelinedChunks, storage_failure
 from kvcache.storage.redis_cluster_notify import ClusterEvictionWatcher
-from kvcache.storage.redis_url import RedisURLError, parse_redis_url
+from kvcache.storage.redis_url import parse_redis_url
 
 logger = logging.getLogger(__name__)
 _SHARD_DOWN_REASONS = ("unavailable", "timeout")

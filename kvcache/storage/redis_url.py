@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from kvcache.config import ConfigError
+from kvcache.errors import RedisURLError  # re-exported: its public home before kvcache.errors
 
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -34,11 +34,6 @@ MAX_SEEDS = 64
 # A DNS name (labels of letters, digits, '-', '_', '.') or an IPv4 address; IPv6 goes in [].
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?$")
 _IPV6 = re.compile(r"^[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?$")
-
-
-class RedisURLError(ConfigError):
-    """A Redis URL is malformed or asks for something kvcache does not support; the message
-    says which part and shows the URL with any password hidden."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+import kvcache.errors
 from kvcache.errors import (
     BlockIdError,
+    ConfigError,
     CorruptChunkError,
     CudaError,
     CudaUnavailableError,
+    DaemonStartError,
+    KvcacheError,
     LayoutError,
     ProtocolError,
+    RedisURLError,
     StorageError,
     UnknownInstanceError,
 )
 from kvcache.protocol.errors import (
+    GENERIC_CODES,
     DaemonUnavailableError,
     RemoteError,
     ShuttingDownError,
@@ -65,3 +71,31 @@ def test_shutting_down_is_a_daemon_unavailable_timeout() -> None:
 def test_every_code_maps_to_an_exception() -> None:
     for code in ErrorCode:
         assert isinstance(exception_from_error(Error(code=code, message="m")), Exception)
+
+
+def _errors_in_the_tree() -> list[type[KvcacheError]]:
+    return [
+        cls
+        for cls in vars(kvcache.errors).values()
+        if isinstance(cls, type) and issubclass(cls, KvcacheError)
+    ]
+
+
+@pytest.mark.parametrize("cls", _errors_in_the_tree(), ids=lambda cls: cls.__name__)
+def test_each_error_answers_with_its_class_code_and_comes_back_as_itself(
+    cls: type[KvcacheError],
+) -> None:
+    exc = cls(ErrorCode.STORAGE, "m") if cls is RemoteError else cls("m")
+    error = error_from_exception(exc)
+    assert error.code is cls.wire_code
+    back = exception_from_error(error)
+    if "wire_code" in cls.__dict__ and cls.wire_code not in GENERIC_CODES:
+        assert type(back) is cls
+    else:  # a code inherited or shared: the client raises the class that names it
+        assert isinstance(back, KvcacheError)
+
+
+def test_every_error_lives_in_the_one_tree() -> None:
+    assert DaemonStartError in _errors_in_the_tree()
+    assert issubclass(DaemonStartError, RuntimeError)
+    assert issubclass(ConfigError, ValueError) and issubclass(RedisURLError, ConfigError)
