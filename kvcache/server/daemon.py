@@ -3,7 +3,7 @@
 The ROUTER listens on a Unix socket (``ipc://``, in a directory only the daemon's user can
 enter, peers checked by uid) and on TCP (loopback, or CURVE-authenticated beyond it); a ZAP
 handler (``auth``) vets each connection and names its principal, which ZMQ stamps on every
-message. Next to it, the fd socket (``fdpass.FdInbox``) receives the memfds of CPU engines.
+message. Next to it, the fd socket (``fdinbox.FdInbox``) receives the memfds of CPU engines.
 
 Separate from the handlers (what each request does) and the CLI (how the process starts),
 so that tests can run a daemon in a thread on an ephemeral port.
@@ -211,7 +211,7 @@ class Daemon:
         return endpoint
 
     def _open_fd_inbox(self) -> Any:
-        from kvcache.server.fdpass import FdInbox
+        from kvcache.server.fdinbox import FdInbox
 
         inbox = FdInbox(auth.fd_socket_path(self.runtime_dir), self.policy.allowed_uids)
         inbox.start()

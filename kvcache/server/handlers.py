@@ -38,7 +38,7 @@ from kvcache.server.registry import Instance, InstanceRegistry
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
     from kvcache.engine.records import RetrieveResult, StoreResult
-    from kvcache.server.fdpass import FdInbox
+    from kvcache.server.fdinbox import FdInbox
 
 log = logging.getLogger("kvcache.server")
 

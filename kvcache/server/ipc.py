@@ -40,7 +40,7 @@ from kvcache.server.ipc_events import (  # re-exported: one import path for both
 from kvcache.transfer.validate import cuda_errors
 
 if TYPE_CHECKING:
-    from kvcache.server.fdpass import ReceivedFds
+    from kvcache.server.fdinbox import ReceivedFds
 
 MEMFD_PREFIX = "kvcache-"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
