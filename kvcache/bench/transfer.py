@@ -20,19 +20,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvcache import _native
+from kvcache.bench.transfer_async import AsyncRow, bench_async, print_async
+from kvcache.bench.transfer_timing import MLA_FORMATS, time_interleaved, touch
 from kvcache.context import GPUCacheContext
 from kvcache.layouts import GPUKVFormat
 from kvcache.reference import page_view
 from kvcache.testing import ENGINE_OF, make_kv_caches
-
-if TYPE_CHECKING:  # transfer_async imports this module's helpers: it loads in main()
-    from kvcache.bench.transfer_async import AsyncRow
 
 
 @dataclass(frozen=True)
@@ -47,37 +45,6 @@ class Row:
     ceiling_gbps: float
     ratio_to_ceiling: float
     index_select_gbps: float | None
-
-
-MLA_FORMATS = (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS)
-
-
-def _touch(caches: object) -> None:
-    if isinstance(caches, torch.Tensor):
-        caches.view(torch.uint8).fill_(1)
-        return
-    for part in caches:  # type: ignore[attr-defined]
-        _touch(part)
-
-
-def _time_interleaved(fns: list[Callable[[], None]], reps: int, sync: Callable[[], None]) -> list[float]:
-    """Best-of-``reps`` seconds for each function, measured round-robin.
-
-    Interleaving puts the kernel and its ceiling under the same background load and the
-    same thermal/frequency state, so their ratio stays meaningful on a busy machine;
-    the minimum is the least-disturbed run of each.
-    """
-    for fn in fns:  # warm-up: page faults, lazy allocations, JIT of the first launch
-        fn()
-    sync()
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            sync()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
 
 
 def _index_select_baseline(
@@ -110,7 +77,7 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> lis
         device=device,
         fill=False,
     )
-    _touch(caches)  # fault every page in: untouched memory reads as the shared zero page
+    touch(caches)  # fault every page in: untouched memory reads as the shared zero page
     ctx = GPUCacheContext(
         caches,
         chunk_size=args.chunk_size,
@@ -175,7 +142,7 @@ def _bench_place(
         pin_memory=pin,
     )
     baseline = _index_select_baseline(ctx, caches, torch.as_tensor(ids_np, device=device), out)
-    t_store, t_ceil_store, t_load, t_ceil_load, t_base = _time_interleaved(
+    t_store, t_ceil_store, t_load, t_ceil_load, t_base = time_interleaved(
         [
             lambda: ctx.copy_to_chunks(ids_np, chunks),
             ceiling_store,
@@ -255,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for fmt in fmts:
         rows.extend(bench_layout(fmt, args, device))
-    from kvcache.bench.transfer_async import bench_async, print_async
-
     async_rows: list[AsyncRow] = [] if args.no_async or device != "cpu" else bench_async(args)
     env = {
         "date": time.strftime("%Y-%m-%d"),

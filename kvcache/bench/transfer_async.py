@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcache.bench.transfer import MLA_FORMATS, _time_interleaved, _touch
+from kvcache.bench.transfer_timing import MLA_FORMATS, time_interleaved, touch
 from kvcache.context import GPUCacheContext
 from kvcache.layouts import GPUKVFormat
 from kvcache.testing import ENGINE_OF, make_kv_caches
@@ -59,7 +59,7 @@ def bench_async(args: argparse.Namespace) -> list[AsyncRow]:
         device="cpu",
         fill=False,
     )
-    _touch(caches)
+    touch(caches)
     ctx = GPUCacheContext(
         caches, args.chunk_size, fmt, ENGINE_OF[fmt], args.block_size, num_threads=args.threads
     )
@@ -121,7 +121,7 @@ def _async_row(
     def async_batch() -> None:
         handler.wait([submit(ids) for ids in id_sets])
 
-    t_sync, t_async = _time_interleaved([sync_loop, async_batch], args.reps, lambda: None)
+    t_sync, t_async = time_interleaved([sync_loop, async_batch], args.reps, lambda: None)
     total = ctx.chunk_nbytes() * args.chunks * len(id_sets)
     return AsyncRow(
         ctx.format.name,

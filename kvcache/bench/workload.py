@@ -20,11 +20,13 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcache.bench.workload_daemon import DaemonProcess
+from kvcache.bench.workload_report import render
+from kvcache.bench.workload_result import RunResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,27 +73,6 @@ def scrape(url: str) -> dict[str, float]:
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
-
-
-@dataclass
-class RunResult:
-    kv_events: bool
-    seconds: float = 0.0
-    requests: int = 0
-    prompt_tokens: int = 0
-    lookup_s: list[float] = field(default_factory=list)
-    store_bytes: int = 0
-    store_s: float = 0.0
-    retrieve_bytes: int = 0
-    retrieve_s: float = 0.0
-    windows: list[dict[str, float]] = field(default_factory=list)
-    final: dict[str, float] = field(default_factory=dict)
-    kv_event_batches: int = 0
-    kv_event_bytes: int = 0  # payload bytes of every batch received
-    kv_event_stored: int = 0  # BlockStored events in them
-    kv_event_stored_blocks: int = 0  # block hashes in those BlockStored events
-    daemon_cpu_s: float | None = None  # CPU the daemon spent serving the timed requests
-    repeat: int = 0  # which interleaved off/on pair this run belongs to
 
 
 class _EventCounter(threading.Thread):
@@ -253,8 +234,6 @@ QUICK = {"requests": 400, "users": 8, "system_prompt_tokens": 512, "max_user_tok
 def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvcache.bench.workload_report import render
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcache.bench.workload_result import RunResult
+
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from kvcache.bench.workload import RunResult
 
 _REQ = "kvcache_lookup_requested_tokens_total"
 _L1 = "kvcache_lookup_l1_hit_tokens_total"

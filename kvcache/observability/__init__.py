@@ -14,8 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real names for type checkers; at run time they load on first use
-    from kvcache.observability.bus import DisabledEventBus, EventBus, EventSubscriber
+    from kvcache.observability.bus import EventBus
     from kvcache.observability.config import ObservabilityConfig, add_observability_args
+    from kvcache.observability.disabled import DisabledEventBus
     from kvcache.observability.event import (
         BlockAllocationRecord,
         ChunkKey,
@@ -26,11 +27,12 @@ if TYPE_CHECKING:  # the real names for type checkers; at run time they load on 
     )
     from kvcache.observability.prometheus import PrometheusEndpoint, start_prometheus_endpoint
     from kvcache.observability.runtime import Observability, init_observability
+    from kvcache.observability.subscriber import EventSubscriber
 
 _HOME = {
-    "DisabledEventBus": "bus",
+    "DisabledEventBus": "disabled",
     "EventBus": "bus",
-    "EventSubscriber": "bus",
+    "EventSubscriber": "subscriber",
     "ObservabilityConfig": "config",
     "add_observability_args": "config",
     "BlockAllocationRecord": "event",

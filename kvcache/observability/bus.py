@@ -23,13 +23,11 @@ Contract:
 
 from __future__ import annotations
 
-import abc
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -37,37 +35,13 @@ from kvcache.observability.bus_metrics import BusMetrics, BusSnapshot
 from kvcache.observability.disabled import DisabledEventBus  # the null twin, re-exported
 from kvcache.observability.event import Event, EventType
 from kvcache.observability.instruments import MetricSet
+from kvcache.observability.subscriber import Callback, EventSubscriber  # re-exported
 
 logger = logging.getLogger(__name__)
-
-Callback = Callable[[Event], None]
 
 _BATCH_LIMIT = 4096  # events per hold of the dispatch lock under sustained load
 _LAG_SAMPLE_EVERY = 256  # besides the first event of every batch
 _WARN_INTERVAL_S = 10.0
-
-
-class EventSubscriber(abc.ABC):
-    """Turns events into something an operator can use; called only on the dispatcher thread.
-
-    ``subscriptions`` is read once, at registration: it maps each event type the subscriber
-    wants to the callback that handles it, so the bus never calls a subscriber for types it
-    does not handle. Callbacks must not block for long (they delay every other subscriber);
-    an exception is counted and logged by the bus and never reaches the publisher.
-    ``shutdown`` runs once, on the thread that calls ``EventBus.stop``, after the last
-    event was dispatched.
-    """
-
-    @property
-    def name(self) -> str:
-        """Label used in ``kvcache_event_bus_subscriber_errors_total{subscriber=...}``."""
-        return type(self).__name__
-
-    @abc.abstractmethod
-    def subscriptions(self) -> Mapping[EventType, Callback]: ...
-
-    def shutdown(self) -> None:  # optional hook
-        return None
 
 
 class EventBus:

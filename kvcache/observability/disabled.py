@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvcache.observability.event import Event
 
 if TYPE_CHECKING:
-    from kvcache.observability.bus import EventSubscriber
+    from kvcache.observability.subscriber import EventSubscriber
 
 
 class DisabledEventBus:

@@ -3,10 +3,11 @@
 The ROUTER listens on a Unix socket (``ipc://``, in a directory only the daemon's user can
 enter, peers checked by uid) and on TCP (loopback, or CURVE-authenticated beyond it); a ZAP
 handler (``auth``) vets each connection and names its principal, which ZMQ stamps on every
-message. Next to it, the fd socket (``fdpass.FdInbox``) receives the memfds of CPU engines.
+message. Next to it, the fd socket (``fdinbox.FdInbox``) receives the memfds of CPU engines.
 
 Separate from the handlers (what each request does) and the CLI (how the process starts),
-so that tests can run a daemon in a thread on an ephemeral port.
+so that tests can run a daemon in a thread on an ephemeral port; its settings and their
+checks are in ``daemon_config`` (re-exported here).
 
 Threads and ordering:
 
@@ -39,7 +40,6 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -49,7 +49,8 @@ from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
-from kvcache.server.connections import ConnectionGuard, ConnectionLimits, descriptor_limit
+from kvcache.server.connections import ConnectionGuard, descriptor_limit
+from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
 from kvcache.server.handlers import Handlers
 from kvcache.trusted_dir import ensure_private_dir
@@ -62,64 +63,6 @@ _STOP = None
 _Job = tuple[bytes, int, m.RequestBody, auth.Principal, int | None]
 """A queued request: ROUTER identity, request id, body, sender, and the instance that counts
 it in flight."""
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonConfig:
-    """How the daemon listens and schedules; storage settings live in ``EngineConfig``."""
-
-    host: str = "127.0.0.1"
-    port: int = 5555
-    """0 picks a free port (``Daemon.endpoint`` tells which)."""
-    allow_remote: bool = False
-    """Binding a non-loopback address exposes the cache to the network; it must be asked for,
-    and it needs CURVE (``curve_secret_key`` and an allow-list with public keys)."""
-    listen_tcp: bool = False
-    """Off by default: without CURVE, every local user reaches TCP as one anonymous principal
-    (``auth.LOOPBACK``); the ipc:// socket knows its peer's uid."""
-    runtime_dir: str | None = None
-    """Private directory (0700) for the Unix sockets: ``daemon.sock`` (the ``ipc://`` request
-    endpoint) and ``fds.sock`` (memfd hand-over). None: a fresh temporary directory, removed
-    at exit; the CLI passes ``auth.default_runtime_dir()``, where clients look by default."""
-    listen_ipc: bool = True
-    curve_secret_key: str | None = None
-    """A ``*.key_secret`` certificate (``kvcache keys``): the TCP endpoint then speaks CURVE."""
-    clients_file: str | None = None
-    """Allow-list TOML (``auth.load_clients``): CURVE public keys and extra uids, with tenants."""
-    bulk_workers: int = 4
-    fast_workers: int = 2
-    heartbeat_timeout_s: float = 30.0
-    max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES
-    drain_timeout_s: float = 30.0
-    """On shutdown, how long in-flight requests may take before the daemon stops anyway."""
-    inline_lookups: bool = True
-    """Serve lookups on the I/O thread; turn off when a lookup may wait (any L2 tier)."""
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    """Connection caps, handshake and heartbeat timeouts (``connections``)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.bulk_workers < 1 or self.fast_workers < 1:
-            raise ValueError("each worker lane needs at least one thread")
-        if not self.heartbeat_timeout_s > 0:
-            raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if not self.listen_tcp and not self.listen_ipc:
-            raise ValueError("the daemon needs at least one of the TCP and ipc:// endpoints")
-        if self.listen_tcp and not is_loopback(self.host):
-            if not self.allow_remote:
-                raise ValueError(
-                    f"refusing to listen on non-loopback address {self.host!r}: anyone who can "
-                    "reach it could read and overwrite the cache; pass --allow-remote (with "
-                    "CURVE keys) to do it anyway"
-                )
-            if self.curve_secret_key is None or self.clients_file is None:
-                raise ValueError(
-                    f"listening on {self.host!r} needs CURVE authentication and encryption: "
-                    "pass --curve-secret-key and --clients (keys from `kvcache keys`)"
-                )
 
 
 class Daemon:
@@ -211,7 +154,7 @@ class Daemon:
         return endpoint
 
     def _open_fd_inbox(self) -> Any:
-        from kvcache.server.fdpass import FdInbox
+        from kvcache.server.fdinbox import FdInbox
 
         inbox = FdInbox(auth.fd_socket_path(self.runtime_dir), self.policy.allowed_uids)
         inbox.start()

@@ -5,6 +5,8 @@ function of a request Struct, and so that the loop knows nothing about caching. 
 on worker threads; the engine is thread-safe, the registry is locked. Store and retrieve
 also come as ``*_async``: they check the request and submit the copies, and their reply is
 a future the engine's completion thread resolves (``submit``), so no worker waits on a copy.
+What a registration must satisfy before anything is mapped, and the ``Limits`` behind it,
+are in ``registration`` (``Limits`` is re-exported here).
 """
 
 from __future__ import annotations
@@ -17,54 +19,29 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import torch
 
-from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
+from kvcache.errors import AccessDeniedError, LimitExceededError
 from kvcache.futures import resolved, then
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import ipc
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
 from kvcache.server.deadlines import check_deadline, copy_deadline
+from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import Instance, InstanceRegistry
 
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
     from kvcache.engine.records import RetrieveResult, StoreResult
-    from kvcache.server.fdpass import FdInbox
+    from kvcache.server.fdinbox import FdInbox
 
 log = logging.getLogger("kvcache.server")
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Bounds on what one client can make the daemon hold; each is a server flag.
-
-    Hitting one is a ``LIMIT`` error reply and changes nothing."""
-
-    max_instances: int = 256
-    max_instances_per_client: int = 64
-    """Instances one principal other than the operator may hold (at most ``max_instances`` - 1:
-    a tenant, or every local user sharing plain loopback TCP, never takes every slot)."""
-    max_tensors: int = 1024
-    """KV tensors per registration (each is a mapping; vLLM uses one per layer)."""
-    max_registration_bytes: int = 1 << 40
-    """Engine memory one registration may map (1 TiB)."""
-    max_ids: int = 1 << 22
-    """Token ids, block ids or block hashes in one request (4 Mi: a 4M-token prompt)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_instances", "max_instances_per_client", "max_tensors",
-                     "max_registration_bytes", "max_ids"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class Handlers:
@@ -132,25 +109,9 @@ class Handlers:
         # The hand-over is taken first, so a refused registration frees its slot of the fd
         # socket's quota at once instead of holding it until the ticket expires.
         received = self.fd_inbox.take(req.fd_ticket) if req.fd_ticket and self.fd_inbox else None
-        try:
-            principal.check_model(req.model_name)
-            self._check_registration_size(req)
-            ipc_user = principal.name.startswith("uid:")
-            if received is not None and ipc_user and principal.name != f"uid:{received.uid}":
-                # A ticket is a bearer secret; still, memory handed over by one local user is
-                # registered by that user only.
-                raise AccessDeniedError("the memory was handed over by another user")
-            if received is None and any(isinstance(d, m.FdTensor) for d in req.tensors):
-                raise LayoutError(
-                    "CPU tensors arrive as memfds over the daemon's fd socket; this request "
-                    "names none (fd_ticket empty, or the daemon has no fd socket)"
-                )
-            imported = [ipc.import_tensor(desc, received) for desc in req.tensors]
-        finally:
-            if received is not None:
-                received.close()  # the mappings keep the memory; the descriptors can go
-        kv_caches = _rebuild(req, [t.tensor for t in imported])
-        fmt = _format_from_name(req.fmt)
+        imported = map_tensors(req, principal, received, self.limits)
+        kv_caches = rebuild_kv_caches(req, [t.tensor for t in imported])
+        fmt = format_from_name(req.fmt)
         with self._register_lock:
             self._make_room_for(req, principal)
             ctx = self.engine.register(
@@ -181,29 +142,6 @@ class Handlers:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             token=instance.token,
         )
-
-    def _check_registration_size(self, req: m.Register) -> None:
-        lim = self.limits
-        if len(req.tensors) > lim.max_tensors:
-            raise LimitExceededError(
-                f"{len(req.tensors)} KV tensors in one registration; the limit is "
-                f"{lim.max_tensors} (--max-tensors)"
-            )
-        total = sum(ipc.descriptor_bytes(desc) for desc in req.tensors)
-        if total > lim.max_registration_bytes:
-            raise LimitExceededError(
-                f"the registration maps {total} bytes; the limit is {lim.max_registration_bytes} "
-                "(--max-registration-gb)"
-            )
-        # Each mapped CPU tensor keeps a descriptor open for the registration's life.
-        mapped = sum(isinstance(desc, m.FdTensor) for desc in req.tensors)
-        free = free_descriptors()
-        if mapped and free is not None and free - mapped < DESCRIPTOR_HEADROOM:
-            raise LimitExceededError(
-                f"mapping {mapped} CPU tensors would leave the daemon short of descriptors "
-                f"({free} free, {DESCRIPTOR_HEADROOM} kept for connections): register fewer, "
-                "larger tensors, or raise the daemon's `ulimit -n`"
-            )
 
     def _make_room_for(self, req: m.Register, principal: Principal) -> None:
         """Refuse a live instance id held by another client; release it if the same client
@@ -420,38 +358,6 @@ def _retrieve_reply(result: RetrieveResult) -> m.ReplyBody:
 
 
 _SEP = "\x1f"
-
-
-def _rebuild(req: m.Register, tensors: list[torch.Tensor]) -> Any:
-    """Give the mapped tensors the nesting the engine handed to the client."""
-    if not tensors:
-        raise LayoutError("a registration needs at least one KV tensor")
-    if req.nesting == "tensor":
-        if len(tensors) != 1:
-            raise LayoutError(f"nesting 'tensor' needs exactly one tensor, got {len(tensors)}")
-        return tensors[0]
-    if req.nesting == "list":
-        return tensors
-    if sum(req.group_sizes) != len(tensors):
-        raise LayoutError(f"group sizes {req.group_sizes} do not add up to {len(tensors)} tensors")
-    groups, start = [], 0
-    for size in req.group_sizes:
-        groups.append(tensors[start : start + size])
-        start += size
-    return groups
-
-
-def _format_from_name(name: str | None) -> Any:
-    if name is None:
-        return None
-    from kvcache.layouts import GPUKVFormat
-
-    try:
-        return GPUKVFormat[name]
-    except KeyError:
-        raise LayoutError(
-            f"unknown KV format {name!r}; known: {[f.name for f in GPUKVFormat]}"
-        ) from None
 
 
 __all__ = ["Handlers", "Limits"]

@@ -1,8 +1,9 @@
 """Moving tensors between an engine process and the daemon without copying or pickling them.
 
 Both ends live here because export and import must agree byte for byte: the engine side
-(``empty_shared``, ``export_tensors``, ``record_ipc_event``, ``wait_ipc_event``) and the
-daemon side (``import_tensor``, ``open_ipc_event``).
+(``empty_shared``, ``export_tensors``) and the daemon side (``import_tensor``). The CUDA
+events that order copies between the two processes live in ``ipc_events`` (re-exported here):
+they travel with requests, not with the registration, and share no code with the tensors.
 
 CPU tensors live in memfds sealed against shrinking and growing; they travel as an index
 into the descriptors handed over by ``fdpass`` plus shape, stride, dtype and byte offset, and
@@ -20,7 +21,6 @@ import fcntl
 import mmap
 import os
 import secrets
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,10 +30,17 @@ import torch
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.protocol.messages import CudaIpcTensor, FdTensor, TensorDesc, TensorNesting
 from kvcache.records import dtype_name
+from kvcache.server.ipc_events import (  # re-exported: one import path for both halves
+    EventKeeper,
+    ExportedEvent,
+    open_ipc_event,
+    record_ipc_event,
+    wait_ipc_event,
+)
 from kvcache.transfer.validate import cuda_errors
 
 if TYPE_CHECKING:
-    from kvcache.server.fdpass import ReceivedFds
+    from kvcache.server.fdinbox import ReceivedFds
 
 MEMFD_PREFIX = "kvcache-"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -212,78 +219,6 @@ def export_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], l
         raise LayoutError("KV tensors must be all on GPUs or all on the CPU")
     descs, fds = export_cpu_tensors(tensors)
     return list(descs), fds
-
-
-@dataclass(frozen=True)
-class ExportedEvent:
-    """An interprocess CUDA event and the handle sent for it.
-
-    The exporting process must keep ``event`` alive for as long as the peer may use the
-    handle: operating on an imported event after the exporter destroyed it is undefined
-    behaviour (CUDA IPC documentation, ``cudaIpcOpenEventHandle``). ``EventKeeper`` holds it.
-    """
-
-    event: Any
-    handle: bytes
-
-
-def record_ipc_event(device: torch.device) -> ExportedEvent:
-    """Record an interprocess event on ``device``'s current stream. Keep the result alive
-    (``EventKeeper``) until the peer has waited on it."""
-    with cuda_errors("recording an interprocess CUDA event"):
-        event = torch.cuda.Event(interprocess=True)
-        event.record(torch.cuda.current_stream(device))
-        return ExportedEvent(event, bytes(event.ipc_handle()))
-
-
-class EventKeeper:
-    """Keeps exported events alive while their requests are in flight, and a while after.
-
-    ``hold`` when the handle is sent; ``release`` when the reply arrived (the daemon waits
-    on a store's event before it answers) or the call gave up. A released event stays in a
-    ring of the last ``linger`` ones: a request the client stopped waiting for may still be
-    read by the daemon (one that reached it just before its deadline), and its event must
-    not be destroyed under it. Thread-safe through the GIL-atomic deque and dict operations.
-    """
-
-    def __init__(self, linger: int = 256) -> None:
-        self._held: dict[int, ExportedEvent] = {}
-        self._recent: deque[ExportedEvent] = deque(maxlen=linger)
-
-    def hold(self, exported: ExportedEvent) -> None:
-        self._held[id(exported)] = exported
-
-    def release(self, exported: ExportedEvent) -> None:
-        if self._held.pop(id(exported), None) is not None:
-            self._recent.append(exported)
-
-    def __len__(self) -> int:
-        """Events alive through this keeper (held or lingering)."""
-        return len(self._held) + len(self._recent)
-
-
-def open_ipc_event(handle: bytes, device: torch.device) -> Any:
-    """The ``torch.cuda.Event`` another process recorded and exported as ``handle``.
-
-    The daemon hands a store's event to its copies (``TransferJob.after``): the copy stream
-    waits for it on the device, so no daemon thread blocks on the engine's GPU work. Keep the
-    result referenced while a stream may wait on it (the job holds it); closing the imported
-    event under a pending wait is not defined by CUDA.
-    """
-    with cuda_errors("opening the peer's CUDA IPC event"):
-        return torch.cuda.Event.from_ipc_handle(device, handle)
-
-
-def wait_ipc_event(handle: bytes, device: torch.device) -> None:
-    """Block the calling thread until an event another process recorded has completed.
-
-    NOTE: a host wait, for a caller with no copy of its own to order after the event (the
-    client, on a retrieve reply's event); the daemon orders its copies on the device instead
-    (``open_ipc_event``).
-    """
-    event = open_ipc_event(handle, device)
-    with cuda_errors("waiting on the peer's CUDA IPC event"):
-        event.synchronize()
 
 
 # -- daemon side -------------------------------------------------------------------------

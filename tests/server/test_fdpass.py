@@ -20,7 +20,7 @@ import torch
 
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol.messages import FdTensor
-from kvcache.server import fdpass, ipc
+from kvcache.server import fdinbox, ipc
 from kvcache.server.connections import DESCRIPTOR_HEADROOM
 from kvcache.server.fdpass import MAX_FDS_PER_MESSAGE, FdInbox, send_fds
 
@@ -299,7 +299,7 @@ def test_seals_are_read_before_the_size(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(os, "fstat", fstat)
     monkeypatch.setattr(fcntl, "fcntl", fcntl_)
     try:
-        size = fdpass._checked_size(fd)
+        size = fdinbox._checked_size(fd)
     except LayoutError:
         pass  # refused: it was not sealed when the daemon looked
     else:
