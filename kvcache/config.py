@@ -44,7 +44,7 @@ class EngineConfig:
     l2_redis_url: str | None = None
     """``redis://host:port/db`` (or ``rediss://``, ``unix://``) for one server,
     ``redis+cluster://host:port,host:port,...`` for a Redis / Valkey Cluster (docs/cluster.md);
-    None = no Redis tier. Checked by ``kvcache.storage.redis_url.parse_redis_url``."""
+    None = no Redis tier. Checked by ``kvcache.storage.l2.redis.url.parse_redis_url``."""
     l2_redis_key_prefix: str = "kvcache:"
     l2_redis_socket_timeout_s: float = 1.0
     l2_redis_connect_timeout_s: float = 1.0
@@ -107,7 +107,7 @@ class EngineConfig:
         if self.l2_redis_url is not None:
             # Imported here, not above: a config record should not load the storage package
             # (the L1 pool, msgspec) just to be built or compared.
-            from kvcache.storage.redis_url import parse_redis_url
+            from kvcache.storage.l2.redis.url import parse_redis_url
 
             parse_redis_url(self.l2_redis_url)  # raises RedisURLError, a ConfigError
 

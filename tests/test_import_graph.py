@@ -134,7 +134,7 @@ def test_the_graph_sees_hidden_imports() -> None:
     """The walker must see imports in functions and under TYPE_CHECKING, or circles hide."""
     graph = import_graph()
     assert "kvcache._native" in graph["kvcache.context"]  # ``from kvcache import _native``
-    assert "kvcache.storage.redis_url" in graph["kvcache.config"]  # imported inside a method
+    assert "kvcache.storage.l2.redis.url" in graph["kvcache.config"]  # imported inside a method
 
 
 def test_circles_are_found() -> None:

@@ -34,11 +34,11 @@ import redis
 import torch
 
 from kvcache.config import EngineConfig
-from kvcache.storage.base import L2Adapter
-from kvcache.storage.l2_async import AsyncL2
-from kvcache.storage.redis import RedisL2Adapter
-from kvcache.storage.redis_cluster import RedisClusterL2Adapter
-from kvcache.storage.redis_url import RedisTarget, parse_redis_url
+from kvcache.storage.l2.async_front import AsyncL2
+from kvcache.storage.l2.base import L2Adapter
+from kvcache.storage.l2.redis.cluster import RedisClusterL2Adapter
+from kvcache.storage.l2.redis.single import RedisL2Adapter
+from kvcache.storage.l2.redis.url import RedisTarget, parse_redis_url
 
 GiB = float(1 << 30)
 PREFIX = "kvcache-bench:"
@@ -155,8 +155,8 @@ def _cluster_nodes(url: str) -> tuple[list[redis.Redis], list[redis.Redis]]:
 
 def run(a: argparse.Namespace, chunk: torch.Tensor) -> list[dict[str, Any]]:
     """Start (or reach) both deployments, run every phase ``a.reps`` times, return the rows."""
-    from kvcache.storage.redis_cluster_local import LocalRedisCluster
-    from kvcache.storage.redis_local import LocalRedis
+    from kvcache.testing.redis_cluster_local import LocalRedisCluster
+    from kvcache.testing.redis_local import LocalRedis
 
     workers = [int(w) for w in a.workers.split(",")]
     single = None if a.redis_url else LocalRedis().start()

@@ -27,9 +27,9 @@ from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat
-from kvcache.storage.base import L2Adapter
-from kvcache.storage.disk import DiskL2Adapter
-from kvcache.storage.l2_async import AsyncL2
+from kvcache.storage.l2.async_front import AsyncL2
+from kvcache.storage.l2.base import L2Adapter
+from kvcache.storage.l2.disk import DiskL2Adapter
 from kvcache.testing import make_kv_caches
 
 GiB = float(1 << 30)
@@ -189,8 +189,8 @@ def main_l2(argv: list[str]) -> int:
         if not a.dir:
             shutil.rmtree(root, ignore_errors=True)
     if not a.no_redis:
-        from kvcache.storage.redis import RedisL2Adapter
-        from kvcache.storage.redis_local import LocalRedis
+        from kvcache.storage.l2.redis.single import RedisL2Adapter
+        from kvcache.testing.redis_local import LocalRedis
 
         server = None if a.redis_url else LocalRedis().start()
         try:

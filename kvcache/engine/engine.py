@@ -66,9 +66,9 @@ from kvcache.observability.event import (
     NullEventSink,
 )
 from kvcache.records import BlockAllocationRecord
-from kvcache.storage.factory import create_policy, l2_adapters_from_config
-from kvcache.storage.l1_pool import L1Pool
-from kvcache.storage.l2_async import AsyncL2
+from kvcache.storage.l1.pool import L1Pool
+from kvcache.storage.l2.async_front import AsyncL2
+from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
 
 _T = TypeVar("_T")
 

@@ -20,7 +20,7 @@ from kvcache.engine.completion import Completer
 from kvcache.keys import ChunkHasher
 from kvcache.observability.event import OperationMeta
 from kvcache.records import ChunkKey, dtype_name
-from kvcache.storage.slab import SlotGeometry
+from kvcache.storage.l1.slab import SlotGeometry
 
 OpMetaT = TypeVar("OpMetaT", bound=OperationMeta)
 

@@ -26,8 +26,8 @@ from kvcache.engine.records import CopyTally, RetrieveResult
 from kvcache.errors import ChunkMismatchError, DeadlineExceededError
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart
 from kvcache.records import ChunkKey
-from kvcache.storage.l1_pool import L1Entry
-from kvcache.storage.l2_async import AsyncL2
+from kvcache.storage.l1.pool import L1Entry
+from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.transfer.base import Direction, TransferResult
 
 logger = logging.getLogger("kvcache.engine.engine")  # the engine's logger name, as before the split

@@ -14,8 +14,8 @@ from kvcache.config import EngineConfig
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.stats import OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
-from kvcache.storage.l1_pool import L1Pool
-from kvcache.storage.l2_async import AsyncL2
+from kvcache.storage.l1.pool import L1Pool
+from kvcache.storage.l2.async_front import AsyncL2
 
 
 @dataclass(frozen=True, slots=True)

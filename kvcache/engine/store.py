@@ -32,7 +32,7 @@ from kvcache.engine.records import CopyTally, StoreResult
 from kvcache.errors import DeadlineExceededError
 from kvcache.observability.event import EventType, MpStoreStart
 from kvcache.records import ChunkKey
-from kvcache.storage.l1_entry import L1Entry
+from kvcache.storage.l1.entry import L1Entry
 from kvcache.transfer.base import Direction, TransferResult
 
 

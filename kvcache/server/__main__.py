@@ -431,7 +431,7 @@ def _l2_summary(cfg: EngineConfig) -> str:
 
 def redact_url(url: str) -> str:
     """``url`` with any password replaced, fit for a log line (cluster URLs included)."""
-    from kvcache.storage.redis_url import redact
+    from kvcache.storage.l2.redis.url import redact
 
     return redact(url)
 

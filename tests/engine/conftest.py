@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcache.storage.redis_local import LocalRedis
+from kvcache.testing.redis_local import LocalRedis
 
 
 @pytest.fixture()

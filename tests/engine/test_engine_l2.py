@@ -13,8 +13,8 @@ from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat
 from kvcache.observability.event import Event, EventType
-from kvcache.storage.redis_local import LocalRedis
 from kvcache.testing import caches_equal, make_kv_caches
+from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink as Sink
 
 BS, CS = 16, 32

@@ -18,8 +18,8 @@ from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.layouts import GPUKVFormat
 from kvcache.observability.event import EventType
-from kvcache.storage.redis_local import LocalRedis
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink
 
 BS, CS, CHUNKS, PROMPTS = 16, 32, 4, 12

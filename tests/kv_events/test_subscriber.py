@@ -224,7 +224,7 @@ def test_a_restarted_disk_tier_announces_what_it_found(tmp_path) -> None:  # typ
     BlockStored(STORAGE) before any request, and a later store of a found key adds nothing."""
     import torch
 
-    from kvcache.storage.disk import DiskL2Adapter
+    from kvcache.storage.l2.disk import DiskL2Adapter
 
     first = DiskL2Adapter(str(tmp_path), 1 << 20)
     for key in (K1, K2):

@@ -34,8 +34,8 @@ from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.layouts import GPUKVFormat
 from kvcache.observability.bus import Callback, EventBus, EventSubscriber
 from kvcache.observability.event import Event, EventType
-from kvcache.storage.redis_local import LocalRedis
 from kvcache.testing import make_kv_caches
+from kvcache.testing.redis_local import LocalRedis
 from tests.kv_events.router import Consumer, wait_connected
 
 REPO = Path(__file__).resolve().parents[2]

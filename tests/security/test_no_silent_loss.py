@@ -19,8 +19,8 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import GiB
 from kvcache.layouts import GPUKVFormat
 from kvcache.server.launch import DaemonProcess
-from kvcache.storage.redis_local import LocalRedis
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from kvcache.testing.redis_local import LocalRedis
 
 BS, CS, CHUNKS, PROMPTS = 4, 16, 4, 12  # chunk size 16 is the suite's (conftest BASE_ARGS)
 BLOCKS = list(range(CHUNKS * CS // BS))

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcache.storage.redis_cluster_local import LocalRedisCluster
-from kvcache.storage.redis_local import LocalRedis
+from kvcache.testing.redis_cluster_local import LocalRedisCluster
+from kvcache.testing.redis_local import LocalRedis
 
 
 @pytest.fixture()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvcache.storage.redis_local import LocalRedis
+from kvcache.testing.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine
 from tests.integrations.vllm.sched_world import (
     CHUNK,

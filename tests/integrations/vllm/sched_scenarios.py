@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.integrations.vllm.connector import KVCacheMetadata
 from kvcache.protocol import messages as m
-from kvcache.storage.redis_local import LocalRedis
+from kvcache.testing.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
 from tests.integrations.vllm.sched_failures import ONCE
 from tests.integrations.vllm.sched_failures import SCENARIOS as FAILURE_SCENARIOS

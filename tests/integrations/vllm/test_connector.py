@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from kvcache.server.auth import ipc_endpoint
-from kvcache.storage import codec
+from kvcache.storage.l2 import codec
 from tests.integrations.vllm.tier_tracker import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TierTracker
 from tests.integrations.vllm.vllm_driver import prompts
 
@@ -299,7 +299,7 @@ def test_vllm_slow_l2_load_times_out(
     the load again and never admitted (the driver's watchdog exits 3)."""
     import shutil
 
-    from kvcache.storage.redis_local import LocalRedis
+    from kvcache.testing.redis_local import LocalRedis
     from tests.integrations.vllm.slow_link import SlowLink
 
     if shutil.which("redis-server") is None:

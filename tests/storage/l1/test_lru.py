@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcache.storage.lru import LRUPolicy
+from kvcache.storage.l1.lru import LRUPolicy
 
 
 def test_victim_is_least_recently_used() -> None:

@@ -46,8 +46,8 @@ import torch
 from kvcache.errors import CorruptChunkError
 from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventSink
 from kvcache.records import ChunkIdentity, ChunkKey
-from kvcache.storage import codec
-from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
+from kvcache.storage.l2 import codec
+from kvcache.storage.l2.base import Announce, L2Adapter, StoreItem, storage_error
 from kvcache.trusted_dir import check_mode, open_private_dir
 
 _SUFFIX = ".kvc"

@@ -12,7 +12,7 @@ Life of a chunk, in call order:
    ``L2Adapter.load`` straight into a fresh L1 slot (``L1Pool.begin_load``/``finish_load``).
 5. ``L1Pool`` evicts ``EvictionPolicy.victim()`` when it needs room; the L2 copy stays.
 
-Adapters are synchronous and thread-safe; ``kvcache.storage.l2_async.AsyncL2`` adds the thread
+Adapters are synchronous and thread-safe; ``kvcache.storage.l2.async_front.AsyncL2`` adds the thread
 pool, the in-flight bound, the failure back-off and the events, once for every tier. It hands
 queued work over in batches (``store_many``/``load_many``, at most ``max_batch`` chunks): a
 remote tier sends a batch in one pipelined round trip per server, a local one just loops.
@@ -51,7 +51,7 @@ class L2Adapter(ABC):
     """One L2 tier. Every method may be called from several threads at once.
 
     Errors: a tier that cannot be reached raises ``StorageError`` (``ConnectionError``-like
-    causes are tagged ``reason="unavailable"``/``"timeout"`` by ``l2_async``); a stored chunk that
+    causes are tagged ``reason="unavailable"``/``"timeout"`` by ``async_front``); a stored chunk that
     fails validation raises ``CorruptChunkError`` after deleting it. A plain miss is not an error.
     """
 

@@ -11,7 +11,7 @@ Eviction is LRU with one twist for prefixes: the chunks of one operation are mar
 first, so the head of a prompt is the most recent and the tail leaves first (a prefix cache that
 lost its first chunk has lost everything after it).
 
-Entries (``l1_entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
+Entries (``entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
 evicted: the policy only ever holds READY, unpinned keys.
 """
 
@@ -37,10 +37,10 @@ from kvcache.observability.event import (
     NullEventSink,
 )
 from kvcache.records import ChunkKey
-from kvcache.storage.base import EvictionPolicy
-from kvcache.storage.l1_entry import EntryState, L1Entry, WriteReservation
-from kvcache.storage.lru import LRUPolicy
-from kvcache.storage.slab import SLOT_ALIGN, SlabAllocator, SlotGeometry
+from kvcache.storage.l1.entry import EntryState, L1Entry, WriteReservation
+from kvcache.storage.l1.lru import LRUPolicy
+from kvcache.storage.l1.slab import SLOT_ALIGN, SlabAllocator, SlotGeometry
+from kvcache.storage.l2.base import EvictionPolicy
 
 _NO_FACTS = L1WriteFinished(keys=[], num_bytes=0, used_bytes=0, capacity_bytes=0)
 """The ``L1_WRITE_FINISHED`` template of a write that carries no store facts (a prefetch)."""

@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
 from kvcache.observability.event import Event, EventType, L2StoreFinished
-from kvcache.storage.redis import RedisL2Adapter
-from kvcache.storage.redis_local import LocalRedis
-from kvcache.storage.redis_notify import covers
+from kvcache.storage.l2.redis.notify import covers
+from kvcache.storage.l2.redis.single import RedisL2Adapter
+from kvcache.testing.redis_local import LocalRedis
 from tests.kv_events.test_subscriber import ListPublisher
 
 
@@ -130,7 +130,7 @@ def test_without_permission_to_switch_them_on_it_warns_and_says_so(
     raw.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-config")
     url = f"redis://app:pw@127.0.0.1:{redis_server.port}/0"
     sink = WaitingSink()
-    with caplog.at_level(logging.WARNING, logger="kvcache.storage.redis_notify"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.storage.l2.redis.notify"):
         a = adapter(redis_server, sink, url=url)
     try:
         assert a.info()["evictions_watched"] == "unknown"

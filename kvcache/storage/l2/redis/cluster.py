@@ -1,6 +1,6 @@
 """Redis / Valkey Cluster L2: one prefix store shared by a fleet, sharded and replicated.
 
-Its own module (beside the one-server ``redis``) because a cluster fails by parts: when one
+Its own module (beside the one-server ``single``) because a cluster fails by parts: when one
 master dies, only the chunks in its hash slots are lost for a while, and the daemons must keep
 serving everything else. So this tier
 
@@ -38,10 +38,10 @@ from redis.retry import Retry
 from kvcache.errors import RedisURLError, StorageError
 from kvcache.observability.event import EventSink, NullEventSink
 from kvcache.records import ChunkKey
-from kvcache.storage.base import failure_reason, storage_error
-from kvcache.storage.redis import DEFAULT_MAX_BATCH, PipelinedChunks, storage_failure
-from kvcache.storage.redis_cluster_notify import ClusterEvictionWatcher
-from kvcache.storage.redis_url import parse_redis_url
+from kvcache.storage.l2.base import failure_reason, storage_error
+from kvcache.storage.l2.redis.cluster_notify import ClusterEvictionWatcher
+from kvcache.storage.l2.redis.single import DEFAULT_MAX_BATCH, PipelinedChunks, storage_failure
+from kvcache.storage.l2.redis.url import parse_redis_url
 
 logger = logging.getLogger(__name__)
 _SHARD_DOWN_REASONS = ("unavailable", "timeout")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvcache.records import ChunkKey
-from kvcache.storage.base import EvictionPolicy
+from kvcache.storage.l2.base import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):

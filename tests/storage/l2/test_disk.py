@@ -15,8 +15,8 @@ import torch
 
 from kvcache.errors import CorruptChunkError, StorageError, UntrustedPathError
 from kvcache.observability.event import Event, EventType, L2KeysEvicted
-from kvcache.storage.base import failure_reason
-from kvcache.storage.disk import DiskL2Adapter
+from kvcache.storage.l2.base import failure_reason
+from kvcache.storage.l2.disk import DiskL2Adapter
 from tests.helpers import RecordingSink as Sink
 
 
@@ -132,8 +132,8 @@ def test_chunk_larger_than_tier(tmp_path: Path) -> None:
 FULL_DISK = r"""
 import resource, signal, sys, torch
 from kvcache.errors import StorageError
-from kvcache.storage.base import failure_reason
-from kvcache.storage.disk import DiskL2Adapter
+from kvcache.storage.l2.base import failure_reason
+from kvcache.storage.l2.disk import DiskL2Adapter
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # EFBIG instead of a signal
 d = DiskL2Adapter(sys.argv[1], 1 << 30)
 small = torch.zeros(1, 1, 16, 8)
@@ -366,7 +366,7 @@ def test_a_restart_reads_back_each_chunks_identity_and_old_files_still_load(tmp_
     import msgspec
 
     from kvcache.observability.event import ChunkIdentity
-    from kvcache.storage import codec
+    from kvcache.storage.l2 import codec
 
     first = DiskL2Adapter(str(tmp_path), 1 << 24)
     long_ident = ChunkIdentity(

@@ -2,6 +2,10 @@
 
 Filling with random *bytes* (not random floats) makes every bit pattern, including NaN
 and fp8 patterns, part of the comparison: the copies must be byte-exact.
+
+Beside it, ``redis_local`` and ``redis_cluster_local`` start real Redis servers and clusters for
+tests and benches. Product code never imports them (``tests/testing`` checks it), and this module
+does not either, so importing fake caches spawns nothing.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvcache.config import EngineConfig
-from kvcache.storage.factory import EVICTION_POLICIES, L2_ADAPTERS, create_policy, l2_adapters_from_config
-from kvcache.storage.lru import LRUPolicy
+from kvcache.storage.l1.lru import LRUPolicy
+from kvcache.storage.l2.factory import EVICTION_POLICIES, L2_ADAPTERS, create_policy, l2_adapters_from_config
 from tests.helpers import RecordingSink
 
 

@@ -11,8 +11,8 @@ from typing import Any, Generic, TypeVar
 
 from kvcache.config import EngineConfig
 from kvcache.observability.event import EventSink
-from kvcache.storage.base import EvictionPolicy, L2Adapter
-from kvcache.storage.redis_url import parse_redis_url
+from kvcache.storage.l2.base import EvictionPolicy, L2Adapter
+from kvcache.storage.l2.redis.url import parse_redis_url
 
 T = TypeVar("T")
 
@@ -49,12 +49,12 @@ class _Registry(Generic[T]):
 
 
 L2_ADAPTERS: _Registry[L2Adapter] = _Registry("L2 adapter", L2Adapter)
-L2_ADAPTERS.register("disk", "kvcache.storage.disk", "DiskL2Adapter")
-L2_ADAPTERS.register("redis", "kvcache.storage.redis", "RedisL2Adapter")
-L2_ADAPTERS.register("redis-cluster", "kvcache.storage.redis_cluster", "RedisClusterL2Adapter")
+L2_ADAPTERS.register("disk", "kvcache.storage.l2.disk", "DiskL2Adapter")
+L2_ADAPTERS.register("redis", "kvcache.storage.l2.redis.single", "RedisL2Adapter")
+L2_ADAPTERS.register("redis-cluster", "kvcache.storage.l2.redis.cluster", "RedisClusterL2Adapter")
 
 EVICTION_POLICIES: _Registry[EvictionPolicy] = _Registry("eviction policy", EvictionPolicy)
-EVICTION_POLICIES.register("lru", "kvcache.storage.lru", "LRUPolicy")
+EVICTION_POLICIES.register("lru", "kvcache.storage.l1.lru", "LRUPolicy")
 
 
 def create_policy(name: str = "lru") -> EvictionPolicy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.storage.slab import EXTENT_SHARE, SlabAllocator, SlotGeometry
+from kvcache.storage.l1.slab import EXTENT_SHARE, SlabAllocator, SlotGeometry
 
 G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
 G2 = SlotGeometry((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk

@@ -23,8 +23,8 @@ from kvcache.context import GPUCacheContext
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.server.launch import DaemonProcess
-from kvcache.storage.redis_cluster_local import LocalRedisCluster, wait_until
 from kvcache.testing import make_kv_caches, random_fill
+from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
 from tests.server.helpers import free_port, scrape
 
 CS, BS = 16, 4  # 16-token chunks of 4 blocks: small, so every prompt touches every shard

@@ -1,7 +1,7 @@
 """Chunks a Redis Cluster's masters drop by themselves (TTL expiry, ``maxmemory`` eviction) as
 L2 events: one keyspace-notification watcher per master, following the cluster's topology.
 
-Separate from the one-server watcher (``redis_notify``), which it reuses unchanged per node,
+Separate from the one-server watcher (``notify``), which it reuses unchanged per node,
 because what a cluster adds is bookkeeping of *which* servers to watch: Redis Cluster
 publishes keyspace notifications only on the node where the key lived (they never cross the
 cluster bus), so every master must be followed, and the set of masters changes when a
@@ -30,8 +30,8 @@ from typing import Any
 import redis
 
 from kvcache.observability.event import EventSink
-from kvcache.storage.redis_notify import RedisEvictionWatcher
-from kvcache.storage.redis_url import RedisTarget
+from kvcache.storage.l2.redis.notify import RedisEvictionWatcher
+from kvcache.storage.l2.redis.url import RedisTarget
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class ClusterEvictionWatcher:
 
     def watched(self) -> dict[str, str]:
         """``host:port`` of each master followed -> its ``notify-keyspace-events`` state
-        (``on``, ``enabled``, ``unknown``; see ``redis_notify``)."""
+        (``on``, ``enabled``, ``unknown``; see ``notify``)."""
         return {f"{h}:{p}": w.state for (h, p), w in sorted(self._watchers.items())}
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.records import ChunkKey
-from kvcache.storage.slab import SlotGeometry
+from kvcache.storage.l1.slab import SlotGeometry
 
 
 class EntryState(enum.Enum):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcache.observability.event import EventType, L1Cleared, L1ReadFinished
-from kvcache.storage.l1_pool import EntryState, L1Pool, SlotGeometry, WriteReservation
+from kvcache.storage.l1.pool import EntryState, L1Pool, SlotGeometry, WriteReservation
 from tests.helpers import RecordingSink as Sink
 
 G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk

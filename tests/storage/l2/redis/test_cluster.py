@@ -14,16 +14,16 @@ from redis.crc import key_slot
 
 from kvcache.errors import CorruptChunkError, StorageError
 from kvcache.observability.event import EventType
-from kvcache.storage import codec
-from kvcache.storage.base import failure_reason, failure_scope
-from kvcache.storage.l2_async import AsyncL2
-from kvcache.storage.redis import chunk_name
-from kvcache.storage.redis_cluster import RedisClusterL2Adapter, ShardHealth
-from kvcache.storage.redis_cluster_local import LocalRedisCluster, wait_until
+from kvcache.storage.l2 import codec
+from kvcache.storage.l2.async_front import AsyncL2
+from kvcache.storage.l2.base import failure_reason, failure_scope
+from kvcache.storage.l2.redis.cluster import RedisClusterL2Adapter, ShardHealth
+from kvcache.storage.l2.redis.single import chunk_name
 from kvcache.testing import random_fill
+from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
 from tests.helpers import RecordingSink
 
-from .conftest import start_cluster
+from ...conftest import start_cluster
 
 
 def chunk(seed: int) -> torch.Tensor:
@@ -131,7 +131,7 @@ def test_shard_health_fails_fast_and_logs_once_per_outage(caplog: pytest.LogCapt
     now = [0.0]
     health = ShardHealth(2.0, lambda: now[0])
     err = StorageError("refused")
-    with caplog.at_level(logging.INFO, "kvcache.storage.redis_cluster"):
+    with caplog.at_level(logging.INFO, "kvcache.storage.l2.redis.cluster"):
         assert health.blocked_for("a:1") == 0
         health.failed("a:1", err)
         health.failed("a:1", err)

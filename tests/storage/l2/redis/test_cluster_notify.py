@@ -15,14 +15,14 @@ from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
 from kvcache.observability.event import Event, EventType, L2StoreFinished
 from kvcache.observability.subscribers.metrics import L2MetricsSubscriber
-from kvcache.storage.redis import chunk_name
-from kvcache.storage.redis_cluster import RedisClusterL2Adapter
-from kvcache.storage.redis_cluster_local import LocalRedisCluster, wait_until
-from kvcache.storage.redis_notify import covers
+from kvcache.storage.l2.redis.cluster import RedisClusterL2Adapter
+from kvcache.storage.l2.redis.notify import covers
+from kvcache.storage.l2.redis.single import chunk_name
+from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
 from tests.kv_events.test_subscriber import ListPublisher
-from tests.storage.test_redis_notify import WaitingSink
+from tests.storage.l2.redis.test_notify import WaitingSink
 
-from .conftest import start_cluster
+from ...conftest import start_cluster
 
 
 def chunk(seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The chunk record (kvcache.storage.codec): round trip and every kind of damage detected."""
+"""The chunk record (kvcache.storage.l2.codec): round trip and every kind of damage detected."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from kvcache.errors import CorruptChunkError
 from kvcache.records import dtype_name
-from kvcache.storage import codec
+from kvcache.storage.l2 import codec
 
 KEY = (0xDEADBEEF << 64) | 0x1234
 

@@ -49,7 +49,7 @@ from kvcache.observability.event import (
     NullEventSink,
 )
 from kvcache.records import ChunkIdentity, ChunkKey
-from kvcache.storage.base import L2Adapter, failure_reason, failure_scope, storage_error
+from kvcache.storage.l2.base import L2Adapter, failure_reason, failure_scope, storage_error
 
 logger = logging.getLogger(__name__)
 Done = Callable[[bool], None]

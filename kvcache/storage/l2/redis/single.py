@@ -22,10 +22,10 @@ from redis import exceptions as rex
 from kvcache.errors import CorruptChunkError, StorageError
 from kvcache.observability.event import EventSink, NullEventSink
 from kvcache.records import ChunkKey
-from kvcache.storage import codec
-from kvcache.storage.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
-from kvcache.storage.redis_notify import RedisEvictionWatcher
-from kvcache.storage.redis_url import redact
+from kvcache.storage.l2 import codec
+from kvcache.storage.l2.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
+from kvcache.storage.l2.redis.notify import RedisEvictionWatcher
+from kvcache.storage.l2.redis.url import redact
 
 #: Chunks per pipelined batch: a prompt of 16 chunks (4k tokens at 256) goes in one round trip.
 DEFAULT_MAX_BATCH = 16

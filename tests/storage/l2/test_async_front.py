@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kvcache.observability.event import EventType, L2LoadFailed, L2StoreFailed
-from kvcache.storage.base import Announce, L2Adapter, StoreItem, storage_error
-from kvcache.storage.disk import DiskL2Adapter
-from kvcache.storage.l2_async import AsyncL2
-from kvcache.storage.redis import RedisL2Adapter
-from kvcache.storage.redis_local import LocalRedis
+from kvcache.storage.l2.async_front import AsyncL2
+from kvcache.storage.l2.base import Announce, L2Adapter, StoreItem, storage_error
+from kvcache.storage.l2.disk import DiskL2Adapter
+from kvcache.storage.l2.redis.single import RedisL2Adapter
+from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink as Sink
 
 
@@ -243,7 +243,7 @@ def test_shard_failures_are_counted_per_key_without_skipping_the_tier(
     disk.gate.set()
     tier = AsyncL2(disk, workers=2, bus=sink)
     done: dict[int, bool] = {}
-    caplog.set_level(logging.DEBUG, "kvcache.storage.l2_async")
+    caplog.set_level(logging.DEBUG, "kvcache.storage.l2.async_front")
     for key in range(8):
         assert tier.submit_store(key, chunk(), lambda ok, k=key: done.__setitem__(k, ok))
     assert tier.flush(5) and done == {k: k % 2 == 0 for k in range(8)}

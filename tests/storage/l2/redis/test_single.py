@@ -9,10 +9,10 @@ import torch
 
 from kvcache.errors import CorruptChunkError, StorageError
 from kvcache.observability.event import ChunkIdentity, EventType
-from kvcache.storage.base import failure_reason
-from kvcache.storage.l2_async import AsyncL2
-from kvcache.storage.redis import RedisL2Adapter
-from kvcache.storage.redis_local import LocalRedis
+from kvcache.storage.l2.async_front import AsyncL2
+from kvcache.storage.l2.base import failure_reason
+from kvcache.storage.l2.redis.single import RedisL2Adapter
+from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink
 
 

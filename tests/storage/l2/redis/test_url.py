@@ -8,7 +8,7 @@ import pytest
 
 from kvcache.config import ConfigError, EngineConfig
 from kvcache.server.__main__ import parse_settings
-from kvcache.storage.redis_url import MAX_SEEDS, RedisURLError, parse_redis_url, redact
+from kvcache.storage.l2.redis.url import MAX_SEEDS, RedisURLError, parse_redis_url, redact
 
 
 def test_single_server_forms() -> None:
