@@ -6,9 +6,10 @@ GPU: pinned ``cudaMemcpyAsync`` for host chunks and device-to-device memcpy for 
 chunks) and the "what a user would write" baseline (``torch.index_select`` per layer).
 Reports GB/s and the ratio to the ceiling; never asserts a speed.
 
-On a CPU it then times the asynchronous face (``copy_*_async``): how long a submit takes
-to return against the copy itself, and a batch of back-to-back submits against the same
-copies made synchronously, side by side in the same run.
+It then times the asynchronous face (``copy_*_async``): how long a submit takes to return
+against the copy itself, and a batch of back-to-back submits against the same copies made
+synchronously, side by side in the same run. ``--dtypes`` repeats the layout rows per
+element type (``bf16,fp8`` on a GPU: the kernels move bytes, so fp8 halves each transfer).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Row:
     """One measurement: a layout, where its chunks live, one direction."""
 
     layout: str
+    dtype: str
     chunks_in: str
     direction: str
     bytes: int
@@ -64,7 +66,11 @@ def _index_select_baseline(
     return run
 
 
-def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> list[Row]:
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+"""``--dtypes`` names: the element types an engine's KV cache comes in."""
+
+
+def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str, dtype: str) -> list[Row]:
     rng = np.random.default_rng(args.seed)
     caches = make_kv_caches(
         fmt,
@@ -73,7 +79,7 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> lis
         block_size=args.block_size,
         num_heads=args.heads,
         head_size=args.mla_head_size if fmt in MLA_FORMATS else args.head_size,
-        dtype=torch.bfloat16,
+        dtype=DTYPES[dtype],
         device=device,
         fill=False,
     )
@@ -97,6 +103,7 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str) -> lis
         sync = torch.cuda.synchronize
     for place, chunk_device, pin in places:
         rows.extend(_bench_place(ctx, caches, ids_np, args, device, place, chunk_device, pin, sync))
+    ctx.close()
     return rows
 
 
@@ -141,31 +148,37 @@ def _bench_place(
         device=chunk_device,
         pin_memory=pin,
     )
+    fns = [
+        lambda: ctx.copy_to_chunks(ids_np, chunks),
+        ceiling_store,
+        lambda: ctx.copy_from_chunks(chunks, ids_np),
+        ceiling_load,
+    ]
     baseline = _index_select_baseline(ctx, caches, torch.as_tensor(ids_np, device=device), out)
-    t_store, t_ceil_store, t_load, t_ceil_load, t_base = time_interleaved(
-        [
-            lambda: ctx.copy_to_chunks(ids_np, chunks),
-            ceiling_store,
-            lambda: ctx.copy_from_chunks(chunks, ids_np),
-            ceiling_load,
-            baseline,
-        ],
-        args.reps,
-        sync,
-    )
+    try:  # torch has no index_select for some dtypes on some devices (fp8 on CUDA)
+        baseline()
+        sync()
+        fns.append(baseline)
+    except (RuntimeError, NotImplementedError):
+        pass
+    times = time_interleaved(fns, args.reps, sync)
+    t_store, t_ceil_store, t_load, t_ceil_load = times[:4]
+    base_gbps = nbytes / times[4] / 1e9 if len(times) > 4 else None
     return [
         Row(
             ctx.format.name,
+            str(ctx.dtype).removeprefix("torch."),
             place,
             "store",
             nbytes,
             nbytes / t_store / 1e9,
             nbytes / t_ceil_store / 1e9,
             t_ceil_store / t_store,
-            nbytes / t_base / 1e9,
+            base_gbps,
         ),
         Row(
             ctx.format.name,
+            str(ctx.dtype).removeprefix("torch."),
             place,
             "load",
             nbytes,
@@ -179,7 +192,7 @@ def _bench_place(
 
 def _print_table(rows: list[Row]) -> None:
     head = (
-        f"{'layout':<24} {'chunks':<12} {'dir':<6} {'MiB':>7} {'GB/s':>7} {'ceil GB/s':>9} "
+        f"{'layout':<24} {'dtype':<14} {'chunks':<12} {'dir':<6} {'MiB':>7} {'GB/s':>7} {'ceil GB/s':>9} "
         f"{'ratio':>6} {'idx_sel':>7}"
     )
     print(head)
@@ -187,7 +200,7 @@ def _print_table(rows: list[Row]) -> None:
     for r in rows:
         base = "" if r.index_select_gbps is None else f"{r.index_select_gbps:.2f}"
         print(
-            f"{r.layout:<24} {r.chunks_in:<12} {r.direction:<6} {r.bytes / 2**20:>7.0f} "
+            f"{r.layout:<24} {r.dtype:<14} {r.chunks_in:<12} {r.direction:<6} {r.bytes / 2**20:>7.0f} "
             f"{r.kernel_gbps:>7.2f} {r.ceiling_gbps:>9.2f} {r.ratio_to_ceiling:>6.2f} {base:>7}"
         )
 
@@ -209,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="all", help="comma-separated GPUKVFormat names")
     p.add_argument("--async-layout", default="NL_X_TWO_NB_BS_NH_HS", help="layout of the async rows")
     p.add_argument("--async-batch", type=int, default=8, help="back-to-back copies per async batch")
-    p.add_argument("--no-async", action="store_true", help="skip the async rows (CPU only)")
+    p.add_argument("--dtypes", default="bf16", help=f"comma-separated, of {','.join(DTYPES)}")
+    p.add_argument("--no-async", action="store_true", help="skip the async rows")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
     p.add_argument("--out", type=Path, default=None, help="write JSON results here")
     args = p.parse_args(argv)
@@ -219,10 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and _native.cuda_compiled() else "cpu"
     fmts = list(GPUKVFormat) if args.layouts == "all" else [GPUKVFormat[n] for n in args.layouts.split(",")]
+    dtypes = args.dtypes.split(",")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        p.error(f"unknown --dtypes {unknown}; choose from {list(DTYPES)}")
     rows: list[Row] = []
-    for fmt in fmts:
-        rows.extend(bench_layout(fmt, args, device))
-    async_rows: list[AsyncRow] = [] if args.no_async or device != "cpu" else bench_async(args)
+    for dtype in dtypes:
+        for fmt in fmts:
+            rows.extend(bench_layout(fmt, args, device, dtype))
+    async_rows: list[AsyncRow] = [] if args.no_async else bench_async(args, device)
     env = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
@@ -231,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
     }
     print(
-        f"transfer benchmark on {device} ({env['device']}), bf16, {args.layers} layers, "
+        f"transfer benchmark on {device} ({env['device']}), {args.dtypes}, {args.layers} layers, "
         f"{args.heads}x{args.head_size} heads, block {args.block_size}, chunk {args.chunk_size}"
     )
     _print_table(rows)

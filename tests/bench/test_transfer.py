@@ -30,3 +30,15 @@ def test_no_async_skips_the_async_rows(tmp_path: Path) -> None:
     argv += ["--mla-head-size", "32", "--blocks", "64", "--chunks", "2", "--reps", "1", "--no-async"]
     assert main([*argv, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["async"] == []
+
+
+def test_dtypes_repeat_the_layout_rows_per_element_type(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    argv = ["--layouts", "NL_X_NB_BS_HS", "--layers", "2", "--heads", "1", "--head-size", "16"]
+    argv += ["--mla-head-size", "32", "--blocks", "64", "--chunks", "2", "--reps", "1", "--no-async"]
+    assert main([*argv, "--dtypes", "bf16,fp8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["dtype"], r["direction"]) for r in rows] == [
+        ("bfloat16", "store"), ("bfloat16", "load"), ("float8_e4m3fn", "store"), ("float8_e4m3fn", "load")
+    ]  # fmt: skip
+    assert rows[2]["bytes"] * 2 == rows[0]["bytes"]  # one byte an element instead of two
