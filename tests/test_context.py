@@ -324,7 +324,8 @@ def test_cuda_many_chunks_one_call() -> None:
     chunks = ctx.allocate_chunks(len(ids), device="cuda")
     ctx.copy_to_chunks(ids, chunks)
     want = reference.gather(caches, ctx.format, ctx.shape, ids)
-    assert torch.equal(torch.cat(chunks, dim=2), want)
+    # bytes, not values: random bf16 bits hold NaNs, and NaN != NaN (the first GPU run failed here)
+    assert torch.equal(torch.cat(chunks, dim=2).view(torch.uint8), want.view(torch.uint8))
 
 
 # -- the asynchronous face: job ids on the context's transfer handler --------------------
