@@ -4,7 +4,9 @@ In one run, for each layout, it times the native copy in both directions and, on
 same bytes and threads, the ceiling (CPU: one parallel memcpy of a contiguous buffer;
 GPU: pinned ``cudaMemcpyAsync`` for host chunks and device-to-device memcpy for device
 chunks) and the "what a user would write" baseline (``torch.index_select`` per layer).
-Reports GB/s and the ratio to the ceiling; never asserts a speed.
+Reports GB/s and the ratio to the ceiling; never asserts a speed. On a GPU the kernel and
+its ceiling are timed on the device (CUDA events), and the synchronous call as the host
+sees it (submit, launch and wait) is reported beside them as ``call``.
 
 It then times the asynchronous face (``copy_*_async``): how long a submit takes to return
 against the copy itself, and a batch of back-to-back submits against the same copies made
@@ -27,7 +29,13 @@ import torch
 
 from kvcache import _native
 from kvcache.bench.transfer_async import AsyncRow, bench_async, print_async
-from kvcache.bench.transfer_timing import MLA_FORMATS, time_interleaved, touch
+from kvcache.bench.transfer_timing import (
+    MLA_FORMATS,
+    event_seconds,
+    time_device_interleaved,
+    time_interleaved,
+    touch,
+)
 from kvcache.context import GPUCacheContext
 from kvcache.layouts import GPUKVFormat
 from kvcache.reference import page_view
@@ -47,6 +55,8 @@ class Row:
     ceiling_gbps: float
     ratio_to_ceiling: float
     index_select_gbps: float | None
+    call_gbps: float  # the synchronous call by the host's clock (the kernel figure on a CPU)
+    call_ratio: float  # ... against the ceiling's call by the host's clock
 
 
 def _index_select_baseline(
@@ -162,38 +172,53 @@ def _bench_place(
     except (RuntimeError, NotImplementedError):
         pass
     times = time_interleaved(fns, args.reps, sync)
-    t_store, t_ceil_store, t_load, t_ceil_load = times[:4]
     base_gbps = nbytes / times[4] / 1e9 if len(times) > 4 else None
-    return [
-        Row(
-            ctx.format.name,
-            str(ctx.dtype).removeprefix("torch."),
-            place,
-            "store",
-            nbytes,
-            nbytes / t_store / 1e9,
-            nbytes / t_ceil_store / 1e9,
-            t_ceil_store / t_store,
-            base_gbps,
-        ),
-        Row(
-            ctx.format.name,
-            str(ctx.dtype).removeprefix("torch."),
-            place,
-            "load",
-            nbytes,
-            nbytes / t_load / 1e9,
-            nbytes / t_ceil_load / 1e9,
-            t_ceil_load / t_load,
-            None,
-        ),
-    ]
+    device_times = times[:4]  # a CPU's wall clock is its device time
+    if device != "cpu":
+        handler = ctx.transfer
+
+        def job_seconds(job_id: int) -> float:
+            (result,) = handler.wait([job_id])
+            if result.error is not None:
+                raise result.error
+            return result.seconds
+
+        device_times = time_device_interleaved(
+            [
+                lambda: job_seconds(ctx.copy_to_chunks_async(ids_np, chunks)),
+                lambda: event_seconds(ceiling_store),
+                lambda: job_seconds(ctx.copy_from_chunks_async(chunks, ids_np)),
+                lambda: event_seconds(ceiling_load),
+            ],
+            args.reps,
+        )
+    rows = []
+    for direction, (kernel, ceiling), (call, call_ceiling) in (
+        ("store", device_times[0:2], times[0:2]),
+        ("load", device_times[2:4], times[2:4]),
+    ):
+        rows.append(
+            Row(
+                ctx.format.name,
+                str(ctx.dtype).removeprefix("torch."),
+                place,
+                direction,
+                nbytes,
+                nbytes / kernel / 1e9,
+                nbytes / ceiling / 1e9,
+                ceiling / kernel,
+                base_gbps if direction == "store" else None,
+                nbytes / call / 1e9,
+                call_ceiling / call,
+            )
+        )
+    return rows
 
 
 def _print_table(rows: list[Row]) -> None:
     head = (
         f"{'layout':<24} {'dtype':<14} {'chunks':<12} {'dir':<6} {'MiB':>7} {'GB/s':>7} {'ceil GB/s':>9} "
-        f"{'ratio':>6} {'idx_sel':>7}"
+        f"{'ratio':>6} {'idx_sel':>7} {'call GB/s':>9} {'call ratio':>10}"
     )
     print(head)
     print("-" * len(head))
@@ -201,7 +226,8 @@ def _print_table(rows: list[Row]) -> None:
         base = "" if r.index_select_gbps is None else f"{r.index_select_gbps:.2f}"
         print(
             f"{r.layout:<24} {r.dtype:<14} {r.chunks_in:<12} {r.direction:<6} {r.bytes / 2**20:>7.0f} "
-            f"{r.kernel_gbps:>7.2f} {r.ceiling_gbps:>9.2f} {r.ratio_to_ceiling:>6.2f} {base:>7}"
+            f"{r.kernel_gbps:>7.2f} {r.ceiling_gbps:>9.2f} {r.ratio_to_ceiling:>6.2f} {base:>7} "
+            f"{r.call_gbps:>9.2f} {r.call_ratio:>10.2f}"
         )
 
 
