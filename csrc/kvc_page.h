@@ -82,39 +82,23 @@ KVC_HOST_DEVICE void store_word(T* p, T v) {
 #endif
 }
 
-// Threads per CUDA block at most (one block copies one page).
-constexpr int64_t kMaxThreads = 256;
-
-// Words each thread holds in flight per round: its loads are all issued before its stores,
-// so a thread keeps kCopyUnroll memory requests outstanding instead of one. A single
-// load-then-store loop left the first H200 run at 0.3-0.6x of a device memcpy.
-constexpr int64_t kCopyUnroll = 4;
-
 // The kernel's body: thread `tid` of `nthreads` moves words tid, tid + nthreads, ... of
-// one page, each word of type Word (16, 4, 2 or 1 bytes), kCopyUnroll rounds at a time.
+// one page, each word of type Word (16, 4, 2 or 1 bytes).
+// Measured on an H200 (docs/benchmarks.md, 2026-11-26): 0.85-0.87x of a device memcpy and
+// 0.92-0.95x of pinned cudaMemcpyAsync by device time. Unrolling 2, 4 or 8 words per thread
+// (loads before stores) and 128 or 512 threads per page were each slower or equal; the
+// figures only looked better by the host's clock, which the submit dominated.
 template <typename Word, bool kToChunks>
 KVC_HOST_DEVICE void copy_page_part(const PagePair& p, int64_t page_bytes, int64_t tid,
                                     int64_t nthreads) {
   const Word* src = reinterpret_cast<const Word*>(kToChunks ? p.engine : p.chunk);
   Word* dst = reinterpret_cast<Word*>(kToChunks ? p.chunk : p.engine);
   const int64_t n = page_bytes / static_cast<int64_t>(sizeof(Word));
-  int64_t i = tid;
-  for (; i + (kCopyUnroll - 1) * nthreads < n; i += kCopyUnroll * nthreads) {
-    Word v[kCopyUnroll];
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-    for (int64_t u = 0; u < kCopyUnroll; ++u) v[u] = load_word(src + i + u * nthreads);
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-    for (int64_t u = 0; u < kCopyUnroll; ++u) store_word(dst + i + u * nthreads, v[u]);
-  }
-  for (; i < n; i += nthreads) store_word(dst + i, load_word(src + i));
+  for (int64_t i = tid; i < n; i += nthreads) store_word(dst + i, load_word(src + i));
 }
 
 // The launch shape: grid (blocks to copy, num_layers * kv), one page per CUDA block,
-// threads per block = page words clamped to [32, kMaxThreads].
+// threads per block = page words clamped to [32, 256].
 struct LaunchShape {
   int64_t grid_x;
   int64_t grid_y;
@@ -123,7 +107,7 @@ struct LaunchShape {
 
 inline LaunchShape launch_shape(const PageTable& t, const TransferSpec& s, int unit) {
   const int64_t words = t.page_bytes / unit;
-  const int64_t threads = words < 32 ? 32 : (words > kMaxThreads ? kMaxThreads : words);
+  const int64_t threads = words < 32 ? 32 : (words > 256 ? 256 : words);
   return LaunchShape{s.n_blocks - s.skip_blocks, t.num_layers * t.kv, threads};
 }
 
