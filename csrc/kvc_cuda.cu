@@ -88,10 +88,11 @@ int cuda_device_count() {
 // back-to-back submits do not wait on each other's uploads.
 constexpr int kStagingSlots = 2;
 
+// One job's block ids and chunk pointers travel packed, [n ids int64][n chunks uint64], in
+// one upload: each cudaMemcpyAsync costs the submitting thread a few microseconds.
 struct StagingSlot {
-  int64_t* d_ids = nullptr;
-  uint64_t* d_chunks = nullptr;
-  char* h_staging = nullptr;           // pinned: [max ids int64][max chunks uint64]
+  char* d_staging = nullptr;           // device: the packed upload
+  char* h_staging = nullptr;           // pinned: the packed upload, written by the host
   cudaEvent_t staging_free = nullptr;  // this slot's last upload has left h_staging
   cudaEvent_t kernel_done = nullptr;   // the last kernel reading this slot's device buffers is done
 };
@@ -113,8 +114,7 @@ struct CudaTransfer::Impl {
       if (slot.staging_free != nullptr) cudaEventSynchronize(slot.staging_free);
     }
     for (auto& slot : slots) {
-      if (slot.d_ids != nullptr) cudaFree(slot.d_ids);
-      if (slot.d_chunks != nullptr) cudaFree(slot.d_chunks);
+      if (slot.d_staging != nullptr) cudaFree(slot.d_staging);
       if (slot.h_staging != nullptr) cudaFreeHost(slot.h_staging);
       if (slot.staging_free != nullptr) cudaEventDestroy(slot.staging_free);
       if (slot.kernel_done != nullptr) cudaEventDestroy(slot.kernel_done);
@@ -138,8 +138,8 @@ CudaTransfer::CudaTransfer(const PageTable& table, int device, int64_t max_block
   check(cudaMemcpy(impl->d_base, table.base.data(), base_bytes, cudaMemcpyHostToDevice),
         "cudaMemcpy(page table)");
   for (auto& slot : impl->slots) {
-    check(cudaMalloc(&slot.d_ids, id_bytes), "cudaMalloc(block ids)");
-    check(cudaMalloc(&slot.d_chunks, chunk_bytes), "cudaMalloc(chunk pointers)");
+    check(cudaMalloc(reinterpret_cast<void**>(&slot.d_staging), id_bytes + chunk_bytes),
+          "cudaMalloc(staging)");
     check(cudaHostAlloc(reinterpret_cast<void**>(&slot.h_staging), id_bytes + chunk_bytes,
                         cudaHostAllocDefault),
           "cudaHostAlloc(staging)");
@@ -187,16 +187,15 @@ void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
   check(cudaEventSynchronize(slot.staging_free), "cudaEventSynchronize(staging)");
   const size_t id_bytes = static_cast<size_t>(spec.n_blocks) * sizeof(int64_t);
   const size_t chunk_bytes = static_cast<size_t>(spec.n_chunks) * sizeof(uint64_t);
-  char* h_ids = slot.h_staging;
-  char* h_chunks = slot.h_staging + static_cast<size_t>(max_block_ids_) * sizeof(int64_t);
-  std::memcpy(h_ids, spec.block_ids, id_bytes);
-  std::memcpy(h_chunks, spec.chunk_ptrs, chunk_bytes);
+  std::memcpy(slot.h_staging, spec.block_ids, id_bytes);
+  std::memcpy(slot.h_staging + id_bytes, spec.chunk_ptrs, chunk_bytes);
   check(cudaStreamWaitEvent(stream, slot.kernel_done, 0), "cudaStreamWaitEvent");
-  check(cudaMemcpyAsync(slot.d_ids, h_ids, id_bytes, cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(block ids)");
-  check(cudaMemcpyAsync(slot.d_chunks, h_chunks, chunk_bytes, cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(chunk pointers)");
+  check(cudaMemcpyAsync(slot.d_staging, slot.h_staging, id_bytes + chunk_bytes,
+                        cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(block ids and chunk pointers)");
   check(cudaEventRecord(slot.staging_free, stream), "cudaEventRecord(staging)");
+  const auto* d_ids = reinterpret_cast<const int64_t*>(slot.d_staging);
+  const auto* d_chunks = reinterpret_cast<const uint64_t*>(slot.d_staging + id_bytes);
 
   const int unit = copy_unit_bytes(table_, spec.chunk_ptrs, spec.n_chunks);
   last_unit_ = unit;
@@ -205,20 +204,19 @@ void CudaTransfer::copy(const TransferSpec& spec, uint64_t stream_handle) {
   const dim3 block(static_cast<unsigned>(shape.threads));
   switch (unit) {
     case 16:
-      launch<int4>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
-                   slot.d_chunks, spec, table_);
+      launch<int4>(spec.to_chunks, grid, block, stream, impl_->d_base, d_ids, d_chunks, spec, table_);
       break;
     case 4:
-      launch<unsigned int>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
-                           slot.d_chunks, spec, table_);
+      launch<unsigned int>(spec.to_chunks, grid, block, stream, impl_->d_base, d_ids,
+                           d_chunks, spec, table_);
       break;
     case 2:
-      launch<unsigned short>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
-                             slot.d_chunks, spec, table_);
+      launch<unsigned short>(spec.to_chunks, grid, block, stream, impl_->d_base, d_ids,
+                             d_chunks, spec, table_);
       break;
     default:
-      launch<unsigned char>(spec.to_chunks, grid, block, stream, impl_->d_base, slot.d_ids,
-                            slot.d_chunks, spec, table_);
+      launch<unsigned char>(spec.to_chunks, grid, block, stream, impl_->d_base, d_ids,
+                            d_chunks, spec, table_);
   }
   check(cudaGetLastError(), "copy_pages_kernel launch");
   check(cudaEventRecord(slot.kernel_done, stream), "cudaEventRecord(kernel)");

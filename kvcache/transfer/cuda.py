@@ -79,6 +79,10 @@ class CudaTransferHandler(TransferHandler):
         with cuda_errors(f"opening the CUDA transfer handler on {self._device}"):
             self._native = _native.CudaTransfer(table, index, geometry.max_block_ids, max_chunks)
             self._stream = torch.cuda.Stream(device=self._device)
+            # Re-recorded by every launch (under the lock): a stream wait binds to the
+            # event's record at the time of the wait, so reuse is safe and saves the fresh
+            # event ``wait_stream`` would make per copy.
+            self._engine_done = torch.cuda.Event()
         self._lock = threading.Lock()
         self._pending: deque[_InFlight] = deque()  # submission order = stream order
         self._finished: dict[int, TransferResult] = {}
@@ -115,7 +119,8 @@ class CudaTransferHandler(TransferHandler):
     def _launch(self, entry: _InFlight, job: CheckedJob) -> None:
         stream = self._stream
         try:
-            stream.wait_stream(torch.cuda.current_stream(self._device))
+            self._engine_done.record(torch.cuda.current_stream(self._device))
+            stream.wait_event(self._engine_done)
             if entry.job.after is not None:  # before ``start``: the wait is not the copy's time
                 stream.wait_event(entry.job.after)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -95,8 +95,8 @@ def block_id_array(block_ids: BlockIds, num_blocks: int) -> np.ndarray:
             raise BlockIdError(f"block ids must be integers that fit int64, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise BlockIdError(f"block_ids must be one-dimensional, got shape {arr.shape}")
-    bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
-    if len(bad):
+    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):  # two reductions, no mask: the
+        bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))  # common case stays cheap
         pos = int(bad[0])
         raise BlockIdError(
             f"block id {int(arr[pos])} at position {pos} is outside [0, {num_blocks}); nothing was copied"
@@ -148,7 +148,21 @@ def _check_chunks(chunks: list[torch.Tensor], geom: ChunkGeometry) -> int:
         raise ChunkMismatchError("no chunks given")
     bs = geom.block_size
     last_blocks = 0
+    full = torch.Size(geom.chunk_shape())
+    cpu = geom.device.type == "cpu"
     for i, c in enumerate(chunks):
+        if (  # the common case, a full chunk where the cache wants it, in a few attribute reads
+            c.shape == full
+            and c.dtype == geom.dtype
+            and c.is_contiguous()
+            and (
+                c.device.type == "cpu"
+                if cpu
+                else c.device == geom.device or (c.device.type == "cpu" and c.is_pinned())
+            )
+        ):
+            last_blocks = geom.blocks_per_chunk
+            continue
         if c.dtype != geom.dtype:
             raise ChunkMismatchError(f"chunk {i} has dtype {c.dtype}, the cache {geom.dtype}")
         if not c.is_contiguous():
