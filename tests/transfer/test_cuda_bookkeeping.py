@@ -38,7 +38,8 @@ class FakeEvent:
 
     def record(self, stream: FakeStream) -> None:
         self.seq = self.gpu.launched
-        self.gpu.log.append(("record", self.seq))
+        # the copy stream's own events are "record"; a mark on another stream names it
+        self.gpu.log.append(("record", self.seq) if stream.name == "copy" else ("mark", (stream.name, self.seq)))
 
     def query(self) -> bool:
         if self.gpu.fault:
@@ -105,8 +106,10 @@ def test_submit_orders_after_the_callers_stream_and_never_waits(rig: Any) -> Non
     a = h.submit(_store(ctx, [0, 1, 2, 3]))
     b = h.submit(_store(ctx, [4, 5, 6, 7]))
     assert [e for e in gpu.log if e[0] not in ("copy", "record")] == [
-        ("wait_stream", ("copy", "engine")),
-        ("wait_stream", ("copy", "engine")),
+        ("mark", ("engine", 0)),  # what the caller's stream has queued so far...
+        ("wait_event", ("copy", 0)),  # ...comes first on the copy stream, a device-side wait
+        ("mark", ("engine", 1)),
+        ("wait_event", ("copy", 1)),
     ]
     assert not any(e[0] == "synchronize" for e in gpu.log)
     assert h.get_finished() == []  # the stream has not run yet: query says so
@@ -182,11 +185,11 @@ def test_a_stream_that_fails_before_the_launch_fails_the_job_typed(
     h, gpu, _, ctx = rig
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
-    def broken(self: FakeStream, other: FakeStream) -> None:
+    def broken(self: FakeStream, other: FakeEvent) -> None:
         raise RuntimeError("CUDA error: unspecified launch failure")
 
     with monkeypatch.context() as patch:
-        patch.setattr(FakeStream, "wait_stream", broken)
+        patch.setattr(FakeStream, "wait_event", broken)
         failed = h.submit(_store(ctx, [0, 1, 2, 3]))
     ok = h.submit(_store(ctx, [4, 5, 6, 7]))
     gpu.run_all()
@@ -207,14 +210,18 @@ def test_a_jobs_event_is_waited_for_on_the_device_before_the_copy(rig: Any) -> N
     job = TransferJob(Direction.TO_CHUNKS, [0, 1, 2, 3], tuple(ctx.allocate_chunks(1)), after=written)
     h.submit(job)
     assert gpu.log == [
-        ("wait_stream", ("copy", "engine")),
-        ("wait_event", ("copy", 5)),
-        ("record", 5),  # the copy's start, behind the wait
+        ("mark", ("engine", 5)),
+        ("wait_event", ("copy", 5)),  # the caller's stream
+        ("wait_event", ("copy", 5)),  # the job's event
+        ("record", 5),  # the copy's start, behind the waits
         ("copy", ([0, 1, 2, 3], True)),
         ("record", 6),
     ]
     h.submit(_store(ctx, [4, 5, 6, 7]))  # a job without an event: no wait
-    assert [e for e in gpu.log if e[0] == "wait_event"] == [("wait_event", ("copy", 5))]
+    # the second job waits only for the caller's stream (now past the first copy), no event
+    assert [e for e in gpu.log if e[0] == "wait_event"] == [("wait_event", ("copy", 5))] * 2 + [
+        ("wait_event", ("copy", 6))
+    ]
 
 
 def test_an_event_the_stream_cannot_wait_for_fails_the_job_typed(
