@@ -39,7 +39,8 @@ class FakeEvent:
     def record(self, stream: FakeStream) -> None:
         self.seq = self.gpu.launched
         # the copy stream's own events are "record"; a mark on another stream names it
-        self.gpu.log.append(("record", self.seq) if stream.name == "copy" else ("mark", (stream.name, self.seq)))
+        entry = ("record", self.seq) if stream.name == "copy" else ("mark", (stream.name, self.seq))
+        self.gpu.log.append(entry)
 
     def query(self) -> bool:
         if self.gpu.fault:
