@@ -15,6 +15,9 @@
 #   bash scripts/gpu_check.sh [REPORT_DIR]        (default: $OUT if set, else gpu-report/)
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #
+# On the workplace's lent GPU (docs/gpu-runs/2026-11-26-h200/README.md): carry cp312 wheels of
+# msgspec, pyzmq and redis, install them with pip --no-index --target /tmp/site, then
+#   PYTHON=python3 PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_check.sh /tmp/gpu-report
 # PYTHON must have a CUDA build of torch, pybind11, pytest and the project's dependencies
 # (default: .venv/bin/python if present, else python3). Exit status: non-zero when the build,
 # any CUDA test or the benchmark failed.

@@ -4,8 +4,8 @@ Separate from the CPU handler because a GPU needs no worker thread: the stream o
 the jobs and a pair of CUDA events per job says when it ran, so no host thread ever
 synchronises on a copy it does not have to wait for.
 
-NOTE: this module has never run on a GPU; ``tests/transfer/test_cuda.py`` is what a
-GPU machine runs first.
+Run on a GPU: an H200 on 2026-11-26 (``tests/transfer/test_cuda.py`` and every other CUDA
+test passed, compute-sanitizer memcheck clean; docs/benchmarks.md has the figures).
 
 NOTE: the native launch stages block ids through two pinned slots used in turn, so a
 ``submit`` returns at once while at most two copies are queued ahead of it on the stream;

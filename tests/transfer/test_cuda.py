@@ -1,6 +1,6 @@
 """The asynchronous contract on the CUDA handler (skipped without a GPU and a CUDA build).
 
-NOTE: none of these has run on a GPU yet; they are the first thing a GPU machine runs.
+First run on a GPU: an H200, 2026-11-26 (all passed; ``scripts/gpu_check.sh`` runs them).
 """
 
 from __future__ import annotations
