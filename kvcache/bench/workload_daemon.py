@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 import kvcache
-from kvcache.server.auth import ipc_endpoint
+from kvcache.transport.endpoints import ipc_endpoint
 
 
 def free_port() -> int:

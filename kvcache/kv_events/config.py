@@ -29,7 +29,8 @@ from kvcache.kv_events.publisher import (
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.netaddr import ZMQ_TRANSPORTS, endpoint_host, endpoint_is_local
 from kvcache.observability.config import positive_int
-from kvcache.server.auth import AccessPolicy, load_clients, load_secret_key
+from kvcache.server.auth import AccessPolicy, load_clients
+from kvcache.transport.curve import load_secret_key
 
 log = logging.getLogger("kvcache.kv_events")
 

@@ -22,10 +22,10 @@ from kvcache.observability.config import ObservabilityConfig, add_observability_
 from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
-from kvcache.server.auth import default_runtime_dir
 from kvcache.server.connections import ConnectionLimits, raise_descriptor_limit
 from kvcache.server.daemon import DaemonConfig
 from kvcache.server.handlers import Limits
+from kvcache.transport.endpoints import default_runtime_dir
 from kvcache.trusted_dir import ensure_private_dir
 
 if TYPE_CHECKING:
