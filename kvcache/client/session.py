@@ -49,8 +49,7 @@ log = logging.getLogger("kvcache.client")
 R = TypeVar("R", bound=m.Reply)
 
 SendHook = Callable[[m.RequestBody, Callable[[m.RequestBody], m.ReplyBody]], m.ReplyBody]
-"""``hook(body, send)``: called for each request the breaker lets through; ``send(body)``
-delivers it (retries after a re-registration included) and returns the daemon's reply."""
+"""``hook(body, send)``: ``send(body)`` delivers it (re-registering and retrying if need be)."""
 
 
 def unwrap(reply: m.Reply, expected: type[R]) -> R:
@@ -126,15 +125,14 @@ class Session:
 
     @property
     def token(self) -> bytes:
-        """The current registration token (b"" before registering); a re-registration after a
-        daemon restart replaces it. For tools that send their own requests for this instance."""
+        """The registration token (b"" before registering; a re-registration replaces it), for
+        tools that send their own requests for this instance."""
         return self._token
 
     def intercept(self, hook: SendHook) -> None:
-        """Route every request the breaker lets through, on any thread, through ``hook``.
-
-        For tests and tools that delay, count or observe requests before they reach the daemon
-        (the test harness's gated and counted sends). Hooks stack: the latest is outermost."""
+        """Route every request the breaker lets through, on any thread, through ``hook``: for
+        tests and tools that delay, count or observe requests before they reach the daemon.
+        Hooks stack: the latest is outermost."""
         inner = self._send
 
         def send(chan: Channel, body: m.RequestBody) -> m.ReplyBody:
@@ -161,8 +159,7 @@ class Session:
         if self._closed or self.breaker.open or self._jobs.qsize() >= self._MAX_QUEUED_NOTICES:
             self.dropped_notices += 1
             return
-        future = self._submit(body)
-        future.add_done_callback(self._count_failed_notice)
+        self._submit(body).add_done_callback(self._count_failed_notice)
 
     def _count_failed_notice(self, future: Future[Any]) -> None:
         if future.cancelled() or future.exception() is not None:
