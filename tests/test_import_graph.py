@@ -1,4 +1,5 @@
-"""The kvcache package's modules import one another without circles.
+"""The kvcache package's modules import one another without circles, and the client and the
+daemon stand side by side: neither imports the other, even through a third module.
 
 A circle means two modules cannot be read, tested or moved apart, and it is usually
 hidden rather than absent: an import moved into a function or under ``if TYPE_CHECKING:``
@@ -11,6 +12,10 @@ An edge goes to the module that holds the name: ``from kvcache.x import y`` poin
 ``kvcache.x.y`` when that is a module (a submodule import) and at ``kvcache.x`` otherwise.
 Importing a submodule also runs its package's ``__init__``; that implicit step is not
 counted, since a module does not depend on its siblings by living beside them.
+
+What the client and the daemon share (endpoints, key files, shared tensors, descriptor
+passing) lives in ``kvcache.transport`` and ``kvcache.protocol``; an edge from one side to the
+other means a shared mechanism was put on the wrong side.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "kvcache"
 # Circles fixed on another branch, tolerated here until it merges. Each entry is the set of
 # modules in one circle; the lead deletes an entry once its fix is on main.
 KNOWN_CIRCLES: list[frozenset[str]] = []  # none: a new circle is a design question, not a listing
+
+# Packages that must not reach each other through any chain of imports, either way.
+SEPARATE: list[tuple[str, str]] = [("kvcache.client", "kvcache.server")]
 
 
 def _module_names() -> dict[str, Path]:
@@ -124,6 +132,30 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def crossing(graph: dict[str, set[str]], source: str, target: str) -> list[str] | None:
+    """A chain of imports from a module of package ``source`` to one of package ``target``
+    (breadth first, so the shortest), or None when there is none."""
+    starts = sorted(m for m in graph if _inside(m, source))
+    parent: dict[str, str | None] = dict.fromkeys(starts)
+    queue = list(starts)
+    while queue:
+        node = queue.pop(0)
+        if _inside(node, target):
+            chain = [node]
+            while (up := parent[chain[-1]]) is not None:
+                chain.append(up)
+            return chain[::-1]
+        for child in sorted(graph.get(node, ())):
+            if child not in parent:
+                parent[child] = node
+                queue.append(child)
+    return None
+
+
 def _describe(component: list[str], graph: dict[str, set[str]]) -> str:
     members = set(component)
     edges = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
@@ -146,3 +178,25 @@ def test_no_import_circles() -> None:
     graph = import_graph()
     unexpected = [c for c in circles(graph) if frozenset(c) not in KNOWN_CIRCLES]
     assert not unexpected, "import circles in kvcache:\n" + "\n".join(_describe(c, graph) for c in unexpected)
+
+
+def test_crossings_are_found() -> None:
+    graph = {
+        "kvcache.client.api": {"kvcache.transport.x"},
+        "kvcache.transport.x": {"kvcache.server.auth"},
+        "kvcache.server.auth": set(),
+        "kvcache.server.daemon": {"kvcache.transport.x"},
+    }
+    assert crossing(graph, "kvcache.client", "kvcache.server") == [
+        "kvcache.client.api", "kvcache.transport.x", "kvcache.server.auth",
+    ]  # fmt: skip
+    assert crossing(graph, "kvcache.server", "kvcache.client") is None
+
+
+def test_client_and_server_do_not_import_each_other() -> None:
+    graph = import_graph()
+    for a, b in SEPARATE:
+        assert any(_inside(m, a) for m in graph) and any(_inside(m, b) for m in graph), (a, b)
+        for source, target in ((a, b), (b, a)):
+            chain = crossing(graph, source, target)
+            assert chain is None, f"{source} imports {target}: " + " -> ".join(chain or [])

@@ -121,7 +121,7 @@ def run_once(
     import torch
 
     from kvcache.client import KVCacheClient
-    from kvcache.server.ipc import empty_shared
+    from kvcache.transport.memfd import empty_shared
 
     res = RunResult(kv_events)
     with tempfile.TemporaryDirectory(prefix="kvcache-workload-") as tmp:

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 import kvcache
-from kvcache.server.auth import ipc_endpoint
+from kvcache.transport.endpoints import ipc_endpoint
 
 
 def free_port() -> int:
@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def server_knows_kv_events() -> bool:
-    from kvcache.server.__main__ import build_parser
+    from kvcache.server.settings import build_parser
 
     parser, _ = build_parser()
     return "--kv-events-endpoint" in parser._option_string_actions
@@ -109,10 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvcache.engine.engine import CacheEngine
     from kvcache.kv_events import add_kv_events_args, build_kv_events_subscriber
     from kvcache.observability import init_observability
-    from kvcache.server.__main__ import parse_settings
     from kvcache.server.daemon import Daemon
     from kvcache.server.handlers import Handlers
     from kvcache.server.registry import InstanceRegistry
+    from kvcache.server.settings import parse_settings
 
     kv_ns, rest = add_kv_events_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
     settings = parse_settings(rest)

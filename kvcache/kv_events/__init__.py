@@ -4,6 +4,7 @@
 """
 
 from kvcache.kv_events.config import add_kv_events_args, build_kv_events_subscriber
+from kvcache.kv_events.factory import EventPublisherFactory
 from kvcache.kv_events.messages import (
     END_SEQ,
     MEDIUM_CPU,
@@ -14,13 +15,9 @@ from kvcache.kv_events.messages import (
     EventBatch,
     KVEventBatch,
 )
-from kvcache.kv_events.publisher import (
-    EventPublisher,
-    EventPublisherFactory,
-    NullEventPublisher,
-    ZmqEventPublisher,
-)
+from kvcache.kv_events.publisher import EventPublisher, NullEventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
 
 __all__ = [
     "END_SEQ",

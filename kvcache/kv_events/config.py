@@ -19,17 +19,14 @@ import os
 
 from prometheus_client.registry import CollectorRegistry
 
+from kvcache.kv_events.factory import default_factory
 from kvcache.kv_events.messages import FORMATS
-from kvcache.kv_events.publisher import (
-    DEFAULT_BATCH_WINDOW_S,
-    DEFAULT_BUFFER_STEPS,
-    default_factory,
-    should_bind,
-)
 from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.kv_events.zmq_publisher import DEFAULT_BATCH_WINDOW_S, DEFAULT_BUFFER_STEPS, should_bind
 from kvcache.netaddr import ZMQ_TRANSPORTS, endpoint_host, endpoint_is_local
 from kvcache.observability.config import positive_int
-from kvcache.server.auth import AccessPolicy, load_clients, load_secret_key
+from kvcache.server.auth import AccessPolicy, load_clients
+from kvcache.transport.curve import load_secret_key
 
 log = logging.getLogger("kvcache.kv_events")
 

@@ -69,7 +69,7 @@ class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
     replaces the ordinal because the two processes may number their GPUs differently.
     ``storage_offset`` and ``stride`` are in elements, like ``Tensor.as_strided``. torch's
     reference-counter file name and offset are not sent: the daemon never opens a
-    shared-memory name a client chose (see ``kvcache.server.ipc.NO_REF_COUNTER``).
+    shared-memory name a client chose (see ``kvcache.transport.cuda_ipc.NO_REF_COUNTER``).
     """
 
     device_uuid: str

@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.auth
 from zmq.utils import z85
 
 from kvcache.errors import AccessDeniedError
-from kvcache.protocol.peer_check import FD_SOCKET_NAME
 from kvcache.trusted_dir import ipc_peer_uid
 
 log = logging.getLogger("kvcache.server")
@@ -161,28 +159,6 @@ def _names(where: str, raw: Mapping[str, Any], key: str) -> frozenset[str] | Non
     return frozenset(value)
 
 
-def load_secret_key(path: str) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 keys from a ``*.key_secret`` certificate (``kvcache keys``)."""
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read CURVE key {path}: {exc}") from None
-    if secret is None:
-        raise ValueError(f"{path} holds only a public key; pass the .key_secret file")
-    return public, secret
-
-
-def load_public_key(value: str) -> bytes:
-    """A Z85 public key given inline (40 characters) or as a certificate file path."""
-    if len(value) == 40 and not os.path.exists(value):
-        return value.encode()
-    try:
-        public, _ = zmq.auth.load_certificate(value)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read CURVE public key {value}: {exc}") from None
-    return public
-
-
 class AccessPolicy:
     """The daemon's trust rules: ``authenticate`` is the ZAP decision for a new connection,
     ``principal`` maps the ``User-Id`` ZMQ stamps on each message back to its restrictions.
@@ -273,30 +249,11 @@ class ZapHandler:
         self._sock.close(linger=0)
 
 
-def default_runtime_dir(uid: int | None = None) -> str:
-    """Where the daemon's Unix sockets live: ``$KVCACHE_RUNTIME_DIR`` or /tmp/kvcache-UID, UID
-    the daemon's (by default this process's: a client passes the daemon's it expects)."""
-    return os.environ.get("KVCACHE_RUNTIME_DIR") or f"/tmp/kvcache-{os.getuid() if uid is None else uid}"
-
-
-def ipc_endpoint(runtime_dir: str) -> str:
-    return f"ipc://{os.path.join(runtime_dir, 'daemon.sock')}"
-
-
-def fd_socket_path(runtime_dir: str) -> str:
-    return os.path.join(runtime_dir, FD_SOCKET_NAME)
-
-
 __all__ = [
     "LOOPBACK",
     "AccessPolicy",
     "ClientEntry",
     "Principal",
     "ZapHandler",
-    "default_runtime_dir",
-    "fd_socket_path",
-    "ipc_endpoint",
     "load_clients",
-    "load_public_key",
-    "load_secret_key",
 ]

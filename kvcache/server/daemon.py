@@ -53,6 +53,8 @@ from kvcache.server.connections import ConnectionGuard, descriptor_limit
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
 from kvcache.server.handlers import Handlers
+from kvcache.transport.curve import load_secret_key
+from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
 from kvcache.trusted_dir import ensure_private_dir
 
 log = logging.getLogger("kvcache.server")
@@ -125,7 +127,7 @@ class Daemon:
                 f"another kvcache daemon listens on ipc://{path}; stop it or pick another "
                 "--runtime-dir"
             )
-        endpoint = auth.ipc_endpoint(self.runtime_dir)
+        endpoint = ipc_endpoint(self.runtime_dir)
         try:
             self._router.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -136,7 +138,7 @@ class Daemon:
     def _bind_tcp(self) -> str:
         config = self.config
         if config.curve_secret_key is not None:
-            public, secret = auth.load_secret_key(config.curve_secret_key)
+            public, secret = load_secret_key(config.curve_secret_key)
             self._router.setsockopt(zmq.CURVE_SERVER, 1)
             self._router.setsockopt(zmq.CURVE_PUBLICKEY, public)
             self._router.setsockopt(zmq.CURVE_SECRETKEY, secret)
@@ -156,7 +158,7 @@ class Daemon:
     def _open_fd_inbox(self) -> Any:
         from kvcache.server.fdinbox import FdInbox
 
-        inbox = FdInbox(auth.fd_socket_path(self.runtime_dir), self.policy.allowed_uids)
+        inbox = FdInbox(fd_socket_path(self.runtime_dir), self.policy.allowed_uids)
         inbox.start()
         return inbox
 

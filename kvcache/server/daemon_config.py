@@ -30,7 +30,7 @@ class DaemonConfig:
     runtime_dir: str | None = None
     """Private directory (0700) for the Unix sockets: ``daemon.sock`` (the ``ipc://`` request
     endpoint) and ``fds.sock`` (memfd hand-over). None: a fresh temporary directory, removed
-    at exit; the CLI passes ``auth.default_runtime_dir()``, where clients look by default."""
+    at exit; the CLI passes ``transport.endpoints.default_runtime_dir()``, where clients look by default."""
     listen_ipc: bool = True
     curve_secret_key: str | None = None
     """A ``*.key_secret`` certificate (``kvcache keys``): the TCP endpoint then speaks CURVE."""

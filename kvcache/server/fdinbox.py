@@ -1,9 +1,9 @@
 """The daemon's end of the fd socket: receives memfds, checks them, holds them per ticket.
 
-Split from ``fdpass`` (the engine's end) because this half runs a thread, keeps state and
-enforces every bound a client controls, while the engine's half is one blocking exchange;
-they share only the wire format (``fdproto``). ``fdpass`` re-exports ``FdInbox`` and
-``ReceivedFds`` for the code that imported them from there.
+Split from ``kvcache.transport.fdpass`` (the engine's end) because this half runs a thread,
+keeps state and enforces every bound a client controls, while the engine's half is one
+blocking exchange; they share only the wire format and the ``ReceivedFds`` record
+(``kvcache.transport.fdproto``). It stays in ``server/`` because it is daemon state.
 """
 
 from __future__ import annotations
@@ -18,36 +18,16 @@ import socket
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
 from kvcache import trusted_dir
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
-from kvcache.server.fdproto import FD_SIZE, MAX_TICKET, MIN_TICKET, FdReply, refusal_code
+from kvcache.transport.fdproto import FD_SIZE, MAX_TICKET, MIN_TICKET, FdReply, ReceivedFds, refusal_code
 
 log = logging.getLogger("kvcache.server")
-
-
-@dataclass
-class ReceivedFds:
-    """Checked descriptors of one hand-over, with their sizes and the sender's credentials.
-
-    Each size was read after its shrink seal was seen, so the memfd can never be smaller.
-    The descriptors are the holder's to close (``close``); mappings made from them stay."""
-
-    fds: list[int]
-    sizes: list[int]
-    uid: int
-    pid: int
-    expires: float = field(default=0.0, repr=False)
-
-    def close(self) -> None:
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 @dataclass(eq=False)
@@ -366,4 +346,4 @@ def _remove_stale_socket(path: str) -> None:
     raise OSError(f"another kvcache daemon listens on {path}; stop it or pick another --runtime-dir")
 
 
-__all__ = ["FdInbox", "ReceivedFds"]
+__all__ = ["FdInbox"]

@@ -30,11 +30,11 @@ from kvcache.futures import resolved, then
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
-from kvcache.server import ipc
 from kvcache.server.auth import LOOPBACK, Principal
 from kvcache.server.deadlines import check_deadline, copy_deadline
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import Instance, InstanceRegistry
+from kvcache.transport.cuda_events import open_ipc_event
 
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
@@ -245,7 +245,7 @@ class Handlers:
             raise LimitExceededError(f"{len(req.block_hashes)} block hashes exceed --max-ids")
         after = None
         if req.cuda_event is not None:  # CUDA_UNAVAILABLE here on a daemon without a GPU
-            after = ipc.open_ipc_event(req.cuda_event, torch.device(instance.device))
+            after = open_ipc_event(req.cuda_event, torch.device(instance.device))
         stored = self.engine.store_async(
             req.instance_id,
             token_ids,

@@ -15,12 +15,13 @@ import torch
 
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol import messages as m
-from kvcache.server import ipc
 from kvcache.server.auth import Principal
 from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
+from kvcache.transport.descriptors import descriptor_bytes
+from kvcache.transport.tensors import ImportedTensor, import_tensor
 
 if TYPE_CHECKING:
-    from kvcache.server.fdinbox import ReceivedFds
+    from kvcache.transport.fdproto import ReceivedFds
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class Limits:
 
 def map_tensors(
     req: m.Register, principal: Principal, received: ReceivedFds | None, limits: Limits
-) -> list[ipc.ImportedTensor]:
+) -> list[ImportedTensor]:
     """Check the registration and map its tensors; always closes ``received``.
 
     The descriptors can go once mapped (the mappings keep the memory), and a refused
@@ -67,7 +68,7 @@ def map_tensors(
                 "CPU tensors arrive as memfds over the daemon's fd socket; this request "
                 "names none (fd_ticket empty, or the daemon has no fd socket)"
             )
-        return [ipc.import_tensor(desc, received) for desc in req.tensors]
+        return [import_tensor(desc, received) for desc in req.tensors]
     finally:
         if received is not None:
             received.close()  # the mappings keep the memory; the descriptors can go
@@ -80,7 +81,7 @@ def check_registration_size(req: m.Register, lim: Limits) -> None:
             f"{len(req.tensors)} KV tensors in one registration; the limit is "
             f"{lim.max_tensors} (--max-tensors)"
         )
-    total = sum(ipc.descriptor_bytes(desc) for desc in req.tensors)
+    total = sum(descriptor_bytes(desc) for desc in req.tensors)
     if total > lim.max_registration_bytes:
         raise LimitExceededError(
             f"the registration maps {total} bytes; the limit is {lim.max_registration_bytes} "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvcache.errors import AccessDeniedError, UnknownInstanceError
 from kvcache.server.auth import Principal
-from kvcache.server.ipc import ImportedTensor
+from kvcache.transport.tensors import ImportedTensor
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcache.kv_events.config import add_kv_events_args, build_kv_events_subscriber
-from kvcache.kv_events.publisher import ZmqEventPublisher
+from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -15,12 +15,10 @@ import msgspec
 import pytest
 import zmq
 
+from kvcache.kv_events.factory import default_factory
 from kvcache.kv_events.messages import END_SEQ, EventBatch, EventFactory
-from kvcache.kv_events.publisher import (
-    NullEventPublisher,
-    ZmqEventPublisher,
-    default_factory,
-)
+from kvcache.kv_events.publisher import NullEventPublisher
+from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
 from tests.kv_events.router import Consumer, GapError, wait_connected
 
 LOCAL = "tcp://127.0.0.1:*"

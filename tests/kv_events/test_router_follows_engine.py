@@ -17,8 +17,8 @@ from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.keys import fold64
 from kvcache.kv_events.messages import EventBatch
-from kvcache.kv_events.publisher import ZmqEventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
 from kvcache.layouts import GPUKVFormat
 from kvcache.observability.bus import EventBus
 from kvcache.testing import make_kv_caches

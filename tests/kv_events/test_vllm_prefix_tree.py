@@ -29,8 +29,8 @@ from kvcache.engine import CacheEngine
 from kvcache.engine.instance import Instance
 from kvcache.keys import fold64
 from kvcache.kv_events.messages import EventBatch
-from kvcache.kv_events.publisher import ZmqEventPublisher
 from kvcache.kv_events.subscriber import KVEventsSubscriber
+from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
 from kvcache.layouts import GPUKVFormat
 from kvcache.observability.bus import Callback, EventBus, EventSubscriber
 from kvcache.observability.event import Event, EventType

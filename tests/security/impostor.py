@@ -27,7 +27,7 @@ import zmq
 
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_request, encode_reply
-from kvcache.server.fdpass import FdReply
+from kvcache.transport.fdproto import FdReply
 
 
 def main() -> None:

@@ -23,10 +23,10 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
-from kvcache.server import ipc
-from kvcache.server.fdpass import send_fds
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from kvcache.transport import memfd
+from kvcache.transport.fdpass import send_fds
 
 from . import zmtp
 from .conftest import raw_call
@@ -191,8 +191,8 @@ def test_a_registration_that_would_use_up_the_descriptors_is_refused(
     with _tenant(d, 1) as (tenant, kv):
         pong = raw_call(d.ipc_endpoint, m.Ping())
         assert isinstance(pong, m.Pong)
-        memory = ipc.empty_shared((1024,), torch.float16)
-        _, fds = ipc.export_cpu_tensors([memory])
+        memory = memfd.empty_shared((1024,), torch.float16)
+        _, fds = memfd.export_cpu_tensors([memory])
         ticket = secrets.token_bytes(16)
         send_fds(pong.fd_socket, ticket, fds, 5)
         view = m.FdTensor(fd_index=0, offset=0, shape=[2, 4, 4, 2, 8], stride=[256, 64, 16, 8, 1],

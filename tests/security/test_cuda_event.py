@@ -41,7 +41,7 @@ def test_a_store_with_an_event_the_daemon_cannot_open_copies_nothing(
     with c, other:
         c.register_kv_caches(_cache(1))
         other.register_kv_caches(_cache(2))
-        store = m.Store(instance_id=1, token=c._token, token_ids=pack_ids(TOKENS),
+        store = m.Store(instance_id=1, token=c.session.token, token_ids=pack_ids(TOKENS),
                         block_ids=pack_ids(BLOCKS), cuda_event=handle)  # fmt: skip
         reply = raw_call(d.endpoint, store)
         assert isinstance(reply, m.Error), reply

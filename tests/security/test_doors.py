@@ -29,10 +29,10 @@ from kvcache.kv_events.messages import END_SEQ, seq_bytes
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
-from kvcache.server.fdpass import send_fds
 from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess, DaemonStartError
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from kvcache.transport.fdpass import send_fds
 from tests.server.helpers import free_port
 
 from .conftest import as_user, raw_call
@@ -140,7 +140,7 @@ def test_a_stolen_token_does_not_work_for_another_principal(
     with KVCacheClient(d.ipc_endpoint, 42, "victim", timeout_s=5) as owner:
         owner.register_kv_caches(kv)
         owner.store(TOKENS, BLOCKS)
-        stolen = owner._token  # what a leaked log line or core dump would give away
+        stolen = owner.session.token  # what a leaked log line or core dump would give away
         assert stolen
 
         def thief() -> list[str]:

@@ -96,7 +96,7 @@ def test_block_reports_beyond_the_cache_are_refused(start_daemon: Callable[..., 
         c.report_block_allocations([BlockAllocationRecord("r", [0, 15], [])])  # in range: fine
         reply = raw_call(
             d.endpoint,
-            m.ReportBlockAllocations(instance_id=4, token=c._token,
+            m.ReportBlockAllocations(instance_id=4, token=c.session.token,
                                      records=[BlockAllocationRecord("x", [2**40], [])]),
         )  # fmt: skip
         assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.BLOCK_ID

@@ -22,10 +22,10 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import LayoutError
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
-from kvcache.server import ipc
-from kvcache.server.fdpass import send_fds
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from kvcache.transport import memfd
+from kvcache.transport.fdpass import send_fds
 
 from .conftest import raw_call
 
@@ -58,13 +58,13 @@ TRUNCATING_ENGINE = r"""
 import os, sys, torch
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.layouts import GPUKVFormat
-from kvcache.server import ipc
 from kvcache.testing import make_kv_caches
+from kvcache.transport import memfd
 kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                               block_size=4, num_heads=2, head_size=8, dtype=torch.float16))
 c = KVCacheClient(sys.argv[1], 99, "victim-model", timeout_s=5)
 c.register_kv_caches(kv)
-_, fds = ipc.export_cpu_tensors(kv)
+_, fds = memfd.export_cpu_tensors(kv)
 refused = 0
 for fd in fds:
     for size in (0, 2 * os.fstat(fd).st_size):   # shrink (SIGBUS before), grow
@@ -160,7 +160,7 @@ def test_an_unsealed_memfd_is_refused_and_the_daemon_stays_up(
     with KVCacheClient(d.endpoint, 4, "m", timeout_s=5) as c:
         c.register_kv_caches(_cache(3))
         assert c.ping()
-    assert ipc.MEMFD_PREFIX == "kvcache-"
+    assert memfd.MEMFD_PREFIX == "kvcache-"
 
 
 def test_a_skip_past_the_request_is_clamped(start_daemon: Callable[..., DaemonProcess]) -> None:

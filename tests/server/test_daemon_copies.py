@@ -118,7 +118,7 @@ def _raw_store(endpoint: str, c: KVCacheClient, token_ids: list[int]) -> Any:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    body = m.Store(instance_id=c.instance_id, token=c._token, token_ids=pack_ids(token_ids),
+    body = m.Store(instance_id=c.instance_id, token=c.session.token, token_ids=pack_ids(token_ids),
                    block_ids=pack_ids(BLOCKS))  # fmt: skip
     sock.send(encode_request(1, body))
     return sock
@@ -129,7 +129,7 @@ def _raw_retrieve(endpoint: str, c: KVCacheClient, token_ids: list[int]) -> Any:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    body = m.Retrieve(instance_id=c.instance_id, token=c._token, token_ids=pack_ids(token_ids),
+    body = m.Retrieve(instance_id=c.instance_id, token=c.session.token, token_ids=pack_ids(token_ids),
                       block_ids=pack_ids(BLOCKS))  # fmt: skip
     sock.send(encode_request(1, body))
     return sock

@@ -183,7 +183,7 @@ def _raw_store(endpoint: str, c: KVCacheClient) -> Any:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    body = m.Store(instance_id=c.instance_id, token=c._token, token_ids=pack_ids(TOKENS),
+    body = m.Store(instance_id=c.instance_id, token=c.session.token, token_ids=pack_ids(TOKENS),
                    block_ids=pack_ids(BLOCKS))  # fmt: skip
     sock.send(encode_request(1, body))
     return sock

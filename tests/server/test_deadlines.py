@@ -79,7 +79,7 @@ def test_a_store_and_a_retrieve_timed_out_during_a_stall_never_happen(daemon: Da
 def test_a_request_past_its_deadline_is_refused_with_a_typed_error(daemon: DaemonProcess) -> None:
     with KVCacheClient(daemon.endpoint, 3, "m", timeout_s=5) as c:
         c.register_kv_caches(_cache(3))
-        late = m.Store(instance_id=3, token=c._token, token_ids=pack_ids(TOKENS),
+        late = m.Store(instance_id=3, token=c.session.token, token_ids=pack_ids(TOKENS),
                        block_ids=pack_ids(BLOCKS), deadline_ms=int((time.time() - 1) * 1000))  # fmt: skip
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

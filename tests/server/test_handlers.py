@@ -20,11 +20,13 @@ from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.auth import Principal
-from kvcache.server.fdpass import FdInbox, send_fds
+from kvcache.server.fdinbox import FdInbox
 from kvcache.server.handlers import Handlers
-from kvcache.server.ipc import export_tensors, to_shared
 from kvcache.server.registry import InstanceRegistry
 from kvcache.testing import ENGINE_OF, make_kv_caches
+from kvcache.transport.fdpass import send_fds
+from kvcache.transport.memfd import to_shared
+from kvcache.transport.tensors import export_tensors
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvcache.config import GiB
-from kvcache.server.__main__ import build_parser, parse_settings, redact_url
+from kvcache.server.__main__ import redact_url
 from kvcache.server.connections import ConnectionLimits
 from kvcache.server.daemon import DaemonConfig
+from kvcache.server.settings import build_parser, parse_settings
 
 from .helpers import free_port
 

@@ -17,11 +17,11 @@ from kvcache.engine import CacheEngine
 from kvcache.errors import CudaError, CudaUnavailableError, KvcacheError, LayoutError
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
-from kvcache.server import ipc
 from kvcache.server.handlers import Handlers
 from kvcache.server.registry import Instance, InstanceRegistry
 from kvcache.transfer.cuda import CudaTransferHandler
 from kvcache.transfer.validate import cuda_error, cuda_errors
+from kvcache.transport import cuda_events, cuda_ipc
 from tests.transfer.helpers import make_context, page_table
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks how a machine without a GPU fails")
@@ -70,13 +70,13 @@ def test_kvcache_errors_pass_and_the_block_form_keeps_the_cause() -> None:
 def test_the_ipc_edges_fail_typed_without_a_gpu() -> None:
     cuda = torch.device("cuda", 0)
     with pytest.raises(CudaUnavailableError):
-        ipc.device_uuid(0)
+        cuda_ipc.device_uuid(0)
     with pytest.raises(CudaUnavailableError):
-        ipc.record_ipc_event(cuda)
+        cuda_events.record_ipc_event(cuda)
     with pytest.raises(CudaUnavailableError):
-        ipc.open_ipc_event(b"\0" * 64, cuda)
+        cuda_events.open_ipc_event(b"\0" * 64, cuda)
     with pytest.raises(CudaUnavailableError):
-        ipc.wait_ipc_event(b"\0" * 64, cuda)
+        cuda_events.wait_ipc_event(b"\0" * 64, cuda)
 
 
 @no_gpu

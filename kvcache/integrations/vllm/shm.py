@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvcache.server.ipc import empty_shared
+from kvcache.transport.memfd import empty_shared
 
 
 def _shape(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | None:

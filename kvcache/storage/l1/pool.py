@@ -12,7 +12,9 @@ first, so the head of a prompt is the most recent and the tail leaves first (a p
 lost its first chunk has lost everything after it).
 
 Entries (``entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
-evicted: the policy only ever holds READY, unpinned keys.
+evicted: the policy only ever holds READY, unpinned keys. This module holds the operations
+and their waiting rules; the table they share under the lock (keys, slots, pins, eviction and
+its events) is ``table.SlotTable``.
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ from kvcache.observability.event import (
     Event,
     EventSink,
     EventType,
-    L1AllocationFailed,
     L1Cleared,
-    L1KeysEvicted,
     L1ReadFinished,
     L1WriteFinished,
     NullEventSink,
@@ -39,15 +39,20 @@ from kvcache.observability.event import (
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import EntryState, L1Entry, WriteReservation
 from kvcache.storage.l1.lru import LRUPolicy
-from kvcache.storage.l1.slab import SLOT_ALIGN, SlabAllocator, SlotGeometry
+from kvcache.storage.l1.slab import SLOT_ALIGN, SlotGeometry
+from kvcache.storage.l1.table import SlotTable
 from kvcache.storage.l2.base import EvictionPolicy
 
 _NO_FACTS = L1WriteFinished(keys=[], num_bytes=0, used_bytes=0, capacity_bytes=0)
 """The ``L1_WRITE_FINISHED`` template of a write that carries no store facts (a prefetch)."""
 
 
-class L1Pool:
-    """Thread-safe chunk pool. All methods hold the lock only for bookkeeping, never for a copy."""
+class L1Pool(SlotTable):
+    """Thread-safe chunk pool. All methods hold the lock only for bookkeeping, never for a copy.
+
+    The operations callers use: reserve slots to write or load (waiting, when allowed, for
+    others' pins to go), settle them, find and pin resident prefixes, evict. The table they
+    act on (keys, slots, pins, eviction) is ``SlotTable``'s."""
 
     def __init__(
         self,
@@ -59,26 +64,17 @@ class L1Pool:
         policy: EvictionPolicy | None = None,
         bus: EventSink | None = None,
     ) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.watermark = watermark
-        self.extent_bytes = extent_bytes
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._policy = policy if policy is not None else LRUPolicy()
-        self._bus: EventSink = bus if bus is not None else NullEventSink()
-        self._lock = threading.Lock()
+        super().__init__(
+            capacity_bytes,
+            watermark=watermark,
+            extent_bytes=extent_bytes,
+            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+            policy=policy if policy is not None else LRUPolicy(),
+            bus=bus if bus is not None else NullEventSink(),
+        )
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
-        self._entries: dict[ChunkKey, L1Entry] = {}
-        self._pinned = 0  # entries holding at least one pin: what a waiting writer can hope for
         self._waiting_writers = 0
         self._waiting_loaders = 0
-        self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
-        self.used_bytes = 0  # slots holding an entry (any state), in slot strides
-        self.allocation_failures = 0
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes of host memory the pool holds (the sum of its extents)."""
-        return self._slabs.allocated_bytes
 
     # -- reservations ---------------------------------------------------------------------
     def begin_write(
@@ -342,85 +338,6 @@ class L1Pool:
                 "allocation_failures": self.allocation_failures,
                 "slabs": self._slabs.slab_info(),
             }
-
-    # -- internals (lock held) ------------------------------------------------------------
-    def _pin(self, entry: L1Entry) -> None:
-        if entry.pins == 0:
-            self._policy.discard(entry.key)
-            self._pinned += 1
-        entry.pins += 1
-
-    def _unpin(self, entry: L1Entry) -> None:
-        entry.pins -= 1
-        if entry.pins == 0:
-            self._pinned -= 1
-
-    def _allocate(self, geometry: SlotGeometry, key: ChunkKey, events: list[Event]) -> L1Entry | None:
-        evicted: list[L1Entry] = []
-        while (slot := self._slabs.take(geometry)) is None:
-            # Room must come from elsewhere: wholly free extents of other slabs, then victims.
-            if self._slabs.reclaim_for(geometry):
-                continue
-            victim = self._policy.victim()
-            if victim is None:
-                break
-            entry = self._entries[victim]
-            self._policy.discard(victim)
-            self._remove(entry)
-            evicted.append(entry)
-        if evicted:
-            events.append(self._evicted_event(evicted))
-        if slot is None:
-            self.allocation_failures += 1
-            return None
-        entry = L1Entry(key, geometry, slot.tensor, slot.extent, slot.offset)  # born pinned
-        self._pinned += 1
-        self._entries[key] = entry
-        self.used_bytes += geometry.stride
-        return entry
-
-    def _remove(self, entry: L1Entry) -> None:
-        del self._entries[entry.key]
-        self._slabs.free(entry.geometry, entry._extent, entry._offset)
-        self.used_bytes -= entry.geometry.stride
-
-    def _evict(self, victims: list[L1Entry], events: list[Event]) -> None:
-        for entry in victims:
-            self._policy.discard(entry.key)
-            self._remove(entry)
-        if victims:
-            events.append(self._evicted_event(victims))
-
-    def _evict_to_watermark(self, events: list[Event]) -> None:
-        limit = self.watermark * self.capacity_bytes
-        victims: list[L1Entry] = []
-        while self.used_bytes > limit and (key := self._policy.victim()) is not None:
-            entry = self._entries[key]
-            self._policy.discard(key)
-            self._remove(entry)
-            victims.append(entry)
-        if victims:
-            events.append(self._evicted_event(victims))
-
-    def _evicted_event(self, victims: list[L1Entry]) -> Event:
-        meta = L1KeysEvicted(
-            keys=[e.key for e in victims],
-            num_bytes=sum(e.nbytes for e in victims),
-            used_bytes=self.used_bytes,
-            capacity_bytes=self.capacity_bytes,
-        )
-        return Event(EventType.L1_KEYS_EVICTED, meta)
-
-    def _alloc_failed_event(self, chunks: int, nbytes: int) -> Event:
-        meta = L1AllocationFailed(
-            requested_chunks=chunks, num_bytes=nbytes, used_bytes=self.used_bytes,
-            capacity_bytes=self.capacity_bytes,
-        )  # fmt: skip
-        return Event(EventType.L1_ALLOCATION_FAILED, meta)
-
-    def _publish(self, events: list[Event]) -> None:
-        for event in events:
-            self._bus.publish(event)
 
 
 __all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotGeometry", "WriteReservation"]

@@ -266,18 +266,17 @@ def preempted_store(h: Harness) -> None:
     forward_started = threading.Event()
     order: list[str] = []
     state: dict[str, int] = {}
-    send = client._call_on
 
-    def slow_store(chan: Any, body: Any) -> Any:
+    def slow_store(body: Any, send: Any) -> Any:
         if isinstance(body, m.Store) and body.request_id == "p" and "store_done" not in state:
             forward_started.wait(0.5)  # a slow daemon: the forward goes first if it can
-            reply = send(chan, body)
+            reply = send(body)
             order.append("store_done")
             state["store_done"] = len(eng.steps)
             return reply
-        return send(chan, body)
+        return send(body)
 
-    client._call_on = slow_store  # type: ignore[method-assign]
+    client.session.intercept(slow_store)
     forward = eng.forward.forward
 
     def observed(step: int, out: Any) -> Any:

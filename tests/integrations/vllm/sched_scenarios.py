@@ -390,15 +390,14 @@ def store_release(h: Harness, async_stores: bool) -> None:
         gate.set()
     calls: list[tuple[int, int]] = []  # (step issued, step returned) of g's stores, sync mode
     state: dict[str, int] = {}
-    send = client._call_on
 
-    def gated(chan: Any, body: Any) -> Any:  # the worker client's path to the daemon
+    def gated(body: Any, send: Any) -> Any:  # the worker client's path to the daemon
         if isinstance(body, m.Store) and body.request_id == "g":
             gate.wait(60)
             state["gate_passed"] = state.get("gate_passed", 0) + 1
-        return send(chan, body)
+        return send(body)
 
-    client._call_on = gated  # type: ignore[method-assign]
+    client.session.intercept(gated)
     store_async, store = client.store_async, client.store
 
     def counted_async(*args: Any, **kw: Any) -> Any:

@@ -25,8 +25,8 @@ import torch
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.protocol import messages as m
-from kvcache.server.ipc import empty_shared
 from kvcache.server.launch import DaemonProcess
+from kvcache.transport.memfd import empty_shared
 from tests.integrations.vllm.sched_engine import (
     BLOCK,
     KV_HEADS,
@@ -255,13 +255,11 @@ def wait_for_log(daemon: Daemon, text: str, within_s: float = 30.0) -> None:
 
 
 def count_sends(client: KVCacheClient, sends: dict[str, int], role: str) -> None:
-    original = client._call_once
-
-    def counted(chan: Any, body: Any) -> Any:
+    def counted(body: Any, send: Any) -> Any:
         sends[role] += 1
-        return original(chan, body)
+        return send(body)
 
-    client._call_once = counted  # type: ignore[method-assign]
+    client.session.intercept(counted)
 
 
 def wait_closed(client: KVCacheClient, within_s: float = 30.0) -> None:

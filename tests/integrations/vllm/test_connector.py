@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.server.auth import ipc_endpoint
 from kvcache.storage.l2 import codec
+from kvcache.transport.endpoints import ipc_endpoint
 from tests.integrations.vllm.tier_tracker import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TierTracker
 from tests.integrations.vllm.vllm_driver import prompts
 
@@ -274,7 +274,7 @@ def fill_garbage(endpoint: str, model: str, tokens: list[int]) -> None:
     [blocks, 2 KV heads, 32, 2 x 32] float32 pages), with random bytes: loaded, they would
     change vLLM's greedy tokens, so only a load that failed gives vLLM's own output."""
     from kvcache.client import KVCacheClient
-    from kvcache.server.ipc import empty_shared
+    from kvcache.transport.memfd import empty_shared
 
     n = len(tokens) // 32
     kv = [empty_shared([n, 2, 32, 64], torch.float32) for _ in range(2)]

@@ -7,8 +7,9 @@ import os
 import torch
 
 from kvcache.integrations.vllm.shm import SharedKVAllocation
-from kvcache.server.fdpass import ReceivedFds
-from kvcache.server.ipc import export_cpu_tensors, import_tensor
+from kvcache.transport.fdproto import ReceivedFds
+from kvcache.transport.memfd import export_cpu_tensors
+from kvcache.transport.tensors import import_tensor
 
 
 def test_large_cpu_zeros_go_to_shared_memory_and_the_daemon_side_sees_writes() -> None:

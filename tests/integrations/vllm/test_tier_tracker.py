@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from kvcache.kv_events.messages import EventBatch, EventFactory
-from kvcache.kv_events.publisher import ZmqEventPublisher
+from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
 from tests.integrations.vllm.tier_tracker import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TierTracker
 
 BS = 4

@@ -153,14 +153,13 @@ def _gate_stores(client: KVCacheClient, kind: type = m.Store) -> threading.Event
     """Hold every request of ``kind`` before it reaches the daemon until the returned event
     is set (bounded: a worker that waits for it where it must not fails its test, never hangs)."""
     gate = threading.Event()
-    send = client._call_on
 
-    def gated(chan: Any, body: Any) -> Any:
+    def gated(body: Any, send: Any) -> Any:
         if isinstance(body, kind):
             gate.wait(5)
-        return send(chan, body)
+        return send(body)
 
-    client._call_on = gated  # type: ignore[method-assign]
+    client.session.intercept(gated)
     return gate
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from kvcache.config import ConfigError, EngineConfig
-from kvcache.server.__main__ import parse_settings
+from kvcache.server.settings import parse_settings
 from kvcache.storage.l2.redis.url import MAX_SEEDS, RedisURLError, parse_redis_url, redact
 
 

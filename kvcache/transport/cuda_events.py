@@ -1,10 +1,10 @@
 """CUDA interprocess events: how a store or retrieve orders GPU work across two processes.
 
-Separate from ``ipc`` (the tensors) because an event travels with every request while a
+Separate from ``cuda_ipc`` (the tensors) because an event travels with every request while a
 tensor is exported once, at registration, and the two share no code. The engine records an
 event and keeps it alive (``record_ipc_event``, ``EventKeeper``); the daemon opens it and
 orders its copy stream after it (``open_ipc_event``); a caller with no stream of its own
-blocks on it (``wait_ipc_event``). ``kvcache.server.ipc`` re-exports every name.
+blocks on it (``wait_ipc_event``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Sealed-memfd export/import: the daemon's view aliases the engine's bytes exactly."""
+"""Sharing tensors (``transport.tensors``, ``memfd``, ``cuda_ipc``): the daemon's view aliases
+the engine's bytes exactly, and a descriptor that claims more than it was given is refused."""
 
 from __future__ import annotations
 
@@ -13,26 +14,26 @@ import torch
 
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.protocol.messages import CudaIpcTensor, FdTensor
-from kvcache.server import ipc
-from kvcache.server.fdpass import ReceivedFds
+from kvcache.transport import memfd, tensors
+from kvcache.transport.fdproto import ReceivedFds
 
 
-def _received(tensors: list[torch.Tensor]) -> tuple[list[FdTensor], ReceivedFds]:
+def _received(shared: list[torch.Tensor]) -> tuple[list[FdTensor], ReceivedFds]:
     """What the daemon holds after a hand-over, without the socket: duplicated memfds."""
-    descs, fds = ipc.export_cpu_tensors(tensors)
+    descs, fds = memfd.export_cpu_tensors(shared)
     dups = [os.dup(fd) for fd in fds]
     return descs, ReceivedFds(dups, [os.fstat(fd).st_size for fd in dups], os.getuid(), os.getpid())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
 def test_import_aliases_the_exported_view(dtype: torch.dtype) -> None:
-    base = ipc.empty_shared((3, 2, 8, 4), dtype)
+    base = memfd.empty_shared((3, 2, 8, 4), dtype)
     base.copy_(torch.randint(0, 100, base.shape).to(dtype))
     view = base[1, :, 2:6]  # non-contiguous, non-zero offset
     (desc,), received = _received([view])
     assert desc.offset == (1 * 64 + 2 * 4) * base.element_size()
     assert desc.stride == list(view.stride()) and desc.fd_index == 0
-    mapped = ipc.import_tensor(desc, received).tensor
+    mapped = tensors.import_tensor(desc, received).tensor
     received.close()  # the mapping outlives the descriptor
     assert torch.equal(mapped, view)
     mapped.fill_(7)  # writes through to the engine's tensor (retrieve depends on it)
@@ -40,15 +41,15 @@ def test_import_aliases_the_exported_view(dtype: torch.dtype) -> None:
 
 
 def test_tensors_sharing_a_memfd_share_one_descriptor() -> None:
-    a, b = ipc.empty_shared((2, 8), torch.float16), ipc.empty_shared((4,), torch.float32)
-    descs, fds = ipc.export_cpu_tensors([a[0], b, a[1]])
+    a, b = memfd.empty_shared((2, 8), torch.float16), memfd.empty_shared((4,), torch.float32)
+    descs, fds = memfd.export_cpu_tensors([a[0], b, a[1]])
     assert [d.fd_index for d in descs] == [0, 1, 0] and len(fds) == 2
 
 
 def test_memory_is_sealed_and_leaves_nothing_in_dev_shm() -> None:
     before = set(os.listdir("/dev/shm"))
-    t = ipc.empty_shared((1024,), torch.float32)
-    _, (fd,) = ipc.export_cpu_tensors([t])
+    t = memfd.empty_shared((1024,), torch.float32)
+    _, (fd,) = memfd.export_cpu_tensors([t])
     with pytest.raises(PermissionError):  # F_SEAL_SHRINK: no truncation, no SIGBUS later
         os.ftruncate(fd, 0)
     with pytest.raises(PermissionError):  # F_SEAL_GROW
@@ -59,8 +60,8 @@ def test_memory_is_sealed_and_leaves_nothing_in_dev_shm() -> None:
 
 
 def test_memory_goes_when_the_last_view_dies() -> None:
-    t = ipc.empty_shared((16,), torch.float32)
-    _, (fd,) = ipc.export_cpu_tensors([t])
+    t = memfd.empty_shared((16,), torch.float32)
+    _, (fd,) = memfd.export_cpu_tensors([t])
     link = os.readlink(f"/proc/self/fd/{fd}")
     del t
     gc.collect()
@@ -70,7 +71,7 @@ def test_memory_goes_when_the_last_view_dies() -> None:
 
 def test_plain_cpu_tensor_is_refused_with_a_hint() -> None:
     with pytest.raises(LayoutError, match="empty_shared"):
-        ipc.export_tensors([torch.zeros(8)])
+        tensors.export_tensors([torch.zeros(8)])
 
 
 def _desc(**kw: object) -> FdTensor:
@@ -79,19 +80,19 @@ def _desc(**kw: object) -> FdTensor:
 
 
 def test_import_refuses_what_the_memfd_does_not_hold() -> None:
-    _, received = _received([ipc.empty_shared((4,), torch.float32)])
+    _, received = _received([memfd.empty_shared((4,), torch.float32)])
     with pytest.raises(LayoutError, match="needs bytes"):
-        ipc.import_tensor(_desc(shape=[5]), received)
+        tensors.import_tensor(_desc(shape=[5]), received)
     with pytest.raises(LayoutError, match="needs bytes"):
-        ipc.import_tensor(_desc(shape=[2, 2], stride=[3, 1]), received)
+        tensors.import_tensor(_desc(shape=[2, 2], stride=[3, 1]), received)
     with pytest.raises(LayoutError, match="aligned"):
-        ipc.import_tensor(_desc(offset=2, shape=[1]), received)
+        tensors.import_tensor(_desc(offset=2, shape=[1]), received)
     with pytest.raises(LayoutError, match="unknown dtype"):
-        ipc.import_tensor(_desc(dtype="object"), received)
+        tensors.import_tensor(_desc(dtype="object"), received)
     with pytest.raises(LayoutError, match="not handed over"):
-        ipc.import_tensor(_desc(fd_index=1), received)
+        tensors.import_tensor(_desc(fd_index=1), received)
     with pytest.raises(LayoutError, match="not handed over"):
-        ipc.import_tensor(_desc(), None)
+        tensors.import_tensor(_desc(), None)
     received.close()
 
 
@@ -101,35 +102,35 @@ def test_write_sealed_memory_is_a_layout_error_not_a_crash() -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
     received = ReceivedFds([fd], [64], os.getuid(), os.getpid())
     with pytest.raises(LayoutError, match="read-write"):
-        ipc.import_tensor(_desc(), received)
+        tensors.import_tensor(_desc(), received)
     received.close()
 
 
 def test_a_read_only_descriptor_is_a_layout_error_not_a_crash() -> None:
-    t = ipc.empty_shared((16,), torch.float32)
-    _, (fd,) = ipc.export_cpu_tensors([t])
+    t = memfd.empty_shared((16,), torch.float32)
+    _, (fd,) = memfd.export_cpu_tensors([t])
     ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # the same sealed memfd, opened read-only
     received = ReceivedFds([ro], [os.fstat(ro).st_size], os.getuid(), os.getpid())
     with pytest.raises(LayoutError, match="read-write"):
-        ipc.import_tensor(_desc(), received)
+        tensors.import_tensor(_desc(), received)
     received.close()
 
 
 def test_a_view_deep_inside_a_large_memfd_maps_only_its_own_pages() -> None:
-    base = ipc.empty_shared((64, 4096), torch.float16)  # 512 KiB
+    base = memfd.empty_shared((64, 4096), torch.float16)  # 512 KiB
     # Values in [-2, 2]: none can equal the 3 written below (randn hit an exact 3.0 in
     # about one run in thirty and failed the check on row 39).
     base.copy_(torch.randn(base.shape).clamp(-2, 2).to(torch.float16))
     view = base[40:43, 100:4000]
     (desc,), received = _received([view])
     assert desc.offset > 16 * 4096
-    mapped = ipc.import_tensor(desc, received).tensor
+    mapped = tensors.import_tensor(desc, received).tensor
     received.close()
     assert torch.equal(mapped, view)
     mapped.fill_(3)
     assert bool((base[40:43, 100:4000] == 3).all()) and not bool((base[39] == 3).any())
     address = mapped.data_ptr()
-    lo, hi = next((lo, hi) for lo, hi, _, _ in ipc._memfd_mappings() if lo <= address < hi)
+    lo, hi = next((lo, hi) for lo, hi, _, _ in memfd._memfd_mappings() if lo <= address < hi)
     assert hi - lo < base.nbytes // 8  # the daemon does not map the whole memfd per tensor
 
 
@@ -142,14 +143,14 @@ def test_cuda_descriptor_without_a_gpu_is_a_typed_error() -> None:
         storage_offset=0, shape=[1], stride=[1], dtype="float32",
     )  # fmt: skip
     with pytest.raises(CudaUnavailableError):
-        ipc.import_tensor(desc)
+        tensors.import_tensor(desc)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ipc_round_trip_in_another_process() -> None:
     t = torch.arange(64, dtype=torch.float16, device="cuda").view(4, 16)[1:3]
-    (desc,), _ = ipc.export_tensors([t])
+    (desc,), _ = tensors.export_tensors([t])
     assert isinstance(desc, CudaIpcTensor)
     from kvcache.protocol.codec import encode_request
     from kvcache.protocol.messages import Register
@@ -158,9 +159,9 @@ def test_cuda_ipc_round_trip_in_another_process() -> None:
     code = (
         "import sys, torch\n"
         "from kvcache.protocol.codec import decode_request\n"
-        "from kvcache.server import ipc\n"
+        "from kvcache.transport import tensors\n"
         "desc = decode_request(sys.stdin.buffer.read()).body.tensors[0]\n"
-        "t = ipc.import_tensor(desc).tensor\n"
+        "t = tensors.import_tensor(desc).tensor\n"
         "print(t.float().sum().item(), t.device.type)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], input=frame, capture_output=True, check=True)
@@ -179,7 +180,7 @@ def test_cuda_descriptors_claiming_more_than_the_allocation_are_refused() -> Non
     from kvcache.protocol.messages import Register
 
     t = torch.arange(64, dtype=torch.float16, device="cuda")
-    (desc,), _ = ipc.export_tensors([t])
+    (desc,), _ = tensors.export_tensors([t])
     assert isinstance(desc, CudaIpcTensor)
     hostile = [
         msgspec.structs.replace(desc, storage_size_bytes=desc.storage_size_bytes + (1 << 30)),
@@ -190,10 +191,10 @@ def test_cuda_descriptors_claiming_more_than_the_allocation_are_refused() -> Non
         "import sys, torch\n"
         "from kvcache.errors import LayoutError\n"
         "from kvcache.protocol.codec import decode_request\n"
-        "from kvcache.server import ipc\n"
+        "from kvcache.transport import tensors\n"
         "desc = decode_request(sys.stdin.buffer.read()).body.tensors[0]\n"
         "try:\n"
-        "    ipc.import_tensor(desc)\n"
+        "    tensors.import_tensor(desc)\n"
         "except LayoutError as exc:\n"
         "    print('refused', exc)\n"
     )
@@ -201,38 +202,6 @@ def test_cuda_descriptors_claiming_more_than_the_allocation_are_refused() -> Non
         frame = encode_request(1, Register(instance_id=0, model_name="m", tensors=[bad]))
         out = subprocess.run([sys.executable, "-c", code], input=frame, capture_output=True, check=True)
         assert out.stdout.decode().startswith("refused"), (bad, out.stderr.decode())
-
-
-class _Event:
-    """Stands in for a ``torch.cuda.Event``: what matters here is only when it is destroyed."""
-
-
-def test_an_exported_event_outlives_its_request_and_lingers_after() -> None:
-    """CUDA IPC: the daemon may use an event handle until it answered (or, for a call the
-    client gave up on, a little later); the exporting side must not destroy the event first."""
-    import weakref
-
-    keeper = ipc.EventKeeper(linger=2)
-    events = [_Event() for _ in range(4)]
-    alive = [weakref.ref(e) for e in events]
-    exported = [ipc.ExportedEvent(e, b"h%d" % i) for i, e in enumerate(events)]
-    for x in exported:
-        keeper.hold(x)
-    del events, x
-    exported_first, rest = exported[0], exported[1:]
-    del exported
-    gc.collect()
-    assert all(ref() is not None for ref in alive)  # in flight: held
-    keeper.release(exported_first)
-    del exported_first
-    gc.collect()
-    assert alive[0]() is not None  # answered: lingers
-    for x in rest:
-        keeper.release(x)
-    del rest, x
-    gc.collect()
-    assert [ref() is None for ref in alive] == [True, True, False, False]  # only the last two linger
-    assert len(keeper) == 2
 
 
 @pytest.mark.cuda
@@ -247,23 +216,23 @@ def test_a_cuda_offset_aimed_at_another_mapping_is_refused() -> None:
     from kvcache.protocol.messages import Register
 
     # Two large tensors: each its own device allocation, each its own IPC handle.
-    tensors = [torch.full((8 << 20,), float(i), dtype=torch.float32, device="cuda") for i in (1, 2)]
-    descs, _ = ipc.export_tensors(tensors)
+    gpu = [torch.full((8 << 20,), float(i), dtype=torch.float32, device="cuda") for i in (1, 2)]
+    descs, _ = tensors.export_tensors(gpu)
     frame = encode_request(1, Register(instance_id=0, model_name="m", tensors=list(descs)))
     code = (
         "import sys, msgspec\n"
         "from kvcache.errors import LayoutError\n"
         "from kvcache.protocol.codec import decode_request\n"
-        "from kvcache.server import ipc\n"
+        "from kvcache.transport import tensors\n"
         "descs = decode_request(sys.stdin.buffer.read()).body.tensors\n"
-        "mapped = [(ipc.import_tensor(d).tensor, d) for d in descs]\n"
+        "mapped = [(tensors.import_tensor(d).tensor, d) for d in descs]\n"
         "(low, low_d), (high, high_d) = sorted(mapped, key=lambda p: p[0].data_ptr())\n"
         "low_base = low.untyped_storage().data_ptr() - low_d.storage_offset_bytes\n"
         "forged = msgspec.structs.replace(\n"
         "    low_d, storage_offset_bytes=high.untyped_storage().data_ptr() - low_base,\n"
         "    storage_size_bytes=high_d.storage_size_bytes)\n"
         "try:\n"
-        "    t = ipc.import_tensor(forged).tensor\n"
+        "    t = tensors.import_tensor(forged).tensor\n"
         "    print('accepted', t[0].item())\n"
         "except LayoutError as exc:\n"
         "    print('refused', exc)\n"

@@ -1,50 +1,21 @@
-"""KVCacheClient against a real daemon process: sync and future forms, timeouts, reconnects."""
+"""KVCacheClient's data API against a real daemon process: sync and future forms, threads."""
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvcache.client import KVCacheClient, empty_shared, to_shared
+from kvcache.client import KVCacheClient
 from kvcache.errors import BlockIdError, LayoutError
-from kvcache.layouts import GPUKVFormat
-from kvcache.protocol.errors import DaemonUnavailableError
-from kvcache.server.auth import ipc_endpoint
 from kvcache.server.launch import DaemonProcess
-from kvcache.testing import caches_equal, clone_caches, make_kv_caches
-
-ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--heartbeat-timeout", "0.6"]
-TOKENS, BLOCKS = list(range(128)), list(range(32))
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    d = DaemonProcess(ARGS)
-    yield d
-    assert d.stop() == 0, d.log
-
-
-def _cache(seed: int = 0) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=32,
-                        block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
-    return to_shared(kv)
+from kvcache.testing import caches_equal, clone_caches
+from tests.client.helpers import BLOCKS, TOKENS, shared_cache
 
 
 def test_sync_calls_round_trip(daemon: DaemonProcess) -> None:
-    kv = _cache(1)
+    kv = shared_cache(1)
     expected = clone_caches(kv)
     with KVCacheClient(daemon.endpoint, 1, "sync-model", timeout_s=5) as c:
         reg = c.register_kv_caches(kv)
@@ -71,7 +42,7 @@ def test_sync_calls_round_trip(daemon: DaemonProcess) -> None:
 
 
 def test_future_forms_overlap_and_resolve(daemon: DaemonProcess) -> None:
-    kv = _cache(2)
+    kv = shared_cache(2)
     expected = clone_caches(kv)
     with KVCacheClient(daemon.endpoint, 3, "async-model", timeout_s=5) as c:
         c.register_kv_caches(kv)
@@ -100,7 +71,7 @@ def test_future_forms_overlap_and_resolve(daemon: DaemonProcess) -> None:
 
 
 def test_threads_share_one_client(daemon: DaemonProcess) -> None:
-    kv = _cache(3)
+    kv = shared_cache(3)
     with KVCacheClient(daemon.endpoint, 4, "threads", timeout_s=5) as c:
         c.register_kv_caches(kv)
         c.store(TOKENS, BLOCKS)
@@ -122,16 +93,6 @@ def test_threads_share_one_client(daemon: DaemonProcess) -> None:
         assert sorted(set(hits)) == [16 * k for k in range(1, 9)]
 
 
-def test_idle_client_stays_registered_through_heartbeats(daemon: DaemonProcess) -> None:
-    with KVCacheClient(daemon.endpoint, 5, "idle", timeout_s=5) as c, \
-            KVCacheClient(daemon.endpoint, 6, "observer", timeout_s=5) as observer:  # fmt: skip
-        c.register_kv_caches(_cache(4))
-        deadline = time.monotonic() + 3 * 0.6  # three heartbeat timeouts of silence from the caller
-        while time.monotonic() < deadline:
-            assert 5 in observer.status()["instances"]
-            time.sleep(0.05)
-
-
 def test_cpu_tensor_outside_shared_memory_is_refused() -> None:
     c = KVCacheClient("tcp://127.0.0.1:1", 7, "m", timeout_s=0.2)
     try:
@@ -140,42 +101,4 @@ def test_cpu_tensor_outside_shared_memory_is_refused() -> None:
         with pytest.raises(LayoutError, match="list of tensors"):
             c.register_kv_caches([1, 2])
     finally:
-        c.close()
-
-
-def test_daemon_down_fails_within_the_timeout_then_recovers(tmp_path: Path) -> None:
-    runtime_dir = str(tmp_path / "run")  # where the daemon will be: nothing listens there yet
-    endpoint = ipc_endpoint(runtime_dir)
-    c = KVCacheClient(endpoint, 8, "late", timeout_s=0.5)
-    start = time.monotonic()
-    with pytest.raises(DaemonUnavailableError, match=r"python -m kvcache\.server"):
-        c.ping()
-    assert 0.45 <= time.monotonic() - start < 1.5
-    assert c.breaker.open and c.breaker.trips == 1
-    for _ in range(20):  # the breaker is open: each fails at once, unsent (no 20 timeouts)
-        with pytest.raises(TimeoutError, match="failing fast"):  # a DaemonUnavailableError
-            c.lookup([1, 2, 3])
-    assert c.breaker.short_circuited == 20
-    c.report_block_allocations([], wait=False)  # a scheduler's notices never block: dropped
-    c.end_session("r", wait=False)
-    assert c.dropped_notices == 2
-    with DaemonProcess(ARGS, runtime_dir=runtime_dir):
-        _wait_for(lambda: not c.breaker.open, 10, "the background probe to close the breaker")
-        c.timeout_s = 5
-        assert c.ping() is False  # a fresh socket: no stale replies, not registered yet
-        kv = [empty_shared((2, 8, 4, 2, 8), torch.float16) for _ in range(2)]
-        c.register_kv_caches(kv)
-        assert c.ping() is True
-        c.close()
-
-
-def test_restarted_daemon_gets_the_registration_back_by_itself(tmp_path: Path) -> None:
-    runtime_dir = str(tmp_path / "run")  # the same ipc:// endpoint for both daemons
-    with DaemonProcess(ARGS, runtime_dir=runtime_dir) as first:
-        c = KVCacheClient(first.endpoint, 9, "survivor", timeout_s=5)
-        c.register_kv_caches(_cache(5))
-    with DaemonProcess(ARGS, runtime_dir=runtime_dir) as second, \
-            KVCacheClient(second.endpoint, 10, "observer", timeout_s=5) as observer:  # fmt: skip
-        # No call on ``c``: its heartbeat notices the new daemon and registers again.
-        _wait_for(lambda: 9 in observer.status()["instances"], 10, "re-registration")
         c.close()

@@ -20,9 +20,12 @@ import torch
 
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol.messages import FdTensor
-from kvcache.server import fdinbox, ipc
+from kvcache.server import fdinbox
 from kvcache.server.connections import DESCRIPTOR_HEADROOM
-from kvcache.server.fdpass import MAX_FDS_PER_MESSAGE, FdInbox, send_fds
+from kvcache.server.fdinbox import FdInbox
+from kvcache.transport import memfd, tensors
+from kvcache.transport.fdpass import send_fds
+from kvcache.transport.fdproto import MAX_FDS_PER_MESSAGE
 
 
 def _fds_open() -> set[tuple[str, str]]:
@@ -57,8 +60,8 @@ def _memfd(size: int = 64, seals: int = fcntl.F_SEAL_SHRINK) -> int:
 
 
 def test_a_sealed_memfd_round_trips_with_its_size_and_sender(inbox: FdInbox) -> None:
-    t = ipc.empty_shared((256,), torch.float32)
-    _, fds = ipc.export_cpu_tensors([t])
+    t = memfd.empty_shared((256,), torch.float32)
+    _, fds = memfd.export_cpu_tensors([t])
     ticket = secrets.token_bytes(16)
     send_fds(inbox.path, ticket, fds, 5)
     received = inbox.take(ticket)
@@ -322,13 +325,13 @@ def test_more_descriptors_than_the_kernel_passes_is_a_clear_error(tmp_path: Path
 
 ENGINE = r"""
 import fcntl, os, sys, msgspec, torch
-from kvcache.server import ipc
-from kvcache.server.fdpass import send_fds
+from kvcache.transport import memfd
+from kvcache.transport.fdpass import send_fds
 socket_path, ticket = sys.argv[1], bytes.fromhex(sys.argv[2])
-base = ipc.empty_shared((4, 4096), torch.float32)         # 64 KiB: the view below crosses pages
+base = memfd.empty_shared((4, 4096), torch.float32)         # 64 KiB: the view below crosses pages
 base.copy_(torch.arange(base.numel(), dtype=torch.float32).view(base.shape))
 view = base[1:3, 1000:3000]
-descs, fds = ipc.export_cpu_tensors([view])
+descs, fds = memfd.export_cpu_tensors([view])
 send_fds(socket_path, ticket, fds, 5)
 print(msgspec.json.encode(descs[0]).decode(), flush=True)
 assert sys.stdin.readline() == "written\n"
@@ -355,7 +358,7 @@ def test_round_trip_with_an_engine_process_that_tries_to_truncate(inbox: FdInbox
         desc = msgspec.json.decode(engine.stdout.readline(), type=FdTensor)
         received = inbox.take(ticket)
         assert received.pid == engine.pid and received.uid == os.getuid()
-        mapped = ipc.import_tensor(desc, received).tensor
+        mapped = tensors.import_tensor(desc, received).tensor
         received.close()
         want = torch.arange(4 * 4096, dtype=torch.float32).view(4, 4096)[1:3, 1000:3000]
         assert torch.equal(mapped, want)  # the engine's bytes, through the daemon's mapping

@@ -2,7 +2,7 @@
 
 Why descriptors and not paths: a path lets a client make the daemon open (or delete) a file
 of its choosing, and a file the engine can still shrink lets it kill the daemon with SIGBUS.
-A memfd sealed against shrinking (``ipc.empty_shared``) handed over as a descriptor has
+A memfd sealed against shrinking (``memfd.empty_shared``) handed over as a descriptor has
 neither problem, needs no /dev/shm entry to clean up, and works between containers that
 share no /proc.
 
@@ -12,9 +12,9 @@ carries the descriptors (at most ``MAX_FDS_PER_MESSAGE``, the kernel's ``SCM_MAX
 daemon answers one ``FdReply``. The client then names the ticket in its ``Register`` request;
 ``FdInbox.take`` hands the checked descriptors to the handler.
 
-This module is the engine's end (``send_fds``); the daemon's end is ``fdinbox`` and the wire
-format both share is ``fdproto``. ``FdInbox``, ``ReceivedFds`` and ``FdReply`` stay
-importable from here.
+This module is the engine's end (``send_fds``); the daemon's end is
+``kvcache.server.fdinbox`` (daemon state: a thread and per-uid quotas) and the wire format both
+share is ``fdproto``.
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ import msgspec
 
 from kvcache import trusted_dir
 from kvcache.errors import LimitExceededError, ProtocolError, UntrustedPathError
-from kvcache.server.fdinbox import FdInbox, ReceivedFds
-from kvcache.server.fdproto import (
+from kvcache.transport.fdproto import (
     ERRORS,
     MAX_FDS_PER_MESSAGE,
     MAX_TICKET,
     MIN_TICKET,
     REPLY_DECODER,
-    FdReply,
 )
 
 
@@ -81,4 +79,4 @@ def send_fds(
         raise ERRORS[reply.code](reply.message)
 
 
-__all__ = ["MAX_FDS_PER_MESSAGE", "FdInbox", "FdReply", "ReceivedFds", "send_fds"]
+__all__ = ["send_fds"]

@@ -1,0 +1,398 @@
+"""One engine instance's connection to the daemon: sockets, breaker, heartbeat, re-registration.
+
+Split from the data API (``client.api``) because none of this depends on what a request
+carries: the API builds messages, the session delivers them and keeps the instance known to
+the daemon. Two DEALER sockets, so that neither kind of call waits for the other:
+
+* synchronous calls use the caller's socket under a lock: send, then wait for the reply with
+  the same id (stale replies of timed-out calls are dropped). On a timeout the socket is
+  thrown away and recreated, so a lost reply never wedges the client (a REQ socket would);
+* asynchronous calls and heartbeats go through a background thread (``kvcache-client-<id>``)
+  with its own socket; it resolves ``concurrent.futures.Future`` objects and, if a restarted
+  daemon has forgotten this instance, registers it again.
+
+Whom it trusts (issue 20): a daemon of the expected uid only (``daemon_uid``,
+``$KVCACHE_DAEMON_UID``, else this process's): its ``ipc://`` directory, the peer of every
+connection and the fd socket it hands memfds to are checked (``protocol.peer_check``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+import zmq
+
+from kvcache.errors import AccessDeniedError, DaemonUnavailableError, UnknownInstanceError
+from kvcache.futures import then
+from kvcache.protocol import messages as m
+from kvcache.protocol.breaker import CircuitBreaker
+from kvcache.protocol.channel import Channel
+from kvcache.protocol.errors import exception_from_error
+from kvcache.protocol.peer_check import DaemonTrust, expected_daemon_uid
+from kvcache.transport.curve import curve_sockopts
+from kvcache.transport.endpoints import default_endpoint
+from kvcache.transport.fdpass import send_fds
+from kvcache.transport.tensors import export_tensors
+
+log = logging.getLogger("kvcache.client")
+
+R = TypeVar("R", bound=m.Reply)
+
+SendHook = Callable[[m.RequestBody, Callable[[m.RequestBody], m.ReplyBody]], m.ReplyBody]
+"""``hook(body, send)``: ``send(body)`` delivers it (re-registering and retrying if need be)."""
+
+
+def unwrap(reply: m.Reply, expected: type[R]) -> R:
+    """``reply`` if it is an ``expected``; an ``Error`` reply raised as its exception."""
+    if isinstance(reply, expected):
+        return reply
+    if isinstance(reply, m.Error):
+        raise exception_from_error(reply)
+    raise DaemonUnavailableError(f"unexpected reply {type(reply).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What (re-)registration needs: the message without its tensors, and the tensors, whose
+    descriptors (and memfds, handed over under a one-shot ticket) are made afresh each time."""
+
+    msg: m.Register
+    leaves: list[torch.Tensor]
+
+
+class Session:
+    """The delivery half of ``KVCacheClient``, for one engine instance.
+
+    Thread-safe: synchronous calls (``call``) from several threads are serialised on one
+    socket; ``submit`` and ``notify`` run on the background thread, in order. ``timeout_s``
+    bounds every call. While the breaker is open calls fail at once, unsent.
+    """
+
+    _MAX_QUEUED_NOTICES = 1024
+
+    def __init__(
+        self,
+        endpoint: str | None,
+        instance_id: int,
+        *,
+        timeout_s: float,
+        curve_server_key: str | None,
+        curve_secret_key: str | None,
+        daemon_uid: int | None,
+    ) -> None:
+        self.daemon_uid = expected_daemon_uid(daemon_uid)
+        self.endpoint = endpoint if endpoint is not None else default_endpoint(self.daemon_uid)
+        self._trust = DaemonTrust(self.endpoint, self.daemon_uid)
+        self.instance_id = instance_id
+        self.timeout_s = timeout_s
+        if (curve_server_key is None) != (curve_secret_key is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key")
+        self._sockopts = (
+            curve_sockopts(curve_server_key, curve_secret_key)
+            if curve_server_key is not None and curve_secret_key is not None
+            else {}
+        )
+        self._token = b""  # the daemon's registration token, sent with every instance request
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._peer_check = self._trust.peer_check(self._ctx)  # ipc://: every connection's peer
+        if self._peer_check is not None:
+            self._sockopts.update(self._peer_check.sockopts)
+        self._lock = threading.Lock()
+        self._chan = self._channel()
+        self._registration: Registration | None = None
+        self._registered: m.Registered | None = None
+        self._jobs: queue.SimpleQueue[tuple[m.RequestBody, Future[Any]] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._worker_lock = threading.Lock()
+        self._reg_lock = threading.Lock()
+        self._reg_generation = 0  # registrations done by this session; see _register_again
+        self._send: Callable[[Channel, m.RequestBody], m.ReplyBody] = self._call_once
+        self.breaker = CircuitBreaker(probe_interval_s=min(1.0, timeout_s))
+        """Open after a call timed out: calls fail at once until a background probe answers."""
+        self.dropped_notices = 0
+        """Block reports and end-of-request notices dropped (daemon down, or too many queued)."""
+
+    @property
+    def token(self) -> bytes:
+        """The registration token (b"" before registering; a re-registration replaces it), for
+        tools that send their own requests for this instance."""
+        return self._token
+
+    def intercept(self, hook: SendHook) -> None:
+        """Route every request the breaker lets through, on any thread, through ``hook``: for
+        tests and tools that delay, count or observe requests before they reach the daemon.
+        Hooks stack: the latest is outermost."""
+        inner = self._send
+
+        def send(chan: Channel, body: m.RequestBody) -> m.ReplyBody:
+            return hook(body, lambda b: inner(chan, b))
+
+        self._send = send
+
+    # -- calls -------------------------------------------------------------------------
+
+    def call(self, body: m.RequestBody, expected: type[R]) -> R:
+        """One synchronous call on the caller's socket; the reply, or its error raised."""
+        if self._closed:
+            raise RuntimeError("KVCacheClient is closed")
+        with self._lock:
+            reply = self._call_on(self._chan, body)
+        return unwrap(reply, expected)
+
+    def submit(self, body: m.RequestBody, expected: type[R]) -> Future[R]:
+        """One call on the background thread; the future holds the reply or its error."""
+        return then(self._submit(body), lambda reply: unwrap(reply, expected))
+
+    def notify(self, body: m.RequestBody) -> None:
+        """Fire and forget: dropped (and counted) while the daemon is down or the queue is long."""
+        if self._closed or self.breaker.open or self._jobs.qsize() >= self._MAX_QUEUED_NOTICES:
+            self.dropped_notices += 1
+            return
+        self._submit(body).add_done_callback(self._count_failed_notice)
+
+    def _count_failed_notice(self, future: Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.dropped_notices += 1
+
+    def _channel(self) -> Channel:
+        check = self._peer_check
+        return Channel(self._ctx, self.endpoint, self._sockopts, (lambda: check.refusal) if check else None)
+
+    def _call_on(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
+        """One call; if a restarted daemon has forgotten this instance, register again and
+        retry once (the tensors are still shared, so nothing is lost but the daemon's L1).
+
+        While the breaker is open the call fails at once, unsent; a timeout opens it."""
+        if self.breaker.refuse():
+            raise DaemonUnavailableError(
+                f"the kvcache daemon at {self.endpoint} did not answer "
+                f"{self.breaker.open_for():.1f} s ago; failing fast until it does"
+            )
+        try:
+            return self._send(chan, body)
+        except DaemonUnavailableError:
+            if self.breaker.trip():
+                log.warning("kvcache daemon at %s unreachable: failing fast until it answers",
+                            self.endpoint)  # fmt: skip
+                self._ensure_worker()  # the background thread probes
+            raise
+
+    def _call_once(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
+        generation = self._reg_generation
+        reply = chan.call(self._stamped(body), self.timeout_s)
+        if (
+            isinstance(reply, m.Error)
+            and reply.code is m.ErrorCode.ACCESS_DENIED
+            and (self._reg_lock.locked() or generation != self._reg_generation)
+        ):
+            # Sent with the token of a registration another thread was replacing (a daemon
+            # restart noticed by the heartbeat): wait for it, then once more with the new one.
+            with self._reg_lock:
+                pass
+            reply = chan.call(self._stamped(body), self.timeout_s)
+        if (
+            isinstance(reply, m.Error)
+            and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
+            and self._registration is not None
+            and not isinstance(body, (m.Register, m.Unregister))
+        ):
+            if self._register_again(chan, generation):
+                log.info("re-registered instance %d after a daemon restart", self.instance_id)
+            reply = chan.call(self._stamped(body), self.timeout_s)
+        return reply
+
+    def _stamped(self, body: m.RequestBody) -> m.RequestBody:
+        """``body`` with the current token and, for byte-moving requests, the moment this
+        client stops waiting: the daemon moves no byte after it (the blocks may be reused)."""
+        body = self._with_token(body)
+        if isinstance(body, (m.Store, m.Retrieve)):
+            deadline_ms = int((time.time() + self.timeout_s) * 1000)
+            body = msgspec.structs.replace(body, deadline_ms=deadline_ms)
+        return body
+
+    def _with_token(self, body: m.RequestBody) -> m.RequestBody:
+        """``body`` carrying the current registration token (it changes on re-registration)."""
+        if self._token and getattr(body, "instance_id", None) == self.instance_id:
+            return msgspec.structs.replace(body, token=self._token)
+        return body
+
+    # -- registration ------------------------------------------------------------------
+
+    def register(self, registration: Registration) -> m.Registered:
+        """Register on the caller's socket and keep ``registration`` for re-registering after
+        a daemon restart (it holds the tensors, and so their memfds, alive)."""
+        if self._closed:
+            raise RuntimeError("KVCacheClient is closed")
+        with self._lock:
+            self._registration = registration
+            try:
+                with self._reg_lock:
+                    reply = self._register_on(self._chan)
+            except BaseException:
+                self._registration = None
+                raise
+        self._ensure_worker()
+        return reply
+
+    def unregister(self) -> None:
+        with self._reg_lock:  # not while a re-registration is in flight: its token would win
+            registration, self._registration = self._registration, None
+        if registration is not None:
+            self.call(m.Unregister(instance_id=self.instance_id), m.Done)  # token: _stamped
+            self._token = b""
+
+    def _register_again(self, chan: Channel, seen_generation: int) -> bool:
+        """Re-register unless another thread already did since ``seen_generation`` was read
+        (the heartbeat and a call may both notice a restarted daemon; registering twice would
+        leave one of them holding a token the daemon already replaced)."""
+        with self._reg_lock:
+            if self._reg_generation != seen_generation:
+                return False
+            self._register_on(chan)
+            return True
+
+    def _register_on(self, chan: Channel) -> m.Registered:
+        """Register (again) on ``chan``: hand the memfds over, then send ``Register``."""
+        registration = self._registration
+        if registration is None:
+            raise RuntimeError("register_kv_caches has not been called")
+        descs, fds = export_tensors(registration.leaves)  # the memfds, found afresh each time
+        ticket = b""
+        if fds:
+            pong = unwrap(chan.call(m.Ping(), self.timeout_s), m.Pong)
+            if not pong.fd_socket:
+                raise DaemonUnavailableError(
+                    "the daemon has no fd socket, so it cannot map CPU tensors; CPU engines "
+                    "must run on the daemon's host"
+                )
+            path = self._trust.fd_socket(pong.fd_socket)
+            ticket = secrets.token_bytes(16)
+            send_fds(path, ticket, fds, self.timeout_s, peer_uid=self.daemon_uid)
+        msg = msgspec.structs.replace(registration.msg, tensors=descs, fd_ticket=ticket)
+        reply = unwrap(chan.call(msg, self.timeout_s), m.Registered)
+        self._token, self._registered = reply.token, reply
+        self._reg_generation += 1
+        return reply
+
+    # -- the background thread ---------------------------------------------------------
+
+    def _submit(self, body: m.RequestBody) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("KVCacheClient is closed")
+        self._ensure_worker()
+        future: Future[Any] = Future()
+        self._jobs.put((body, future))
+        return future
+
+    def _ensure_worker(self) -> None:
+        with self._worker_lock:
+            if self._worker is None and not self._closed:
+                self._worker = threading.Thread(
+                    target=self._background, name=f"kvcache-client-{self.instance_id}", daemon=True
+                )
+                self._worker.start()
+
+    def _background(self) -> None:
+        """Runs queued async calls; sends a heartbeat ping whenever it has been idle."""
+        chan = self._channel()
+        try:
+            while True:
+                interval = self._heartbeat_interval()
+                try:
+                    job = self._jobs.get(timeout=interval)
+                except queue.Empty:
+                    self._heartbeat(chan)
+                    continue
+                if job is None:
+                    return
+                body, future = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(self._call_on(chan, body))
+                except BaseException as exc:
+                    future.set_exception(exc)
+        finally:
+            chan.close()
+
+    def _heartbeat_interval(self) -> float:
+        if self.breaker.open:
+            return self.breaker.probe_interval_s
+        reg = self._registered
+        return max(reg.heartbeat_timeout_s / 3, 0.05) if reg is not None else 1.0
+
+    def _heartbeat(self, chan: Channel) -> None:
+        if self.breaker.open:
+            self._probe(chan)
+        if self._registration is None or self.breaker.open:
+            return
+        reg = self._registered
+        # A beat waits no longer than the daemon's patience, so a restart is noticed quickly.
+        wait = min(self.timeout_s, reg.heartbeat_timeout_s) if reg is not None else self.timeout_s
+        generation = self._reg_generation
+        try:
+            pong = chan.call(m.Ping(instance_id=self.instance_id, token=self._token), wait)
+        except DaemonUnavailableError as exc:  # the next beat retries; sync calls report it
+            log.debug("heartbeat failed: %s", exc)
+            return
+        except AccessDeniedError as exc:  # a refused or untrusted peer: the thread lives on
+            log.warning("heartbeat refused: %s", exc)
+            return
+        if isinstance(pong, m.Pong) and not pong.registered:
+            try:
+                if self._register_again(chan, generation):
+                    log.info("re-registered instance %d with the daemon", self.instance_id)
+            except Exception as exc:
+                log.warning("re-registering instance %d failed: %s", self.instance_id, exc)
+
+    def _probe(self, chan: Channel) -> None:
+        """Ask the daemon once whether it is back; close the breaker if it answers."""
+        try:
+            chan.call(m.Ping(), self.breaker.probe_interval_s)
+        except (DaemonUnavailableError, AccessDeniedError):
+            return
+        if self.breaker.close():
+            log.info("kvcache daemon at %s answers again", self.endpoint)
+
+    # -- closing -----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, *, unregister: bool = True) -> None:
+        """Unregister (best effort), stop the background thread and release the sockets."""
+        if self._closed:
+            return
+        if unregister and self._registration is not None:
+            try:
+                self.unregister()
+            except (DaemonUnavailableError, UnknownInstanceError) as exc:
+                log.debug("unregister on close failed: %s", exc)
+        self._closed = True
+        self._registration = None
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout=self.timeout_s + 1)
+        with self._lock:
+            self._chan.close()
+        if self._peer_check is not None:
+            self._peer_check.close()
+        if self._worker is not None and self._worker.is_alive():
+            self._ctx.destroy(linger=0)  # term() would wait for the stuck thread's socket
+        else:
+            self._ctx.term()
+
+
+__all__ = ["Registration", "SendHook", "Session", "unwrap"]

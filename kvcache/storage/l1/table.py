@@ -1,0 +1,139 @@
+"""The L1 pool's state under its lock: which key holds which slot, who pins it, and what is
+evicted to make room.
+
+Split from ``pool`` so that the rules of the table (a slot is taken from the slabs, else from
+extents other geometries left free, else from LRU victims; pins keep an entry off the policy;
+the watermark bounds what stays after a write) read on their own, apart from the operations
+that wait on it. Every method here expects the caller to hold ``_lock``; events are collected
+in a list and published by the caller after the lock is dropped (``_publish``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvcache.observability.event import (
+    Event,
+    EventSink,
+    EventType,
+    L1AllocationFailed,
+    L1KeysEvicted,
+)
+from kvcache.records import ChunkKey
+from kvcache.storage.l1.entry import L1Entry
+from kvcache.storage.l1.slab import SlabAllocator, SlotGeometry
+from kvcache.storage.l2.base import EvictionPolicy
+
+
+class SlotTable:
+    """Keys to slots, pins and eviction, for ``L1Pool`` (which adds the operations)."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        watermark: float,
+        extent_bytes: int,
+        pin_memory: bool,
+        policy: EvictionPolicy,
+        bus: EventSink,
+    ) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.watermark = watermark
+        self.extent_bytes = extent_bytes
+        self.pin_memory = pin_memory
+        self._policy = policy
+        self._bus = bus
+        self._lock = threading.Lock()
+        self._entries: dict[ChunkKey, L1Entry] = {}
+        self._pinned = 0  # entries holding at least one pin: what a waiting writer can hope for
+        self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
+        self.used_bytes = 0  # slots holding an entry (any state), in slot strides
+        self.allocation_failures = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of host memory the pool holds (the sum of its extents)."""
+        return self._slabs.allocated_bytes
+
+    # -- internals (lock held) ------------------------------------------------------------
+    def _pin(self, entry: L1Entry) -> None:
+        if entry.pins == 0:
+            self._policy.discard(entry.key)
+            self._pinned += 1
+        entry.pins += 1
+
+    def _unpin(self, entry: L1Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._pinned -= 1
+
+    def _allocate(self, geometry: SlotGeometry, key: ChunkKey, events: list[Event]) -> L1Entry | None:
+        evicted: list[L1Entry] = []
+        while (slot := self._slabs.take(geometry)) is None:
+            # Room must come from elsewhere: wholly free extents of other slabs, then victims.
+            if self._slabs.reclaim_for(geometry):
+                continue
+            victim = self._policy.victim()
+            if victim is None:
+                break
+            entry = self._entries[victim]
+            self._policy.discard(victim)
+            self._remove(entry)
+            evicted.append(entry)
+        if evicted:
+            events.append(self._evicted_event(evicted))
+        if slot is None:
+            self.allocation_failures += 1
+            return None
+        entry = L1Entry(key, geometry, slot.tensor, slot.extent, slot.offset)  # born pinned
+        self._pinned += 1
+        self._entries[key] = entry
+        self.used_bytes += geometry.stride
+        return entry
+
+    def _remove(self, entry: L1Entry) -> None:
+        del self._entries[entry.key]
+        self._slabs.free(entry.geometry, entry._extent, entry._offset)
+        self.used_bytes -= entry.geometry.stride
+
+    def _evict(self, victims: list[L1Entry], events: list[Event]) -> None:
+        for entry in victims:
+            self._policy.discard(entry.key)
+            self._remove(entry)
+        if victims:
+            events.append(self._evicted_event(victims))
+
+    def _evict_to_watermark(self, events: list[Event]) -> None:
+        limit = self.watermark * self.capacity_bytes
+        victims: list[L1Entry] = []
+        while self.used_bytes > limit and (key := self._policy.victim()) is not None:
+            entry = self._entries[key]
+            self._policy.discard(key)
+            self._remove(entry)
+            victims.append(entry)
+        if victims:
+            events.append(self._evicted_event(victims))
+
+    def _evicted_event(self, victims: list[L1Entry]) -> Event:
+        meta = L1KeysEvicted(
+            keys=[e.key for e in victims],
+            num_bytes=sum(e.nbytes for e in victims),
+            used_bytes=self.used_bytes,
+            capacity_bytes=self.capacity_bytes,
+        )
+        return Event(EventType.L1_KEYS_EVICTED, meta)
+
+    def _alloc_failed_event(self, chunks: int, nbytes: int) -> Event:
+        meta = L1AllocationFailed(
+            requested_chunks=chunks, num_bytes=nbytes, used_bytes=self.used_bytes,
+            capacity_bytes=self.capacity_bytes,
+        )  # fmt: skip
+        return Event(EventType.L1_ALLOCATION_FAILED, meta)
+
+    def _publish(self, events: list[Event]) -> None:
+        for event in events:
+            self._bus.publish(event)
+
+
+__all__ = ["SlotTable"]
