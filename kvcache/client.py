@@ -337,12 +337,14 @@ class KVCacheClient:
         engine: str = "vllm",
         block_size: int | None = None,
         fmt: Any = None,
+        chunk_size: int | None = None,
     ) -> m.Registered:
         """Share the engine's KV tensors with the daemon (CPU: sealed memfds, GPU: CUDA IPC).
 
         ``kv_caches`` is one tensor, a list, or ``[K_list, V_list]``; CPU tensors must come
         from ``empty_shared``. ``fmt`` is a ``GPUKVFormat`` (or its name) when detection
-        from shapes is ambiguous.
+        from shapes is ambiguous. ``chunk_size``: smaller chunks than the daemon's (SGLang
+        page instances: one page each).
         """
         leaves, nesting, groups = flatten_kv_caches(kv_caches)
         fmt_name = fmt if isinstance(fmt, str) or fmt is None else fmt.name
@@ -356,6 +358,7 @@ class KVCacheClient:
             fmt=fmt_name,
             block_size=block_size,
             client_nonce=self._nonce,
+            chunk_size=chunk_size,
         )
         if self._closed:
             raise RuntimeError("KVCacheClient is closed")

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
 from kvcache.engine import load as load_path
+from kvcache.engine import pages as pages_path
 from kvcache.engine import store as store_path
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
@@ -119,13 +120,22 @@ class CacheEngine:
         engine: str = "vllm",
         fmt: GPUKVFormat | None = None,
         block_size: int | None = None,
+        chunk_size: int | None = None,
     ) -> GPUCacheContext:
-        """Register an engine's KV tensors; the chunk size comes from the config."""
+        """Register an engine's KV tensors; the chunk size comes from the config unless
+        ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
+        (``pages``) keep one page per chunk."""
+        if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
+            raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
             ctx = GPUCacheContext(
-                kv_caches, chunk_size=self.config.chunk_size, fmt=fmt, engine=engine, block_size=block_size
+                kv_caches,
+                chunk_size=chunk_size or self.config.chunk_size,
+                fmt=fmt,
+                engine=engine,
+                block_size=block_size,
             )
             self._instances[instance_id] = Instance(instance_id, model_name, ctx)
         return ctx
@@ -320,6 +330,55 @@ class CacheEngine:
             cache_salt=cache_salt,
             request_id=request_id,
             copy_by=copy_by,
+        )
+
+    # -- pages keyed by the engine (SGLang HiCache: ``pages``) ------------------------------
+    def page_exists(
+        self, instance_id: int, keys: bytes, *, cache_salt: str = "", request_id: str = ""
+    ) -> tuple[int, int]:
+        """Leading pages of ``keys`` (32 bytes each) held, and how many of those are loading
+        from L2 (a prefetch, as ``lookup`` starts)."""
+        inst = self._instance(instance_id)
+        return pages_path.exists(self._parts, inst, pages_path.page_keys(inst, keys, cache_salt), request_id)
+
+    def page_store_async(
+        self,
+        instance_id: int,
+        keys: bytes,
+        block_ids: IntArray,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        copy_by: float | None = None,
+    ) -> Future[StoreResult]:
+        """``store_async`` of one page per key, from ``block_ids[i]``."""
+        try:
+            inst = self._instance(instance_id)
+            keyed = pages_path.page_keys(inst, keys, cache_salt)
+        except Exception as err:
+            return _failed(err)
+        return pages_path.store_async(
+            self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by
+        )
+
+    def page_retrieve_async(
+        self,
+        instance_id: int,
+        keys: bytes,
+        block_ids: IntArray,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        copy_by: float | None = None,
+    ) -> Future[RetrieveResult]:
+        """``retrieve_async`` of the leading cached pages of ``keys`` into ``block_ids``."""
+        try:
+            inst = self._instance(instance_id)
+            keyed = pages_path.page_keys(inst, keys, cache_salt)
+        except Exception as err:
+            return _failed(err)
+        return pages_path.retrieve_async(
+            self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by
         )
 
     # -- engine bookkeeping events ----------------------------------------------------------

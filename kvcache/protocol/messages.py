@@ -127,6 +127,9 @@ class Register(Request, tag="register"):
     client_nonce: bytes = b""
     """A random value fixed for the life of one client object: re-registering a live instance
     id is allowed only with the nonce of the registration it replaces (the same client)."""
+    chunk_size: int | None = None
+    """The instance's chunk size in tokens (a multiple of its block size, at most the daemon's);
+    None: the daemon's. SGLang page instances pass their page size: one chunk per page."""
 
 
 class Unregister(Request, tag="unregister"):
@@ -208,9 +211,49 @@ class Ping(Request, tag="ping"):
     token: bytes = b""
 
 
+PAGE_KEY_BYTES = 32
+"""Bytes of one page key in ``PageExists.keys`` and the others (a SHA-256 digest)."""
+
+
+class PageExists(Request, tag="page_exists"):
+    """How many leading pages of ``keys`` the cache holds (SGLang HiCache ``batch_exists``).
+
+    ``keys``: ``PAGE_KEY_BYTES`` bytes per page, concatenated, each naming a whole prefix (the
+    engine chains them). Pages found in L2 start loading into L1, as a lookup's do."""
+
+    instance_id: NonNegInt
+    keys: bytes
+    cache_salt: str = ""
+    token: bytes = b""
+
+
+class PageSet(Request, tag="page_set"):
+    """Copy the instance's blocks ``block_ids`` (one per key) into the cache under ``keys``."""
+
+    instance_id: NonNegInt
+    keys: bytes
+    block_ids: IdArray
+    cache_salt: str = ""
+    token: bytes = b""
+    deadline_ms: NonNegInt = 0
+    """As on ``Store``."""
+
+
+class PageGet(Request, tag="page_get"):
+    """Copy the cached leading pages of ``keys`` into ``block_ids`` (one per key)."""
+
+    instance_id: NonNegInt
+    keys: bytes
+    block_ids: IdArray
+    cache_salt: str = ""
+    token: bytes = b""
+    deadline_ms: NonNegInt = 0
+    """As on ``Retrieve``."""
+
+
 RequestBody = (
     Register | Unregister | Lookup | Store | Retrieve | ReportBlockAllocations | EndSession | Status
-    | Ping
+    | Ping | PageExists | PageSet | PageGet
 )
 
 
@@ -315,8 +358,16 @@ class Pong(Reply, tag="pong"):
     """Path of the daemon's Unix socket for handing over memfds (empty: CPU tensors unsupported)."""
 
 
+class PageExistsResult(Reply, tag="page_exists"):
+    """``hit_pages``: the leading pages held; ``l2_pages`` of them are loading from L2."""
+
+    hit_pages: int
+    l2_pages: int = 0
+
+
 ReplyBody = (
     Error | Registered | Done | LookupResult | StoreResult | RetrieveResult | StatusResult | Pong
+    | PageExistsResult
 )
 
 
@@ -328,6 +379,7 @@ class ReplyEnvelope(_Wire):
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "PAGE_KEY_BYTES",
     "PROTOCOL_VERSION",
     "CudaIpcTensor",
     "Done",
@@ -338,6 +390,10 @@ __all__ = [
     "IdArray",
     "Lookup",
     "LookupResult",
+    "PageExists",
+    "PageExistsResult",
+    "PageGet",
+    "PageSet",
     "Ping",
     "Pong",
     "Register",
