@@ -40,19 +40,24 @@ def host_pool(layout: str, *, mla: bool = False, dev_tokens: int = DEV_TOKENS, n
               hs: int = HS, ps: int = PS) -> Any:  # fmt: skip
     if mla:
         dev: Any = MLATokenToKVPool(dev_tokens, ps, torch.bfloat16, 16, 8, nl, "cpu", False)
-        pool = MLATokenToKVPoolHost(dev._mla_buffer_info(), 2.0, 0, ps, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=dev_tokens, start_layer=0, end_layer=nl,
-                                    target_layer_num=nl)  # fmt: skip
+        pool = MLATokenToKVPoolHost(
+            dev._mla_buffer_info(), 2.0, 0, ps, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=dev_tokens, start_layer=0, end_layer=nl, target_layer_num=nl,
+        )  # fmt: skip
     else:
         dev = MHATokenToKVPool(dev_tokens, ps, torch.bfloat16, nh, hs, nl, "cpu", False)
-        pool = MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, ps, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=dev_tokens, start_layer=0, end_layer=nl)  # fmt: skip
+        pool = MHATokenToKVPoolHost(
+            dev._mha_buffer_info(), 2.0, 0, ps, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=dev_tokens, start_layer=0, end_layer=nl,
+        )  # fmt: skip
     flat = pool.kv_buffer.view(-1).view(torch.int16)
     flat.copy_(torch.randint(-(1 << 15), 1 << 15, flat.shape, dtype=torch.int16))
     return pool
 
 
-def backend(pool: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra: Any) -> KVCacheStorage:
+def backend(
+    pool: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra: Any
+) -> KVCacheStorage:
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=pool.layout != "layer_first",
@@ -102,9 +107,9 @@ def round_trip(layout: str, mla: bool, salt: int) -> None:
     src, dst = list(range(3, 11)), list(range(20, 28))
     assert b.batch_set_v1(keys, indices(src)) == [True] * 8
     assert b.batch_exists(keys) == 8
-    assert b.batch_exists(keys[:3] + ["f" * 64] + keys[4:]) == 3  # the leading run only
+    assert b.batch_exists([*keys[:3], "f" * 64, *keys[4:]]) == 3  # the leading run only
     assert b.batch_exists(keys_for(2, salt + 1)) == 0
-    assert b.batch_get_v1(keys[:5] + ["e" * 64] + keys[6:], indices(dst)) == [True] * 5 + [False] * 3
+    assert b.batch_get_v1([*keys[:5], "e" * 64, *keys[6:]], indices(dst)) == [True] * 5 + [False] * 3
     assert torch.equal(page_bytes(pool, dst[:5], mla), page_bytes(pool, src[:5], mla))
     b.close()
 
@@ -254,6 +259,15 @@ if __name__ == "__main__":
     if "--bench" in sys.argv:
         bench()
         sys.exit(0)
-    for fn in (mha_layouts, mla_layouts, zero_copy, across_layouts, tp_ranks, mla_writer, tenants, v2_and_legacy):
+    for fn in (
+        mha_layouts,
+        mla_layouts,
+        zero_copy,
+        across_layouts,
+        tp_ranks,
+        mla_writer,
+        tenants,
+        v2_and_legacy,
+    ):
         fn()
     print(f"passed {len(CHECKS)} checks", flush=True)

@@ -54,7 +54,9 @@ def run_sglang(python: str, *args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def test_unit_tier_against_sglang_classes(sglang_python: str, start_daemon: Callable[..., DaemonProcess]) -> None:
+def test_unit_tier_against_sglang_classes(
+    sglang_python: str, start_daemon: Callable[..., DaemonProcess]
+) -> None:
     daemon = start_daemon()
     out = run_sglang(sglang_python, daemon.endpoint)
     assert "passed 8 checks" in out, out
