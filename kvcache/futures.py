@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -19,6 +19,14 @@ def resolved(value: _R) -> Future[_R]:
     """A future that already holds ``value``."""
     future: Future[_R] = Future()
     future.set_result(value)
+    return future
+
+
+def failed(err: BaseException) -> Future[Any]:
+    """A future that already holds ``err``: an entry point that returns futures reports a bad
+    call on the future, as it would a failed copy, and never raises at its caller."""
+    future: Future[Any] = Future()
+    future.set_exception(err)
     return future
 
 
@@ -53,4 +61,4 @@ def then(
     return target
 
 
-__all__ = ["resolved", "then"]
+__all__ = ["failed", "resolved", "then"]

@@ -105,12 +105,14 @@ class KVCacheClient:
         engine: str = "vllm",
         block_size: int | None = None,
         fmt: Any = None,
+        chunk_size: int | None = None,
     ) -> m.Registered:
         """Share the engine's KV tensors with the daemon (CPU: sealed memfds, GPU: CUDA IPC).
 
         ``kv_caches`` is one tensor, a list, or ``[K_list, V_list]``; CPU tensors must come
         from ``empty_shared``. ``fmt`` is a ``GPUKVFormat`` (or its name) when detection
-        from shapes is ambiguous.
+        from shapes is ambiguous. ``chunk_size``: smaller chunks than the daemon's (SGLang
+        page instances: one page each).
         """
         leaves, nesting, groups = flatten_kv_caches(kv_caches)
         fmt_name = fmt if isinstance(fmt, str) or fmt is None else fmt.name
@@ -124,6 +126,7 @@ class KVCacheClient:
             fmt=fmt_name,
             block_size=block_size,
             client_nonce=self._nonce,
+            chunk_size=chunk_size,
         )
         reply = self.session.register(Registration(msg, leaves))
         self._device = leaves[0].device
@@ -314,6 +317,20 @@ class KVCacheClient:
             # The engine's stream must not touch the blocks before the daemon's copy is done.
             wait_ipc_event(reply.cuda_event, self._device)
         return reply
+
+    # -- pages by key (SGLang HiCache: kvcache.integrations.sglang) ------------------------
+
+    def page_set(self, msg: m.PageSet) -> m.StoreResult:
+        """Store pages under their keys; the reply counts stored and already-held pages."""
+        return self.session.call(msg, m.StoreResult)
+
+    def page_get(self, msg: m.PageGet) -> m.RetrieveResult:
+        """Copy the leading run of held pages into the message's block ids."""
+        return self.session.call(msg, m.RetrieveResult)
+
+    def page_exists(self, msg: m.PageExists) -> m.PageExistsResult:
+        """How many leading pages of the message's keys are held."""
+        return self.session.call(msg, m.PageExistsResult)
 
     def report_block_allocations(
         self, records: Sequence[BlockAllocationRecord], *, wait: bool = True

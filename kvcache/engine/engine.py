@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
 from kvcache.engine import load as load_path
+from kvcache.engine import pages as pages_path
 from kvcache.engine import store as store_path
 from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
@@ -51,18 +52,17 @@ from kvcache.engine.load import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import RetrieveResult, StoreResult
-from kvcache.engine.reports import check_allocation_report
+from kvcache.engine.reports import publish_allocations, publish_end_session
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
 from kvcache.errors import LayoutError, UnknownInstanceError
+from kvcache.futures import failed
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import (
     Event,
     EventSink,
     EventType,
     InstanceUnregistered,
-    MpVllmBlockAllocation,
-    MpVllmEndSession,
     NullEventSink,
 )
 from kvcache.records import BlockAllocationRecord
@@ -108,6 +108,8 @@ class CacheEngine:
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
         self._parts = EngineParts(config, *shared, *self._waiters, settled)
+        self.pages = pages_path.EnginePages(self._parts, self._instance)
+        """Pages keyed by the serving engine (SGLang HiCache), over the same tiers."""
 
     # -- registration ---------------------------------------------------------------------
     def register(
@@ -119,13 +121,22 @@ class CacheEngine:
         engine: str = "vllm",
         fmt: GPUKVFormat | None = None,
         block_size: int | None = None,
+        chunk_size: int | None = None,
     ) -> GPUCacheContext:
-        """Register an engine's KV tensors; the chunk size comes from the config."""
+        """Register an engine's KV tensors; the chunk size comes from the config unless
+        ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
+        (``pages``) keep one page per chunk."""
+        if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
+            raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
             ctx = GPUCacheContext(
-                kv_caches, chunk_size=self.config.chunk_size, fmt=fmt, engine=engine, block_size=block_size
+                kv_caches,
+                chunk_size=chunk_size or self.config.chunk_size,
+                fmt=fmt,
+                engine=engine,
+                block_size=block_size,
             )
             self._instances[instance_id] = Instance(instance_id, model_name, ctx)
         return ctx
@@ -231,7 +242,7 @@ class CacheEngine:
         try:
             inst = self._instance(instance_id)
         except UnknownInstanceError as err:
-            return _failed(err)
+            return failed(err)
         return store_path.store_async(
             self._parts,
             inst,
@@ -310,7 +321,7 @@ class CacheEngine:
         try:
             inst = self._instance(instance_id)
         except UnknownInstanceError as err:
-            return _failed(err)
+            return failed(err)
         return load_path.retrieve_async(
             self._parts,
             inst,
@@ -324,27 +335,13 @@ class CacheEngine:
 
     # -- engine bookkeeping events ----------------------------------------------------------
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:
-        """Publish the engine's block allocations for lifecycle tracking.
-
-        The whole report is checked before anything is published, and one bad part refuses it
-        all: a block id outside the registered cache (``BlockIdError``), more records than
-        ``max_report_records`` or a record with more new blocks than the cache has
-        (``LimitExceededError``). Subscribers keep state per (instance, block) and per record,
-        which stays bounded only if these are."""
+        """Publish the engine's block allocations for lifecycle tracking, checked whole first
+        (``reports.publish_allocations``)."""
         inst = self._instance(instance_id)
-        check_allocation_report(instance_id, inst.ctx.num_blocks, self.config.max_report_records, records)
-        meta = MpVllmBlockAllocation(
-            instance_id=instance_id,
-            model_name=inst.model_name,
-            records=list(records),
-            block_size=inst.ctx.block_size,  # lets L0 lifecycle tell the blocks of a record apart
-        )
-        self._bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, meta))
+        publish_allocations(self._bus, inst, self.config.max_report_records, records)
 
     def end_session(self, instance_id: int, request_id: str) -> None:
-        inst = self._instance(instance_id)
-        meta = MpVllmEndSession(instance_id=instance_id, model_name=inst.model_name, request_id=request_id)
-        self._bus.publish(Event(EventType.MP_VLLM_END_SESSION, meta, session_id=request_id))
+        publish_end_session(self._bus, self._instance(instance_id), request_id)
 
     # -- introspection --------------------------------------------------------------------
     def stats_snapshot(self) -> OffloadStats:
@@ -390,11 +387,6 @@ class CacheEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _failed(err: BaseException) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_exception(err)
-    return future
 
 
 __all__ = ["CacheEngine", "LookupHit", "RetrieveResult", "StoreResult"]

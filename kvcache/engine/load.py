@@ -59,7 +59,7 @@ def lookup(
         if not loaded:
             break
         l2 += loaded
-    cs = parts.config.chunk_size
+    cs = inst.ctx.chunk_size
     hit = (l1 + l2) * cs
     parts.stats.record_lookup(num_tokens, hit)
     meta = inst.meta(
@@ -189,7 +189,7 @@ class _RetrieveOp:
         check_cover(ctx, num_tokens, block_ids)
         if skip_tokens < 0:
             raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
-        bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, parts.config.chunk_size
+        bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, ctx.chunk_size
         keys = inst.keys(token_ids, cache_salt)
         if skip_tokens > len(keys) * cs:
             # The engine cannot already hold more of this request than the request has: a
@@ -302,7 +302,7 @@ class _RetrieveOp:
             self.parts.pool.release(good)
             self.end(copies, result.error)
             return
-        l2_tokens = sum(self.parts.config.chunk_size for e in good if e.from_l2)
+        l2_tokens = sum(self.inst.ctx.chunk_size for e in good if e.from_l2)
         for e in good:
             e.from_l2 = False
         self.parts.pool.release(good, read_bytes=result.bytes)

@@ -1,4 +1,4 @@
-"""Checks on the engine's bookkeeping reports (block allocations) before they are published.
+"""The engine's bookkeeping reports (block allocations, ends of requests): checked, then published.
 
 Separate from the facade because it is pure validation with no engine state: subscribers keep
 state per (instance, block) and per record, which stays bounded only if a report is, so every
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvcache.engine.instance import Instance
 from kvcache.errors import BlockIdError, LimitExceededError
+from kvcache.observability.event import Event, EventSink, EventType, MpVllmBlockAllocation, MpVllmEndSession
 from kvcache.records import BlockAllocationRecord
 
 
@@ -39,4 +41,32 @@ def check_allocation_report(
             )
 
 
-__all__ = ["check_allocation_report"]
+
+
+def publish_allocations(
+    bus: EventSink, inst: Instance, max_records: int, records: list[BlockAllocationRecord]
+) -> None:
+    """Publish an engine's block allocations for lifecycle tracking.
+
+    The whole report is checked before anything is published, and one bad part refuses it
+    all: a block id outside the registered cache (``BlockIdError``), more records than
+    ``max_records`` or a record with more new blocks than the cache has
+    (``LimitExceededError``). Subscribers keep state per (instance, block) and per record,
+    which stays bounded only if these are."""
+    check_allocation_report(inst.instance_id, inst.ctx.num_blocks, max_records, records)
+    meta = MpVllmBlockAllocation(
+        instance_id=inst.instance_id,
+        model_name=inst.model_name,
+        records=list(records),
+        block_size=inst.ctx.block_size,  # lets L0 lifecycle tell the blocks of a record apart
+    )
+    bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, meta))
+
+
+def publish_end_session(bus: EventSink, inst: Instance, request_id: str) -> None:
+    """Publish that a request ended (its lifecycle subscribers close its session)."""
+    meta = MpVllmEndSession(instance_id=inst.instance_id, model_name=inst.model_name, request_id=request_id)
+    bus.publish(Event(EventType.MP_VLLM_END_SESSION, meta, session_id=request_id))
+
+
+__all__ = ["check_allocation_report", "publish_allocations", "publish_end_session"]

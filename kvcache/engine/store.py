@@ -95,6 +95,7 @@ class _StoreOp:
     error: BaseException | None = None
     pos: int = 0  # keys before it are settled (reserved, present or failed)
     held: list[tuple[int, L1Entry]] = field(default_factory=list)  # reserved, not yet submitted
+    keyed_tokens: int = 0  # tokens of a store keyed by the engine (``pages``): it has no token ids
 
     @classmethod
     def begin(
@@ -240,7 +241,7 @@ class _StoreOp:
             ctx = self.inst.ctx
             for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
                 parts.pool.pin(new)
-            cs = parts.config.chunk_size
+            cs = ctx.chunk_size
             bpc, bs = ctx.blocks_per_chunk, ctx.block_size
             extra = chunk_write_metadata(self.keys, indices, bpc, bs, cs, self.token_ids, self.block_hashes)
             parts.pool.finish(new, True, extra)
@@ -266,8 +267,8 @@ class _StoreOp:
             if self.pending:
                 return
             stored, skipped, failed, error = self.stored, self.skipped, self.failed, self.error
-        parts, inst, cs = self.parts, self.inst, self.parts.config.chunk_size
-        num_tokens = len(self.token_ids)
+        parts, inst, cs = self.parts, self.inst, self.inst.ctx.chunk_size
+        num_tokens = len(self.token_ids) or self.keyed_tokens
         if error is not None:  # earlier batches stay stored; the rest of the request is lost
             failed = len(self.keys) - stored - skipped
         tally = self.tally

@@ -15,11 +15,11 @@ file + shape/stride/dtype/offset, or CUDA IPC handle bytes + device UUID), never
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
-import msgspec
+from typing import Any, Literal
 
 from kvcache.errors import ErrorCode  # re-exported: the wire vocabulary names it
+from kvcache.protocol.wire import CudaIpcTensor, FdTensor, IdArray, NonNegInt, TensorDesc
+from kvcache.protocol.wire import Wire as _Wire
 from kvcache.records import BlockAllocationRecord
 
 PROTOCOL_VERSION = 2
@@ -33,71 +33,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 frame announces more (``ZMQ_MAXMSGSIZE``); ``decode_request`` answers ``TOO_LARGE`` to a
 whole frame over its cap."""
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TensorNesting = Literal["tensor", "list", "nested"]
 """How the engine's ``kv_caches`` object nests its tensors: one tensor, a list, or a list of lists."""
-
-
-class _Wire(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=False):
-    """Common options: defaults stay off the wire, no GC tracking, unknown fields ignored."""
-
-
-# -- tensor descriptors ------------------------------------------------------------------
-
-
-class FdTensor(_Wire, tag="fd", tag_field="via"):
-    """A CPU tensor inside a sealed memfd that the engine handed to the daemon.
-
-    The descriptors themselves never travel in a ZMQ frame: the client sends them beforehand
-    over the daemon's Unix fd socket (``SCM_RIGHTS``) under a random ``Register.fd_ticket``;
-    ``fd_index`` names one of the descriptors sent under that ticket. ``offset`` is the byte
-    offset of element 0 inside the memfd; ``stride`` is in elements. No path is ever named,
-    so a client cannot make the daemon open, map or delete a file of its choosing.
-    """
-
-    fd_index: NonNegInt
-    offset: NonNegInt
-    shape: list[NonNegInt]
-    stride: list[NonNegInt]
-    dtype: str
-
-
-class CudaIpcTensor(_Wire, tag="cuda_ipc", tag_field="via"):
-    """A GPU tensor shared by CUDA IPC: the handle bytes plus typed fields, never a pickle.
-
-    The fields mirror what ``torch.UntypedStorage._share_cuda_`` returns; ``device_uuid``
-    replaces the ordinal because the two processes may number their GPUs differently.
-    ``storage_offset`` and ``stride`` are in elements, like ``Tensor.as_strided``. torch's
-    reference-counter file name and offset are not sent: the daemon never opens a
-    shared-memory name a client chose (see ``kvcache.transport.cuda_ipc.NO_REF_COUNTER``).
-    """
-
-    device_uuid: str
-    ipc_handle: bytes
-    storage_size_bytes: NonNegInt
-    storage_offset_bytes: NonNegInt
-    event_handle: bytes
-    event_sync_required: bool
-    storage_offset: NonNegInt
-    shape: list[NonNegInt]
-    stride: list[NonNegInt]
-    dtype: str
-
-
-TensorDesc = FdTensor | CudaIpcTensor
-
-
-class IdArray(_Wire, array_like=True):
-    """Integer ids (tokens, block ids) packed little-endian, ``width`` bytes each.
-
-    ``width`` 4 is uint32 (every vocabulary and block table in practice), 8 is int64. A 1k-token
-    prompt decodes in about a microsecond this way, against ~16 us as a MessagePack list of ints,
-    and the engine hashes the bytes without building Python ints. Build one with
-    ``kvcache.protocol.codec.pack_ids``.
-    """
-
-    data: bytes
-    width: Literal[4, 8] = 4
 
 
 # -- requests ----------------------------------------------------------------------------
@@ -127,6 +64,9 @@ class Register(Request, tag="register"):
     client_nonce: bytes = b""
     """A random value fixed for the life of one client object: re-registering a live instance
     id is allowed only with the nonce of the registration it replaces (the same client)."""
+    chunk_size: int | None = None
+    """The instance's chunk size in tokens (a multiple of its block size, at most the daemon's);
+    None: the daemon's. SGLang page instances pass their page size: one chunk per page."""
 
 
 class Unregister(Request, tag="unregister"):
@@ -208,9 +148,49 @@ class Ping(Request, tag="ping"):
     token: bytes = b""
 
 
+PAGE_KEY_BYTES = 32
+"""Bytes of one page key in ``PageExists.keys`` and the others (a SHA-256 digest)."""
+
+
+class PageExists(Request, tag="page_exists"):
+    """How many leading pages of ``keys`` the cache holds (SGLang HiCache ``batch_exists``).
+
+    ``keys``: ``PAGE_KEY_BYTES`` bytes per page, concatenated, each naming a whole prefix (the
+    engine chains them). Pages found in L2 start loading into L1, as a lookup's do."""
+
+    instance_id: NonNegInt
+    keys: bytes
+    cache_salt: str = ""
+    token: bytes = b""
+
+
+class PageSet(Request, tag="page_set"):
+    """Copy the instance's blocks ``block_ids`` (one per key) into the cache under ``keys``."""
+
+    instance_id: NonNegInt
+    keys: bytes
+    block_ids: IdArray
+    cache_salt: str = ""
+    token: bytes = b""
+    deadline_ms: NonNegInt = 0
+    """As on ``Store``."""
+
+
+class PageGet(Request, tag="page_get"):
+    """Copy the cached leading pages of ``keys`` into ``block_ids`` (one per key)."""
+
+    instance_id: NonNegInt
+    keys: bytes
+    block_ids: IdArray
+    cache_salt: str = ""
+    token: bytes = b""
+    deadline_ms: NonNegInt = 0
+    """As on ``Retrieve``."""
+
+
 RequestBody = (
     Register | Unregister | Lookup | Store | Retrieve | ReportBlockAllocations | EndSession | Status
-    | Ping
+    | Ping | PageExists | PageSet | PageGet
 )
 
 
@@ -315,8 +295,16 @@ class Pong(Reply, tag="pong"):
     """Path of the daemon's Unix socket for handing over memfds (empty: CPU tensors unsupported)."""
 
 
+class PageExistsResult(Reply, tag="page_exists"):
+    """``hit_pages``: the leading pages held; ``l2_pages`` of them are loading from L2."""
+
+    hit_pages: int
+    l2_pages: int = 0
+
+
 ReplyBody = (
     Error | Registered | Done | LookupResult | StoreResult | RetrieveResult | StatusResult | Pong
+    | PageExistsResult
 )
 
 
@@ -328,6 +316,7 @@ class ReplyEnvelope(_Wire):
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "PAGE_KEY_BYTES",
     "PROTOCOL_VERSION",
     "CudaIpcTensor",
     "Done",
@@ -338,6 +327,10 @@ __all__ = [
     "IdArray",
     "Lookup",
     "LookupResult",
+    "PageExists",
+    "PageExistsResult",
+    "PageGet",
+    "PageSet",
     "Ping",
     "Pong",
     "Register",

@@ -32,6 +32,7 @@ from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server.auth import LOOPBACK, Principal
 from kvcache.server.deadlines import check_deadline, copy_deadline
+from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import Instance, InstanceRegistry
 from kvcache.transport.cuda_events import open_ipc_event
@@ -82,6 +83,9 @@ class Handlers:
             m.Store: self.store_async,
             m.Retrieve: self.retrieve_async,
         }
+        pages = PageHandlers(self)  # SGLang HiCache pages (``server/pages.py``)
+        self._table.update(pages.table())
+        self._async_table.update(pages.async_table())
 
     def handle(self, body: m.RequestBody, principal: Principal = LOOPBACK) -> m.ReplyBody:
         try:
@@ -121,6 +125,7 @@ class Handlers:
                 engine=req.engine,
                 fmt=fmt,
                 block_size=req.block_size,
+                chunk_size=req.chunk_size,
             )
             device = str(imported[0].tensor.device)
             instance = Instance(
