@@ -27,6 +27,7 @@ from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import RemoteError, ShuttingDownError
+from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.registry import Instance, InstanceRegistry
@@ -67,21 +68,21 @@ class CopyGate:
 
 
 class CountingEngine(CacheEngine):
-    """A CacheEngine that says when a store or a retrieve was submitted (``store_async`` /
-    ``retrieve_async`` returned)."""
+    """A CacheEngine that says when a store or a retrieve was submitted (``submit_store`` /
+    ``submit_retrieve`` returned)."""
 
     def __init__(self, config: EngineConfig, bus: Any = None) -> None:
         super().__init__(config, bus)
         self.submitted = threading.Semaphore(0)
         self.retrieves = threading.Semaphore(0)
 
-    def store_async(self, *args: Any, **kw: Any) -> Any:
-        future = super().store_async(*args, **kw)
+    def submit_store(self, req: StoreRequest) -> Any:
+        future = super().submit_store(req)
         self.submitted.release()
         return future
 
-    def retrieve_async(self, *args: Any, **kw: Any) -> Any:
-        future = super().retrieve_async(*args, **kw)
+    def submit_retrieve(self, req: RetrieveRequest) -> Any:
+        future = super().submit_retrieve(req)
         self.retrieves.release()
         return future
 
