@@ -56,20 +56,20 @@ class Ids:
         check_count(raw, max_ids)
         arr = _as_array(raw)
         if arr.size == 0:
-            return cls(_frozen(np.zeros(0, np.int64)))
+            return cls(_frozen(np.zeros(0, np.int64), raw))
         if arr.ndim != 1:
             raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")
         if arr.dtype.kind not in "iu":
             raise TypeError(f"token_ids must be integers, got dtype {arr.dtype}")
         if arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
             raise OverflowError("token ids must fit int64")
-        return cls(_frozen(arr))
+        return cls(_frozen(arr, raw))
 
     @classmethod
     def blocks(cls, raw: RawIds, num_blocks: int, *, max_ids: int | None = None) -> Ids:
         """Block ids as int64, each checked to lie in ``[0, num_blocks)`` (``BlockIdError``)."""
         check_count(raw, max_ids)
-        return cls(_frozen(block_id_array(raw, num_blocks)), num_blocks)
+        return cls(_frozen(block_id_array(raw, num_blocks), raw), num_blocks)
 
     def __len__(self) -> int:
         return len(self.values)
@@ -80,7 +80,7 @@ class Ids:
     def runs(self, starts: Sequence[int], length: int) -> Ids:
         """The ids of ``[start, start + length)`` for each start, one after the other."""
         picked = np.concatenate([self.values[s : s + length] for s in starts])
-        return Ids(_frozen(picked), self.bound)
+        return Ids(_frozen(picked, None), self.bound)
 
 
 def check_count(raw: RawIds | Packed, max_ids: int | None) -> None:
@@ -136,12 +136,14 @@ def _as_array(raw: RawIds) -> np.ndarray:
     return np.asarray(raw)
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    """``arr`` as contiguous int64 that nobody can change after it was checked (a copy when
-    it was not int64, or still writable: the caller keeps its own array)."""
+def _frozen(arr: np.ndarray, caller: object) -> np.ndarray:
+    """``arr`` as contiguous int64 that nobody can change after it was checked: copied when
+    it is (or views) memory someone else holds (``caller``'s array or tensor), so the caller
+    keeps a writable array of its own; made read-only in place when it is ours alone."""
     out = np.ascontiguousarray(arr, dtype=np.int64)
     if out.flags.writeable:
-        out = out.copy() if out is arr or out.base is not None else out
+        if out is caller or out.base is not None:
+            out = out.copy()
         out.flags.writeable = False
     return out
 

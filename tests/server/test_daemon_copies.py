@@ -206,8 +206,8 @@ def test_stop_answers_the_copies_in_flight_before_exit(
 
 
 def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGate) -> None:
-    """A bad request found by the engine (block ids out of range) arrives on the engine's
-    future; ``submit`` turns it into the reply ``handle`` gives for the same request."""
+    """A bad request (block ids out of range, refused when the request is built) and one
+    refused later: ``submit`` turns each into the reply ``handle`` gives for it."""
     engine = CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
     handlers = Handlers(engine, InstanceRegistry(), 30.0)
     try:
@@ -221,6 +221,11 @@ def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGat
         via_future = handlers.submit(bad).result(timeout=20)
         assert isinstance(via_future, m.Error) and via_future.code is m.ErrorCode.BLOCK_ID
         assert handlers.handle(bad) == via_future
+        gate.fail_next()  # an error that arrives on the engine's future, after the submit
+        good = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(tokens(1)),
+                       block_ids=pack_ids(BLOCKS))  # fmt: skip
+        faulted = handlers.submit(good).result(timeout=20)
+        assert isinstance(faulted, m.Error) and "injected copy fault" in faulted.message
         late = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(tokens(0)),
                        block_ids=pack_ids(BLOCKS), deadline_ms=1)  # fmt: skip
         refused = handlers.submit(late)
