@@ -6,11 +6,12 @@ the daemon builds it from the wire message and the caller's registration
 (``server.handlers``), an in-process caller directly, against the instance's geometry
 (``CacheEngine.geometry``). Building it does every check a request needs before anything is
 reserved or copied, once: the id counts (``max_ids``), that the block ids cover the tokens,
-the token ids' type, and the range of the block ids of the full chunks; past it, no layer
-converts or re-checks ids (the engine only counts them against its own geometry:
-``engine.instance.Instance.request_keys``) (the native copy does, as defence in depth). The engine takes it
-(``CacheEngine.submit_store`` / ``submit_retrieve``) and returns a future of one result record
-(``records.StoreResult`` / ``RetrieveResult``), which is also the daemon's reply.
+the token ids' type, and the range of the block ids of the full chunks. Past it, no Python
+layer converts or re-checks ids: the engine only counts them against its own geometry
+(``engine.instance.Instance.request_keys``), and the native copy re-checks them as defence in
+depth. The engine takes the request (``CacheEngine.submit_store`` / ``submit_retrieve``) and
+returns a future of one result record (``records.StoreResult`` / ``RetrieveResult``), which is
+also the daemon's reply.
 """
 
 from __future__ import annotations
