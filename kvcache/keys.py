@@ -29,6 +29,11 @@ Why these choices:
 * **Scope** (model name, cache salt, and an opaque ``scope`` bytes the engine fills with the chunk
   geometry) enters only the root: different salts never share a key (tenant isolation), and
   caches of a different dtype or layer count can never be handed each other's bytes.
+* **The caller's part of the scope** is one structured value, ``KeyScope`` (the tenant's salt,
+  the request facts the serving engine would hash itself, and, for a shared door, whose it is).
+  It enters the root as the ``salt`` field above, in the one encoding ``KeyScope.salt_field``
+  defines: its parts joined by ``\x1f``, which no part may contain, trailing empty parts left
+  out (so a plain salt hashes as itself, as it always did).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import hashlib
 import struct
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,6 +58,40 @@ KEY_BYTES = 16
 _TAG_U32 = b"\x04"
 _TAG_I64 = b"\x08"
 _U32_MAX = (1 << 32) - 1
+
+
+_SEP = "\x1f"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyScope:
+    """Whose chunks a request's keys name, besides the model and the chunk geometry.
+
+    ``salt``: the tenant's ``cache_salt``, a namespace it chooses. ``extra``: what besides the
+    tokens decides the KV (LoRA adapter, multimodal inputs: vLLM's ``key_extra``), as the
+    serving engine states it. ``door``: set by the daemon for an instance of a *shared*
+    principal (plain loopback TCP: any local user) to that principal's name, which no other
+    request can produce: what it stores is never a hit for an engine on another door, and what
+    they store never one for it. Built once at the edge (the daemon from the wire and the
+    registration, an in-process caller directly); hashable, so the engine keeps one hasher per
+    scope. ``ValueError`` when ``salt`` or ``extra`` holds the separator: no two scopes may
+    encode alike.
+    """
+
+    salt: str = ""
+    extra: str = ""
+    door: str | None = None
+
+    def __post_init__(self) -> None:
+        if _SEP in self.salt or _SEP in self.extra:
+            raise ValueError("cache_salt and key_extra may not contain \\x1f")
+
+    def salt_field(self) -> str:
+        """The ``salt`` field of the root digest (key version 1): the stored chunks of every
+        release are keyed by exactly this string, so it may never change."""
+        if self.door is not None:
+            return _SEP.join((self.salt, self.extra, self.door))
+        return f"{self.salt}{_SEP}{self.extra}" if self.extra else self.salt
 
 
 def _lp(data: bytes) -> bytes:
@@ -155,4 +195,4 @@ def fold64(key: ChunkKey) -> int:
     return (key >> 64) ^ (key & ((1 << 64) - 1))
 
 
-__all__ = ["KEY_BYTES", "PERSON", "SEED", "ChunkHasher", "chunk_keys", "fold64", "root_key_bytes"]
+__all__ = ["KEY_BYTES", "PERSON", "SEED", "ChunkHasher", "KeyScope", "chunk_keys", "fold64", "root_key_bytes"]

@@ -1,14 +1,16 @@
 """Plain records shared by the data path, the wire and the event vocabulary.
 
-Separate so that ``observability.event``, ``protocol.messages``, ``storage`` and the client
-name one ``ChunkKey``, one ``BlockAllocationRecord``, one ``ChunkIdentity`` and one dtype
-spelling without importing each other (and without importing torch, the bus or Prometheus:
-the event vocabulary must stay light to import).
+Separate so that ``observability.event``, ``protocol.messages``, ``storage``, the engine and
+the client name one ``ChunkKey``, one ``BlockAllocationRecord``, one ``ChunkIdentity``, one
+result record per direction (``StoreResult``, ``RetrieveResult``: what the engine resolves its
+future with is the daemon's reply, sent as it is) and one dtype spelling without importing each
+other (and without importing torch, the bus or Prometheus: the event vocabulary must stay
+light to import).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
@@ -54,10 +56,58 @@ class ChunkIdentity(msgspec.Struct, frozen=True, gc=False, array_like=True, omit
         return int.from_bytes(self.parent_key, "little") if self.parent_key else None
 
 
+class Reply(msgspec.Struct, omit_defaults=True, gc=False, tag_field="kind"):
+    """Base of every daemon reply (the rest are in ``protocol.messages``), tagged by ``kind``;
+    the wire's options: defaults stay off the wire, no GC tracking, unknown fields ignored."""
+
+
+_NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class StoreResult(Reply, tag="store"):
+    """What a store did, in chunks; ``stored_tokens`` are the tokens newly written.
+
+    ``num_bytes`` / ``transfer_seconds``: what its copies moved and how long they ran, from
+    their ``TransferResult`` records (``engine.records.CopyTally``), so a caller (the vLLM
+    connector) reports offload statistics from the one source the engine's own metrics use.
+    The engine's future resolves with it and the daemon sends it as its reply: the first four
+    fields stay required on the wire (an older client needs them even when 0)."""
+
+    stored_chunks: int
+    skipped_chunks: int
+    failed_chunks: int
+    stored_tokens: int
+    num_bytes: _NonNegInt = 0
+    transfer_seconds: float = 0.0
+
+
+class RetrieveResult(Reply, tag="retrieve"):
+    """What a retrieve did: ``retrieved_tokens`` is the prefix now valid in the engine's
+    blocks (skip + copied); bytes and seconds as on ``StoreResult``.
+
+    ``cuda_event``: an interprocess event the engine would wait on before reusing the blocks.
+    Today's daemon sends none: its copy has completed when it replies. An asynchronous
+    retrieve that sends one must keep the event alive until the engine says it waited
+    (destroying an exported event the peer still uses is undefined behaviour in CUDA IPC)."""
+
+    retrieved_tokens: int
+    cuda_event: bytes | None = None
+    num_bytes: _NonNegInt = 0
+    transfer_seconds: float = 0.0
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype's name as chunk records and wire messages spell it (``bfloat16``, not
     ``torch.bfloat16``); the daemon's IPC checks the name against what it can share."""
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["BlockAllocationRecord", "ChunkIdentity", "ChunkKey", "dtype_name"]
+__all__ = [
+    "BlockAllocationRecord",
+    "ChunkIdentity",
+    "ChunkKey",
+    "Reply",
+    "RetrieveResult",
+    "StoreResult",
+    "dtype_name",
+]

@@ -14,13 +14,14 @@ Policies, stated once:
 * **Lookup** counts the prefix of chunks in L1 or present in L2 (disk first, then Redis), and
   starts loading the L2 ones into L1 (prefetch) before it returns; ``retrieve`` waits for those
   loads. The first missing chunk ends the prefix.
-* **Asynchronous copies:** ``store_async`` / ``retrieve_async`` submit the copies and return a
-  future; each instance's copies are completed on its own completer thread, in submission
-  order. Neither waits on its caller's thread: a store short of L1 room waits on the engine's
-  store waiter, a retrieve of chunks still loading from L2 on its retrieve waiter (``waiter``),
-  each in arrival order. A stored chunk
-  becomes visible to lookups only when its copy finished; ``store`` and ``retrieve`` are waits
-  on the futures.
+* **One request value, one entry per direction:** ``submit_store`` / ``submit_retrieve`` take
+  a request checked when it was built (``kvcache.request``), submit the copies and return a
+  future of the direction's result record (``kvcache.records``); each instance's copies are
+  completed on its own completer thread, in submission order. Neither waits on its caller's
+  thread: a store short of L1 room waits on the engine's store waiter, a retrieve of chunks
+  still loading from L2 on its retrieve waiter (``waiter``), each in arrival order. A stored
+  chunk becomes visible to lookups only when its copy finished. ``store_async`` /
+  ``retrieve_async`` build the request from arguments; ``store`` / ``retrieve`` wait too.
 * **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
   lookup never waits behind another thread's copy.
 * **Statistics** (bytes, seconds, sizes of copies) come from the copies' ``TransferResult``
@@ -28,8 +29,8 @@ Policies, stated once:
 
 This module is the facade (registration, lifecycle, introspection); the store path lives in
 ``store``, lookup/prefetch/retrieve in ``load`` (their waits in ``waiter``),
-completion of copies in ``completion``, request checks in ``ids`` and ``reports``, result
-records in ``records`` and the MP_* event metadata in ``op_events``.
+completion of copies in ``completion``, report checks in ``reports``, copy tallies in
+``records`` and the MP_* event metadata in ``op_events``.
 """
 
 from __future__ import annotations
@@ -43,20 +44,21 @@ from typing import Any, TypeVar
 
 from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
+from kvcache.deadline import Deadline
 from kvcache.engine import load as load_path
 from kvcache.engine import pages as pages_path
 from kvcache.engine import store as store_path
-from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
 from kvcache.engine.load import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
-from kvcache.engine.records import RetrieveResult, StoreResult
 from kvcache.engine.reports import publish_allocations, publish_end_session
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
+from kvcache.ids import RawIds
+from kvcache.keys import KeyScope
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import (
     Event,
@@ -65,10 +67,12 @@ from kvcache.observability.event import (
     InstanceUnregistered,
     NullEventSink,
 )
-from kvcache.records import BlockAllocationRecord
+from kvcache.records import BlockAllocationRecord, RetrieveResult, StoreResult
+from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
+from kvcache.transfer.validate import ChunkGeometry
 
 _T = TypeVar("_T")
 
@@ -128,16 +132,11 @@ class CacheEngine:
         (``pages``) keep one page per chunk."""
         if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
             raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
+        cs = chunk_size or self.config.chunk_size
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
-            ctx = GPUCacheContext(
-                kv_caches,
-                chunk_size=chunk_size or self.config.chunk_size,
-                fmt=fmt,
-                engine=engine,
-                block_size=block_size,
-            )
+            ctx = GPUCacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
             self._instances[instance_id] = Instance(instance_id, model_name, ctx)
         return ctx
 
@@ -163,63 +162,82 @@ class CacheEngine:
             raise UnknownInstanceError(f"instance {instance_id} is not registered") from None
 
     # -- data path (store.py, load.py) --------------------------------------------------------
+    def geometry(self, instance_id: int) -> ChunkGeometry:
+        """What a request for ``instance_id`` is checked against when it is built
+        (``StoreRequest.build`` / ``RetrieveRequest.build``)."""
+        return self._instance(instance_id).ctx.geometry
+
     def lookup(
-        self, instance_id: int, token_ids: IntArray, *, cache_salt: str = "", request_id: str = ""
-    ) -> int:
-        """Tokens of the longest cached prefix (whole chunks); starts L2 -> L1 prefetch of it."""
-        hit = self.lookup_tiers(instance_id, token_ids, cache_salt=cache_salt, request_id=request_id)
-        return hit.hit_tokens
-
-    def lookup_tiers(
-        self, instance_id: int, token_ids: IntArray, *, cache_salt: str = "", request_id: str = ""
-    ) -> LookupHit:
-        """``lookup``, also saying how much of the prefix comes from L2."""
-        inst = self._instance(instance_id)
-        return load_path.lookup(self._parts, inst, token_ids, cache_salt=cache_salt, request_id=request_id)
-
-    def store(
         self,
         instance_id: int,
-        token_ids: IntArray,
-        block_ids: IntArray,
+        token_ids: RawIds,
         *,
         cache_salt: str = "",
         request_id: str = "",
-        block_hashes: Sequence[int] | None = None,
-        copy_by: float | None = None,
-        after: Any = None,
-    ) -> StoreResult:
-        """Copy the full chunks of ``token_ids`` (held in ``block_ids``) into the cache.
-
-        Chunks already cached are skipped. When L1 is held by chunks still being written
-        through, the store waits for room (``store_wait_timeout_s`` in all); what still does not
-        fit is reported in ``failed_chunks`` (a trailing run: the leading chunks are stored).
-        ``block_hashes`` (the engine's own per-block hashes) are passed through on the end
-        event for KV-event publishers. ``copy_by`` (``time.monotonic()`` scale): when the caller
-        stops waiting; no copy of its blocks starts later (``DeadlineExceededError``), since
-        the engine may have reused them, and no wait lasts beyond it. ``after``: a CUDA event
-        the engine recorded after writing the blocks (on a stream of its own); the copies wait
-        for it on the device (``TransferJob.after``), and a CPU cache refuses it.
-
-        A wait on ``store_async``; raises what its future holds.
-        """
-        future = self.store_async(
-            instance_id,
-            token_ids,
-            block_ids,
-            cache_salt=cache_salt,
-            request_id=request_id,
-            block_hashes=block_hashes,
-            copy_by=copy_by,
-            after=after,
+        key_scope: KeyScope | None = None,
+    ) -> int:
+        """Tokens of the longest cached prefix (whole chunks); starts L2 -> L1 prefetch of it.
+        ``key_scope``: whose chunks; a bare ``cache_salt`` is ``KeyScope(cache_salt)``."""
+        hit = self.lookup_tiers(
+            instance_id, token_ids, cache_salt=cache_salt, request_id=request_id, key_scope=key_scope
         )
-        return self._wait(instance_id, future)
+        return hit.hit_tokens
 
+    def lookup_tiers(
+        self,
+        instance_id: int,
+        token_ids: RawIds,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        key_scope: KeyScope | None = None,
+    ) -> LookupHit:
+        """``lookup``, also saying how much of the prefix comes from L2."""
+        inst = self._instance(instance_id)
+        scope = key_scope if key_scope is not None else KeyScope(cache_salt)
+        return load_path.lookup(self._parts, inst, token_ids, key_scope=scope, request_id=request_id)
+
+    def submit_store(self, req: StoreRequest) -> Future[StoreResult]:
+        """Start a store: reserve the slots, submit the copies and return (``.result()`` waits).
+
+        The future resolves after the chunks became visible to lookups (each only once its
+        copy finished) and ``MP_STORE_END`` was published; errors (a failed copy, the
+        request's deadline passed) are set on it, with the failed chunks' slots freed. Chunks
+        already cached are skipped. When L1 is held by chunks still being written through,
+        the store waits for room (``store_wait_timeout_s`` in all, on the engine's store
+        waiter, never on the caller's thread); what still does not fit is reported in
+        ``failed_chunks`` (a trailing run: the leading chunks are stored). While an instance
+        has a store waiting there, its later stores queue behind it, in call order.
+
+        NOTE: the engine's ``block_ids`` must keep their KV until the future resolves: a store
+        that waited copies after later operations that did not (a retrieve into its blocks).
+        """
+        try:
+            inst = self._instance(req.instance_id)
+        except UnknownInstanceError as err:
+            return failed(err)
+        return store_path.store_async(self._parts, inst, req)
+
+    def submit_retrieve(self, req: RetrieveRequest) -> Future[RetrieveResult]:
+        """Start a retrieve: the future resolves (after ``MP_RETRIEVE_END``) once the blocks
+        hold the cached prefix, with its length (skip + copied) and what the copies moved;
+        errors are set on it. Chunks still loading from L2 are waited for, within
+        ``retrieve_wait_timeout_s`` and the request's deadline, on the engine's retrieve
+        waiter (behind no store); the prefix ends at the first one not READY then. Past the
+        deadline nothing is written into the blocks (``DeadlineExceededError``). The engine
+        must not read ``block_ids`` before the future resolved."""
+        try:
+            inst = self._instance(req.instance_id)
+        except UnknownInstanceError as err:
+            return failed(err)
+        return load_path.retrieve_async(self._parts, inst, req)
+
+    # Argument-list forms: build the request (``copy_by``: its deadline, ``time.monotonic()``).
     def store_async(
         self,
         instance_id: int,
-        token_ids: IntArray,
-        block_ids: IntArray,
+        token_ids: RawIds,
+        block_ids: RawIds,
         *,
         cache_salt: str = "",
         request_id: str = "",
@@ -227,62 +245,74 @@ class CacheEngine:
         copy_by: float | None = None,
         after: Any = None,
     ) -> Future[StoreResult]:
-        """``store`` without waiting for the copies: reserves the slots, submits the copies and
-        returns. The future resolves after the chunks became visible to lookups (each only once
-        its copy finished) and ``MP_STORE_END`` was published; errors (a bad request, a failed
-        copy, ``copy_by`` passed) are set on it, with the failed chunks' slots freed.
-
-        It never waits for L1 room on the caller's thread: short of room, it submits what fits
-        and hands the rest to the engine's waiter thread (bounded as ``store`` says); while an
-        instance has a store waiting there, its later stores queue behind it, in call order.
-
-        NOTE: the engine's ``block_ids`` must keep their KV until the future resolves: a store
-        that waited copies after later operations that did not (a retrieve into its blocks).
-        """
+        """``submit_store`` of ``StoreRequest.build(...)``; never raises."""
         try:
-            inst = self._instance(instance_id)
-        except UnknownInstanceError as err:
+            req = StoreRequest.build(
+                instance_id, self.geometry(instance_id), token_ids, block_ids,
+                scope=KeyScope(cache_salt), request_id=request_id, deadline=Deadline.of(copy_by),
+                after=after, block_hashes=block_hashes,
+            )  # fmt: skip
+        except Exception as err:  # a bad request: nothing was reserved or published
             return failed(err)
-        return store_path.store_async(
-            self._parts,
-            inst,
-            token_ids,
-            block_ids,
-            cache_salt=cache_salt,
-            request_id=request_id,
-            block_hashes=block_hashes,
-            copy_by=copy_by,
-            after=after,
-        )
+        return self.submit_store(req)
+
+    def store(
+        self,
+        instance_id: int,
+        token_ids: RawIds,
+        block_ids: RawIds,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        block_hashes: Sequence[int] | None = None,
+        copy_by: float | None = None,
+        after: Any = None,
+    ) -> StoreResult:
+        """A wait on ``store_async``; raises what its future holds."""
+        future = self.store_async(
+            instance_id, token_ids, block_ids, cache_salt=cache_salt, request_id=request_id,
+            block_hashes=block_hashes, copy_by=copy_by, after=after,
+        )  # fmt: skip
+        return self._wait(instance_id, future)
+
+    def retrieve_async(
+        self,
+        instance_id: int,
+        token_ids: RawIds,
+        block_ids: RawIds,
+        skip_tokens: int = 0,
+        *,
+        cache_salt: str = "",
+        request_id: str = "",
+        copy_by: float | None = None,
+    ) -> Future[RetrieveResult]:
+        """``submit_retrieve`` of ``RetrieveRequest.build(...)``; never raises."""
+        try:
+            req = RetrieveRequest.build(
+                instance_id, self.geometry(instance_id), token_ids, block_ids, skip_tokens,
+                scope=KeyScope(cache_salt), request_id=request_id, deadline=Deadline.of(copy_by),
+            )  # fmt: skip
+        except Exception as err:  # a bad request: nothing was pinned or published
+            return failed(err)
+        return self.submit_retrieve(req)
 
     def retrieve(
         self,
         instance_id: int,
-        token_ids: IntArray,
-        block_ids: IntArray,
+        token_ids: RawIds,
+        block_ids: RawIds,
         skip_tokens: int = 0,
         *,
         cache_salt: str = "",
         request_id: str = "",
         copy_by: float | None = None,
     ) -> int:
-        """Copy the cached prefix of ``token_ids`` into ``block_ids``, leaving the first
-        ``skip_tokens`` (rounded down to whole blocks) alone; returns the prefix length now
-        valid in the engine (skip + copied). Chunks still loading from L2 are waited for,
-        within ``retrieve_wait_timeout_s``; the prefix ends at the first one not READY then.
-        ``copy_by``: as for ``store``; waits for L2 loads end there, and past it nothing is
-        written into ``block_ids`` (``DeadlineExceededError``).
-
-        A wait on ``retrieve_async``; raises what its future holds."""
+        """A wait on ``retrieve_async``: the prefix length now valid in the engine (skip +
+        copied); raises what its future holds."""
         future = self.retrieve_async(
-            instance_id,
-            token_ids,
-            block_ids,
-            skip_tokens,
-            cache_salt=cache_salt,
-            request_id=request_id,
-            copy_by=copy_by,
-        )
+            instance_id, token_ids, block_ids, skip_tokens,
+            cache_salt=cache_salt, request_id=request_id, copy_by=copy_by,
+        )  # fmt: skip
         return self._wait(instance_id, future).retrieved_tokens
 
     def _wait(self, instance_id: int, future: Future[_T]) -> _T:
@@ -297,41 +327,6 @@ class CacheEngine:
                 "itself; use store_async/retrieve_async there"
             )
         return future.result()
-
-    def retrieve_async(
-        self,
-        instance_id: int,
-        token_ids: IntArray,
-        block_ids: IntArray,
-        skip_tokens: int = 0,
-        *,
-        cache_salt: str = "",
-        request_id: str = "",
-        copy_by: float | None = None,
-    ) -> Future[RetrieveResult]:
-        """``retrieve`` without waiting: the future resolves (after ``MP_RETRIEVE_END``) once
-        the blocks hold the prefix, with the prefix length and what the copies moved
-        (``RetrieveResult``); errors are set on it.
-
-        It never waits on the caller's thread: it copies the READY prefix, or, when chunks
-        of it are still loading from L2 (or L2 may hold more), hands the retrieve to the
-        engine's retrieve waiter, behind no store (see ``waiter``), which waits as ``retrieve``
-        says. The engine must not read ``block_ids`` before the future resolved.
-        """
-        try:
-            inst = self._instance(instance_id)
-        except UnknownInstanceError as err:
-            return failed(err)
-        return load_path.retrieve_async(
-            self._parts,
-            inst,
-            token_ids,
-            block_ids,
-            skip_tokens,
-            cache_salt=cache_salt,
-            request_id=request_id,
-            copy_by=copy_by,
-        )
 
     # -- engine bookkeeping events ----------------------------------------------------------
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:

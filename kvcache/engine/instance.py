@@ -10,21 +10,22 @@ the same shape: give each rank its own ``model_name`` or ``cache_salt``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any, TypeVar
-
-import numpy as np
 
 from kvcache.context import GPUCacheContext
 from kvcache.engine.completion import Completer
-from kvcache.keys import ChunkHasher
+from kvcache.errors import ChunkMismatchError
+from kvcache.ids import RawIds
+from kvcache.keys import ChunkHasher, KeyScope
 from kvcache.observability.event import OperationMeta
 from kvcache.records import ChunkKey, dtype_name
+from kvcache.request import Request
 from kvcache.storage.l1.slab import SlotGeometry
 
 OpMetaT = TypeVar("OpMetaT", bound=OperationMeta)
 
-_MAX_HASHERS = 4096  # distinct cache salts remembered per instance
+_MAX_HASHERS = 4096  # distinct key scopes remembered per instance
+_NO_SCOPE = KeyScope()
 
 
 class Instance:
@@ -52,19 +53,34 @@ class Instance:
         self.scope = (
             "chunk:" + "x".join(map(str, self.geometry.shape)) + ":" + dtype_name(ctx.dtype)
         ).encode()
-        self._hashers: dict[str, ChunkHasher] = {}
+        self._hashers: dict[KeyScope, ChunkHasher] = {}
         self._lock = threading.Lock()
 
-    def keys(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str = "") -> list[ChunkKey]:
-        hasher = self._hashers.get(cache_salt)
+    def request_keys(self, req: Request) -> list[ChunkKey]:
+        """The chunk keys of a request; ``ChunkMismatchError`` for one built for another
+        geometry (its block ids must be exactly the blocks of its full chunks here: a count,
+        as ``request`` checked the ids themselves)."""
+        keys = self.keys(req.token_ids.values, req.scope)
+        want = len(keys) * self.ctx.blocks_per_chunk
+        if len(req.block_ids) != want:
+            raise ChunkMismatchError(
+                f"the request holds {len(req.block_ids)} block ids for {len(keys)} full chunks "
+                f"({want} expected): it was built for another instance's geometry"
+            )
+        return keys
+
+    def keys(self, token_ids: RawIds, key_scope: KeyScope = _NO_SCOPE) -> list[ChunkKey]:
+        """The chunk keys of ``token_ids`` under ``key_scope`` (with this instance's model and
+        geometry ``scope``)."""
+        hasher = self._hashers.get(key_scope)
         if hasher is None:
             hasher = ChunkHasher(
-                self.model_name, self.ctx.chunk_size, cache_salt=cache_salt, scope=self.scope
+                self.model_name, self.ctx.chunk_size, cache_salt=key_scope.salt_field(), scope=self.scope
             )
             with self._lock:
                 if len(self._hashers) >= _MAX_HASHERS:
                     self._hashers.clear()
-                self._hashers[cache_salt] = hasher
+                self._hashers[key_scope] = hasher
         return hasher.keys(token_ids)
 
     def meta(self, cls: type[OpMetaT], **fields: Any) -> OpMetaT:

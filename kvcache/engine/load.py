@@ -19,13 +19,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvcache.engine.ids import IntArray, block_id_array, check_cover
+from kvcache.deadline import Deadline
 from kvcache.engine.instance import Instance
 from kvcache.engine.parts import EngineParts
-from kvcache.engine.records import CopyTally, RetrieveResult
-from kvcache.errors import ChunkMismatchError, DeadlineExceededError
+from kvcache.engine.records import CopyTally
+from kvcache.errors import DeadlineExceededError
+from kvcache.ids import Ids, RawIds
+from kvcache.keys import KeyScope
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart
-from kvcache.records import ChunkKey
+from kvcache.records import ChunkKey, RetrieveResult
+from kvcache.request import RetrieveRequest
 from kvcache.storage.l1.pool import L1Entry
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.transfer.base import Direction, TransferResult
@@ -42,13 +45,13 @@ class LookupHit(NamedTuple):
 
 
 def lookup(
-    parts: EngineParts, inst: Instance, token_ids: IntArray, *, cache_salt: str, request_id: str
+    parts: EngineParts, inst: Instance, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
     sid = parts.events.session(inst.instance_id, request_id)
     num_tokens = len(token_ids)
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
-    keys = inst.keys(token_ids, cache_salt)
+    keys = inst.keys(token_ids, key_scope)
     l1 = l2 = 0
     room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
     while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
@@ -114,18 +117,8 @@ def prefetch(
     return len(entries)
 
 
-def retrieve_async(
-    parts: EngineParts,
-    inst: Instance,
-    token_ids: IntArray,
-    block_ids: IntArray,
-    skip_tokens: int,
-    *,
-    cache_salt: str,
-    request_id: str,
-    copy_by: float | None = None,
-) -> Future[RetrieveResult]:
-    """See ``CacheEngine.retrieve_async``. Never raises: every error is set on the future.
+def retrieve_async(parts: EngineParts, inst: Instance, req: RetrieveRequest) -> Future[RetrieveResult]:
+    """See ``CacheEngine.submit_retrieve``. Never raises: every error is set on the future.
 
     The caller's thread checks the request, pins the leading chunks resident in L1 and, when
     they are all READY and nothing more could come from L2, submits the copy; a prefix still
@@ -135,9 +128,7 @@ def retrieve_async(
     """
     future: Future[RetrieveResult] = Future()
     try:
-        op = _RetrieveOp.begin(
-            parts, inst, token_ids, block_ids, skip_tokens, cache_salt, request_id, copy_by
-        )
+        op = _RetrieveOp.begin(parts, inst, req)
     except Exception as err:  # a bad request: nothing was pinned or published
         future.set_exception(err)
         return future
@@ -165,32 +156,19 @@ class _RetrieveOp:
     skip: int  # tokens left alone (whole blocks)
     local_skip: int  # blocks of the first chunk left alone
     keys: list[ChunkKey]  # from the first chunk with a block to copy
-    ids: IntArray  # the block ids of ``keys``
-    copy_by: float | None
-    deadline: float  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``copy_by``)
+    ids: Ids  # the block ids of ``keys``
+    copy_by: Deadline | None  # the request's: no byte is written into its blocks after it
+    deadline: Deadline  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``copy_by``)
     future: Future[RetrieveResult] = field(default_factory=Future)
     pinned: list[L1Entry] = field(default_factory=list)
 
     @classmethod
-    def begin(
-        cls,
-        parts: EngineParts,
-        inst: Instance,
-        token_ids: IntArray,
-        block_ids: IntArray,
-        skip_tokens: int,
-        cache_salt: str,
-        request_id: str,
-        copy_by: float | None,
-    ) -> _RetrieveOp:
-        """Check the request, compute its keys and publish ``MP_RETRIEVE_START``."""
+    def begin(cls, parts: EngineParts, inst: Instance, req: RetrieveRequest) -> _RetrieveOp:
+        """Key the request (checked when it was built) and publish ``MP_RETRIEVE_START``."""
         ctx = inst.ctx
-        num_tokens = len(token_ids)
-        check_cover(ctx, num_tokens, block_ids)
-        if skip_tokens < 0:
-            raise ChunkMismatchError(f"skip_tokens must be >= 0, got {skip_tokens}")
+        num_tokens, skip_tokens = len(req.token_ids), req.skip_tokens
         bs, bpc, cs = ctx.block_size, ctx.blocks_per_chunk, ctx.chunk_size
-        keys = inst.keys(token_ids, cache_salt)
+        keys = inst.request_keys(req)
         if skip_tokens > len(keys) * cs:
             # The engine cannot already hold more of this request than the request has: a
             # larger skip is clamped, so the answer never claims tokens that do not exist.
@@ -200,8 +178,8 @@ class _RetrieveOp:
                 "retrieve: skip_tokens=%d is not a multiple of block size %d; rounded down", skip_tokens, bs
             )
         skip_blocks = skip_tokens // bs
-        ids = block_id_array(ctx, block_ids, len(keys) * bpc)
-        sid = parts.events.session(inst.instance_id, request_id)
+        ids = req.block_ids
+        sid = parts.events.session(inst.instance_id, req.request_id)
         skip = skip_blocks * bs
         parts.events.publish(
             EventType.MP_RETRIEVE_START,
@@ -209,9 +187,8 @@ class _RetrieveOp:
             inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=skip),
         )
         first = skip_blocks // bpc  # the first chunk with a block to copy
-        deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
-        if copy_by is not None:
-            deadline = min(deadline, copy_by)
+        copy_by = req.deadline
+        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(copy_by)
         local_skip = skip_blocks - first * bpc
         return cls(parts, inst, sid, num_tokens, skip, local_skip, keys[first:], ids[first * bpc :],
                    copy_by, deadline)  # fmt: skip
@@ -237,7 +214,7 @@ class _RetrieveOp:
             while (
                 not stop.is_set()
                 and len(entries) < len(keys)
-                and prefetch(parts, self.inst, keys[len(entries) :], self.deadline)
+                and prefetch(parts, self.inst, keys[len(entries) :], self.deadline.at)
             ):
                 more = parts.pool.acquire(keys[len(entries) :])  # the loads just begun, and what follows
                 if not more:  # they failed already
@@ -247,7 +224,7 @@ class _RetrieveOp:
             ready = 0
             with settled:
                 for entry in entries:
-                    left = max(0.0, self.deadline - time.monotonic())
+                    left = self.deadline.left()
                     settled.wait_for(functools.partial(_settled_or_stopped, entry, stop), left)
                     if not entry.wait(0):
                         break
@@ -261,7 +238,7 @@ class _RetrieveOp:
     def copy(self) -> None:
         """Submit the copy of ``pinned`` (all READY), or end the retrieve without one."""
         inst, good = self.inst, self.pinned
-        if self.copy_by is not None and time.monotonic() > self.copy_by:
+        if self.copy_by is not None and self.copy_by.passed():
             self.fail(DeadlineExceededError(
                 "retrieve: its client's deadline passed before the copy could start; no byte was "
                 "written into its blocks"
@@ -274,7 +251,8 @@ class _RetrieveOp:
         sel = self.ids[: len(good) * ctx.blocks_per_chunk]
         try:
             chunks = [e.tensor for e in good]
-            job = ctx.copy_from_chunks_async(chunks, sel, skip_blocks=self.local_skip, start_by=self.copy_by)
+            start_by = self.copy_by.at if self.copy_by is not None else None
+            job = ctx.copy_from_chunks_async(chunks, sel, skip_blocks=self.local_skip, start_by=start_by)
         except Exception as err:  # the handler is closed: nothing was queued
             self.fail(err)
             return
@@ -320,7 +298,8 @@ class _RetrieveOp:
             copies, error is None,
         )  # fmt: skip
         if error is None:
-            self.future.set_result(RetrieveResult(retrieved, copies.nbytes, copies.seconds))
+            result = RetrieveResult(retrieved, num_bytes=copies.nbytes, transfer_seconds=copies.seconds)
+            self.future.set_result(result)
         else:
             self.future.set_exception(error)
 

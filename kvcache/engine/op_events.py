@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from kvcache.engine.ids import IntArray
 from kvcache.engine.instance import Instance
-from kvcache.engine.records import CopyTally, StoreResult
+from kvcache.engine.records import CopyTally
+from kvcache.ids import RawIds
 from kvcache.observability.event import (
     Event,
     EventMeta,
@@ -24,7 +24,7 @@ from kvcache.observability.event import (
     MpRetrieveEnd,
     MpStoreEnd,
 )
-from kvcache.records import ChunkIdentity, ChunkKey
+from kvcache.records import ChunkIdentity, ChunkKey, StoreResult
 
 
 class OpEvents:
@@ -99,7 +99,7 @@ def chunk_write_metadata(
     bpc: int,
     block_size: int,
     chunk_size: int,
-    token_ids: IntArray,
+    token_ids: RawIds,
     block_hashes: Sequence[int] | None,
 ) -> L1WriteFinished:
     """The ``L1_WRITE_FINISHED`` facts that tell KV-event routers what the written chunks are

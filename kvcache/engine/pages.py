@@ -28,25 +28,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import numpy as np
-
+from kvcache.deadline import Deadline
 from kvcache.engine import load as load_path
-from kvcache.engine.ids import IntArray, block_id_array
 from kvcache.engine.instance import Instance
 from kvcache.engine.load import _RetrieveOp
 from kvcache.engine.parts import EngineParts
-from kvcache.engine.records import RetrieveResult, StoreResult
 from kvcache.engine.store import _StoreOp
 from kvcache.errors import ChunkMismatchError
 from kvcache.futures import failed
+from kvcache.ids import Ids, RawIds
 from kvcache.keys import KEY_BYTES, PERSON, root_key_bytes
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart, MpStoreStart
-from kvcache.records import ChunkKey
+from kvcache.records import ChunkKey, RetrieveResult, StoreResult
+from kvcache.request import StoreRequest
 
 PAGE_KEY_BYTES = 32
 _SCOPE_SUFFIX = b"|pages.v1"
 _TAG_PAGE = b"\x20"
-_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_TOKENS = Ids.tokens([])
 
 
 def page_keys(inst: Instance, raw: bytes, cache_salt: str) -> list[ChunkKey]:
@@ -88,17 +87,17 @@ def exists(parts: EngineParts, inst: Instance, keys: list[ChunkKey], request_id:
     return l1 + l2, l2
 
 
-def _check_ids(inst: Instance, keys: list[ChunkKey], block_ids: IntArray) -> np.ndarray:
+def _check_ids(inst: Instance, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
     if len(block_ids) != len(keys):
         raise ChunkMismatchError(f"{len(keys)} page keys but {len(block_ids)} block ids (one each)")
-    return block_id_array(inst.ctx, block_ids, len(keys))
+    return Ids.blocks(block_ids, inst.ctx.num_blocks)
 
 
 def store_async(
     parts: EngineParts,
     inst: Instance,
     keys: list[ChunkKey],
-    block_ids: IntArray,
+    block_ids: RawIds,
     *,
     request_id: str = "",
     copy_by: float | None = None,
@@ -109,12 +108,12 @@ def store_async(
     try:
         ids = _check_ids(inst, keys, block_ids)
         sid = parts.events.session(inst.instance_id, request_id)
-        deadline = time.monotonic() + parts.config.store_wait_timeout_s
-        if copy_by is not None:
-            deadline = min(deadline, copy_by)
+        copy_deadline = Deadline.of(copy_by)
+        req = StoreRequest(instance_id=inst.instance_id, token_ids=_NO_TOKENS, block_ids=ids,
+                           request_id=request_id, deadline=copy_deadline)  # fmt: skip
+        deadline = Deadline.within(parts.config.store_wait_timeout_s).earliest(copy_deadline)
         ps = inst.ctx.chunk_size
-        op = _StoreOp(parts, inst, sid, _NO_TOKENS, keys, ids, None, copy_by, deadline,
-                      keyed_tokens=len(keys) * ps)  # fmt: skip
+        op = _StoreOp(parts, inst, req, sid, keys, deadline, keyed_tokens=len(keys) * ps)
         start = inst.meta(MpStoreStart, num_tokens=len(keys) * ps, num_chunks=len(keys))
         parts.events.publish(EventType.MP_STORE_START, sid, start)
     except Exception as err:  # a bad request: nothing was reserved
@@ -129,7 +128,7 @@ def retrieve_async(
     parts: EngineParts,
     inst: Instance,
     keys: list[ChunkKey],
-    block_ids: IntArray,
+    block_ids: RawIds,
     *,
     request_id: str = "",
     copy_by: float | None = None,
@@ -140,11 +139,10 @@ def retrieve_async(
     try:
         ids = _check_ids(inst, keys, block_ids)
         sid = parts.events.session(inst.instance_id, request_id)
-        deadline = time.monotonic() + parts.config.retrieve_wait_timeout_s
-        if copy_by is not None:
-            deadline = min(deadline, copy_by)
+        copy_deadline = Deadline.of(copy_by)
+        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(copy_deadline)
         num_tokens = len(keys) * inst.ctx.chunk_size
-        op = _RetrieveOp(parts, inst, sid, num_tokens, 0, 0, keys, ids, copy_by, deadline)
+        op = _RetrieveOp(parts, inst, sid, num_tokens, 0, 0, keys, ids, copy_deadline, deadline)
         start = inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=0)
         parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
     except Exception as err:
@@ -180,7 +178,7 @@ class EnginePages:
         self,
         instance_id: int,
         keys: bytes,
-        block_ids: IntArray,
+        block_ids: RawIds,
         *,
         cache_salt: str = "",
         request_id: str = "",
@@ -198,7 +196,7 @@ class EnginePages:
         self,
         instance_id: int,
         keys: bytes,
-        block_ids: IntArray,
+        block_ids: RawIds,
         *,
         cache_salt: str = "",
         request_id: str = "",

@@ -1,4 +1,5 @@
-"""The records one engine operation produces: what a store did, and what its copies moved.
+"""What an engine operation's copies moved (``CopyTally``). Its result records
+(``StoreResult``, ``RetrieveResult``) are shared with the wire: they live in ``kvcache.records``.
 
 Separate so that the paths that fill them (``store``, ``load``) and the module that reports
 them (``op_events``) both import this leaf, instead of each other.
@@ -8,32 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 from kvcache.transfer.base import TransferResult
-
-
-class StoreResult(msgspec.Struct, frozen=True):
-    """What a store did, in chunks; ``stored_tokens`` are the tokens newly written.
-    ``num_bytes`` / ``transfer_seconds``: what its copies moved and how long they ran, from
-    their ``TransferResult`` records (``CopyTally``), for callers that report offload
-    statistics (the vLLM connector) without keeping figures of their own."""
-
-    stored_chunks: int = 0
-    skipped_chunks: int = 0
-    failed_chunks: int = 0
-    stored_tokens: int = 0
-    num_bytes: int = 0
-    transfer_seconds: float = 0.0
-
-
-class RetrieveResult(msgspec.Struct, frozen=True):
-    """What a retrieve did: ``retrieved_tokens`` is the prefix now valid in the engine's
-    blocks (skip + copied); bytes and seconds as on ``StoreResult``."""
-
-    retrieved_tokens: int = 0
-    num_bytes: int = 0
-    transfer_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -56,4 +32,4 @@ class CopyTally:
         self.blocks += result.blocks
 
 
-__all__ = ["CopyTally", "RetrieveResult", "StoreResult"]
+__all__ = ["CopyTally"]

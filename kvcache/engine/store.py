@@ -4,7 +4,8 @@ Separate from the engine facade because it is the one path that reserves memory 
 write-through pins: each chunk newly written to L1 stays pinned once per tier until that tier's
 write finishes (or is refused), so a slot is never evicted or reused while a tier reads it.
 
-One pass down: the request is checked and its keys computed once (``_StoreOp.begin``), the
+One pass down: the request (``request.StoreRequest``, checked when it was built) is keyed once
+(``_StoreOp.begin``), the
 slots L1 has room for now are reserved and their copies submitted on the caller's thread
 (``_StoreOp.run``, which never waits), a store short of room is finished on the engine's store
 waiter thread (``_StoreOp._wait_pass``, see ``waiter``), and each copy's ``TransferResult`` is
@@ -16,39 +17,24 @@ event and resolves the caller's future.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
-from kvcache.engine.ids import IntArray, block_id_array, check_cover
+from kvcache.deadline import Deadline
 from kvcache.engine.instance import Instance
 from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
-from kvcache.engine.records import CopyTally, StoreResult
+from kvcache.engine.records import CopyTally
 from kvcache.errors import DeadlineExceededError
 from kvcache.observability.event import EventType, MpStoreStart
-from kvcache.records import ChunkKey
+from kvcache.records import ChunkKey, StoreResult
+from kvcache.request import StoreRequest
 from kvcache.storage.l1.entry import L1Entry
 from kvcache.transfer.base import Direction, TransferResult
 
 
-def store_async(
-    parts: EngineParts,
-    inst: Instance,
-    token_ids: IntArray,
-    block_ids: IntArray,
-    *,
-    cache_salt: str,
-    request_id: str,
-    block_hashes: Sequence[int] | None,
-    copy_by: float | None = None,
-    after: Any = None,
-) -> Future[StoreResult]:
-    """See ``CacheEngine.store_async``. Never raises: every error is set on the future.
+def store_async(parts: EngineParts, inst: Instance, req: StoreRequest) -> Future[StoreResult]:
+    """See ``CacheEngine.submit_store``. Never raises: every error is set on the future.
 
     Chunks are reserved and their copies submitted in batches: when L1 runs out while this
     store holds fresh slots, it submits those first and then asks for the rest, so it only
@@ -58,9 +44,7 @@ def store_async(
     """
     future: Future[StoreResult] = Future()
     try:
-        op = _StoreOp.begin(
-            parts, inst, token_ids, block_ids, cache_salt, request_id, block_hashes, copy_by, after
-        )
+        op = _StoreOp.begin(parts, inst, req)
     except Exception as err:  # a bad request: nothing was reserved or published
         future.set_exception(err)
         return future
@@ -77,14 +61,10 @@ class _StoreOp:
 
     parts: EngineParts
     inst: Instance
+    req: StoreRequest
     sid: str
-    token_ids: IntArray
     keys: list[ChunkKey]
-    ids: np.ndarray
-    block_hashes: Sequence[int] | None
-    copy_by: float | None
-    deadline: float
-    after: Any = None  # a device event every copy waits for (``TransferJob.after``)
+    deadline: Deadline  # the end of any wait (``store_wait_timeout_s``, the request's deadline)
     future: Future[StoreResult] = field(default_factory=Future)
     lock: threading.Lock = field(default_factory=threading.Lock)
     tally: CopyTally = field(default_factory=CopyTally)
@@ -98,30 +78,13 @@ class _StoreOp:
     keyed_tokens: int = 0  # tokens of a store keyed by the engine (``pages``): it has no token ids
 
     @classmethod
-    def begin(
-        cls,
-        parts: EngineParts,
-        inst: Instance,
-        token_ids: IntArray,
-        block_ids: IntArray,
-        cache_salt: str,
-        request_id: str,
-        block_hashes: Sequence[int] | None,
-        copy_by: float | None,
-        after: Any = None,
-    ) -> _StoreOp:
-        """Check the request once (ids cover the tokens and lie in the cache), compute its
-        keys once, and publish ``MP_STORE_START``."""
-        ctx = inst.ctx
-        check_cover(ctx, len(token_ids), block_ids)
-        keys = inst.keys(token_ids, cache_salt)
-        ids = block_id_array(ctx, block_ids, len(keys) * ctx.blocks_per_chunk)
-        sid = parts.events.session(inst.instance_id, request_id)
-        deadline = time.monotonic() + parts.config.store_wait_timeout_s
-        if copy_by is not None:
-            deadline = min(deadline, copy_by)
-        op = cls(parts, inst, sid, token_ids, keys, ids, block_hashes, copy_by, deadline, after)
-        start = inst.meta(MpStoreStart, num_tokens=len(token_ids), num_chunks=len(keys))
+    def begin(cls, parts: EngineParts, inst: Instance, req: StoreRequest) -> _StoreOp:
+        """Key the request once and publish ``MP_STORE_START``."""
+        keys = inst.request_keys(req)
+        sid = parts.events.session(inst.instance_id, req.request_id)
+        deadline = Deadline.within(parts.config.store_wait_timeout_s).earliest(req.deadline)
+        op = cls(parts, inst, req, sid, keys, deadline)
+        start = inst.meta(MpStoreStart, num_tokens=len(req.token_ids), num_chunks=len(keys))
         parts.events.publish(EventType.MP_STORE_START, sid, start)
         return op
 
@@ -164,7 +127,7 @@ class _StoreOp:
         partial = bool(parts.tiers)
         while self.pos < len(keys) and self.error is None:
             waits = stop is not None and not stop.is_set()
-            left = max(0.0, self.deadline - time.monotonic()) if waits else 0.0
+            left = self.deadline.left() if waits else 0.0
             pool, pos = parts.pool, self.pos
             res = pool.begin_write(self.inst.geometry, keys[pos:], wait_s=left, partial=partial,
                                    defer=stop is None, held=len(self.held), stop=stop)  # fmt: skip
@@ -174,7 +137,8 @@ class _StoreOp:
             with self.lock:
                 self.skipped += len(res.present)
                 self.failed += res.failed
-            if self.copy_by is not None and time.monotonic() > self.copy_by and (new or res.failed):
+            gone = self.req.deadline is not None and self.req.deadline.passed()
+            if gone and (new or res.failed):
                 # The caller gave up (its blocks may hold another request's KV by now): copy
                 # nothing more, and say why the rest is not stored.
                 pool.finish(new, False)
@@ -201,15 +165,16 @@ class _StoreOp:
         self.parts.pool.finish([e for _, e in held], False)
 
     def _submit(self, indices: list[int], new: list[L1Entry]) -> None:
-        bpc = self.inst.ctx.blocks_per_chunk
+        bpc, req = self.inst.ctx.blocks_per_chunk, self.req
         if indices[-1] - indices[0] == len(indices) - 1:  # the usual case: one run of chunks
-            sel = self.ids[indices[0] * bpc : (indices[-1] + 1) * bpc]
+            sel = req.block_ids[indices[0] * bpc : (indices[-1] + 1) * bpc]
         else:
-            sel = np.concatenate([self.ids[i * bpc : (i + 1) * bpc] for i in indices])
+            sel = req.block_ids.runs([i * bpc for i in indices], bpc)
         ctx = self.inst.ctx
+        start_by = req.deadline.at if req.deadline is not None else None
         try:
             chunks = [e.tensor for e in new]
-            job = ctx.copy_to_chunks_async(sel, chunks, start_by=self.copy_by, after=self.after)
+            job = ctx.copy_to_chunks_async(sel, chunks, start_by=start_by, after=req.after)
         except Exception as err:  # the handler is closed: nothing was queued
             self.parts.pool.finish(new, False)
             self._fail(err)
@@ -243,7 +208,8 @@ class _StoreOp:
                 parts.pool.pin(new)
             cs = ctx.chunk_size
             bpc, bs = ctx.blocks_per_chunk, ctx.block_size
-            extra = chunk_write_metadata(self.keys, indices, bpc, bs, cs, self.token_ids, self.block_hashes)
+            tokens, hashes = self.req.token_ids.values, self.req.block_hashes
+            extra = chunk_write_metadata(self.keys, indices, bpc, bs, cs, tokens, hashes)
             parts.pool.finish(new, True, extra)
             with self.lock:
                 self.stored += len(new)
@@ -268,13 +234,13 @@ class _StoreOp:
                 return
             stored, skipped, failed, error = self.stored, self.skipped, self.failed, self.error
         parts, inst, cs = self.parts, self.inst, self.inst.ctx.chunk_size
-        num_tokens = len(self.token_ids) or self.keyed_tokens
+        num_tokens = len(self.req.token_ids) or self.keyed_tokens
         if error is not None:  # earlier batches stay stored; the rest of the request is lost
             failed = len(self.keys) - stored - skipped
         tally = self.tally
         result = StoreResult(stored, skipped, failed, stored * cs, tally.nbytes, tally.seconds)
         parts.stats.record_store(tally.nbytes, tally.seconds, tally.blocks * inst.ctx.block_size)
-        hashes = self.block_hashes if error is None else None
+        hashes = self.req.block_hashes if error is None else None
         parts.events.store_end(inst, self.sid, num_tokens, result, tally, error is None, hashes)
         if error is None:
             self.future.set_result(result)
@@ -282,7 +248,9 @@ class _StoreOp:
             self.future.set_exception(error)
 
 
-def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float, metas: list[bytes]) -> None:
+def _write_through(
+    parts: EngineParts, entries: list[L1Entry], deadline: Deadline, metas: list[bytes]
+) -> None:
     """Queue each new chunk to every tier; a busy tier gets until ``deadline`` (the store's
     own wait bound) to make room, so a burst of stores is slowed down rather than dropped.
     ``metas`` (aligned with ``entries``, or empty) go to the tiers that keep them."""
@@ -292,10 +260,10 @@ def _write_through(parts: EngineParts, entries: list[L1Entry], deadline: float, 
             def done(ok: bool, entry: L1Entry = entry) -> None:
                 parts.pool.release([entry])
 
-            wait_s = max(0.0, deadline - time.monotonic())
+            wait_s = deadline.left()
             meta = metas[i] if metas and tier.adapter.keeps_meta else b""
             if not tier.submit_store(entry.key, entry.tensor, done, wait_s, meta):
                 parts.pool.release([entry])
 
 
-__all__ = ["StoreResult", "store_async"]
+__all__ = ["store_async"]

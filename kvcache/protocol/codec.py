@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from kvcache.ids import unpacked
 from kvcache.protocol.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -111,10 +112,9 @@ def pack_ids(ids: Sequence[int] | Any) -> IdArray:
 
 
 def unpack_ids(ids: IdArray) -> np.ndarray:
-    """The ids as a read-only numpy array (no copy); ``ValueError`` on a ragged buffer."""
-    if len(ids.data) % ids.width:
-        raise ValueError(f"{len(ids.data)} bytes are not a whole number of {ids.width}-byte ids")
-    return np.frombuffer(ids.data, dtype="<u4" if ids.width == 4 else "<i8")
+    """The ids as a read-only numpy array (no copy); ``ValueError`` on a ragged buffer.
+    (``ids.unpacked``: the request builder unpacks the wire's ids itself.)"""
+    return np.asarray(unpacked(ids))
 
 
 def _try_header(frame: bytes | memoryview) -> RequestHeader | None:

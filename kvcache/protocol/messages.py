@@ -20,7 +20,12 @@ from typing import Any, Literal
 from kvcache.errors import ErrorCode  # re-exported: the wire vocabulary names it
 from kvcache.protocol.wire import CudaIpcTensor, FdTensor, IdArray, NonNegInt, TensorDesc
 from kvcache.protocol.wire import Wire as _Wire
-from kvcache.records import BlockAllocationRecord
+from kvcache.records import (  # the replies the engine's futures resolve with, re-exported
+    BlockAllocationRecord,
+    Reply,
+    RetrieveResult,
+    StoreResult,
+)
 
 PROTOCOL_VERSION = 2
 """Bumped only on a change an older peer would misread; a mismatch is a ``VERSION_MISMATCH`` reply.
@@ -208,10 +213,9 @@ class RequestHeader(_Wire):
 
 
 # -- replies -----------------------------------------------------------------------------
-
-
-class Reply(_Wire, tag_field="kind"):
-    """Base of every reply: a result of the request's operation, or an ``Error``."""
+# ``Reply`` (the base, tagged by ``kind``), ``StoreResult`` and ``RetrieveResult`` live in
+# ``kvcache.records``: the engine resolves its futures with them and the daemon sends them as
+# they are.
 
 
 class Error(Reply, tag="error"):
@@ -244,34 +248,6 @@ class LookupResult(Reply, tag="lookup"):
 
     hit_tokens: int
     l2_hit_tokens: int = 0
-
-
-class StoreResult(Reply, tag="store"):
-    """``num_bytes`` / ``transfer_seconds``: what the daemon's copies of this store moved and
-    how long they ran (from its transfer records), so an engine reports offload statistics
-    from the one source the daemon's own metrics use."""
-
-    stored_chunks: int
-    skipped_chunks: int
-    failed_chunks: int
-    stored_tokens: int
-    num_bytes: NonNegInt = 0
-    transfer_seconds: float = 0.0
-
-
-class RetrieveResult(Reply, tag="retrieve"):
-    """``cuda_event``: an interprocess event the engine waits on before reusing the blocks.
-
-    Today's daemon sends none: its copy has completed when it replies. An asynchronous
-    retrieve that sends one must keep the event alive until the engine says it waited
-    (destroying an exported event the peer still uses is undefined behaviour in CUDA IPC).
-    """
-
-    retrieved_tokens: int
-    cuda_event: bytes | None = None
-    num_bytes: NonNegInt = 0
-    """As on ``StoreResult``."""
-    transfer_seconds: float = 0.0
 
 
 class StatusResult(Reply, tag="status"):

@@ -22,16 +22,17 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 import torch
 
 from kvcache.errors import AccessDeniedError, LimitExceededError
 from kvcache.futures import resolved, then
+from kvcache.ids import check_count, unpacked
+from kvcache.keys import KeyScope
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import unpack_ids
 from kvcache.protocol.errors import error_from_exception
+from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.deadlines import check_deadline, copy_deadline
+from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import Instance, InstanceRegistry
@@ -39,7 +40,6 @@ from kvcache.transport.cuda_events import open_ipc_event
 
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
-    from kvcache.engine.records import RetrieveResult, StoreResult
     from kvcache.server.fdinbox import FdInbox
 
 log = logging.getLogger("kvcache.server")
@@ -79,7 +79,7 @@ class Handlers:
             m.Status: self.status,
             m.Ping: self.ping,
         }
-        self._async_table: dict[type, Callable[[Any, Principal], Future[m.ReplyBody]]] = {
+        self._async_table: dict[type, Callable[[Any, Principal], Future[Any]]] = {
             m.Store: self.store_async,
             m.Retrieve: self.retrieve_async,
         }
@@ -210,79 +210,55 @@ class Handlers:
             principal.check_salt(salt)
         return instance
 
-    @staticmethod
-    def _key_salt(req: m.Lookup | m.Store | m.Retrieve, instance: Instance) -> str:
-        """The salt the engine keys chunks with: the tenant's ``cache_salt`` and the request's
-        ``key_extra``, joined by a separator neither may contain (so no two pairs collide).
-
-        An instance of a ``shared`` principal (plain loopback TCP: any local user) gets a third
-        part, its principal's name, which no other request can produce: what it stores is
-        never a hit for an engine on another door, and what they store never one for it, or
-        any local user could plant KV for the operator's engines or read their prefixes."""
-        if _SEP in req.cache_salt or _SEP in req.key_extra:
-            raise ValueError("cache_salt and key_extra may not contain \\x1f")
-        if instance.principal.shared:
-            return f"{req.cache_salt}{_SEP}{req.key_extra}{_SEP}{instance.principal.name}"
-        return f"{req.cache_salt}{_SEP}{req.key_extra}" if req.key_extra else req.cache_salt
-
     def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
         instance = self._instance(req, principal, token_required=False)
+        scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
+        check_count(req.token_ids, self.limits.max_ids)
         hit = self.engine.lookup_tiers(
-            req.instance_id,
-            self._ids(req.token_ids),
-            cache_salt=self._key_salt(req, instance),
-            request_id=req.request_id,
+            req.instance_id, unpacked(req.token_ids), key_scope=scope, request_id=req.request_id
         )
         return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_tokens)
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
         return self.store_async(req, principal).result()
 
-    def store_async(self, req: m.Store, principal: Principal) -> Future[m.ReplyBody]:
-        """Checks (token, deadline, limits) raise here, before anything is submitted; the
-        engine's errors (bad ids, a failed copy, ``copy_by`` passed) arrive on the future.
-        Nothing here waits: not for L1 room (the engine's waiter does), nor for the engine's
-        GPU work named by ``cuda_event`` (the copies wait for it on the device)."""
+    def store_async(self, req: m.Store, principal: Principal) -> Future[m.StoreResult]:
+        """Build the engine's request (every check: token, deadline, limits, ids; they raise
+        here, before anything is submitted) and submit it; the engine's errors (a failed copy,
+        the deadline passed) arrive on the future, whose result is the reply. Nothing here
+        waits: not for L1 room (the engine's waiter does), nor for the engine's GPU work named
+        by ``cuda_event`` (the copies wait for it on the device)."""
         instance = self._instance(req, principal, token_required=True)
-        check_deadline(req.deadline_ms, "store")
-        token_ids, block_ids = self._ids(req.token_ids), self._ids(req.block_ids)
-        if req.block_hashes is not None and len(req.block_hashes) > self.limits.max_ids:
-            raise LimitExceededError(f"{len(req.block_hashes)} block hashes exceed --max-ids")
+        deadline = accept_deadline(req.deadline_ms, "store")
+        scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
         after = None
         if req.cuda_event is not None:  # CUDA_UNAVAILABLE here on a daemon without a GPU
             after = open_ipc_event(req.cuda_event, torch.device(instance.device))
-        stored = self.engine.store_async(
-            req.instance_id,
-            token_ids,
-            block_ids,
-            cache_salt=self._key_salt(req, instance),
-            request_id=req.request_id,
-            block_hashes=req.block_hashes,
-            copy_by=copy_deadline(req.deadline_ms),
-            after=after,
-        )
-        return then(stored, _store_reply)
+        bounds = self.engine.geometry(req.instance_id)
+        request = StoreRequest.build(
+            req.instance_id, bounds, req.token_ids, req.block_ids, scope=scope,
+            request_id=req.request_id, deadline=deadline, after=after,
+            block_hashes=req.block_hashes, max_ids=self.limits.max_ids,
+        )  # fmt: skip
+        return self.engine.submit_store(request)
 
     def retrieve(self, req: m.Retrieve, principal: Principal) -> m.ReplyBody:
         return self.retrieve_async(req, principal).result()
 
-    def retrieve_async(self, req: m.Retrieve, principal: Principal) -> Future[m.ReplyBody]:
+    def retrieve_async(self, req: m.Retrieve, principal: Principal) -> Future[m.RetrieveResult]:
         """As ``store_async``; nothing here waits for L2 loads either (the engine's retrieve
         waiter does). The future resolves once the copy has completed on the host's side, so
         the engine may use the blocks on the reply; no event is exported (it would have to
         outlive the client's wait on it, which the daemon cannot know)."""
         instance = self._instance(req, principal, token_required=True)
-        check_deadline(req.deadline_ms, "retrieve")
-        got = self.engine.retrieve_async(
-            req.instance_id,
-            self._ids(req.token_ids),
-            self._ids(req.block_ids),
-            req.skip_tokens,
-            cache_salt=self._key_salt(req, instance),
-            request_id=req.request_id,
-            copy_by=copy_deadline(req.deadline_ms),
-        )
-        return then(got, _retrieve_reply)
+        deadline = accept_deadline(req.deadline_ms, "retrieve")
+        scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
+        bounds = self.engine.geometry(req.instance_id)
+        request = RetrieveRequest.build(
+            req.instance_id, bounds, req.token_ids, req.block_ids, req.skip_tokens, scope=scope,
+            request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
+        )  # fmt: skip
+        return self.engine.submit_retrieve(request)
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)
@@ -326,43 +302,12 @@ class Handlers:
         fd_socket = self.fd_inbox.path if self.fd_inbox is not None else ""
         return m.Pong(protocol_version=m.PROTOCOL_VERSION, registered=registered, fd_socket=fd_socket)
 
-    def _ids(self, ids: m.IdArray) -> np.ndarray:
-        """The one place ids from the wire are unpacked, and bounded."""
-        count = len(ids.data) // ids.width
-        if count > self.limits.max_ids:
-            raise LimitExceededError(
-                f"{count} ids in one request; the limit is {self.limits.max_ids} (--max-ids)"
-            )
-        return unpack_ids(ids)
-
 
 def _error_reply(exc: BaseException, body: m.RequestBody) -> m.Error:
     error = error_from_exception(exc)
     if error.code is m.ErrorCode.INTERNAL:
         log.error("internal error serving %s", type(body).__name__, exc_info=exc)
     return error
-
-
-def _store_reply(result: StoreResult) -> m.ReplyBody:
-    return m.StoreResult(
-        stored_chunks=result.stored_chunks,
-        skipped_chunks=result.skipped_chunks,
-        failed_chunks=result.failed_chunks,
-        stored_tokens=result.stored_tokens,
-        num_bytes=result.num_bytes,
-        transfer_seconds=result.transfer_seconds,
-    )
-
-
-def _retrieve_reply(result: RetrieveResult) -> m.ReplyBody:
-    return m.RetrieveResult(
-        retrieved_tokens=result.retrieved_tokens,
-        num_bytes=result.num_bytes,
-        transfer_seconds=result.transfer_seconds,
-    )
-
-
-_SEP = "\x1f"
 
 
 __all__ = ["Handlers", "Limits"]

@@ -16,16 +16,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcache.errors import ChunkMismatchError, LimitExceededError
-from kvcache.futures import then
+from kvcache.ids import RawIds, check_count, unpacked
+from kvcache.keys import KeyScope
 from kvcache.protocol import messages as m
 from kvcache.server.auth import Principal
-from kvcache.server.deadlines import check_deadline, copy_deadline
+from kvcache.server.deadlines import accept_deadline
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from kvcache.engine.engine import CacheEngine
-    from kvcache.engine.records import RetrieveResult, StoreResult
     from kvcache.server.registration import Limits
     from kvcache.server.registry import Instance
 
@@ -38,11 +36,6 @@ class Checks(Protocol):
     limits: Limits
 
     def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> Instance: ...
-
-    def _ids(self, ids: m.IdArray) -> np.ndarray: ...
-
-    @staticmethod
-    def _key_salt(req: Any, instance: Instance) -> str: ...
 
 
 class PageHandlers:
@@ -59,7 +52,7 @@ class PageHandlers:
             m.PageGet: lambda req, p: self.get_async(req, p).result(),
         }
 
-    def async_table(self) -> dict[type, Callable[[Any, Principal], Future[m.ReplyBody]]]:
+    def async_table(self) -> dict[type, Callable[[Any, Principal], Future[Any]]]:
         return {m.PageSet: self.set_async, m.PageGet: self.get_async}
 
     def _checked(
@@ -77,61 +70,35 @@ class PageHandlers:
             raise LimitExceededError(
                 f"{count} page keys in one request; the limit is {self._h.limits.max_ids} (--max-ids)"
             )
-        salt = self._h._key_salt(_Salted(req.cache_salt), instance)
+        # page requests carry no ``key_extra``: SGLang folds its extra key into the page hashes
+        salt = KeyScope(req.cache_salt, "", instance.door).salt_field()
         return instance, salt
+
+    def _ids(self, raw: m.IdArray) -> RawIds:
+        check_count(raw, self._h.limits.max_ids)
+        return unpacked(raw)
 
     def exists(self, req: m.PageExists, principal: Principal) -> m.ReplyBody:
         _, salt = self._checked(req, principal)
         hit, l2 = self._h.engine.pages.exists(req.instance_id, req.keys, cache_salt=salt)
         return m.PageExistsResult(hit_pages=hit, l2_pages=l2)
 
-    def set_async(self, req: m.PageSet, principal: Principal) -> Future[m.ReplyBody]:
+    def set_async(self, req: m.PageSet, principal: Principal) -> Future[m.StoreResult]:
+        """The engine's result is the reply (one record, engine and wire)."""
         _, salt = self._checked(req, principal)
-        check_deadline(req.deadline_ms, "page set")
-        stored = self._h.engine.pages.store_async(
-            req.instance_id, req.keys, self._h._ids(req.block_ids), cache_salt=salt,
-            copy_by=copy_deadline(req.deadline_ms),
+        deadline = accept_deadline(req.deadline_ms, "page set")
+        return self._h.engine.pages.store_async(
+            req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
+            copy_by=None if deadline is None else deadline.at,
         )  # fmt: skip
-        return then(stored, _set_reply)
 
-    def get_async(self, req: m.PageGet, principal: Principal) -> Future[m.ReplyBody]:
+    def get_async(self, req: m.PageGet, principal: Principal) -> Future[m.RetrieveResult]:
         _, salt = self._checked(req, principal)
-        check_deadline(req.deadline_ms, "page get")
-        got = self._h.engine.pages.retrieve_async(
-            req.instance_id, req.keys, self._h._ids(req.block_ids), cache_salt=salt,
-            copy_by=copy_deadline(req.deadline_ms),
+        deadline = accept_deadline(req.deadline_ms, "page get")
+        return self._h.engine.pages.retrieve_async(
+            req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
+            copy_by=None if deadline is None else deadline.at,
         )  # fmt: skip
-        return then(got, _get_reply)
-
-
-class _Salted:
-    """What ``Handlers._key_salt`` reads from a request: page requests carry no ``key_extra``
-    (SGLang folds its extra key into the page hashes themselves)."""
-
-    __slots__ = ("cache_salt", "key_extra")
-
-    def __init__(self, cache_salt: str) -> None:
-        self.cache_salt = cache_salt
-        self.key_extra = ""
-
-
-def _set_reply(result: StoreResult) -> m.ReplyBody:
-    return m.StoreResult(
-        stored_chunks=result.stored_chunks,
-        skipped_chunks=result.skipped_chunks,
-        failed_chunks=result.failed_chunks,
-        stored_tokens=result.stored_tokens,
-        num_bytes=result.num_bytes,
-        transfer_seconds=result.transfer_seconds,
-    )
-
-
-def _get_reply(result: RetrieveResult) -> m.ReplyBody:
-    return m.RetrieveResult(
-        retrieved_tokens=result.retrieved_tokens,
-        num_bytes=result.num_bytes,
-        transfer_seconds=result.transfer_seconds,
-    )
 
 
 __all__ = ["PageHandlers"]

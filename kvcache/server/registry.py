@@ -36,6 +36,15 @@ class Instance:
     last_seen: float = field(default_factory=time.monotonic)
     in_flight: int = 0
 
+    @property
+    def door(self) -> str | None:
+        """The ``KeyScope.door`` of this instance's requests: its principal's name when that
+        principal is *shared* (plain loopback TCP: any local user), which no other request
+        can produce, so what it stores is never a hit for an engine on another door and what
+        they store never one for it (or any local user could plant KV for the operator's
+        engines, or read their prefixes); None otherwise."""
+        return self.principal.name if self.principal.shared else None
+
 
 class InstanceRegistry:
     """Thread-safe table of registered instances.

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvcache.errors import KvcacheError
+from kvcache.ids import Ids, RawIds
 
-#: Block ids as callers hold them; the handler converts and checks them once, at submit.
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+BlockIds = Ids | RawIds
+"""Block ids of a job: checked ``Ids`` (a request's, checked when it was built), taken as they
+are; or ids as a direct caller holds them, which the handler checks in the job's turn."""
 
 
 class Direction(enum.Enum):

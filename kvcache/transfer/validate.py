@@ -1,7 +1,9 @@
-"""Job checks at the transfer boundary: block ids and chunks are checked here, once.
+"""Job checks at the transfer boundary: chunks, and how the block ids cover them.
 
 Separate from the handlers because every backend must refuse the same bad jobs with the
-same typed errors before any byte moves; the native code re-checks ids as defence in
+same typed errors before any byte moves. Block ids checked already (``ids.Ids`` of a request,
+checked against this cache) are taken as they are; ids a direct caller hands in are checked by
+the same function (``ids.block_id_array``); the native code re-checks ids as defence in
 depth, and ``native_error`` is the one place its exceptions become kvcache errors. Failures
 of CUDA itself (torch.cuda, the driver, the native CUDA module), wherever they surface (the
 CUDA handler, the daemon's IPC, the context), become kvcache errors in ``cuda_error`` alone.
@@ -28,6 +30,7 @@ from kvcache.errors import (
     LimitExceededError,
     TransferError,
 )
+from kvcache.ids import Ids, block_id_array
 from kvcache.transfer.base import BlockIds, Direction, TransferJob
 
 
@@ -77,33 +80,6 @@ class CheckedJob:
     nbytes: int
 
 
-def block_id_array(block_ids: BlockIds, num_blocks: int) -> np.ndarray:
-    """``block_ids`` as contiguous int64, each checked to lie in ``[0, num_blocks)``.
-
-    Raises ``BlockIdError`` for ids that are not integers (floats would be truncated
-    silently), not one-dimensional, or out of range, naming the first bad position.
-    """
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
-            raise BlockIdError(f"block ids must be integers, got a {block_ids.dtype} tensor")
-        arr = block_ids.detach().to("cpu", torch.int64).numpy()
-    else:
-        arr = np.asarray(block_ids)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise BlockIdError(f"block ids must be integers that fit int64, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise BlockIdError(f"block_ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):  # two reductions, no mask: the
-        bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))  # common case stays cheap
-        pos = int(bad[0])
-        raise BlockIdError(
-            f"block id {int(arr[pos])} at position {pos} is outside [0, {num_blocks}); nothing was copied"
-        )
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 def check_start(job: TransferJob) -> None:
     """Raise ``DeadlineExceededError`` when ``job`` may no longer start (``start_by`` passed)."""
     if job.start_by is not None and time.monotonic() > job.start_by:
@@ -128,7 +104,7 @@ def check_job(job: TransferJob, geom: ChunkGeometry) -> CheckedJob:
         raise LimitExceededError(f"{n} block ids exceed the context's max_block_ids ({geom.max_block_ids})")
     if not 0 <= job.skip_blocks <= n:
         raise ChunkMismatchError(f"skip_blocks={job.skip_blocks} is outside [0, {n}]")
-    ids = block_id_array(job.block_ids, geom.num_blocks)
+    ids = _checked_ids(job.block_ids, geom.num_blocks)
     blocks = n - job.skip_blocks
     return CheckedJob(
         block_ids=ids,
@@ -142,27 +118,21 @@ def check_job(job: TransferJob, geom: ChunkGeometry) -> CheckedJob:
     )
 
 
+def _checked_ids(block_ids: BlockIds, num_blocks: int) -> np.ndarray:
+    """A request's ids as they are (checked against a cache no larger than this one when the
+    request was built), anything else through the one check."""
+    if isinstance(block_ids, Ids) and block_ids.bound is not None and block_ids.bound <= num_blocks:
+        return block_ids.values
+    return block_id_array(block_ids, num_blocks)
+
+
 def _check_chunks(chunks: list[torch.Tensor], geom: ChunkGeometry) -> int:
     """Validates every chunk and returns the number of blocks in the last one."""
     if not chunks:
         raise ChunkMismatchError("no chunks given")
     bs = geom.block_size
     last_blocks = 0
-    full = torch.Size(geom.chunk_shape())
-    cpu = geom.device.type == "cpu"
     for i, c in enumerate(chunks):
-        if (  # the common case, a full chunk where the cache wants it, in a few attribute reads
-            c.shape == full
-            and c.dtype == geom.dtype
-            and c.is_contiguous()
-            and (
-                c.device.type == "cpu"
-                if cpu
-                else c.device == geom.device or (c.device.type == "cpu" and c.is_pinned())
-            )
-        ):
-            last_blocks = geom.blocks_per_chunk
-            continue
         if c.dtype != geom.dtype:
             raise ChunkMismatchError(f"chunk {i} has dtype {c.dtype}, the cache {geom.dtype}")
         if not c.is_contiguous():

@@ -27,6 +27,7 @@ from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import RemoteError, ShuttingDownError
+from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.registry import Instance, InstanceRegistry
@@ -67,21 +68,21 @@ class CopyGate:
 
 
 class CountingEngine(CacheEngine):
-    """A CacheEngine that says when a store or a retrieve was submitted (``store_async`` /
-    ``retrieve_async`` returned)."""
+    """A CacheEngine that says when a store or a retrieve was submitted (``submit_store`` /
+    ``submit_retrieve`` returned)."""
 
     def __init__(self, config: EngineConfig, bus: Any = None) -> None:
         super().__init__(config, bus)
         self.submitted = threading.Semaphore(0)
         self.retrieves = threading.Semaphore(0)
 
-    def store_async(self, *args: Any, **kw: Any) -> Any:
-        future = super().store_async(*args, **kw)
+    def submit_store(self, req: StoreRequest) -> Any:
+        future = super().submit_store(req)
         self.submitted.release()
         return future
 
-    def retrieve_async(self, *args: Any, **kw: Any) -> Any:
-        future = super().retrieve_async(*args, **kw)
+    def submit_retrieve(self, req: RetrieveRequest) -> Any:
+        future = super().submit_retrieve(req)
         self.retrieves.release()
         return future
 
@@ -205,8 +206,8 @@ def test_stop_answers_the_copies_in_flight_before_exit(
 
 
 def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGate) -> None:
-    """A bad request found by the engine (block ids out of range) arrives on the engine's
-    future; ``submit`` turns it into the reply ``handle`` gives for the same request."""
+    """A bad request (block ids out of range, refused when the request is built) and one
+    refused later: ``submit`` turns each into the reply ``handle`` gives for it."""
     engine = CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
     handlers = Handlers(engine, InstanceRegistry(), 30.0)
     try:
@@ -220,6 +221,11 @@ def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGat
         via_future = handlers.submit(bad).result(timeout=20)
         assert isinstance(via_future, m.Error) and via_future.code is m.ErrorCode.BLOCK_ID
         assert handlers.handle(bad) == via_future
+        gate.fail_next()  # an error that arrives on the engine's future, after the submit
+        good = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(tokens(1)),
+                       block_ids=pack_ids(BLOCKS))  # fmt: skip
+        faulted = handlers.submit(good).result(timeout=20)
+        assert isinstance(faulted, m.Error) and "injected copy fault" in faulted.message
         late = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(tokens(0)),
                        block_ids=pack_ids(BLOCKS), deadline_ms=1)  # fmt: skip
         refused = handlers.submit(late)

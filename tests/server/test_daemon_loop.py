@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import ShuttingDownError
+from kvcache.request import StoreRequest
 from kvcache.server.daemon import INLINE_LOOKUP_MAX_TOKENS, Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.registry import InstanceRegistry
@@ -42,11 +43,10 @@ class GatedEngine(CacheEngine):
         self.entered = threading.Event()
         self.lookup_entered = threading.Event()
 
-    def store_async(self, instance_id: int, token_ids: Sequence[int], block_ids: Sequence[int],
-                    **kw: Any) -> Any:  # fmt: skip
+    def submit_store(self, req: StoreRequest) -> Any:
         self.entered.set()
         assert self.gate.wait(30), "the test never opened the gate"
-        return super().store_async(instance_id, token_ids, block_ids, **kw)
+        return super().submit_store(req)
 
     def lookup_tiers(self, instance_id: int, token_ids: Any, **kw: Any) -> Any:
         if len(token_ids) > INLINE_LOOKUP_MAX_TOKENS:  # held, like a prompt of millions of tokens

@@ -15,6 +15,7 @@ from kvcache.errors import (
     LimitExceededError,
     TransferError,
 )
+from kvcache.ids import Ids
 from kvcache.transfer import Direction, TransferJob, block_id_array
 from kvcache.transfer.validate import check_job, native_error
 from tests.transfer.helpers import NB, make_context
@@ -68,6 +69,18 @@ def test_check_job_counts_bytes_and_blocks_past_the_skip() -> None:
     assert checked.blocks == 5 and checked.nbytes == 5 * ctx.block_size * ctx.bytes_per_token
     assert checked.to_chunks is False
     assert checked.chunk_ptrs == [c.data_ptr() for c in chunks]
+
+
+def test_checked_ids_pass_unchanged_and_others_are_checked_once_here() -> None:
+    """A request's ids were checked when it was built: the job takes them as they are; ids
+    checked against a larger cache (or handed in raw) go through the one check."""
+    ctx = make_context()
+    chunks = tuple(ctx.allocate_chunks(1))
+    ids = Ids.blocks([3, 1, 2, 0], NB)
+    assert check_job(TransferJob(Direction.TO_CHUNKS, ids, chunks), ctx.geometry).block_ids is ids.values
+    wider = Ids.blocks([0, 1, 2, NB], NB + 1)
+    with pytest.raises(BlockIdError, match=f"block id {NB} at position 3"):
+        check_job(TransferJob(Direction.TO_CHUNKS, wider, chunks), ctx.geometry)
 
 
 def test_check_job_refuses_what_does_not_fit() -> None:
