@@ -107,7 +107,8 @@ class CacheEngine:
             Waiter(functools.partial(load_path.notify_settled, settled), "kvcache-retrieve-wait"),
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
-        self._parts = EngineParts(config, *shared, *self._waiters, settled)
+        waiting = load_path.WaitingRetrieves(settled)
+        self._parts = EngineParts(config, *shared, *self._waiters, settled, waiting)
 
     # -- registration ---------------------------------------------------------------------
     def register(
