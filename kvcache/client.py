@@ -33,7 +33,7 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.errors import AccessDeniedError, DaemonUnavailableError, UnknownInstanceError
+from kvcache.errors import AccessDeniedError, DaemonUnavailableError, ProtocolError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
@@ -406,6 +406,23 @@ class KVCacheClient:
             key_extra=key_extra,
         )
         return self._call(msg, m.LookupResult)
+
+    def lookup_batch(self, items: Sequence[m.LookupItem]) -> list[m.LookupHit]:
+        """The lookups of several requests (say, every request a scheduler step admits), one
+        answer per item in order, in one round trip per ``MAX_LOOKUP_BATCH`` items. Build an
+        item with ``m.LookupItem(token_ids=pack_ids(tokens), cache_salt=..., request_id=...,
+        key_extra=...)``. One refused item (a salt the tenant may not use, too many ids)
+        refuses its whole batch with the error a single ``lookup`` of it would raise."""
+        hits: list[m.LookupHit] = []
+        for start in range(0, len(items), m.MAX_LOOKUP_BATCH):
+            part = list(items[start : start + m.MAX_LOOKUP_BATCH])
+            got = self._call(m.LookupBatch(instance_id=self.instance_id, items=part), m.LookupBatchResult)
+            if len(got.hits) != len(part):
+                raise ProtocolError(
+                    f"the daemon answered {len(got.hits)} lookups for a batch of {len(part)}"
+                )
+            hits += got.hits
+        return hits
 
     def _store_msg(
         self,

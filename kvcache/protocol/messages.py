@@ -33,6 +33,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 frame announces more (``ZMQ_MAXMSGSIZE``); ``decode_request`` answers ``TOO_LARGE`` to a
 whole frame over its cap."""
 
+MAX_LOOKUP_BATCH = 256
+"""Most lookups one ``LookupBatch`` carries; the decoder refuses a longer list (``BAD_MESSAGE``)
+before a handler sees it. A scheduler step rarely admits more requests than this; a client
+with more sends several batches."""
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TensorNesting = Literal["tensor", "list", "nested"]
 """How the engine's ``kv_caches`` object nests its tensors: one tensor, a list, or a list of lists."""
@@ -145,6 +150,27 @@ class Lookup(Request, tag="lookup"):
     engine states it; chunks are keyed by it too. Not a tenant namespace: ``cache_salt`` is."""
 
 
+class LookupItem(_Wire):
+    """One request's lookup inside a ``LookupBatch``: the fields of ``Lookup`` that belong to
+    the request, not to the instance."""
+
+    token_ids: IdArray
+    cache_salt: str = ""
+    request_id: str = ""
+    key_extra: str = ""
+
+
+class LookupBatch(Request, tag="lookup_batch"):
+    """Several lookups of one instance in one round trip (the requests a scheduler step must
+    ask about). Every item is checked as a ``Lookup`` is (ids bounded by ``--max-ids``, its
+    salt allowed to the tenant) before any is served: one bad item refuses the batch, and
+    nothing is looked up or prefetched. The answer is a ``LookupBatchResult``, in item order."""
+
+    instance_id: NonNegInt
+    items: Annotated[list[LookupItem], msgspec.Meta(min_length=1, max_length=MAX_LOOKUP_BATCH)]
+    token: bytes = b""
+
+
 class Store(Request, tag="store"):
     """Copy the engine blocks holding ``token_ids`` (in token order) into the cache.
 
@@ -210,7 +236,7 @@ class Ping(Request, tag="ping"):
 
 RequestBody = (
     Register | Unregister | Lookup | Store | Retrieve | ReportBlockAllocations | EndSession | Status
-    | Ping
+    | Ping | LookupBatch
 )
 
 
@@ -266,6 +292,19 @@ class LookupResult(Reply, tag="lookup"):
     l2_hit_tokens: int = 0
 
 
+class LookupHit(_Wire, array_like=True):
+    """One item's answer in a ``LookupBatchResult``: the fields of ``LookupResult``."""
+
+    hit_tokens: int
+    l2_hit_tokens: int = 0
+
+
+class LookupBatchResult(Reply, tag="lookup_batch"):
+    """The answers to a ``LookupBatch``, one per item, in its order."""
+
+    hits: list[LookupHit]
+
+
 class StoreResult(Reply, tag="store"):
     """``num_bytes`` / ``transfer_seconds``: what the daemon's copies of this store moved and
     how long they ran (from its transfer records), so an engine reports offload statistics
@@ -317,6 +356,7 @@ class Pong(Reply, tag="pong"):
 
 ReplyBody = (
     Error | Registered | Done | LookupResult | StoreResult | RetrieveResult | StatusResult | Pong
+    | LookupBatchResult
 )
 
 
@@ -328,6 +368,7 @@ class ReplyEnvelope(_Wire):
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_LOOKUP_BATCH",
     "PROTOCOL_VERSION",
     "CudaIpcTensor",
     "Done",
@@ -337,6 +378,10 @@ __all__ = [
     "FdTensor",
     "IdArray",
     "Lookup",
+    "LookupBatch",
+    "LookupBatchResult",
+    "LookupHit",
+    "LookupItem",
     "LookupResult",
     "Ping",
     "Pong",

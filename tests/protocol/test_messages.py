@@ -15,8 +15,10 @@ def test_every_request_and_reply_has_a_distinct_stable_tag() -> None:
     requests = {c.__struct_config__.tag for c in m.RequestBody.__args__}
     replies = {c.__struct_config__.tag for c in m.ReplyBody.__args__}
     assert requests == {"register", "unregister", "lookup", "store", "retrieve",
-                        "report_block_allocations", "end_session", "status", "ping"}  # fmt: skip
-    assert replies == {"error", "registered", "done", "lookup", "store", "retrieve", "status", "pong"}
+                        "report_block_allocations", "end_session", "status", "ping",
+                        "lookup_batch"}  # fmt: skip
+    assert replies == {"error", "registered", "done", "lookup", "store", "retrieve", "status", "pong",
+                       "lookup_batch"}  # fmt: skip
 
 
 def test_defaults_stay_off_the_wire() -> None:
