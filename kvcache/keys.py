@@ -38,7 +38,7 @@ import hashlib
 import struct
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,7 +77,8 @@ def pack_tokens(token_ids: Sequence[int] | Any) -> tuple[bytes, memoryview, int]
             raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
             raise TypeError(f"token_ids must be integers, got dtype {arr.dtype}")
-        if arr.size == 0 or (int(arr.min()) >= 0 and int(arr.max()) <= _U32_MAX):
+        in_range = arr.dtype.kind == "u" and arr.dtype.itemsize <= 4  # ids off the wire: no scan
+        if in_range or arr.size == 0 or (int(arr.min()) >= 0 and int(arr.max()) <= _U32_MAX):
             packed = np.ascontiguousarray(arr, dtype="<u4")
             return _TAG_U32, packed.data.cast("B"), 4
         return _TAG_I64, np.ascontiguousarray(arr, dtype="<i8").data.cast("B"), 8
@@ -138,6 +139,46 @@ class ChunkHasher:
         return out
 
 
+    def keys_after(
+        self, token_ids: Sequence[int] | Any, prior: Hashed | None
+    ) -> tuple[list[ChunkKey], Hashed | None]:
+        """``keys``, reusing ``prior``'s keys for the leading whole chunks whose tokens equal
+        that earlier prompt's (hashed by this hasher): the prompts of one batch that share a
+        head (a system prompt) hash it once. Also returns what the next prompt may reuse."""
+        n = len(token_ids) // self.chunk_size
+        if n == 0:
+            return [], prior
+        tag, view, _ = pack_tokens(token_ids[: n * self.chunk_size])
+        if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
+            return self.keys(token_ids), prior
+        buf = view.tobytes()
+        step = self.chunk_size * 4
+        same = 0
+        if prior is not None:
+            limit = min(n, len(prior.keys))
+            while same < limit and buf[same * step : (same + 1) * step] == prior.buf[
+                same * step : (same + 1) * step
+            ]:
+                same += 1
+        out = prior.keys[:same] if prior is not None else []
+        prev = out[-1].to_bytes(KEY_BYTES, "little") if same else self._root
+        blake2b = hashlib.blake2b
+        for i in range(same, n):
+            h = blake2b(prev, digest_size=KEY_BYTES, person=PERSON)
+            h.update(tag)
+            h.update(buf[i * step : (i + 1) * step])
+            prev = h.digest()
+            out.append(int.from_bytes(prev, "little"))
+        return out, Hashed(buf, out)
+
+
+class Hashed(NamedTuple):
+    """A prompt's packed uint32 tokens and its chunk keys (``ChunkHasher.keys_after``)."""
+
+    buf: bytes
+    keys: list[ChunkKey]
+
+
 def chunk_keys(
     token_ids: Sequence[int] | Any,
     model_name: str,
@@ -155,4 +196,4 @@ def fold64(key: ChunkKey) -> int:
     return (key >> 64) ^ (key & ((1 << 64) - 1))
 
 
-__all__ = ["KEY_BYTES", "PERSON", "SEED", "ChunkHasher", "chunk_keys", "fold64", "root_key_bytes"]
+__all__ = ["KEY_BYTES", "PERSON", "SEED", "ChunkHasher", "Hashed", "chunk_keys", "fold64", "root_key_bytes"]

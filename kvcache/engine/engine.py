@@ -167,6 +167,14 @@ class CacheEngine:
         inst = self._instance(instance_id)
         return load_path.lookup(self._parts, inst, token_ids, cache_salt=cache_salt, request_id=request_id)
 
+    def lookup_many(
+        self, instance_id: int, queries: Sequence[tuple[IntArray, str, str]]
+    ) -> list[LookupHit]:
+        """``lookup_tiers`` of each ``(token_ids, cache_salt, request_id)``, in order (one
+        scheduler step's requests); prompts sharing a head with the one before hash it once."""
+        inst = self._instance(instance_id)
+        return load_path.lookup_many(self._parts, inst, queries)
+
     def store(
         self,
         instance_id: int,

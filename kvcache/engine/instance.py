@@ -56,6 +56,10 @@ class Instance:
         self._lock = threading.Lock()
 
     def keys(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str = "") -> list[ChunkKey]:
+        return self.hasher(cache_salt).keys(token_ids)
+
+    def hasher(self, cache_salt: str = "") -> ChunkHasher:
+        """The key hasher of ``cache_salt`` (kept per salt: a digest each to build)."""
         hasher = self._hashers.get(cache_salt)
         if hasher is None:
             hasher = ChunkHasher(
@@ -65,7 +69,7 @@ class Instance:
                 if len(self._hashers) >= _MAX_HASHERS:
                     self._hashers.clear()
                 self._hashers[cache_salt] = hasher
-        return hasher.keys(token_ids)
+        return hasher
 
     def meta(self, cls: type[OpMetaT], **fields: Any) -> OpMetaT:
         """An MP_* event's metadata for this instance: ``fields`` plus what every operation

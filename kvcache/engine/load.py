@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -28,6 +28,7 @@ from kvcache.engine.instance import Instance
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally, RetrieveResult
 from kvcache.errors import ChunkMismatchError, DeadlineExceededError
+from kvcache.keys import Hashed
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.pool import L1Entry
@@ -49,10 +50,36 @@ def lookup(
     parts: EngineParts, inst: Instance, token_ids: IntArray, *, cache_salt: str, request_id: str
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
+    return _lookup_keys(parts, inst, len(token_ids), lambda: inst.keys(token_ids, cache_salt), request_id)
+
+
+def lookup_many(
+    parts: EngineParts, inst: Instance, queries: Sequence[tuple[IntArray, str, str]]
+) -> list[LookupHit]:
+    """``lookup`` of each (token ids, salt, request id) in order, as one scheduler step asks
+    them: prompts of one salt that share their head with the one before hash it only once."""
+    prior: dict[str, Hashed | None] = {}
+    hits = []
+    for token_ids, cache_salt, request_id in queries:
+
+        def keys(token_ids: IntArray = token_ids, cache_salt: str = cache_salt) -> list[ChunkKey]:
+            keys, prior[cache_salt] = inst.hasher(cache_salt).keys_after(token_ids, prior.get(cache_salt))
+            return keys
+
+        hits.append(_lookup_keys(parts, inst, len(token_ids), keys, request_id))
+    return hits
+
+
+def _lookup_keys(
+    parts: EngineParts,
+    inst: Instance,
+    num_tokens: int,
+    make_keys: Callable[[], list[ChunkKey]],
+    request_id: str,
+) -> LookupHit:
     sid = parts.events.session(inst.instance_id, request_id)
-    num_tokens = len(token_ids)
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
-    keys = inst.keys(token_ids, cache_salt)
+    keys = make_keys()
     l1 = l2 = 0
     room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
     while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
@@ -461,4 +488,4 @@ def notify_settled(settled: threading.Condition) -> None:
         settled.notify_all()
 
 
-__all__ = ["WaitingRetrieves", "lookup", "notify_settled", "prefetch", "retrieve_async"]
+__all__ = ["WaitingRetrieves", "lookup", "lookup_many", "notify_settled", "prefetch", "retrieve_async"]

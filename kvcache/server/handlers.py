@@ -240,11 +240,8 @@ class Handlers:
         for item in req.items:
             principal.check_salt(item.cache_salt)
             checked.append((self._ids(item.token_ids), self._key_salt(item, instance), item.request_id))
-        hits = []
-        for token_ids, salt, request_id in checked:
-            hit = self.engine.lookup_tiers(req.instance_id, token_ids, cache_salt=salt, request_id=request_id)
-            hits.append(m.LookupHit(hit.hit_tokens, hit.l2_tokens))
-        return m.LookupBatchResult(hits=hits)
+        hits = self.engine.lookup_many(req.instance_id, checked)
+        return m.LookupBatchResult(hits=[m.LookupHit(h.hit_tokens, h.l2_tokens) for h in hits])
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
         return self.store_async(req, principal).result()

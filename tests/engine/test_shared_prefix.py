@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,27 @@ def test_a_short_prefix_is_copied_while_a_longer_one_sharing_it_still_loads(
             assert len(sink.of(EventType.L2_LOAD_FINISHED)) == CHUNKS
         finally:
             sink.allow(1000)  # never leave an L2 worker held
+
+
+def test_a_steps_lookups_in_one_call_answer_as_single_lookups_and_read_once(
+    tmp_path: Path, on_disk: list[torch.Tensor]
+) -> None:
+    """``lookup_many`` (the daemon's ``LookupBatch``): prompts sharing the prefix on disk,
+    one diverging, one salted elsewhere, one too short; each answered as ``lookup_tiers``
+    answers it, and the shared chunks read from disk once."""
+    queries = [
+        (TOKENS, "", "a"),
+        (TOKENS[: 5 * CS] + list(range(7, 7 + 3 * CS)), "", "b"),  # diverges in chunk 6
+        (TOKENS, "other", "c"),  # another salt: a miss
+        (TOKENS[: CS - 1], "", "d"),  # no full chunk
+        (TOKENS, "", "e"),
+    ]
+    with reader(tmp_path) as e:
+        e.register(2, "m", caches(seed=2))
+        hits = e.lookup_many(2, [(np.asarray(t, dtype=np.uint32), s, r) for t, s, r in queries])
+        assert [h.hit_tokens for h in hits] == [ALL, 5 * CS, 0, 0, ALL]
+        assert hits[0].l2_tokens == ALL  # the first read it; the last found it in L1
+        assert reads(e) == CHUNKS
+        again = [e.lookup_tiers(2, t, cache_salt=s, request_id=r) for t, s, r in queries]
+        assert [h.hit_tokens for h in again] == [h.hit_tokens for h in hits]
+        assert reads(e) == CHUNKS
