@@ -52,6 +52,7 @@ KEY_BYTES = 16
 _TAG_U32 = b"\x04"
 _TAG_I64 = b"\x08"
 _U32_MAX = (1 << 32) - 1
+_U32LE = np.dtype("<u4")
 
 
 def _lp(data: bytes) -> bytes:
@@ -148,10 +149,14 @@ class ChunkHasher:
         n = len(token_ids) // self.chunk_size
         if n == 0:
             return [], prior
-        tag, view, _ = pack_tokens(token_ids[: n * self.chunk_size])
-        if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
-            return self.keys(token_ids), prior
-        buf = view.tobytes()
+        head = token_ids[: n * self.chunk_size]
+        if isinstance(head, np.ndarray) and head.dtype == _U32LE and head.ndim == 1:
+            buf, tag = head.tobytes(), _TAG_U32  # ids off the wire: already the bytes hashed
+        else:
+            tag, view, _ = pack_tokens(head)
+            if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
+                return self.keys(token_ids), prior
+            buf = view.tobytes()
         step = self.chunk_size * 4
         same = 0
         if prior is not None:

@@ -86,9 +86,11 @@ def _tokens(rep: int, n: int) -> list[int]:
 
 
 def _step_prompts(a: argparse.Namespace, shared: list[int]) -> list[list[int]]:
-    """``--batch`` prompts of ``--lookup-tokens`` each: ``shared`` but for the last chunk."""
+    """``--batch`` prompts of ``--lookup-tokens`` each: ``shared`` but for the last chunk
+    (token ids of a real vocabulary: under 2**32)."""
     head = shared[: len(shared) - a.chunk_size]
-    return [head + _tokens(7_000 + i, a.chunk_size) for i in range(a.batch)]
+    cs = a.chunk_size
+    return [head + list(range(50_000 + i * cs, 50_000 + (i + 1) * cs)) for i in range(a.batch)]
 
 
 def _percentile(xs: list[float], q: float) -> float:
