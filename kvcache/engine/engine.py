@@ -54,6 +54,7 @@ from kvcache.engine.records import RetrieveResult, StoreResult
 from kvcache.engine.reports import check_allocation_report
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
+from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.layouts import GPUKVFormat, KVCaches
 from kvcache.observability.event import (
@@ -107,7 +108,7 @@ class CacheEngine:
             Waiter(functools.partial(load_path.notify_settled, settled), "kvcache-retrieve-wait"),
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
-        waiting = load_path.WaitingRetrieves(settled)
+        waiting = WaitingRetrieves(settled)
         self._parts = EngineParts(config, *shared, *self._waiters, settled, waiting)
 
     # -- registration ---------------------------------------------------------------------

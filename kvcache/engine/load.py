@@ -10,7 +10,8 @@ waiter (see ``waiter``), woken by ``EngineParts.loads_settled`` as each load set
 A chunk is read from L2 once however many requests need it at the same time: a load in
 flight is an L1 entry in LOADING, and every later lookup or retrieve of that chunk joins it
 (``L1Pool.resident``, ``acquire``) instead of reading it again. Each waiting retrieve is
-copied as soon as its own chunks settled (``WaitingRetrieves``), whatever the others wait for.
+copied as soon as its own chunks settled (``waiting.WaitingRetrieves``), whatever the others
+wait for.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class _RetrieveOp:
     pinned: list[L1Entry] = field(default_factory=list)
     claimed: bool = False  # its wait is over: one thread cuts and copies it (``claim``)
     served: threading.Event = field(default_factory=threading.Event)  # ... and has done so
-    settled_upto: int = 0  # leading ``pinned`` entries known settled (``WaitingRetrieves``)
+    settled_upto: int = 0  # leading ``pinned`` entries known settled (``waiting``)
 
     @classmethod
     def begin(
@@ -415,63 +416,6 @@ class _RetrieveOp:
             self.future.set_exception(error)
 
 
-class WaitingRetrieves:
-    """The retrieves waiting for their chunks to come from L2 (``EngineParts.waiting``).
-
-    Guarded by ``EngineParts.loads_settled``, which every settled load and every stop
-    notifies. Each op here also has a pass queued on (or running on) the retrieve waiter, so
-    some pass is always waiting while an op is here; that pass serves every op whose chunks
-    settled or whose deadline passed, in the order they settle, so one retrieve never waits
-    behind another's loads. Each op is claimed once (``_RetrieveOp.claim``): the thread that
-    claims it cuts and copies it. NOTE: a pass still brings in its own op's missing chunks
-    (``_bring_in``) in queue order; an op whose lookup began its loads skips that.
-    """
-
-    def __init__(self, settled: threading.Condition) -> None:
-        self._settled = settled
-        self._ops: dict[_RetrieveOp, None] = {}  # insertion-ordered
-
-    def add(self, op: _RetrieveOp) -> None:
-        """(lock held) Wait for ``op``'s chunks from now on."""
-        self._ops[op] = None
-        self._settled.notify_all()  # a waiting pass looks at it now
-
-    def discard(self, op: _RetrieveOp) -> None:
-        """(lock held)"""
-        self._ops.pop(op, None)
-
-    def __contains__(self, op: object) -> bool:
-        return op in self._ops
-
-    def __len__(self) -> int:
-        return len(self._ops)
-
-    def serve(self, own: _RetrieveOp, stop: threading.Event) -> None:
-        """Until ``own`` was served (by this thread or another), copy each waiting op as
-        soon as it is due: its chunks settled, its deadline passed, or (``own`` only)
-        ``stop`` set."""
-        while True:
-            with self._settled:
-                due = self._take_due(own if stop.is_set() else None)
-                if not due:
-                    if own.claimed:
-                        break
-                    soonest = min((op.deadline for op in self._ops), default=own.deadline)
-                    self._settled.wait(max(0.0, soonest - time.monotonic()))
-                    continue
-            for op in due:
-                op.finish_wait()
-        own.served.wait()  # claimed by another thread: it is copying it now
-
-    def _take_due(self, forced: _RetrieveOp | None) -> list[_RetrieveOp]:
-        now = time.monotonic()
-        due = [op for op in self._ops if op is forced or now >= op.deadline or op.settled()]
-        for op in due:
-            del self._ops[op]
-            op.claimed = True
-        return due
-
-
 def _leading_ready(entries: Sequence[L1Entry]) -> tuple[int, bool]:
     """How many leading entries are READY, and whether the next one is still loading (a
     failed load, like a miss, ends the prefix and is waited for by nobody)."""
@@ -488,4 +432,4 @@ def notify_settled(settled: threading.Condition) -> None:
         settled.notify_all()
 
 
-__all__ = ["WaitingRetrieves", "lookup", "lookup_many", "notify_settled", "prefetch", "retrieve_async"]
+__all__ = ["lookup", "lookup_many", "notify_settled", "prefetch", "retrieve_async"]

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvcache.config import EngineConfig
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.stats import OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
+from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
-
-if TYPE_CHECKING:
-    from kvcache.engine.load import WaitingRetrieves
 
 
 @dataclass(frozen=True, slots=True)

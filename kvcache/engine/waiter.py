@@ -15,7 +15,7 @@ keep until its future resolves, and a retrieve reads only chunks already visible
 nothing to wait for there but would inherit up to ``store_wait_timeout_s`` of latency).
 Stores keep their per-instance FIFO (``only_behind``); retrieves take no place in any
 instance's order: they are FIFO among themselves only, and a retrieve pass that waits for
-loads serves every waiting retrieve whose chunks settled (``load.WaitingRetrieves``), so a
+loads serves every waiting retrieve whose chunks settled (``waiting.WaitingRetrieves``), so a
 retrieve never waits behind another one's loads. NOTE: a retrieve whose chunks must still be
 looked up in L2 (no lookup began them) waits for the passes before it to do that.
 """

@@ -249,6 +249,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         return self._planner
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._unasked.pop(request.request_id, None)  # asked about now: no batch takes it along
         planner = self._get_planner() if self.config.load else None
         prompt = request.prompt_token_ids
         if planner is None or prompt is None or len(prompt) <= planner.chunk_size:
@@ -265,7 +266,6 @@ class KVCacheConnector(KVConnectorBase_V1):
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
         cached = self._last_hit.get(request.request_id)
-        self._unasked.pop(request.request_id, None)
         if cached is not None and cached[0] == num_computed_tokens:
             # Asked again while the request waits for memory: one lookup per admission.
             hit = cached[1]
