@@ -44,7 +44,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,6 +58,7 @@ KEY_BYTES = 16
 _TAG_U32 = b"\x04"
 _TAG_I64 = b"\x08"
 _U32_MAX = (1 << 32) - 1
+_U32LE = np.dtype("<u4")
 
 
 _SEP = "\x1f"
@@ -117,7 +118,8 @@ def pack_tokens(token_ids: Sequence[int] | Any) -> tuple[bytes, memoryview, int]
             raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
             raise TypeError(f"token_ids must be integers, got dtype {arr.dtype}")
-        if arr.size == 0 or (int(arr.min()) >= 0 and int(arr.max()) <= _U32_MAX):
+        in_range = arr.dtype.kind == "u" and arr.dtype.itemsize <= 4  # ids off the wire: no scan
+        if in_range or arr.size == 0 or (int(arr.min()) >= 0 and int(arr.max()) <= _U32_MAX):
             packed = np.ascontiguousarray(arr, dtype="<u4")
             return _TAG_U32, packed.data.cast("B"), 4
         return _TAG_I64, np.ascontiguousarray(arr, dtype="<i8").data.cast("B"), 8
@@ -178,6 +180,50 @@ class ChunkHasher:
         return out
 
 
+    def keys_after(
+        self, token_ids: Sequence[int] | Any, prior: Hashed | None
+    ) -> tuple[list[ChunkKey], Hashed | None]:
+        """``keys``, reusing ``prior``'s keys for the leading whole chunks whose tokens equal
+        that earlier prompt's (hashed by this hasher): the prompts of one batch that share a
+        head (a system prompt) hash it once. Also returns what the next prompt may reuse."""
+        n = len(token_ids) // self.chunk_size
+        if n == 0:
+            return [], prior
+        head = token_ids[: n * self.chunk_size]
+        if isinstance(head, np.ndarray) and head.dtype == _U32LE and head.ndim == 1:
+            buf, tag = head.tobytes(), _TAG_U32  # ids off the wire: already the bytes hashed
+        else:
+            tag, view, _ = pack_tokens(head)
+            if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
+                return self.keys(token_ids), prior
+            buf = view.tobytes()
+        step = self.chunk_size * 4
+        same = 0
+        if prior is not None:
+            limit = min(n, len(prior.keys))
+            while same < limit and buf[same * step : (same + 1) * step] == prior.buf[
+                same * step : (same + 1) * step
+            ]:
+                same += 1
+        out = prior.keys[:same] if prior is not None else []
+        prev = out[-1].to_bytes(KEY_BYTES, "little") if same else self._root
+        blake2b = hashlib.blake2b
+        for i in range(same, n):
+            h = blake2b(prev, digest_size=KEY_BYTES, person=PERSON)
+            h.update(tag)
+            h.update(buf[i * step : (i + 1) * step])
+            prev = h.digest()
+            out.append(int.from_bytes(prev, "little"))
+        return out, Hashed(buf, out)
+
+
+class Hashed(NamedTuple):
+    """A prompt's packed uint32 tokens and its chunk keys (``ChunkHasher.keys_after``)."""
+
+    buf: bytes
+    keys: list[ChunkKey]
+
+
 def chunk_keys(
     token_ids: Sequence[int] | Any,
     model_name: str,
@@ -195,4 +241,14 @@ def fold64(key: ChunkKey) -> int:
     return (key >> 64) ^ (key & ((1 << 64) - 1))
 
 
-__all__ = ["KEY_BYTES", "PERSON", "SEED", "ChunkHasher", "KeyScope", "chunk_keys", "fold64", "root_key_bytes"]
+__all__ = [
+    "KEY_BYTES",
+    "PERSON",
+    "SEED",
+    "ChunkHasher",
+    "Hashed",
+    "KeyScope",
+    "chunk_keys",
+    "fold64",
+    "root_key_bytes",
+]

@@ -129,3 +129,35 @@ def test_fold64() -> None:
     for key in chunk_keys(TOKENS, "m", chunk_size=16):
         assert 0 <= fold64(key) < 1 << 64
     assert fold64((5 << 64) | 3) == 6
+
+
+def test_keys_after_equals_keys_whatever_the_earlier_prompt_shares() -> None:
+    """A batch's prompts are hashed against the one before (a shared head once); each
+    must get exactly the keys ``keys`` gives it alone, in every representation."""
+    h = ChunkHasher("m", 16)
+    head = list(range(48))
+    prompts = [
+        head + list(range(100, 116)),  # shares three chunks with nothing before it
+        head + list(range(200, 232)),  # three with the one before
+        head[:16] + list(range(300, 340)),  # one, and a partial tail
+        list(range(999, 1063)),  # none
+        head[:40],  # a prefix of an earlier prompt, ending mid-chunk
+        head[:8],  # no full chunk
+        [*head[:16], -1, *range(15)],  # a chunk outside uint32: hashed as keys does
+        head + list(range(200, 232)),
+    ]
+    prior = None
+    for p in prompts:
+        for form in (p, np.asarray(p, dtype=np.int64), np.asarray(p, dtype=np.int64).astype(np.uint32)):
+            if form is not p and min(p, default=0) < 0:
+                continue
+            keys, _ = h.keys_after(form, prior)
+            assert keys == h.keys(p), p
+        _, prior = h.keys_after(np.asarray(p, dtype=np.int64), prior)
+
+
+def test_uint32_ids_skip_the_range_scan_and_keep_their_keys() -> None:
+    ids = np.arange(64, dtype=np.uint32)
+    assert chunk_keys(ids, "m", chunk_size=16) == chunk_keys(list(range(64)), "m", chunk_size=16)
+    big = np.array([2**32 - 1] * 16, dtype=np.uint32)
+    assert chunk_keys(big, "m", chunk_size=16) == chunk_keys([2**32 - 1] * 16, "m", chunk_size=16)

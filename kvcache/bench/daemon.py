@@ -6,7 +6,10 @@ Three measurements against a real ``python -m kvcache.server`` child process on 
   socket (``ipc://``, the local default) and over loopback TCP side by side, interleaved in
   rounds so both see the same machine load, next to the in-process ``CacheEngine.lookup`` of
   the same prompt and a bare ping per transport (the floor); targets: p50 <= 150 us, and
-  ``ipc://`` lookup p50 <= 0.7 x the TCP one;
+  ``ipc://`` lookup p50 <= 0.7 x the TCP one; and a **batched step lookup** (one
+  ``LookupBatch`` of ``--batch`` prompts, each sharing all but its last chunk with the others,
+  as requests sharing a system prompt do) over ``ipc://`` in the same rounds; target: p50 <=
+  2 x one single lookup's;
 * **store/retrieve throughput** through the daemon (CPU cache in shared memory) against the
   in-process engine doing the same work; target >= 0.6 x in-process;
 * **8 concurrent clients** (separate processes, separate instances) storing, looking up and
@@ -34,6 +37,8 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import GPUKVFormat
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import pack_ids
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
@@ -59,6 +64,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="store/retrieve rounds (fresh tokens each)")
     p.add_argument("--lookups", type=int, default=3000, help="timed lookups (after 300 warm-up)")
     p.add_argument("--lookup-tokens", type=int, default=1024, help="prompt length of a lookup")
+    p.add_argument("--batch", type=int, default=32, help="requests in one batched step lookup")
     p.add_argument("--clients", type=int, default=8, help="concurrent client processes")
     p.add_argument("--client-rounds", type=int, default=20, help="store/lookup/retrieve per client")
     p.add_argument("--observability", action="store_true", help="keep the daemon's event bus on")
@@ -77,6 +83,14 @@ def _caches(a: argparse.Namespace, num_blocks: int, seed: int) -> Any:
 
 def _tokens(rep: int, n: int) -> list[int]:
     return [rep * 1_000_003 + i for i in range(n)]
+
+
+def _step_prompts(a: argparse.Namespace, shared: list[int]) -> list[list[int]]:
+    """``--batch`` prompts of ``--lookup-tokens`` each: ``shared`` but for the last chunk
+    (token ids of a real vocabulary: under 2**32)."""
+    head = shared[: len(shared) - a.chunk_size]
+    cs = a.chunk_size
+    return [head + list(range(50_000 + i * cs, 50_000 + (i + 1) * cs)) for i in range(a.batch)]
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -156,7 +170,8 @@ def main(argv: list[str]) -> int:
     n_blocks = a.chunks * a.chunk_size // a.block_size
     kv = _caches(a, max(n_blocks, a.lookup_tokens // a.block_size), seed=0)
     token_bytes = 2 * a.layers * a.heads * a.head_size * torch.empty((), dtype=DTYPES[a.dtype]).element_size()
-    l1_gb = 3 * a.chunks * a.chunk_size * token_bytes / GiB  # a round, its warm-up, and slack
+    # a round, its warm-up, and slack; the batched lookup's prompts
+    l1_gb = (3 * a.chunks + a.batch + a.lookup_tokens // a.chunk_size) * a.chunk_size * token_bytes / GiB
     flags = ["--chunk-size", str(a.chunk_size), "--l1-size-gb", f"{l1_gb:.4f}"]
     if not a.observability:
         flags.append("--disable-observability")
@@ -180,10 +195,17 @@ def main(argv: list[str]) -> int:
             c.register_kv_caches(kv)
             tcp.register_kv_caches(kv)
             c.store(lookup_toks, lookup_blocks)
-            timings: dict[str, list[float]] = {k: [] for k in ("pi", "pt", "li", "lt")}
+            step = _step_prompts(a, lookup_toks)
+            for toks in step:
+                c.store(toks, lookup_blocks)
+            items = [m.LookupItem(token_ids=pack_ids(t), request_id=f"r{i}") for i, t in enumerate(step)]
+            if [h.hit_tokens for h in c.lookup_batch(items)] != [a.lookup_tokens] * a.batch:
+                raise RuntimeError("the batched step lookup's prompts are not all cached")
+            timings: dict[str, list[float]] = {k: [] for k in ("pi", "pt", "li", "lt", "lb")}
             calls: dict[str, Callable[[], object]] = {
                 "pi": c.ping, "pt": tcp.ping,
                 "li": lambda: c.lookup(lookup_toks), "lt": lambda: tcp.lookup(lookup_toks),
+                "lb": lambda: c.lookup_batch(items),
             }  # fmt: skip
             rounds = 10
             for _ in range(rounds):  # interleaved: both transports share every load change
@@ -194,12 +216,17 @@ def main(argv: list[str]) -> int:
         for name, xs in (("ping ipc:// (floor)", timings["pi"]), ("ping tcp:// (floor)", timings["pt"]),
                          ("lookup via daemon, ipc://", timings["li"]),
                          ("lookup via daemon, tcp://", timings["lt"]),
+                         (f"batched step lookup of {a.batch} via daemon, ipc://", timings["lb"]),
                          ("lookup in-process", local)):  # fmt: skip
             rows.append({"what": name, "tokens": a.lookup_tokens,
                          "p50_us": _percentile(xs, 0.5) * 1e6, "p99_us": _percentile(xs, 0.99) * 1e6,
                          "mean_us": statistics.fmean(xs) * 1e6})  # fmt: skip
         ipc_p50, tcp_p50 = _percentile(timings["li"], 0.5), _percentile(timings["lt"], 0.5)
         rows.append({"what": "lookup p50 ipc/tcp", "ratio": ipc_p50 / tcp_p50, "target": 0.7})
+        batch_p50 = _percentile(timings["lb"], 0.5)
+        rows.append({"what": f"batched lookup of {a.batch} / one lookup, p50 ipc://",
+                     "ratio": batch_p50 / ipc_p50, "target": 2.0,
+                     "vs_one_at_a_time": batch_p50 / (a.batch * ipc_p50)})  # fmt: skip
         for i, op in enumerate(("store", "retrieve")):
             rows.append({"what": f"{op} GB/s", "daemon": remote_tp[i], "in_process": local_tp[i],
                          "ratio": remote_tp[i] / local_tp[i] if local_tp[i] else 0.0})  # fmt: skip

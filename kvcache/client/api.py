@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from kvcache.client.session import Registration, Session
+from kvcache.errors import ProtocolError
 from kvcache.futures import then
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
@@ -163,6 +164,20 @@ class KVCacheClient:
             key_extra=key_extra,
         )
         return self.session.call(msg, m.LookupResult)
+
+    def lookup_batch(self, items: Sequence[m.LookupItem]) -> list[m.LookupHit]:
+        """One answer per item (say, every request a scheduler step admits), in order, in one
+        round trip per ``MAX_LOOKUP_BATCH`` items; items are ``m.LookupItem(token_ids=
+        pack_ids(tokens), ...)``. One refused item refuses its batch with a ``lookup``'s error."""
+        hits: list[m.LookupHit] = []
+        for start in range(0, len(items), m.MAX_LOOKUP_BATCH):
+            part = list(items[start : start + m.MAX_LOOKUP_BATCH])
+            msg = m.LookupBatch(instance_id=self.instance_id, items=part)
+            got = self.session.call(msg, m.LookupBatchResult)
+            if len(got.hits) != len(part):
+                raise ProtocolError(f"the daemon answered {len(got.hits)} lookups for {len(part)} items")
+            hits += got.hits
+        return hits
 
     def _store_msg(
         self,

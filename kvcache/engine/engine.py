@@ -55,6 +55,7 @@ from kvcache.engine.parts import EngineParts
 from kvcache.engine.reports import publish_allocations, publish_end_session
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
+from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
 from kvcache.ids import RawIds
@@ -111,7 +112,8 @@ class CacheEngine:
             Waiter(functools.partial(load_path.notify_settled, settled), "kvcache-retrieve-wait"),
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
-        self._parts = EngineParts(config, *shared, *self._waiters, settled)
+        waiting = WaitingRetrieves(settled)
+        self._parts = EngineParts(config, *shared, *self._waiters, settled, waiting)
         self.pages = pages_path.EnginePages(self._parts, self._instance)
         """Pages keyed by the serving engine (SGLang HiCache), over the same tiers."""
 
@@ -196,6 +198,13 @@ class CacheEngine:
         inst = self._instance(instance_id)
         scope = key_scope if key_scope is not None else KeyScope(cache_salt)
         return load_path.lookup(self._parts, inst, token_ids, key_scope=scope, request_id=request_id)
+
+    def lookup_many(
+        self, instance_id: int, queries: Sequence[tuple[RawIds, KeyScope, str]]
+    ) -> list[LookupHit]:
+        """``lookup_tiers`` of each ``(token_ids, key_scope, request_id)``, in order (one
+        scheduler step's requests); prompts sharing a head with the one before hash it once."""
+        return load_path.lookup_many(self._parts, self._instance(instance_id), queries)
 
     def submit_store(self, req: StoreRequest) -> Future[StoreResult]:
         """Start a store: reserve the slots, submit the copies and return (``.result()`` waits).

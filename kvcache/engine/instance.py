@@ -72,6 +72,10 @@ class Instance:
     def keys(self, token_ids: RawIds, key_scope: KeyScope = _NO_SCOPE) -> list[ChunkKey]:
         """The chunk keys of ``token_ids`` under ``key_scope`` (with this instance's model and
         geometry ``scope``)."""
+        return self.hasher(key_scope).keys(token_ids)
+
+    def hasher(self, key_scope: KeyScope = _NO_SCOPE) -> ChunkHasher:
+        """The key hasher of ``key_scope`` (kept per scope: a digest each to build)."""
         hasher = self._hashers.get(key_scope)
         if hasher is None:
             hasher = ChunkHasher(
@@ -81,7 +85,7 @@ class Instance:
                 if len(self._hashers) >= _MAX_HASHERS:
                     self._hashers.clear()
                 self._hashers[key_scope] = hasher
-        return hasher.keys(token_ids)
+        return hasher
 
     def meta(self, cls: type[OpMetaT], **fields: Any) -> OpMetaT:
         """An MP_* event's metadata for this instance: ``fields`` plus what every operation

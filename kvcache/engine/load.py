@@ -6,15 +6,20 @@ alternation (a prompt's tail may stay in L1 after its head left for L2), and the
 chunk, refused load or failed load ends it; a retrieve waits for the loads a lookup began,
 never on its caller's thread: a prefix still loading is waited for on the engine's retrieve
 waiter (see ``waiter``), woken by ``EngineParts.loads_settled`` as each load settles.
+
+A chunk is read from L2 once however many requests need it at the same time: a load in
+flight is an L1 entry in LOADING, and every later lookup or retrieve of that chunk joins it
+(``L1Pool.resident``, ``acquire``) instead of reading it again. Each waiting retrieve is
+copied as soon as its own chunks settled (``waiting.WaitingRetrieves``), whatever the others
+wait for.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,7 +30,7 @@ from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
 from kvcache.errors import DeadlineExceededError
 from kvcache.ids import Ids, RawIds
-from kvcache.keys import KeyScope
+from kvcache.keys import Hashed, KeyScope
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart, MpRetrieveStart
 from kvcache.records import ChunkKey, RetrieveResult
 from kvcache.request import RetrieveRequest
@@ -48,20 +53,51 @@ def lookup(
     parts: EngineParts, inst: Instance, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
+    return _lookup_keys(parts, inst, len(token_ids), lambda: inst.keys(token_ids, key_scope), request_id)
+
+
+def lookup_many(
+    parts: EngineParts, inst: Instance, queries: Sequence[tuple[RawIds, KeyScope, str]]
+) -> list[LookupHit]:
+    """``lookup`` of each (token ids, key scope, request id) in order, as one scheduler step
+    asks them: prompts of one scope that share their head with the one before hash it once."""
+    prior: dict[KeyScope, Hashed | None] = {}
+    hits = []
+    for token_ids, key_scope, request_id in queries:
+
+        def keys(token_ids: RawIds = token_ids, key_scope: KeyScope = key_scope) -> list[ChunkKey]:
+            keys, prior[key_scope] = inst.hasher(key_scope).keys_after(token_ids, prior.get(key_scope))
+            return keys
+
+        hits.append(_lookup_keys(parts, inst, len(token_ids), keys, request_id))
+    return hits
+
+
+def _lookup_keys(
+    parts: EngineParts,
+    inst: Instance,
+    num_tokens: int,
+    make_keys: Callable[[], list[ChunkKey]],
+    request_id: str,
+) -> LookupHit:
     sid = parts.events.session(inst.instance_id, request_id)
-    num_tokens = len(token_ids)
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
-    keys = inst.keys(token_ids, key_scope)
+    keys = make_keys()
     l1 = l2 = 0
     room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
     while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
-        run = parts.pool.prefix(keys[l1 + l2 :])
-        l1 += run
+        run, joined = parts.pool.resident(keys[l1 + l2 :])  # joined: loads others began
+        l1 += run - joined
+        l2 += joined
         rest = keys[l1 + l2 :]
-        loaded = prefetch(parts, inst, rest, room_by=room_by) if rest else 0
-        if not loaded:
+        if not rest:
             break
+        loaded = prefetch(parts, inst, rest, room_by=room_by)
         l2 += loaded
+        # Nothing begun: a miss, unless another request began loading that chunk since we
+        # looked (its load is joined on the next pass, never read a second time).
+        if not loaded and not parts.pool.resident(rest[:1])[0]:
+            break
     cs = inst.ctx.chunk_size
     hit = (l1 + l2) * cs
     parts.stats.record_lookup(num_tokens, hit)
@@ -136,10 +172,15 @@ def retrieve_async(parts: EngineParts, inst: Instance, req: RetrieveRequest) -> 
     try:
         if op.ready_now():
             op.copy()
-        else:
-            parts.retrieve_waiter.add(inst.instance_id, op.wait_pass)
+            return future
+        if not op.needs_prefetch():
+            with parts.loads_settled:  # its chunks are all loading: it waits from now on
+                parts.waiting.add(op)
+        parts.retrieve_waiter.add(inst.instance_id, op.wait_pass)
     except Exception as err:  # never leave the future unresolved, nor a chunk pinned
-        op.fail(err)
+        if op.claim():
+            op.fail(err)
+            op.served.set()
     return future
 
 
@@ -161,6 +202,9 @@ class _RetrieveOp:
     deadline: Deadline  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``copy_by``)
     future: Future[RetrieveResult] = field(default_factory=Future)
     pinned: list[L1Entry] = field(default_factory=list)
+    claimed: bool = False  # its wait is over: one thread cuts and copies it (``claim``)
+    served: threading.Event = field(default_factory=threading.Event)  # ... and has done so
+    settled_upto: int = 0  # leading ``pinned`` entries known settled (``waiting``)
 
     @classmethod
     def begin(cls, parts: EngineParts, inst: Instance, req: RetrieveRequest) -> _RetrieveOp:
@@ -204,35 +248,81 @@ class _RetrieveOp:
         self._cut(ready)
         return True
 
+    def needs_prefetch(self) -> bool:
+        """True when chunks past ``pinned`` may still come from L2 (a pass must look)."""
+        return len(self.pinned) < len(self.keys) and bool(self.parts.tiers)
+
+    def claim(self) -> bool:
+        """Take the op's end for this thread; False when another thread took it first."""
+        with self.parts.loads_settled:
+            if self.claimed:
+                return False
+            self.claimed = True
+            self.parts.waiting.discard(self)
+            return True
+
     # -- waiter's thread ------------------------------------------------------------------
     def wait_pass(self, stop: threading.Event) -> None:
-        """Bring in what L2 holds of the rest of the prefix and wait for its loads, until the
-        deadline, or not at all once ``stop`` is set (the engine or instance is closing);
-        then copy what is READY. The first miss or failed load ends the prefix."""
+        """Bring in what L2 holds of the rest of the prefix, then wait until its chunks
+        settled, the deadline, or at once when ``stop`` is set (the engine or instance is
+        closing); then copy what is READY. The first miss or failed load ends the prefix.
+
+        While it waits, this pass serves every retrieve in ``EngineParts.waiting`` whose own
+        chunks settled (or whose deadline passed), not only its own: a retrieve's copy starts
+        when its chunks are in L1, never behind another retrieve's loads. An op that another
+        pass served already ends here at once."""
+        parts = self.parts
         try:
-            parts, keys, entries = self.parts, self.keys, self.pinned
-            while (
-                not stop.is_set()
-                and len(entries) < len(keys)
-                and prefetch(parts, self.inst, keys[len(entries) :], self.deadline.at)
-            ):
-                more = parts.pool.acquire(keys[len(entries) :])  # the loads just begun, and what follows
-                if not more:  # they failed already
+            with parts.loads_settled:
+                claimed, waiting = self.claimed, self in parts.waiting
+            if claimed:
+                self.served.wait()
+                return
+            if not waiting:
+                self._bring_in(stop)
+                with parts.loads_settled:
+                    parts.waiting.add(self)
+            parts.waiting.serve(self, stop)
+        except Exception as err:  # never leave the future unresolved, nor a chunk pinned
+            if self.claim():
+                self.fail(err)
+                self.served.set()
+
+    def _bring_in(self, stop: threading.Event) -> None:
+        """Pin the rest of the prefix: chunks already in L1 or loading (whoever began the
+        load), and loads begun now for the chunks L2 holds, until a miss."""
+        parts, keys, entries = self.parts, self.keys, self.pinned
+        while not stop.is_set() and len(entries) < len(keys):
+            rest = keys[len(entries) :]
+            more = parts.pool.acquire(rest)
+            if not more:
+                prefetch(parts, self.inst, rest, self.deadline.at)
+                more = parts.pool.acquire(rest)  # the loads just begun, or begun by another
+                if not more:  # a miss, or they failed already
                     break
-                entries += more
-            settled = parts.loads_settled
-            ready = 0
-            with settled:
-                for entry in entries:
-                    left = self.deadline.left()
-                    settled.wait_for(functools.partial(_settled_or_stopped, entry, stop), left)
-                    if not entry.wait(0):
-                        break
-                    ready += 1
-            self._cut(ready)
+            entries += more
+
+    def settled(self) -> bool:
+        """(``loads_settled`` held) Whether every pinned chunk settled, or one failed (the
+        prefix ends there): its copy need wait no longer."""
+        entries = self.pinned
+        while self.settled_upto < len(entries):
+            entry = entries[self.settled_upto]
+            if not entry.wait(0):
+                return not entry.ok
+            self.settled_upto += 1
+        return True
+
+    def finish_wait(self) -> None:
+        """(Claimed) Copy the READY prefix of ``pinned``; the first unsettled or failed chunk
+        ends it."""
+        try:
+            self._cut(next((i for i, e in enumerate(self.pinned) if not e.wait(0)), len(self.pinned)))
             self.copy()
         except Exception as err:  # never leave the future unresolved, nor a chunk pinned
             self.fail(err)
+        finally:
+            self.served.set()
 
     # -- either pass ----------------------------------------------------------------------
     def copy(self) -> None:
@@ -313,10 +403,6 @@ def _leading_ready(entries: Sequence[L1Entry]) -> tuple[int, bool]:
     return len(entries), False
 
 
-def _settled_or_stopped(entry: L1Entry, stop: threading.Event) -> bool:
-    return stop.is_set() or entry.wait(0) or not entry.ok
-
-
 def notify_settled(settled: threading.Condition) -> None:
     """Wake the retrieves waiting on ``settled`` (``EngineParts.loads_settled``): a load
     settled, or (the retrieve waiter's ``wake``) their ``stop`` was set."""
@@ -324,4 +410,4 @@ def notify_settled(settled: threading.Condition) -> None:
         settled.notify_all()
 
 
-__all__ = ["lookup", "notify_settled", "prefetch", "retrieve_async"]
+__all__ = ["lookup", "lookup_many", "notify_settled", "prefetch", "retrieve_async"]

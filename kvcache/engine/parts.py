@@ -14,6 +14,7 @@ from kvcache.config import EngineConfig
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.stats import OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
+from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
 
@@ -24,7 +25,8 @@ class EngineParts:
 
     ``loads_settled`` is notified after every L2 -> L1 load settled (``load.prefetch``), and
     by ``retrieve_waiter``'s ``wake``: a waiting retrieve waits on it, never on one entry, so
-    a stop reaches it at once."""
+    a stop reaches it at once. ``waiting`` holds the retrieves waiting for loads, guarded by
+    ``loads_settled``: whichever retrieve waiter pass is waiting serves them all."""
 
     config: EngineConfig
     pool: L1Pool
@@ -34,6 +36,7 @@ class EngineParts:
     store_waiter: Waiter
     retrieve_waiter: Waiter
     loads_settled: threading.Condition
+    waiting: WaitingRetrieves
 
 
 __all__ = ["EngineParts"]

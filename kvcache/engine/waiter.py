@@ -14,9 +14,10 @@ waiting for room (nor behind its own instance's: a store's ``block_ids`` are the
 keep until its future resolves, and a retrieve reads only chunks already visible, so it has
 nothing to wait for there but would inherit up to ``store_wait_timeout_s`` of latency).
 Stores keep their per-instance FIFO (``only_behind``); retrieves take no place in any
-instance's order: they are FIFO among themselves only. NOTE: so a retrieve waits behind an
-earlier retrieve's wait; the tiers' workers run loads in arrival order too, so a later
-retrieve's loads seldom land first, and each wait ends by its own ``retrieve_wait_timeout_s``.
+instance's order: they are FIFO among themselves only, and a retrieve pass that waits for
+loads serves every waiting retrieve whose chunks settled (``waiting.WaitingRetrieves``), so a
+retrieve never waits behind another one's loads. NOTE: a retrieve whose chunks must still be
+looked up in L2 (no lookup began them) waits for the passes before it to do that.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ file + shape/stride/dtype/offset, or CUDA IPC handle bytes + device UUID), never
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from kvcache.errors import ErrorCode  # re-exported: the wire vocabulary names it
 from kvcache.protocol.wire import CudaIpcTensor, FdTensor, IdArray, NonNegInt, TensorDesc
@@ -37,6 +39,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 """The default request cap (token lists of ~10M ids fit). The daemon closes a connection whose
 frame announces more (``ZMQ_MAXMSGSIZE``); ``decode_request`` answers ``TOO_LARGE`` to a
 whole frame over its cap."""
+
+MAX_LOOKUP_BATCH = 256
+"""Most lookups one ``LookupBatch`` carries; the decoder refuses a longer list (``BAD_MESSAGE``)
+before a handler sees it. A scheduler step rarely admits more requests than this; a client
+with more sends several batches."""
 
 TensorNesting = Literal["tensor", "list", "nested"]
 """How the engine's ``kv_caches`` object nests its tensors: one tensor, a list, or a list of lists."""
@@ -88,6 +95,27 @@ class Lookup(Request, tag="lookup"):
     key_extra: str = ""
     """What besides the tokens decides the KV (LoRA adapter, multimodal inputs, ...), as the
     engine states it; chunks are keyed by it too. Not a tenant namespace: ``cache_salt`` is."""
+
+
+class LookupItem(_Wire):
+    """One request's lookup inside a ``LookupBatch``: the fields of ``Lookup`` that belong to
+    the request, not to the instance."""
+
+    token_ids: IdArray
+    cache_salt: str = ""
+    request_id: str = ""
+    key_extra: str = ""
+
+
+class LookupBatch(Request, tag="lookup_batch"):
+    """Several lookups of one instance in one round trip (the requests a scheduler step must
+    ask about). Every item is checked as a ``Lookup`` is (ids bounded by ``--max-ids``, its
+    salt allowed to the tenant) before any is served: one bad item refuses the batch, and
+    nothing is looked up or prefetched. The answer is a ``LookupBatchResult``, in item order."""
+
+    instance_id: NonNegInt
+    items: Annotated[list[LookupItem], msgspec.Meta(min_length=1, max_length=MAX_LOOKUP_BATCH)]
+    token: bytes = b""
 
 
 class Store(Request, tag="store"):
@@ -195,7 +223,7 @@ class PageGet(Request, tag="page_get"):
 
 RequestBody = (
     Register | Unregister | Lookup | Store | Retrieve | ReportBlockAllocations | EndSession | Status
-    | Ping | PageExists | PageSet | PageGet
+    | Ping | PageExists | PageSet | PageGet | LookupBatch
 )
 
 
@@ -250,6 +278,19 @@ class LookupResult(Reply, tag="lookup"):
     l2_hit_tokens: int = 0
 
 
+class LookupHit(_Wire, array_like=True):
+    """One item's answer in a ``LookupBatchResult``: the fields of ``LookupResult``."""
+
+    hit_tokens: int
+    l2_hit_tokens: int = 0
+
+
+class LookupBatchResult(Reply, tag="lookup_batch"):
+    """The answers to a ``LookupBatch``, one per item, in its order."""
+
+    hits: list[LookupHit]
+
+
 class StatusResult(Reply, tag="status"):
     """Daemon health: the engine's own ``status()`` dict plus what the daemon knows."""
 
@@ -280,7 +321,7 @@ class PageExistsResult(Reply, tag="page_exists"):
 
 ReplyBody = (
     Error | Registered | Done | LookupResult | StoreResult | RetrieveResult | StatusResult | Pong
-    | PageExistsResult
+    | PageExistsResult | LookupBatchResult
 )
 
 
@@ -292,6 +333,7 @@ class ReplyEnvelope(_Wire):
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_LOOKUP_BATCH",
     "PAGE_KEY_BYTES",
     "PROTOCOL_VERSION",
     "CudaIpcTensor",
@@ -302,6 +344,10 @@ __all__ = [
     "FdTensor",
     "IdArray",
     "Lookup",
+    "LookupBatch",
+    "LookupBatchResult",
+    "LookupHit",
+    "LookupItem",
     "LookupResult",
     "PageExists",
     "PageExistsResult",

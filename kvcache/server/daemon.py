@@ -60,7 +60,7 @@ from kvcache.trusted_dir import ensure_private_dir
 log = logging.getLogger("kvcache.server")
 
 _INLINE = (m.Ping, m.ReportBlockAllocations, m.EndSession)
-_FAST = (m.Lookup, m.Status)
+_FAST = (m.Lookup, m.LookupBatch, m.Status)
 _STOP = None
 _Job = tuple[bytes, int, m.RequestBody, auth.Principal, int | None]
 """A queued request: ROUTER identity, request id, body, sender, and the instance that counts
@@ -362,6 +362,9 @@ longer ones go to the fast lane, so one huge prompt never stalls every other cli
 
 
 def _small_lookup(body: m.RequestBody) -> bool:
+    if isinstance(body, m.LookupBatch):  # the whole batch is one hand-off, or none
+        tokens = sum(len(item.token_ids.data) // item.token_ids.width for item in body.items)
+        return tokens <= INLINE_LOOKUP_MAX_TOKENS
     if not isinstance(body, m.Lookup):
         return False
     return len(body.token_ids.data) <= INLINE_LOOKUP_MAX_TOKENS * body.token_ids.width

@@ -51,6 +51,14 @@ SAMPLE_REQUESTS: list[m.RequestBody] = [
     m.Status(),
     m.Ping(instance_id=4),
     m.Ping(),
+    m.LookupBatch(
+        instance_id=3,
+        items=[
+            m.LookupItem(token_ids=pack_ids([1, 2]), cache_salt="s", request_id="r1", key_extra="lora"),
+            m.LookupItem(token_ids=pack_ids([-1])),
+        ],
+        token=b"t",
+    ),
 ]
 
 
@@ -71,6 +79,7 @@ SAMPLE_REPLIES: list[m.ReplyBody] = [
     m.RetrieveResult(retrieved_tokens=256, cuda_event=b"\x01" * 64),
     m.StatusResult(protocol_version=1, pid=1, uptime_s=0.5, instances=[1, 2], engine={"a": [1]}),
     m.Pong(protocol_version=1, registered=True),
+    m.LookupBatchResult(hits=[m.LookupHit(512, 256), m.LookupHit(0)]),
 ]
 
 

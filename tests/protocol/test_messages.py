@@ -16,9 +16,9 @@ def test_every_request_and_reply_has_a_distinct_stable_tag() -> None:
     replies = {c.__struct_config__.tag for c in m.ReplyBody.__args__}
     assert requests == {"register", "unregister", "lookup", "store", "retrieve",
                         "report_block_allocations", "end_session", "status", "ping",
-                        "page_exists", "page_set", "page_get"}  # fmt: skip
+                        "page_exists", "page_set", "page_get", "lookup_batch"}  # fmt: skip
     assert replies == {"error", "registered", "done", "lookup", "store", "retrieve", "status", "pong",
-                       "page_exists"}  # fmt: skip
+                       "page_exists", "lookup_batch"}  # fmt: skip
 
 
 def test_defaults_stay_off_the_wire() -> None:

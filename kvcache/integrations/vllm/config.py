@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvcache.protocol.messages import MAX_LOOKUP_BATCH
+
 _MAX_INSTANCE_BASE = 1 << 30
 
 
@@ -44,6 +46,10 @@ class ConnectorConfig:
       recovery from that keeps a token sampled from the unfilled blocks.
     * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
+    * ``lookup_batch``: how many requests one lookup round trip may ask about (default 32, at
+      most ``MAX_LOOKUP_BATCH``): the first request of a step that needs a lookup takes the
+      other requests vLLM added (or preempted) since with it, so a step that admits many
+      requests asks the daemon once. 1: one lookup per request.
     """
 
     endpoint: str | None = None
@@ -58,6 +64,7 @@ class ConnectorConfig:
     shared_memory: bool = True
     async_stores: bool = True
     async_loads: bool = True
+    lookup_batch: int = 32
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -69,6 +76,8 @@ class ConnectorConfig:
         cfg = cls(**extra)
         if cfg.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
+        if not 1 <= cfg.lookup_batch <= MAX_LOOKUP_BATCH:
+            raise ValueError(f"lookup_batch must be in 1..{MAX_LOOKUP_BATCH}, got {cfg.lookup_batch}")
         if cfg.instance_id is not None and cfg.instance_id < 0:
             raise ValueError(f"instance_id must be >= 0, got {cfg.instance_id}")
         return cfg

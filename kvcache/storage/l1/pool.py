@@ -241,16 +241,22 @@ class L1Pool(SlotTable):
     # -- readers --------------------------------------------------------------------------
     def prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys are resident (READY or LOADING); touches them for LRU."""
-        n = 0
+        return self.resident(keys)[0]
+
+    def resident(self, keys: Sequence[ChunkKey]) -> tuple[int, int]:
+        """``prefix``, and how many of those leading keys are still LOADING from L2 (a load
+        another request began: a lookup joins it instead of reading the chunk again)."""
+        n = loading = 0
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None or entry.state is EntryState.WRITING:
                     break
                 n += 1
+                loading += entry.state is EntryState.LOADING
             for key in reversed(keys[:n]):  # head of the prefix = most recently used
                 self._policy.touch(key)
-        return n
+        return n, loading
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
         """Pin the leading resident (READY or LOADING) entries of ``keys``."""

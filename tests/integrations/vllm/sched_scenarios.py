@@ -226,14 +226,7 @@ def preemption(h: Harness) -> None:
         original(records, wait=wait)
 
     client.report_block_allocations = record  # type: ignore[method-assign]
-    lookups: dict[str, int] = {}
-    lookup = client.lookup_tiers
-
-    def count_lookup(tokens: Any, **kw: Any) -> Any:
-        lookups[kw["request_id"]] = lookups.get(kw["request_id"], 0) + 1
-        return lookup(tokens, **kw)
-
-    client.lookup_tiers = count_lookup  # type: ignore[method-assign]
+    lookups = count_lookups(client)
 
     def check_reports(step: int, out: Any) -> None:
         for req_id in out.preempted_req_ids or ():
@@ -252,10 +245,58 @@ def preemption(h: Harness) -> None:
     eng.run()
     h.check(eng)
     h.facts["preemptions"] = sum(r.num_preemptions for r in eng.requests.values())
-    h.facts["lookups"] = lookups
+    h.facts["lookups"] = lookups = lookups["per_request"]
     assert h.facts["preemptions"] > 0, "nothing was preempted"
     for req_id, request in eng.requests.items():  # once per admission, not per step waited
         assert lookups.get(req_id, 0) <= 1 + request.num_preemptions, (req_id, lookups)
+
+
+def count_lookups(client: Any) -> dict[str, Any]:
+    """Count the scheduler client's lookup round trips (``trips``, single or batched) and how
+    often each request was asked about (``per_request``)."""
+    counts: dict[str, Any] = {"trips": 0, "per_request": {}}
+    single, batch = client.lookup_tiers, client.lookup_batch
+
+    def asked(req_id: str) -> None:
+        counts["per_request"][req_id] = counts["per_request"].get(req_id, 0) + 1
+
+    def count_single(tokens: Any, **kw: Any) -> Any:
+        counts["trips"] += 1
+        asked(kw["request_id"])
+        return single(tokens, **kw)
+
+    def count_batch(items: Any) -> Any:
+        counts["trips"] += 1
+        for item in items:
+            asked(item.request_id)
+        return batch(items)
+
+    client.lookup_tiers = count_single
+    client.lookup_batch = count_batch
+    return counts
+
+
+def batched_lookups(h: Harness) -> None:
+    """Eight requests sharing a 192-token prefix the daemon holds arrive together: the
+    scheduler half asks the daemon about all of them in one round trip (``LookupBatch``),
+    at the first request vLLM asks about, and each request exactly once; vLLM, asking per
+    request over several steps (a 96-token budget), gets each answer from that one trip."""
+    warm = h.engine()
+    shared = prompts(11, 200, [0])[0][:192]
+    warm.add("warm", [*shared, 7, 7, 7], 3)
+    warm.run()
+    h.check(warm)
+    eng = h.engine()
+    counts = count_lookups(eng.sched_connector.client)
+    for i in range(8):
+        eng.add(f"b{i}", [*shared, *range(300 + 10 * i, 310 + 10 * i)], 4)
+    eng.run()
+    h.check(eng)
+    h.facts.update(lookup_trips=counts["trips"], per_request=counts["per_request"],
+                   loaded_tokens=eng.tally().get("load_tokens", 0))  # fmt: skip
+    assert counts["trips"] == 1, counts
+    assert counts["per_request"] == {f"b{i}": 1 for i in range(8)}, counts
+    assert h.facts["loaded_tokens"] >= 192, "the shared prefix was not loaded"
 
 
 def daemon_killed(h: Harness) -> None:
@@ -466,6 +507,7 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "multimodal": multimodal,
     "prompt_embeds": prompt_embeds,
     "preemption": preemption,
+    "batched_lookups": batched_lookups,
     "daemon_killed": daemon_killed,
     "stalled_daemon": lambda h: stalled(h, "daemon"),
     "stalled_redis_l2": lambda h: stalled(h, "redis"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.protocol.messages import MAX_LOOKUP_BATCH
 
 
 def test_defaults_and_unknown_keys() -> None:
@@ -36,3 +37,11 @@ def test_transfers_are_asynchronous_by_default() -> None:
     cfg = ConnectorConfig.from_extra({})
     assert cfg.async_loads and cfg.async_stores
     assert not ConnectorConfig.from_extra({"async_loads": False}).async_loads
+
+
+def test_lookup_batch_is_bounded_by_what_one_message_carries() -> None:
+    assert ConnectorConfig.from_extra({}).lookup_batch == 32
+    assert ConnectorConfig.from_extra({"lookup_batch": 1}).lookup_batch == 1  # one per request
+    for bad in (0, MAX_LOOKUP_BATCH + 1):
+        with pytest.raises(ValueError, match="lookup_batch"):
+            ConnectorConfig.from_extra({"lookup_batch": bad})

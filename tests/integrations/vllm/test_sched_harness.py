@@ -41,6 +41,7 @@ SCENARIOS = [
     "multimodal",
     "prompt_embeds",
     "preemption",
+    "batched_lookups",
     "daemon_killed",
     "stalled_daemon",
     "stalled_redis_l2",
