@@ -97,10 +97,7 @@ class Pipeline:
     """
 
     def __init__(self, owner: Owner, window: int = DEFAULT_WINDOW) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
-        """Calls in flight at most; may be changed at any time (takes effect at the next send)."""
         self._owner = owner
         self._lock = threading.Lock()
         self._queue: deque[Call] = deque()
@@ -122,6 +119,39 @@ class Pipeline:
             self._queue.append(Call(body, future))
             self._start()
         self._wake()
+        return future
+
+    @property
+    def window(self) -> int:
+        """Calls in flight at most; may be changed at any time (takes effect at the next send)."""
+        return self._window
+
+    @window.setter
+    def window(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"window must be >= 1, got {value}")
+        self._window = value
+
+    def call(self, body: m.RequestBody) -> m.ReplyBody:
+        """``submit`` and wait for the reply (bounded by the call's deadline)."""
+        return self.submit(body).result()
+
+    def submit_hooked(self, body: m.RequestBody, send: Send) -> Future[m.ReplyBody]:
+        """``send(body)`` (hooks around ``call``) on a thread of its own: a hook that holds one
+        call back holds back no other. Calls the hooks let through are sent in the order they
+        reach ``call``."""
+        future: Future[m.ReplyBody] = Future()
+
+        def run() -> None:
+            try:
+                if (refusal := self._owner.refusal()) is not None:
+                    raise refusal
+                future.set_result(send(body))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        name = f"kvcache-client-hook-{self._owner.instance_id}"
+        threading.Thread(target=run, name=name, daemon=True).start()
         return future
 
     def queued(self) -> int:

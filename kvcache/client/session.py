@@ -48,6 +48,7 @@ log = logging.getLogger("kvcache.client")
 
 R = TypeVar("R", bound=m.Reply)
 
+
 def unwrap(reply: m.Reply, expected: type[R]) -> R:
     """``reply`` if it is an ``expected``; an ``Error`` reply raised as its exception."""
     if isinstance(reply, expected):
@@ -106,8 +107,7 @@ class Session:
         if self._peer_check is not None:
             self._sockopts.update(self._peer_check.sockopts)
         self.breaker = CircuitBreaker(probe_interval_s=min(1.0, timeout_s))
-        """Open after a call timed out while the daemon was silent: calls fail at once until a
-        background probe answers."""
+        """Open after a call timed out and the daemon was silent: calls fail at once until a probe answers."""
         self._lock = threading.Lock()
         self._chan = self.channel()
         self._registration: Registration | None = None
@@ -133,8 +133,6 @@ class Session:
 
     @window.setter
     def window(self, value: int) -> None:
-        if value < 1:
-            raise ValueError(f"window must be >= 1, got {value}")
         self._pipeline.window = value
 
     def intercept(self, hook: SendHook) -> None:
@@ -169,28 +167,9 @@ class Session:
     def _submit(self, body: m.RequestBody) -> Future[Any]:
         if self._closed:
             raise RuntimeError("KVCacheClient is closed")
-        if not self._hooks:
-            return self._pipeline.submit(body)
-        future: Future[Any] = Future()
-        thread = threading.Thread(
-            target=self._hooked_call, args=(body, future), daemon=True,
-            name=f"kvcache-client-hook-{self.instance_id}",
-        )  # fmt: skip
-        thread.start()
-        return future
-
-    def _hooked_call(self, body: m.RequestBody, future: Future[Any]) -> None:
-        """An asynchronous call through the hooks, whose innermost ``send`` waits for the
-        pipeline's answer."""
-
-        def send(b: m.RequestBody) -> m.ReplyBody:
-            return self._pipeline.submit(b).result()
-
-        try:
-            self._refuse_if_open()
-            future.set_result(hooked(self._hooks, send)(body))
-        except BaseException as exc:
-            future.set_exception(exc)
+        if self._hooks:
+            return self._pipeline.submit_hooked(body, hooked(self._hooks, self._pipeline.call))
+        return self._pipeline.submit(body)
 
     def _count_failed_notice(self, future: Future[Any]) -> None:
         if future.cancelled() or future.exception() is not None:

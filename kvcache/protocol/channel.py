@@ -7,6 +7,7 @@ one part that must survive a daemon restart, can be read on its own.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,7 +60,7 @@ class Channel:
         self._undecodable: Exception | None = None
         self.disconnects = 0
         """Connections of this socket the daemon closed, as seen so far."""
-        self.last_frame_bytes = 0
+        self._wake_fd: int | None = None
         self._sock, self._monitor = self._open()
         self._poller = self._make_poller()
 
@@ -67,6 +68,8 @@ class Channel:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        if self._wake_fd is not None:
+            poller.register(self._wake_fd, zmq.POLLIN)
         return poller
 
     def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
@@ -118,7 +121,6 @@ class Channel:
         request_id = next(self._ids)
         frame = encode_request(request_id, body)
         self._sock.send(frame)
-        self.last_frame_bytes = len(frame)
         return request_id
 
     def receive(self, timeout_s: float, wake_fd: int | None = None) -> list[m.ReplyEnvelope]:
@@ -129,11 +131,13 @@ class Channel:
         daemon) on a refused handshake, after resetting the socket: ZMQ would only retry it,
         and every call in flight on it is lost. Raises ``ProtocolError`` for a reply it
         cannot decode; the replies behind it stay for the next call."""
-        poller = self._poller
-        if wake_fd is not None:
-            poller = self._make_poller()
-            poller.register(wake_fd, zmq.POLLIN)
-        ready = dict(poller.poll(max(int(timeout_s * 1000), 0)))
+        if self._undecodable is not None:
+            undecodable, self._undecodable = self._undecodable, None
+            raise _protocol_error(undecodable) from None
+        if wake_fd is not None and wake_fd != self._wake_fd:
+            self._wake_fd = wake_fd
+            self._poller = self._make_poller()
+        ready = dict(self._poller.poll(max(math.ceil(timeout_s * 1000), 0)))
         if self._monitor in ready or not ready:
             # A refused handshake ends the calls at once: ZMQ would only retry it.
             refused, dropped = self._refusal()
@@ -152,9 +156,6 @@ class Channel:
                     self._undecodable = exc
                     return out
                 raise _protocol_error(exc) from None
-        if self._undecodable is not None and not out:
-            exc, self._undecodable = self._undecodable, None
-            raise _protocol_error(exc) from None
         return out
 
     def timeout_error(self, body: m.RequestBody, timeout_s: float, closed: bool) -> DaemonUnavailableError:
