@@ -29,6 +29,8 @@ class ConnectorConfig:
       should share cached prefixes must use the same name.
     * ``timeout_s``: bound on every daemon call; on a timeout the connector carries on
       without the cache (lookups count as misses, stores are dropped).
+    * ``window``: asynchronous calls (stores, asynchronous loads, notices) each worker keeps
+      in flight at the daemon (default 32); 1 sends each only after the previous one's reply.
     * ``load`` / ``store``: switch either direction off.
     * ``kv_format``: a ``GPUKVFormat`` name for the registered tensors (default: opaque pages
       on CPU, detection from the tensor shapes on GPU).
@@ -52,6 +54,7 @@ class ConnectorConfig:
     instance_id: int | None = None
     model_name: str | None = None
     timeout_s: float = 10.0
+    window: int = 32
     load: bool = True
     store: bool = True
     kv_format: str | None = None
@@ -69,6 +72,8 @@ class ConnectorConfig:
         cfg = cls(**extra)
         if cfg.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
+        if cfg.window < 1:
+            raise ValueError(f"window must be >= 1, got {cfg.window}")
         if cfg.instance_id is not None and cfg.instance_id < 0:
             raise ValueError(f"instance_id must be >= 0, got {cfg.instance_id}")
         return cfg
