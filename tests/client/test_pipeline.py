@@ -212,3 +212,25 @@ def test_the_daemon_stopped_then_killed_mid_window() -> None:
             c.close(unregister=False)
     finally:
         d.kill()
+
+
+def test_calls_in_flight_across_a_daemon_restart_are_sent_again(tmp_path: Path) -> None:
+    """A daemon restarted in the same place, 32 calls sent at once right after it is up: those
+    that meet it before the heartbeat registered the instance again are refused
+    (UNKNOWN_INSTANCE, or ACCESS_DENIED with the token being replaced), wait for the one
+    re-registration and are sent again; every call is answered by the new daemon."""
+    runtime_dir = str(tmp_path / "run")
+    kv = to_shared(_kv(6, num_blocks=32 * 4))
+    with DaemonProcess(ARGS, runtime_dir=runtime_dir) as first:
+        c = KVCacheClient(first.endpoint, 6, "restart", timeout_s=10)
+        c.register_kv_caches(kv)
+        first_token = c.session.token
+    try:
+        with DaemonProcess(ARGS, runtime_dir=runtime_dir):
+            calls = [c.store_async(_tokens(50 + i, 1), list(range(4 * i, 4 * i + 4))) for i in range(32)]
+            assert [f.result(timeout=60).stored_tokens for f in calls] == [CS] * 32
+            assert c.session.token != first_token
+            assert c.lookup(_tokens(50, 1)) == CS
+            c.close()
+    finally:
+        c.close(unregister=False)
