@@ -1,4 +1,4 @@
-"""Entry point: ``python -m kvcache.bench {transfer,events,l1,l2,daemon,shared,workload,vllm} [options]``.
+"""Entry point: ``python -m kvcache.bench NAME [options]``, NAME one of the table below.
 
 Each benchmark lives in its own module and is imported only when asked for, so the
 transfer benchmark runs on a GPU machine that has torch but none of the daemon's
@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "l2": ("kvcache.bench.storage", "main_l2", "disk and Redis L2 throughput; --redis-cluster: vs a cluster"),
     "daemon": ("kvcache.bench.daemon", "main", "lookup RTT and throughput through the daemon"),
     "shared": ("kvcache.bench.shared_prefix", "main", "N requests sharing a prefix on disk, at once"),
+    "pipeline": ("kvcache.bench.pipeline", "main", "small retrieve after a large store: window 1 vs N"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
     "vllm": ("kvcache.bench.vllm", "main", "vLLM end to end: decode tokens/s and loaded-prefix TTFT"),
 }

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kvcache.client.pipeline import DEFAULT_WINDOW
 from kvcache.client.session import Registration, Session
 from kvcache.errors import ProtocolError
 from kvcache.futures import then
@@ -32,7 +33,8 @@ class KVCacheClient:
     """The engine-side handle on the daemon for one engine instance.
 
     Thread-safe: synchronous calls from several threads are serialised on one socket;
-    ``*_async`` calls run on the background thread. ``timeout_s`` bounds every call.
+    ``*_async`` calls go through the background thread, up to ``window`` in flight.
+    ``timeout_s`` bounds every call.
     ``session`` is the connection itself (``client.session.Session``).
     """
 
@@ -46,6 +48,7 @@ class KVCacheClient:
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
         daemon_uid: int | None = None,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         """``endpoint``: default ``default_endpoint()`` (the local daemon's Unix socket).
         ``instance_id``: default a random id, unique per client (two engines on defaults
@@ -53,7 +56,9 @@ class KVCacheClient:
         requires CURVE (the daemon's public key; this client's ``.key_secret`` file).
         ``daemon_uid``: the uid the daemon runs as (default ``$KVCACHE_DAEMON_UID``, else
         this process's); an ``ipc://`` directory, peer or fd socket of another uid is refused
-        with ``UntrustedPathError`` (here already, if the directory exists)."""
+        with ``UntrustedPathError`` (here already, if the directory exists). ``window``: the
+        asynchronous calls kept in flight at the daemon at most, answered in any order (1: one
+        at a time, each waiting for the one before)."""
         self.session = Session(
             endpoint,
             instance_id if instance_id is not None else secrets.randbelow(1 << 31),
@@ -61,6 +66,7 @@ class KVCacheClient:
             curve_server_key=curve_server_key,
             curve_secret_key=curve_secret_key,
             daemon_uid=daemon_uid,
+            window=window,
         )
         self.model_name = model_name
         self._nonce = secrets.token_bytes(16)  # proves "same client" when re-registering

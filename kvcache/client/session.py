@@ -7,9 +7,10 @@ the daemon. Two DEALER sockets, so that neither kind of call waits for the other
 * synchronous calls use the caller's socket under a lock: send, then wait for the reply with
   the same id (stale replies of timed-out calls are dropped). On a timeout the socket is
   thrown away and recreated, so a lost reply never wedges the client (a REQ socket would);
-* asynchronous calls and heartbeats go through a background thread (``kvcache-client-<id>``)
-  with its own socket; it resolves ``concurrent.futures.Future`` objects and, if a restarted
-  daemon has forgotten this instance, registers it again.
+* asynchronous calls and heartbeats go through a background thread (``kvcache-client-<id>``,
+  ``client.pipeline``) with its own socket, up to ``window`` calls in flight, replies matched
+  by envelope id, each call with its own deadline; it resolves ``concurrent.futures.Future``
+  objects and, if a restarted daemon has forgotten this instance, registers it again.
 
 Whom it trusts (issue 20): a daemon of the expected uid only (``daemon_uid``,
 ``$KVCACHE_DAEMON_UID``, else this process's): its ``ipc://`` directory, the peer of every
@@ -19,11 +20,9 @@ connection and the fd socket it hands memfds to are checked (``protocol.peer_che
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,7 +31,8 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.errors import AccessDeniedError, DaemonUnavailableError, UnknownInstanceError
+from kvcache.client.pipeline import DEFAULT_WINDOW, Call, Pipeline, SendHook, hooked
+from kvcache.errors import DaemonUnavailableError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.protocol import messages as m
 from kvcache.protocol.breaker import CircuitBreaker
@@ -47,9 +47,6 @@ from kvcache.transport.tensors import export_tensors
 log = logging.getLogger("kvcache.client")
 
 R = TypeVar("R", bound=m.Reply)
-
-SendHook = Callable[[m.RequestBody, Callable[[m.RequestBody], m.ReplyBody]], m.ReplyBody]
-"""``hook(body, send)``: ``send(body)`` delivers it (re-registering and retrying if need be)."""
 
 
 def unwrap(reply: m.Reply, expected: type[R]) -> R:
@@ -74,8 +71,9 @@ class Session:
     """The delivery half of ``KVCacheClient``, for one engine instance.
 
     Thread-safe: synchronous calls (``call``) from several threads are serialised on one
-    socket; ``submit`` and ``notify`` run on the background thread, in order. ``timeout_s``
-    bounds every call. While the breaker is open calls fail at once, unsent.
+    socket; ``submit`` and ``notify`` go to the background thread, sent in order, up to
+    ``window`` in flight, answered in any order. ``timeout_s`` bounds every call. While the
+    breaker is open calls fail at once, unsent.
     """
 
     _MAX_QUEUED_NOTICES = 1024
@@ -89,6 +87,7 @@ class Session:
         curve_server_key: str | None,
         curve_secret_key: str | None,
         daemon_uid: int | None,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         self.daemon_uid = expected_daemon_uid(daemon_uid)
         self.endpoint = endpoint if endpoint is not None else default_endpoint(self.daemon_uid)
@@ -107,19 +106,17 @@ class Session:
         self._peer_check = self._trust.peer_check(self._ctx)  # ipc://: every connection's peer
         if self._peer_check is not None:
             self._sockopts.update(self._peer_check.sockopts)
+        self.breaker = CircuitBreaker(probe_interval_s=min(1.0, timeout_s))
+        """Open after a call timed out and the daemon was silent: calls fail at once until a probe answers."""
         self._lock = threading.Lock()
-        self._chan = self._channel()
+        self._chan = self.channel()
         self._registration: Registration | None = None
         self._registered: m.Registered | None = None
-        self._jobs: queue.SimpleQueue[tuple[m.RequestBody, Future[Any]] | None] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
         self._closed = False
-        self._worker_lock = threading.Lock()
         self._reg_lock = threading.Lock()
         self._reg_generation = 0  # registrations done by this session; see _register_again
-        self._send: Callable[[Channel, m.RequestBody], m.ReplyBody] = self._call_once
-        self.breaker = CircuitBreaker(probe_interval_s=min(1.0, timeout_s))
-        """Open after a call timed out: calls fail at once until a background probe answers."""
+        self._hooks: list[SendHook] = []
+        self._pipeline = Pipeline(self, window)
         self.dropped_notices = 0
         """Block reports and end-of-request notices dropped (daemon down, or too many queued)."""
 
@@ -129,16 +126,22 @@ class Session:
         tools that send their own requests for this instance."""
         return self._token
 
+    @property
+    def window(self) -> int:
+        """Asynchronous calls in flight at most (1: one at a time); may be changed any time."""
+        return self._pipeline.window
+
+    @window.setter
+    def window(self, value: int) -> None:
+        self._pipeline.window = value
+
     def intercept(self, hook: SendHook) -> None:
         """Route every request the breaker lets through, on any thread, through ``hook``: for
         tests and tools that delay, count or observe requests before they reach the daemon.
-        Hooks stack: the latest is outermost."""
-        inner = self._send
-
-        def send(chan: Channel, body: m.RequestBody) -> m.ReplyBody:
-            return hook(body, lambda b: inner(chan, b))
-
-        self._send = send
+        Hooks stack: the latest is outermost. ``send`` returns once the reply is in: for an
+        asynchronous call the hook runs on a thread of its own (``kvcache-client-hook-<id>``),
+        so a hook holding one call back holds back no other."""
+        self._hooks.append(hook)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -156,61 +159,111 @@ class Session:
 
     def notify(self, body: m.RequestBody) -> None:
         """Fire and forget: dropped (and counted) while the daemon is down or the queue is long."""
-        if self._closed or self.breaker.open or self._jobs.qsize() >= self._MAX_QUEUED_NOTICES:
+        if self._closed or self.breaker.open or self._pipeline.queued() >= self._MAX_QUEUED_NOTICES:
             self.dropped_notices += 1
             return
         self._submit(body).add_done_callback(self._count_failed_notice)
+
+    def _submit(self, body: m.RequestBody) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("KVCacheClient is closed")
+        if self._hooks:
+            return self._pipeline.submit_hooked(body, hooked(self._hooks, self._pipeline.call))
+        return self._pipeline.submit(body)
 
     def _count_failed_notice(self, future: Future[Any]) -> None:
         if future.cancelled() or future.exception() is not None:
             self.dropped_notices += 1
 
-    def _channel(self) -> Channel:
+    def channel(self) -> Channel:
+        """A new DEALER channel to the daemon (peer-checked, CURVE if configured)."""
         check = self._peer_check
-        return Channel(self._ctx, self.endpoint, self._sockopts, (lambda: check.refusal) if check else None)
+        refusal = (lambda: check.refusal) if check else None
+        return Channel(self._ctx, self.endpoint, self._sockopts, refusal, self.breaker.heard)
+
+    def refusal(self) -> DaemonUnavailableError | None:
+        """The error of a call refused unsent (the breaker is open), counted; else None."""
+        if not self.breaker.refuse():
+            return None
+        return DaemonUnavailableError(
+            f"the kvcache daemon at {self.endpoint} did not answer "
+            f"{self.breaker.open_for():.1f} s ago; failing fast until it does"
+        )
+
+    def _refuse_if_open(self) -> None:
+        if (error := self.refusal()) is not None:
+            raise error
 
     def _call_on(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
         """One call; if a restarted daemon has forgotten this instance, register again and
         retry once (the tensors are still shared, so nothing is lost but the daemon's L1).
 
-        While the breaker is open the call fails at once, unsent; a timeout opens it."""
-        if self.breaker.refuse():
-            raise DaemonUnavailableError(
-                f"the kvcache daemon at {self.endpoint} did not answer "
-                f"{self.breaker.open_for():.1f} s ago; failing fast until it does"
-            )
+        While the breaker is open the call fails at once, unsent; a timeout while the daemon
+        sent nothing at all (on any socket) opens it."""
+        self._refuse_if_open()
+        sent_at = time.monotonic()
         try:
-            return self._send(chan, body)
+            return hooked(self._hooks, lambda b: self._call_once(chan, b))(body)
         except DaemonUnavailableError:
-            if self.breaker.trip():
-                log.warning("kvcache daemon at %s unreachable: failing fast until it answers",
-                            self.endpoint)  # fmt: skip
-                self._ensure_worker()  # the background thread probes
+            if self.breaker.silent_since(sent_at):
+                self.silent(None)
             raise
 
+    def silent(self, call: Call | None) -> None:
+        """A call timed out and the daemon sent nothing meanwhile: open the breaker."""
+        if self.breaker.trip():
+            log.warning("kvcache daemon at %s unreachable: failing fast until it answers", self.endpoint)
+            self._pipeline.ensure_running()  # the background thread probes
+
     def _call_once(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
-        generation = self._reg_generation
-        reply = chan.call(self._stamped(body), self.timeout_s)
+        call = Call(body, Future())
+        while True:
+            call.generation = self._reg_generation
+            reply = chan.call(self._stamped(body), self.timeout_s)
+            if not self._resend(call, reply, chan):
+                return reply
+
+    def resend(self, call: Call, reply: m.ReplyBody) -> bool:
+        """For the pipeline: as ``_resend``, re-registering on a channel of its own."""
+        return self._resend(call, reply, None)
+
+    def _resend(self, call: Call, reply: m.ReplyBody, chan: Channel | None) -> bool:
+        """True if ``call`` must be sent again: its token was being replaced (wait for the
+        new one), or a restarted daemon has forgotten this instance (registered again here,
+        on ``chan`` or, for ``None``, on a channel of its own); each retry at most once."""
+        if not isinstance(reply, m.Error):
+            return False
         if (
-            isinstance(reply, m.Error)
-            and reply.code is m.ErrorCode.ACCESS_DENIED
-            and (self._reg_lock.locked() or generation != self._reg_generation)
+            reply.code is m.ErrorCode.ACCESS_DENIED
+            and "token" not in call.tried
+            and (self._reg_lock.locked() or call.generation != self._reg_generation)
         ):
             # Sent with the token of a registration another thread was replacing (a daemon
             # restart noticed by the heartbeat): wait for it, then once more with the new one.
+            call.tried.add("token")
             with self._reg_lock:
                 pass
-            reply = chan.call(self._stamped(body), self.timeout_s)
+            return True
         if (
-            isinstance(reply, m.Error)
-            and reply.code is m.ErrorCode.UNKNOWN_INSTANCE
+            reply.code is m.ErrorCode.UNKNOWN_INSTANCE
+            and "register" not in call.tried
             and self._registration is not None
-            and not isinstance(body, (m.Register, m.Unregister))
+            and not isinstance(call.body, (m.Register, m.Unregister))
         ):
-            if self._register_again(chan, generation):
-                log.info("re-registered instance %d after a daemon restart", self.instance_id)
-            reply = chan.call(self._stamped(body), self.timeout_s)
-        return reply
+            call.tried.add("register")
+            own = self.channel() if chan is None else chan
+            try:
+                if self._register_again(own, call.generation):
+                    log.info("re-registered instance %d after a daemon restart", self.instance_id)
+            finally:
+                if chan is None:
+                    own.close()
+            return True
+        return False
+
+    def stamp(self, body: m.RequestBody) -> tuple[m.RequestBody, int]:
+        """For the pipeline: ``body`` as sent now, and the registration it was sent under."""
+        return self._stamped(body), self._reg_generation
 
     def _stamped(self, body: m.RequestBody) -> m.RequestBody:
         """``body`` with the current token and, for byte-moving requests, the moment this
@@ -242,7 +295,7 @@ class Session:
             except BaseException:
                 self._registration = None
                 raise
-        self._ensure_worker()
+        self._pipeline.ensure_running()  # the heartbeat
         return reply
 
     def unregister(self) -> None:
@@ -285,85 +338,36 @@ class Session:
         self._reg_generation += 1
         return reply
 
-    # -- the background thread ---------------------------------------------------------
+    # -- the heartbeat (sent by the pipeline's thread) ----------------------------------
 
-    def _submit(self, body: m.RequestBody) -> Future[Any]:
-        if self._closed:
-            raise RuntimeError("KVCacheClient is closed")
-        self._ensure_worker()
-        future: Future[Any] = Future()
-        self._jobs.put((body, future))
-        return future
-
-    def _ensure_worker(self) -> None:
-        with self._worker_lock:
-            if self._worker is None and not self._closed:
-                self._worker = threading.Thread(
-                    target=self._background, name=f"kvcache-client-{self.instance_id}", daemon=True
-                )
-                self._worker.start()
-
-    def _background(self) -> None:
-        """Runs queued async calls; sends a heartbeat ping whenever it has been idle."""
-        chan = self._channel()
-        try:
-            while True:
-                interval = self._heartbeat_interval()
-                try:
-                    job = self._jobs.get(timeout=interval)
-                except queue.Empty:
-                    self._heartbeat(chan)
-                    continue
-                if job is None:
-                    return
-                body, future = job
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(self._call_on(chan, body))
-                except BaseException as exc:
-                    future.set_exception(exc)
-        finally:
-            chan.close()
-
-    def _heartbeat_interval(self) -> float:
+    def heartbeat(self) -> tuple[float, m.RequestBody | None, float]:
+        """(interval, the ping to send when nothing was sent for that long, its wait): a
+        probe while the breaker is open, a beat while registered, nothing otherwise. A beat
+        waits no longer than the daemon's patience, so a restart is noticed quickly."""
         if self.breaker.open:
-            return self.breaker.probe_interval_s
+            return self.breaker.probe_interval_s, m.Ping(), self.breaker.probe_interval_s
         reg = self._registered
-        return max(reg.heartbeat_timeout_s / 3, 0.05) if reg is not None else 1.0
+        if reg is None or self._registration is None:
+            return 1.0, None, self.timeout_s
+        ping = m.Ping(instance_id=self.instance_id, token=self._token)
+        return max(reg.heartbeat_timeout_s / 3, 0.05), ping, min(self.timeout_s, reg.heartbeat_timeout_s)
 
-    def _heartbeat(self, chan: Channel) -> None:
+    def beat_answered(self, pong: m.ReplyBody, generation: int) -> None:
+        """A probe's answer closes the breaker; a beat's says whether the daemon still knows
+        this instance (else it is registered again, on a channel of its own)."""
         if self.breaker.open:
-            self._probe(chan)
-        if self._registration is None or self.breaker.open:
+            if self.breaker.close():
+                log.info("kvcache daemon at %s answers again", self.endpoint)
             return
-        reg = self._registered
-        # A beat waits no longer than the daemon's patience, so a restart is noticed quickly.
-        wait = min(self.timeout_s, reg.heartbeat_timeout_s) if reg is not None else self.timeout_s
-        generation = self._reg_generation
-        try:
-            pong = chan.call(m.Ping(instance_id=self.instance_id, token=self._token), wait)
-        except DaemonUnavailableError as exc:  # the next beat retries; sync calls report it
-            log.debug("heartbeat failed: %s", exc)
-            return
-        except AccessDeniedError as exc:  # a refused or untrusted peer: the thread lives on
-            log.warning("heartbeat refused: %s", exc)
-            return
-        if isinstance(pong, m.Pong) and not pong.registered:
+        if isinstance(pong, m.Pong) and not pong.registered and self._registration is not None:
+            chan = self.channel()
             try:
                 if self._register_again(chan, generation):
                     log.info("re-registered instance %d with the daemon", self.instance_id)
             except Exception as exc:
                 log.warning("re-registering instance %d failed: %s", self.instance_id, exc)
-
-    def _probe(self, chan: Channel) -> None:
-        """Ask the daemon once whether it is back; close the breaker if it answers."""
-        try:
-            chan.call(m.Ping(), self.breaker.probe_interval_s)
-        except (DaemonUnavailableError, AccessDeniedError):
-            return
-        if self.breaker.close():
-            log.info("kvcache daemon at %s answers again", self.endpoint)
+            finally:
+                chan.close()
 
     # -- closing -----------------------------------------------------------------------
 
@@ -382,14 +386,12 @@ class Session:
                 log.debug("unregister on close failed: %s", exc)
         self._closed = True
         self._registration = None
-        if self._worker is not None:
-            self._jobs.put(None)
-            self._worker.join(timeout=self.timeout_s + 1)
+        stopped = self._pipeline.close(self.timeout_s + 1)
         with self._lock:
             self._chan.close()
         if self._peer_check is not None:
             self._peer_check.close()
-        if self._worker is not None and self._worker.is_alive():
+        if not stopped:
             self._ctx.destroy(linger=0)  # term() would wait for the stuck thread's socket
         else:
             self._ctx.term()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 
 from kvcache.errors import KvcacheError, TransferError
@@ -29,8 +28,9 @@ class Completer:
 
     Thread rules: ``add``, ``drain`` and ``close`` may be called from any thread; every
     ``on_done`` runs on the completer's own thread, one at a time, in the order the jobs
-    were added (the handler finishes them in submission order, so waiting for the oldest
-    first costs nothing). An ``on_done`` may block (a write-through waiting for room in a
+    finish (``TransferHandler.wait_any``): a small retrieve that the CPU handler let pass a
+    large store is completed, and its reply sent, without waiting for the store. An
+    ``on_done`` may block (a write-through waiting for room in a
     busy L2 queue): later completions of the same instance wait behind it, which is the
     back-pressure a burst of stores is meant to feel.
 
@@ -45,7 +45,7 @@ class Completer:
         self._name = name
         self._idle_exit_s = idle_exit_s
         self._cv = threading.Condition()
-        self._queue: deque[tuple[int, Direction, OnDone]] = deque()  # [0] may be being completed
+        self._queue: dict[int, tuple[Direction, OnDone]] = {}  # added, not yet completed
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -54,12 +54,13 @@ class Completer:
         with self._cv:
             if self._closed:
                 raise TransferError(f"{self._name}: the completer is closed")
-            self._queue.append((job_id, direction, on_done))
+            self._queue[job_id] = (direction, on_done)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=False)
                 self._thread.start()
-            else:
-                self._cv.notify_all()
+                return
+            self._cv.notify_all()
+        self._handler.interrupt()  # a thread waiting for the earlier jobs waits for this one too
 
     def on_own_thread(self) -> bool:
         """True on the completer's thread (in an ``on_done``, or a future's done-callback
@@ -87,18 +88,28 @@ class Completer:
                     self._thread = None
                     self._cv.notify_all()
                     return
-                job_id, direction, on_done = self._queue[0]
-            try:
-                (result,) = self._handler.wait([job_id])
-            except KvcacheError as err:  # its result was taken by someone else (see NOTE)
-                result = TransferResult(job_id, direction, 0, 0, 0.0, err)
-            try:
-                on_done(result)
-            except Exception:  # an on_done settles its own future; never lose the thread
-                logger.exception("%s: completing transfer job %d failed", self._name, job_id)
-            with self._cv:
-                self._queue.popleft()
-                self._cv.notify_all()
+                pending = dict(self._queue)
+            for result in self._finished(pending):
+                _, on_done = pending[result.job_id]
+                try:
+                    on_done(result)
+                except Exception:  # an on_done settles its own future; never lose the thread
+                    logger.exception("%s: completing transfer job %d failed", self._name, result.job_id)
+                with self._cv:
+                    del self._queue[result.job_id]
+                    self._cv.notify_all()
+
+    def _finished(self, pending: dict[int, tuple[Direction, OnDone]]) -> list[TransferResult]:
+        """The results of the pending jobs that finished first (none if ``add`` interrupted)."""
+        try:
+            return self._handler.wait_any(list(pending))
+        except KvcacheError:  # a result was taken by someone else (see NOTE): find which
+            pass
+        job_id = next(iter(pending))
+        try:
+            return self._handler.wait([job_id])
+        except KvcacheError as err:
+            return [TransferResult(job_id, pending[job_id][0], 0, 0, 0.0, err)]
 
 
 __all__ = ["Completer", "OnDone"]

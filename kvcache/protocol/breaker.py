@@ -3,7 +3,9 @@
 Separate from ``KVCacheClient`` so the rule can be read on its own. Without it a dead daemon
 costs every call its full timeout: a vLLM scheduler doing lookups, block reports and
 end-of-request notices for four short requests waited 16 timeouts. With it, the first call
-that times out opens the breaker; every later call fails at once (a lookup is a miss, a store
+that times out while the daemon was silent (nothing heard from it, on any socket, since the
+call was sent: ``heard`` / ``silent_since``) opens the breaker; a call that is merely slow
+while others are answered fails alone; every later call fails at once (a lookup is a miss, a store
 is skipped, a notice is dropped and counted) while one background probe per
 ``probe_interval_s`` asks the daemon; the first answer closes the breaker.
 """
@@ -21,6 +23,7 @@ class CircuitBreaker:
         self.probe_interval_s = probe_interval_s
         self._lock = threading.Lock()
         self._open_since: float | None = None
+        self._heard = time.monotonic()
         self.trips = 0
         """Times the breaker opened."""
         self.short_circuited = 0
@@ -52,6 +55,15 @@ class CircuitBreaker:
                 return False
             self.short_circuited += 1
             return True
+
+    def heard(self) -> None:
+        """The daemon sent something (any reply, on any socket): it is alive now."""
+        self._heard = time.monotonic()
+
+    def silent_since(self, since: float) -> bool:
+        """True if the daemon sent nothing after ``since`` (``time.monotonic()``): a call
+        sent then that timed out found it silent, not merely slow to answer that call."""
+        return self._heard < since
 
     def open_for(self) -> float:
         """Seconds the breaker has been open (0 when closed)."""

@@ -7,6 +7,7 @@ one part that must survive a daemon restart, can be read on its own.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,11 +27,13 @@ from kvcache.protocol.codec import decode_reply, encode_request
 
 
 class Channel:
-    """A DEALER socket with request/reply matching; used by one thread at a time.
+    """A DEALER socket with request/reply matching by envelope id; used by one thread at a time.
 
-    A DEALER rather than a REQ: a REQ socket whose reply is lost is stuck forever, while this
-    one is simply thrown away and reopened after a timeout, and replies of earlier timed-out
-    calls are recognised by their id and dropped.
+    Two ways to use it: ``call`` sends one request and waits for its reply; ``send`` and
+    ``receive`` keep many requests in flight, the caller matching replies to calls by the id
+    ``send`` returned (``client.pipeline``). A DEALER rather than a REQ: a REQ socket whose
+    reply is lost is stuck forever, while replies of earlier timed-out calls are recognised
+    here by their id and dropped.
     """
 
     _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -42,15 +45,22 @@ class Channel:
         endpoint: str,
         sockopts: Mapping[int, int | bytes] | None = None,
         peer_refusal: Callable[[], str | None] | None = None,
+        heard: Callable[[], None] | None = None,
     ) -> None:
         """``sockopts`` are set before connecting (the CURVE client keys, for one).
         ``peer_refusal``: why this client refused the daemon's end of a handshake, if it did
         (``peer_check.DaemonUidCheck.refusal``); a refused handshake is then reported as
-        ``UntrustedPathError`` rather than as the daemon refusing this client."""
+        ``UntrustedPathError`` rather than as the daemon refusing this client.
+        ``heard``: called for every frame the daemon sends (the breaker's sign of life)."""
         self._ctx, self._endpoint = ctx, endpoint
         self._sockopts = dict(sockopts or {})
         self._peer_refusal = peer_refusal
         self._ids = itertools.count(1)
+        self._heard = heard
+        self._undecodable: Exception | None = None
+        self.disconnects = 0
+        """Connections of this socket the daemon closed, as seen so far."""
+        self._wake_fd: int | None = None
         self._sock, self._monitor = self._open()
         self._poller = self._make_poller()
 
@@ -58,6 +68,8 @@ class Channel:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        if self._wake_fd is not None:
+            poller.register(self._wake_fd, zmq.POLLIN)
         return poller
 
     def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
@@ -104,45 +116,91 @@ class Channel:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
-    def call(self, body: m.RequestBody, timeout_s: float) -> m.ReplyBody:
+    def send(self, body: m.RequestBody) -> int:
+        """Send ``body`` under a fresh envelope id and return the id; never waits."""
         request_id = next(self._ids)
         frame = encode_request(request_id, body)
         self._sock.send(frame)
-        deadline = time.monotonic() + timeout_s
-        closed_by_daemon = False
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            ready = dict(self._poller.poll(max(remaining_ms, 0)))
-            if self._monitor in ready or not ready:
-                # A refused handshake ends the call at once: ZMQ would only retry it.
-                refused, dropped = self._refusal()
-                closed_by_daemon = closed_by_daemon or dropped
-                if refused is not None:
-                    raise self._refused(refused)
-            if not ready:
-                self.reset()
-                if closed_by_daemon:
-                    raise DaemonUnavailableError(
-                        f"the kvcache daemon at {self._endpoint} closed the connection and sent no "
-                        f"reply within {timeout_s:g} s ({type(body).__name__}, {len(frame)} bytes): "
-                        "it closes a connection whose request exceeds its --max-message-mb, and "
-                        "new connections while at its --max-connections; or it restarted"
-                    )
-                raise DaemonUnavailableError(
-                    f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
-                    f"({type(body).__name__}); is `python -m kvcache.server` running?"
-                )
-            if self._sock not in ready:
-                continue  # monitor events only
+        return request_id
+
+    def receive(self, timeout_s: float, wake_fd: int | None = None) -> list[m.ReplyEnvelope]:
+        """The replies that arrived, waiting up to ``timeout_s`` for the first one (an empty
+        list: the time passed, or ``wake_fd`` became readable; the caller drains it).
+
+        Raises ``AccessDeniedError`` (``UntrustedPathError`` when this client refused the
+        daemon) on a refused handshake, after resetting the socket: ZMQ would only retry it,
+        and every call in flight on it is lost. Raises ``ProtocolError`` for a reply it
+        cannot decode; the replies behind it stay for the next call."""
+        if self._undecodable is not None:
+            undecodable, self._undecodable = self._undecodable, None
+            raise _protocol_error(undecodable) from None
+        if wake_fd is not None and wake_fd != self._wake_fd:
+            self._wake_fd = wake_fd
+            self._poller = self._make_poller()
+        ready = dict(self._poller.poll(max(math.ceil(timeout_s * 1000), 0)))
+        if self._monitor in ready or not ready:
+            # A refused handshake ends the calls at once: ZMQ would only retry it.
+            refused, dropped = self._refusal()
+            self.disconnects += dropped
+            if refused is not None:
+                raise self._refused(refused)
+        out: list[m.ReplyEnvelope] = []
+        while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frame = self._sock.recv(zmq.NOBLOCK)
+            if self._heard is not None:
+                self._heard()
             try:
-                envelope = decode_reply(self._sock.recv())
+                out.append(decode_reply(frame))
             except (msgspec.DecodeError, ValueError) as exc:
-                raise ProtocolError(
-                    f"cannot decode the daemon's reply ({exc}); are client and daemon the same "
-                    "kvcache version?"
-                ) from None
-            if envelope.id == request_id or envelope.id == 0:
-                return envelope.body
+                if out:  # hand over what decoded; the next call raises for this frame
+                    self._undecodable = exc
+                    return out
+                raise _protocol_error(exc) from None
+        return out
+
+    def timeout_error(self, body: m.RequestBody, timeout_s: float, closed: bool) -> DaemonUnavailableError:
+        """The error of a call that got no reply within ``timeout_s``; ``closed``: the daemon
+        closed a connection of this socket meanwhile."""
+        if closed:
+            return DaemonUnavailableError(
+                f"the kvcache daemon at {self._endpoint} closed the connection and sent no "
+                f"reply within {timeout_s:g} s ({type(body).__name__}): "
+                "it closes a connection whose request exceeds its --max-message-mb, and "
+                "new connections while at its --max-connections; or it restarted"
+            )
+        return DaemonUnavailableError(
+            f"no reply from the kvcache daemon at {self._endpoint} within {timeout_s:g} s "
+            f"({type(body).__name__}); is `python -m kvcache.server` running?"
+        )
+
+    def call(self, body: m.RequestBody, timeout_s: float) -> m.ReplyBody:
+        """Send ``body`` and wait for its reply, dropping replies of earlier calls. On a
+        timeout the socket is reset (a lost reply must not wedge it): only for a socket that
+        has nothing else in flight."""
+        disconnects = self.disconnects
+        request_id = self.send(body)
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            for envelope in self.receive(remaining):
+                if envelope.id == request_id or envelope.id == 0:
+                    return envelope.body
+        self._refusal_now()
+        closed = self.disconnects != disconnects
+        self.reset()
+        raise self.timeout_error(body, timeout_s, closed)
+
+    def _refusal_now(self) -> None:
+        """Read the monitor once more before giving up: a refusal is the better error."""
+        refused, dropped = self._refusal()
+        self.disconnects += dropped
+        if refused is not None:
+            raise self._refused(refused)
+
+
+def _protocol_error(exc: Exception) -> ProtocolError:
+    return ProtocolError(
+        f"cannot decode the daemon's reply ({exc}); are client and daemon the same kvcache version?"
+    )
 
 
 __all__ = ["Channel"]

@@ -105,10 +105,13 @@ class TransferHandler(ABC):
     collectors may run concurrently. No callback ever runs on a copy or driver thread:
     completion is only observed by ``get_finished`` and ``wait``, on the caller's thread.
 
-    Ordering: jobs on one handler take effect in submission order. A job starts after
-    every job submitted before it has finished, so it sees every byte they wrote (a load
-    of a chunk just stored reads the stored bytes; of two loads into one block the later
-    wins). ``get_finished`` reports results in that same order.
+    Ordering: a job takes effect after every job submitted before it that shares memory
+    with it (an engine block past the skip, or a chunk) has finished, so it sees every byte
+    they wrote (a load of a chunk just stored reads the stored bytes; of two loads into one
+    block the later wins). Jobs that share nothing may finish in any order: the CPU handler
+    cuts a large job into pieces so that a later small one can pass it; a CUDA handler runs
+    them in submission order on its stream. ``get_finished`` reports the finished results
+    in submission order.
 
     Errors: ``submit`` raises only when the handler is closed (``TransferError``). A job
     that fails its checks (block id out of range or not an integer, ids that do not cover
@@ -137,6 +140,19 @@ class TransferHandler(ABC):
         still running is left out and reported by a later call. Raises
         ``UnknownTransferError`` for an id never issued or already reported.
         """
+
+    def wait_any(self, job_ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
+        """Block until at least one job in ``job_ids`` finished (or ``timeout`` passed); the
+        results of all of them that finished, or none after ``interrupt``. This default
+        waits for the first id, which is the same for a handler that finishes jobs in
+        submission order."""
+        ids = list(job_ids)
+        return self.wait(ids[:1], timeout) if ids else []
+
+    def interrupt(self) -> None:
+        """Make the ``wait_any`` calls in progress return now (a waiter has more ids to wait
+        for); a no-op where ``wait_any`` waits for the oldest job anyway."""
+        return None
 
     @abstractmethod
     def drain(self) -> None:

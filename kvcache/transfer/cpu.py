@@ -1,4 +1,4 @@
-"""CPU transfers: the native CPU twin run off the caller's thread.
+"""CPU transfers: the native CPU twin run off the caller's thread, large jobs in pieces.
 
 Separate from the CUDA handler because the CPU has no stream to order work on: a worker
 thread plays the stream's part, so CPU callers get the same submit / poll / wait
@@ -19,6 +19,7 @@ from kvcache import _native
 from kvcache.errors import CudaUnavailableError, TransferError, UnknownTransferError
 from kvcache.idle import wait_for_work
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
+from kvcache.transfer.pieces import Footprint, chunks_per_piece, first_chunk, piece
 from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
 
 #: The native copy's signature; tests pass a wrapper that holds a job in flight.
@@ -39,14 +40,37 @@ def native_cpu_copy(table: _native.PageTable, job: CheckedJob, num_threads: int)
     )
 
 
-@dataclass(frozen=True, eq=False)
+PIECE_BYTES = 16 << 20
+"""A job larger than this runs as pieces of whole chunks (at least one chunk each), so a later
+small job waits for one piece of it, not for all of it."""
+
+
+@dataclass(eq=False)
 class _Queued:
+    """A submitted job; the worker's own state of it (only the worker writes it)."""
+
     job_id: int
     job: TransferJob  # holds the chunk tensors alive until the copy finished
+    checked: CheckedJob | None = None
+    footprint: Footprint | None = None
+    blockers: tuple[_Queued, ...] = ()  # earlier jobs it shares memory with
+    next_chunk: int = -1  # -1: not checked yet
+    blocks: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    result: TransferResult | None = None
 
 
 class CpuTransferHandler(TransferHandler):
-    """Runs the native CPU copy on one worker thread, jobs in submission order.
+    """Runs the native CPU copy on one worker thread, a piece at a time.
+
+    Order: a job of more than ``piece_bytes`` is cut into pieces of whole chunks. The worker
+    takes turns, one piece each, among the jobs that share no block and no chunk with any
+    earlier unfinished job (``pieces.Footprint``); a job that does share waits until those
+    earlier jobs finished, so it sees every byte they wrote. A small job submitted behind a
+    large one therefore waits for one piece of it, not all of it, and finishes first. The
+    start deadline (``start_by``) is checked before every piece: a job stops, with
+    ``DeadlineExceededError`` on its result, rather than touch the blocks after it.
 
     ``submit`` only queues the job: the worker checks it (``check_job``) right before
     copying, so the caller's thread does no per-id work. Right after a large copy the
@@ -75,6 +99,7 @@ class CpuTransferHandler(TransferHandler):
         owners: Sequence[torch.Tensor] = (),
         copy: CopyFn = native_cpu_copy,
         idle_exit_s: float = 2.0,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         self._table = table
         self._geometry = geometry
@@ -88,6 +113,10 @@ class CpuTransferHandler(TransferHandler):
         self._next_id = 0
         self._worker: threading.Thread | None = None
         self._closed = False
+        bpc, block_bytes = geometry.blocks_per_chunk, geometry.bytes_per_block
+        self._piece_chunks = chunks_per_piece(piece_bytes, bpc, block_bytes)
+        self._last_turn = -1  # the job id that ran the latest piece (worker only)
+        self._interrupts = 0  # wait_any returns when this changes
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -109,20 +138,41 @@ class CpuTransferHandler(TransferHandler):
 
     def get_finished(self) -> list[TransferResult]:
         with self._cv:
-            out = list(self._finished.values())
+            out = sorted(self._finished.values(), key=lambda r: r.job_id)
             self._finished.clear()
         return out
+
+    def wait_any(self, job_ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
+        ids = list(dict.fromkeys(job_ids))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self._check_known(ids)
+            interrupts = self._interrupts
+            while ids and not any(i in self._finished for i in ids) and interrupts == self._interrupts:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            return [self._finished.pop(i) for i in ids if i in self._finished]
+
+    def interrupt(self) -> None:
+        with self._cv:
+            self._interrupts += 1
+            self._cv.notify_all()
+
+    def _check_known(self, ids: list[int]) -> None:
+        queued = {q.job_id for q in self._queue}
+        for i in ids:
+            if i not in queued and i not in self._finished:
+                raise UnknownTransferError(
+                    f"transfer job {i} was never submitted here or was already reported"
+                )
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
         ids = list(dict.fromkeys(job_ids))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            queued = {q.job_id for q in self._queue}
-            for i in ids:
-                if i not in queued and i not in self._finished:
-                    raise UnknownTransferError(
-                        f"transfer job {i} was never submitted here or was already reported"
-                    )
+            self._check_known(ids)
             while not all(i in self._finished for i in ids):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -133,7 +183,7 @@ class CpuTransferHandler(TransferHandler):
     def drain(self) -> None:
         with self._cv:
             last = self._next_id - 1
-            while self._queue and self._queue[0].job_id <= last:
+            while any(q.job_id <= last for q in self._queue):
                 self._cv.wait()
 
     def close(self) -> None:
@@ -151,18 +201,37 @@ class CpuTransferHandler(TransferHandler):
                     self._worker = None
                     self._cv.notify_all()
                     return
-                item = self._queue[0]
+                items = list(self._queue)
+            item = items[0]
             try:
-                result = self._execute(item)
+                item = self._turn(items)
+                self._step(item)
             except Exception as err:  # never lose the worker (and every waiter) to one job
-                result = TransferResult(item.job_id, item.job.direction, 0, 0, 0.0, native_error(err))
-            with self._cv:
-                self._queue.popleft()
-                self._finished[item.job_id] = result
-                self._cv.notify_all()
+                item.result = TransferResult(item.job_id, item.job.direction, 0, 0, 0.0, native_error(err))
+            if item.result is not None:
+                with self._cv:
+                    self._queue.remove(item)
+                    self._finished[item.job_id] = item.result
+                    self._cv.notify_all()
 
-    def _execute(self, item: _Queued) -> TransferResult:
-        direction = item.job.direction
+    def _turn(self, items: list[_Queued]) -> _Queued:
+        """The job whose piece runs next: round robin, from the one after the latest turn,
+        among the jobs none of whose blockers is still queued (the oldest always qualifies)."""
+        for i, item in enumerate(items):
+            if item.next_chunk < 0:
+                self._prepare(item, items[:i])
+            if item.result is not None:  # failed its checks: reported at once
+                return item
+        live = {id(q) for q in items}
+        ready = [q for q in items if not any(id(b) in live for b in q.blockers)]
+        after = [q for q in ready if q.job_id > self._last_turn]
+        chosen = after[0] if after else ready[0]
+        self._last_turn = chosen.job_id
+        return chosen
+
+    def _prepare(self, item: _Queued, earlier: list[_Queued]) -> None:
+        """Check the job (off the caller's thread) and find the earlier jobs it must follow."""
+        item.next_chunk = 0
         try:
             if item.job.after is not None:
                 raise CudaUnavailableError(
@@ -170,17 +239,44 @@ class CpuTransferHandler(TransferHandler):
                     "there is no stream to order it on; nothing was copied"
                 )
             job = check_job(item.job, self._geometry)
-            check_start(item.job)  # last, right before the copy: the check nearest its start
         except Exception as err:  # a malformed job (not just a bad one) fails alone, typed
-            return TransferResult(item.job_id, direction, 0, 0, 0.0, native_error(err))
-        start = time.perf_counter()
+            item.result = TransferResult(item.job_id, item.job.direction, 0, 0, 0.0, native_error(err))
+            return
+        item.checked, item.footprint = job, Footprint.of(job)
+        item.next_chunk = first_chunk(job)
+        fp = item.footprint
+        item.blockers = tuple(q for q in earlier if q.footprint is not None and q.footprint.overlaps(fp))
+
+    def _step(self, item: _Queued) -> None:
+        """Run the next piece of ``item``; sets its result once it is over."""
+        job = item.checked
+        if item.result is not None or job is None:
+            return
+        direction = item.job.direction
         try:
-            self._copy(self._table, job, self._num_threads)
+            check_start(item.job)  # before every piece: no byte moves after the deadline
+        except Exception as err:
+            item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds,
+                                         native_error(err))  # fmt: skip
+            return
+        start, count = item.next_chunk, len(job.chunk_ptrs)
+        stop = min(start + self._piece_chunks, count)
+        part = job if (start, stop) == (0, count) else piece(job, start, stop, self._geometry.bytes_per_block)
+        t0 = time.perf_counter()
+        try:
+            if part.blocks:
+                self._copy(self._table, part, self._num_threads)
         except Exception as err:  # reported on the result, never raised on this thread
-            return TransferResult(
-                item.job_id, direction, 0, 0, time.perf_counter() - start, native_error(err)
-            )
-        return TransferResult(item.job_id, direction, job.blocks, job.nbytes, time.perf_counter() - start)
+            item.seconds += time.perf_counter() - t0
+            item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds,
+                                         native_error(err))  # fmt: skip
+            return
+        item.seconds += time.perf_counter() - t0
+        item.blocks += part.blocks
+        item.nbytes += part.nbytes
+        item.next_chunk = stop
+        if stop >= count:
+            item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds)
 
 
-__all__ = ["CopyFn", "CpuTransferHandler", "native_cpu_copy"]
+__all__ = ["PIECE_BYTES", "CopyFn", "CpuTransferHandler", "native_cpu_copy"]

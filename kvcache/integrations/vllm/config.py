@@ -31,6 +31,8 @@ class ConnectorConfig:
       should share cached prefixes must use the same name.
     * ``timeout_s``: bound on every daemon call; on a timeout the connector carries on
       without the cache (lookups count as misses, stores are dropped).
+    * ``window``: asynchronous calls (stores, asynchronous loads, notices) each worker keeps
+      in flight at the daemon (default 32); 1 sends each only after the previous one's reply.
     * ``load`` / ``store``: switch either direction off.
     * ``kv_format``: a ``GPUKVFormat`` name for the registered tensors (default: opaque pages
       on CPU, detection from the tensor shapes on GPU).
@@ -58,6 +60,7 @@ class ConnectorConfig:
     instance_id: int | None = None
     model_name: str | None = None
     timeout_s: float = 10.0
+    window: int = 32
     load: bool = True
     store: bool = True
     kv_format: str | None = None
@@ -78,6 +81,8 @@ class ConnectorConfig:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
         if not 1 <= cfg.lookup_batch <= MAX_LOOKUP_BATCH:
             raise ValueError(f"lookup_batch must be in 1..{MAX_LOOKUP_BATCH}, got {cfg.lookup_batch}")
+        if cfg.window < 1:
+            raise ValueError(f"window must be >= 1, got {cfg.window}")
         if cfg.instance_id is not None and cfg.instance_id < 0:
             raise ValueError(f"instance_id must be >= 0, got {cfg.instance_id}")
         return cfg

@@ -101,6 +101,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             timeout_s=self.config.timeout_s,
             curve_server_key=self.config.curve_server_key,
             curve_secret_key=self.config.curve_secret_key,
+            window=self.config.window,
         )
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
         async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
