@@ -46,10 +46,11 @@ from kvcache.config import EngineConfig
 from kvcache.context import GPUCacheContext
 from kvcache.deadline import Deadline
 from kvcache.engine import load as load_path
+from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
 from kvcache.engine import store as store_path
 from kvcache.engine.instance import Instance
-from kvcache.engine.load import LookupHit
+from kvcache.engine.lookup import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.reports import publish_allocations, publish_end_session
@@ -197,14 +198,14 @@ class CacheEngine:
         """``lookup``, also saying how much of the prefix comes from L2."""
         inst = self._instance(instance_id)
         scope = key_scope if key_scope is not None else KeyScope(cache_salt)
-        return load_path.lookup(self._parts, inst, token_ids, key_scope=scope, request_id=request_id)
+        return lookup_path.lookup(self._parts, inst, token_ids, key_scope=scope, request_id=request_id)
 
     def lookup_many(
         self, instance_id: int, queries: Sequence[tuple[RawIds, KeyScope, str]]
     ) -> list[LookupHit]:
         """``lookup_tiers`` of each ``(token_ids, key_scope, request_id)``, in order (one
         scheduler step's requests); prompts sharing a head with the one before hash it once."""
-        return load_path.lookup_many(self._parts, self._instance(instance_id), queries)
+        return lookup_path.lookup_many(self._parts, self._instance(instance_id), queries)
 
     def submit_store(self, req: StoreRequest) -> Future[StoreResult]:
         """Start a store: reserve the slots, submit the copies and return (``.result()`` waits).

@@ -40,8 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcache.client import KVCacheClient
-from kvcache.errors import ProtocolError
 from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.integrations.vllm.plan import Planner, StepPlan
@@ -49,8 +49,6 @@ from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.integrations.vllm.shm import SharedKVAllocation
 from kvcache.integrations.vllm.stats import ConnectorTally, merge
 from kvcache.integrations.vllm.worker import ConnectorWorker
-from kvcache.protocol import messages as m
-from kvcache.protocol.codec import pack_ids
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -110,15 +108,13 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
         self._last_hit: dict[str, tuple[int, int]] = {}  # req_id -> (local, daemon hit)
-        self._unasked: dict[str, Any] = {}  # added or preempted, not looked up since (arrival order)
-        self._answered: dict[str, int] = {}  # looked up in another request's batch: daemon hit
-        self._batching = self.config.lookup_batch > 1
         self.tally = ConnectorTally()
         """The scheduler half's statistics (lookups, requests not cached) for vLLM's metrics."""
         self._steps = 0  # plans built
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._loading: set[str] = set()  # asynchronous loads planned, not yet reported received
         self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
+        self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
         # worker half
         self._worker = ConnectorWorker(
             self.client, self.block_size, self.config.kv_format, async_stores=self.config.async_stores
@@ -250,7 +246,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         return self._planner
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        self._unasked.pop(request.request_id, None)  # asked about now: no batch takes it along
+        self._lookups.asked(request.request_id)  # asked about now: no batch takes it along
         planner = self._get_planner() if self.config.load else None
         prompt = request.prompt_token_ids
         if planner is None or prompt is None or len(prompt) <= planner.chunk_size:
@@ -260,9 +256,8 @@ class KVCacheConnector(KVConnectorBase_V1):
             return 0, False
         if request.request_id in self._recompute:
             # Its asynchronous load failed outright and vLLM freed its blocks. vLLM 0.32 still
-            # counts it among its in-flight prefills, so a second asynchronous load would
-            # reserve its own blocks against it and, in a busy or small cache, never be
-            # admitted (docs/vllm.md): it recomputes instead, as after a synchronous failure.
+            # counts it among its in-flight prefills, so a second asynchronous load would reserve
+            # its own blocks against it and might never be admitted (docs/vllm.md): it recomputes.
             return 0, False
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
@@ -271,12 +266,12 @@ class KVCacheConnector(KVConnectorBase_V1):
             # Asked again while the request waits for memory: one lookup per admission.
             hit = cached[1]
         else:
-            answered = self._answered.pop(request.request_id, None)
+            answered = self._lookups.answered(request.request_id)
             if answered is not None:  # asked in an earlier request's batch of this admission
                 hit = answered
             else:
                 try:
-                    hit = self._lookup(request, prompt, key_extra, planner.chunk_size)
+                    hit = self._lookups.lookup(request, prompt, key_extra, planner.chunk_size)
                 except Exception as exc:  # a miss, not an error, for the engine
                     log.warning("kvcache: lookup failed: %s", exc)
                     self.tally.count("lookup_failures")
@@ -288,56 +283,7 @@ class KVCacheConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Any) -> None:
         """vLLM 0.32 calls this for every request it adds (``Scheduler.add_request``): the
         request's lookup can travel with the next one asked (``_lookup``)."""
-        if self._batching and self.config.load:
-            self._unasked[request.request_id] = request
-
-    def _lookup(self, request: Any, prompt: Any, key_extra: str, chunk_size: int) -> int:
-        """The daemon's hit for ``request``, asked in one round trip together with requests
-        added (or preempted) since and not asked about yet, up to ``lookup_batch``; their
-        answers wait in ``_answered`` for vLLM to ask about them (once per admission).
-
-        NOTE: vLLM 0.32 asks per request (``get_num_new_matched_tokens``), in queue order, and
-        only for the requests it tries to admit in this step; it has no hook before that loop.
-        So the batch is made at the first ask of a step, from what ``on_new_request`` and the
-        preemptions told us. A request batched here and not admitted in this step keeps its
-        answer (and the daemon's prefetch of it) for its turn; one that vLLM's own prefix
-        cache covers is asked about needlessly (its local hit is known only at its turn)."""
-        salt = request.cache_salt or ""
-        if not self._batching:
-            found = self.client.lookup_tiers(prompt, cache_salt=salt, request_id=request.request_id,
-                                             key_extra=key_extra)  # fmt: skip
-            self.tally.lookup(len(prompt), found.hit_tokens, found.l2_hit_tokens)
-            return found.hit_tokens
-        batch = [(request, prompt, salt, key_extra)]
-        for req_id, other in list(self._unasked.items()):
-            if len(batch) >= self.config.lookup_batch:
-                break
-            del self._unasked[req_id]
-            tokens = other.prompt_token_ids
-            extra = request_key_extra(other)
-            if tokens is None or len(tokens) <= chunk_size or extra is None or req_id in self._recompute:
-                continue  # never looked up (see get_num_new_matched_tokens)
-            batch.append((other, tokens, other.cache_salt or "", extra))
-        items = [
-            m.LookupItem(token_ids=pack_ids(t), cache_salt=s, request_id=r.request_id, key_extra=k)
-            for r, t, s, k in batch
-        ]
-        try:
-            hits = self.client.lookup_batch(items)
-        except ProtocolError as exc:  # a daemon from before LookupBatch: one lookup per request
-            log.info("kvcache: the daemon does not take batched lookups (%s); asking one at a time", exc)
-            self._batching = False
-            self._unasked.clear()
-            return self._lookup(request, prompt, key_extra, chunk_size)
-        except Exception:
-            for r, *_ in batch[1:]:  # asked again with a later request
-                self._unasked[r.request_id] = r
-            raise
-        for (r, t, *_), hit in zip(batch, hits, strict=True):
-            self.tally.lookup(len(t), hit.hit_tokens, hit.l2_hit_tokens)
-            if r is not request:
-                self._answered[r.request_id] = hit.hit_tokens
-        return hits[0].hit_tokens
+        self._lookups.waiting(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         planner = self._get_planner()
@@ -380,8 +326,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             planner.preempted(req_id)
             request = self._requests.get(req_id)
-            if request is not None and self._batching and self.config.load:
-                self._unasked[req_id] = request  # waits again: its next admission asks again
+            if request is not None:
+                self._lookups.waiting(request)  # waits again: its next admission asks again
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         rows = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -430,8 +376,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._last_hit.pop(req_id, None)
-        self._unasked.pop(req_id, None)
-        self._answered.pop(req_id, None)
+        self._lookups.forget(req_id)
         self._recompute.discard(req_id)
         delay = False
         # ``_loading`` forgets it when the workers report it received.
