@@ -171,8 +171,13 @@ class EnginePages:
     ) -> tuple[int, int]:
         """Leading pages of ``keys`` (32 bytes each) held, and how many of those are loading
         from L2 (a prefetch, as ``lookup`` starts)."""
+        inst, keyed = self._keyed(instance_id, keys, cache_salt)
+        return exists(self._parts, inst, keyed, request_id)
+
+    def _keyed(self, instance_id: int, keys: bytes, cache_salt: str) -> tuple[Instance, list[ChunkKey]]:
+        """The instance and its scoped keys; raises for an unknown instance or malformed keys."""
         inst = self._instance(instance_id)
-        return exists(self._parts, inst, page_keys(inst, keys, cache_salt), request_id)
+        return inst, page_keys(inst, keys, cache_salt)
 
     def store_async(
         self,
@@ -186,8 +191,7 @@ class EnginePages:
     ) -> Future[StoreResult]:
         """``store_async`` of one page per key, from ``block_ids[i]``."""
         try:
-            inst = self._instance(instance_id)
-            keyed = page_keys(inst, keys, cache_salt)
+            inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
         return store_async(self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by)
@@ -204,12 +208,10 @@ class EnginePages:
     ) -> Future[RetrieveResult]:
         """``retrieve_async`` of the leading cached pages of ``keys`` into ``block_ids``."""
         try:
-            inst = self._instance(instance_id)
-            keyed = page_keys(inst, keys, cache_salt)
+            inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
         return retrieve_async(self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by)
-
 
 
 __all__ = ["PAGE_KEY_BYTES", "EnginePages", "exists", "page_keys", "retrieve_async", "store_async"]
