@@ -28,19 +28,6 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def sglang_python() -> str:
-    if os.environ.get("KVCACHE_SKIP_SGLANG") == "1":
-        pytest.skip("KVCACHE_SKIP_SGLANG=1")
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "sglang_env.sh")], capture_output=True, text=True, timeout=1200
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"SGLang cannot be installed here:\n{proc.stderr[-2000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
 @pytest.fixture
 def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
     yield from daemon_starter(["--l1-size-gb", "0.25", "--max-ids", "4096"])
