@@ -5,6 +5,9 @@ On ``PYTHONPATH`` for the SGLang tiers only; they patch private internals of the
 1. torchvision: PyPI wheels are CUDA-linked, so an import-only stub (``tv_stub``).
 2. ``vllm._custom_ops.rotary_embedding``: pure-torch RoPE (SGLang's non-CUDA fallback imports it).
 3. ``SGL_CPU_HICACHE_SHIM=1``: HiCache host pools unpinned, and a torch ``transfer_kv_direct``.
+
+Not a shim: ``KVCACHE_SGLANG_SHARED_POOL=1`` runs ``shared_pool.install()`` in every process, as
+docs/sglang.md tells an operator to (host pools in kvcache memfds, registered in place).
 """
 
 import importlib.util
@@ -35,3 +38,8 @@ if os.environ.get("SGL_CPU_HICACHE_SHIM") == "1":
             d[di] = s[si].to(d.dtype)
 
     _m.transfer_kv_direct = transfer_kv_direct
+
+if os.environ.get("KVCACHE_SGLANG_SHARED_POOL") == "1":
+    from kvcache.integrations.sglang import shared_pool
+
+    shared_pool.install()
