@@ -13,7 +13,7 @@ the prompt is served from the pages A stored. The test-only CPU shims (``cishim/
 servers' ``PYTHONPATH``; the servers start once, together, for the module.
 
 Skips where SGLang cannot be installed (``venv.sglang_python``). About 2 minutes on the 2-core
-CI machine, most of it the two servers starting.
+CI machine (4 when other jobs load it), nearly all of it the two servers starting together.
 """
 
 from __future__ import annotations
@@ -87,14 +87,17 @@ class Server:
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to the server's process group (its scheduler and detokenizer too)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+
+    def wait(self) -> None:
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +129,7 @@ def _launch(python: str, name: str, model: Path, endpoint: str, log: Path, **env
            "--hicache-storage-backend-extra-config", json.dumps(extra)]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd="/", start_new_session=True,
-                                env=sglang_env(SGL_CPU_HICACHE_SHIM="1", **env))  # fmt: skip
+                                env=sglang_env(KVCACHE_SGLANG_CPU_SHIM="1", **env))  # fmt: skip
     return Server(name, f"http://127.0.0.1:{port}", proc, log)
 
 
@@ -151,14 +154,24 @@ def servers(
         yield started
     finally:
         for s in started.values():
-            s.stop()
+            s.terminate()
+        for s in started.values():  # both shut down at once
+            s.wait()
 
 
-def _stored_pages(daemon: DaemonProcess) -> float:
+def _metric(daemon: DaemonProcess, name: str) -> float:
+    """The daemon's counter ``name``, summed over its labels (instances)."""
     with urllib.request.urlopen(daemon.metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("kvcache_store_stored_chunks_total{"))  # fmt: skip
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _await_metric(daemon: DaemonProcess, name: str, at_least: float, server: Server) -> None:
+    """Until the daemon counts ``at_least`` (its metrics follow its events: poll, not sleep)."""
+    deadline = time.monotonic() + 60
+    while _metric(daemon, name) < at_least:
+        assert time.monotonic() < deadline, f"{name} never reached {at_least}:\n{server.tail()}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +180,7 @@ def first(servers: dict[str, Server], daemon: DaemonProcess) -> dict[str, Any]:
     storage in the background after the request: wait for the daemon's count, not a time)."""
     answer = servers["A"].generate()
     assert answer["meta_info"]["cached_tokens"] == 0, answer
-    deadline = time.monotonic() + 60
-    while _stored_pages(daemon) < PAGES:
-        assert time.monotonic() < deadline, f"pages never reached the daemon:\n{servers['A'].tail()}"
-        time.sleep(0.2)
+    _await_metric(daemon, "kvcache_store_stored_chunks_total", PAGES, servers["A"])
     return answer
 
 
@@ -184,16 +194,18 @@ def test_after_flush_the_same_prompt_is_served_from_storage(
 ) -> None:
     a = servers["A"]
     assert "flushed" in a.post("/flush_cache").lower()  # HTTP 200; a refused flush is 400
+    loaded = _metric(daemon, "kvcache_retrieve_retrieved_tokens_total")
     again = a.generate()
     assert _from_storage(again) == PAGES * PAGE, again["meta_info"]
     assert again["meta_info"]["cached_tokens"] >= PAGES * PAGE
     assert again["output_ids"] == first["output_ids"], (first, again)
     assert again["text"] == first["text"]
-    assert daemon.proc.poll() is None
+    # and the daemon says it served them
+    _await_metric(daemon, "kvcache_retrieve_retrieved_tokens_total", loaded + PAGES * PAGE, a)
 
 
 def test_a_second_server_sharing_the_daemon_gets_the_prefix(
-    servers: dict[str, Server], first: dict[str, Any]
+    servers: dict[str, Server], first: dict[str, Any], daemon: DaemonProcess
 ) -> None:
     b = servers["B"]
     answer = b.generate()  # B's first request: nothing in its device or host tiers
@@ -201,3 +213,4 @@ def test_a_second_server_sharing_the_daemon_gets_the_prefix(
     assert answer["output_ids"] == first["output_ids"], (first, answer)
     assert b.registration().endswith("in place"), b.registration()  # the daemon copied into B's pool
     assert "staged by" in servers["A"].registration(), servers["A"].registration()
+    assert daemon.proc.poll() is None
