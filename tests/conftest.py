@@ -23,9 +23,14 @@ ENGINE_FIXTURES = frozenset({"vllm_python", "sglang_python"})
 
 def _engine_python(script: str, skip_variable: str, engine: str) -> str:
     """The python of an engine's venv, built by ``scripts/<script>`` (a no-op once built; waits
-    for a build already running). Skips where the engine cannot be installed (exit status 3)."""
+    for a build already running). Skips where the engine cannot be installed (exit status 3).
+    ``KVCACHE_<ENGINE>_PYTHON`` names a venv's python built elsewhere (by another checkout),
+    so that the script, which links the venv to its own checkout, is not run."""
     if os.environ.get(skip_variable) == "1":
         pytest.skip(f"{skip_variable}=1")
+    given = os.environ.get(f"KVCACHE_{script.split('_')[0].upper()}_PYTHON")
+    if given:
+        return given
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / script)], capture_output=True, text=True, timeout=1800
     )

@@ -7,9 +7,9 @@ The unit tier builds the backend through ``StorageBackendFactory`` with a real
 keys: byte-for-byte round trips, prefix ``batch_exists``, MHA and MLA, zero copy, two
 tensor-parallel ranks and two tenants (see its checks).
 
-The venv comes from ``venv.sglang_python``: it skips where SGLang cannot be installed
-(``sglang_env.sh`` exits 3) or with ``KVCACHE_SKIP_SGLANG=1``. About 40 s with a built venv,
-about 3.5 minutes more to build it.
+The venv comes from the ``sglang_python`` fixture (tests/conftest.py): it skips where SGLang
+cannot be installed (``sglang_env.sh`` exits 3) or with ``KVCACHE_SKIP_SGLANG=1``. About 40 s
+with a built venv, about 3.5 minutes more to build it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ emptied) the same prompt is answered from storage with the same tokens; B's firs
 the prompt is served from the pages A stored. The test-only CPU shims (``cishim/``) are on the
 servers' ``PYTHONPATH``; the servers start once, together, for the module.
 
-Skips where SGLang cannot be installed (``venv.sglang_python``). About 2 minutes on the 2-core
+Skips where SGLang cannot be installed (the ``sglang_python`` fixture). About 2 minutes on the 2-core
 CI machine (4 when other jobs load it), nearly all of it the two servers starting together.
 """
 
