@@ -20,7 +20,7 @@ from kvcache.client import KVCacheClient
 from kvcache.integrations.sglang.host import HostPages
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
-from kvcache.server.launch import DaemonProcess
+from kvcache.server.launch import DaemonProcess, Spawn
 from tests.helpers import daemon_starter
 from tests.security.conftest import raw_call
 
@@ -28,8 +28,9 @@ PS, NL, NH, HS, PAGES = 4, 2, 2, 8, 32
 
 
 @pytest.fixture
-def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
-    yield from daemon_starter(["--chunk-size", "16", "--l1-size-gb", "0.05", "--max-ids", "4096"])
+def start_daemon(daemon_spawn: Spawn | None) -> Iterator[Callable[..., DaemonProcess]]:
+    args = ["--chunk-size", "16", "--l1-size-gb", "0.05", "--max-ids", "4096"]
+    yield from daemon_starter(args, daemon_spawn)
 
 
 def keys_of(*names: str) -> bytes:
