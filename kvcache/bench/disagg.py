@@ -143,6 +143,13 @@ def workload(a: argparse.Namespace, seed: int, vocab: int) -> Workload:
     )
 
 
+def seeds(a: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The warm-up rounds' seeds and the timed rounds': all distinct, so that no target ever
+    sees a prompt twice (its prefix cache would answer). Non-negative: ``random.Random(-n)``
+    draws what ``Random(n)`` does."""
+    return [1_000_000 + r for r in range(a.warmup)], list(range(a.rounds))
+
+
 def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     """Start the daemon, the three servers and the proxy; run the rounds; the raw records."""
     model = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
@@ -193,11 +200,12 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
             )
             url = {"split": proxy.url, "single": servers[2].url}
             counted = {"split": servers[1], "single": servers[2]}
-            for r in range(a.warmup):
+            warm, timed = seeds(a)
+            for seed in warm:
                 for target in TARGETS:
-                    run_workload(url[target], workload(a, -1 - r, model.vocab), a.timeout)
-            for r in range(a.rounds):
-                w = workload(a, r, model.vocab)
+                    run_workload(url[target], workload(a, seed, model.vocab), a.timeout)
+            for r, seed in enumerate(timed):
+                w = workload(a, seed, model.vocab)
                 got: dict[str, Any] = {}
                 for target in TARGETS[r % 2 :] + TARGETS[: r % 2]:
                     before = counted[target].metrics()

@@ -36,6 +36,13 @@ def test_the_workload_depends_only_on_its_seed() -> None:
     assert all(3 <= t < 1000 for p in w.decoders + w.long_prompts for t in p)
 
 
+def test_no_two_rounds_send_the_same_prompts() -> None:
+    a = disagg.parse_args(["--rounds", "5", "--warmup", "2", "--decoders", "1", "--long-prompts", "1"])
+    warm, timed = disagg.seeds(a)
+    prompts = [tuple(disagg.workload(a, s, 1000).long_prompts[0]) for s in warm + timed]
+    assert len(warm) == 2 and len(timed) == 5 and len(set(prompts)) == 7
+
+
 def test_the_client_times_every_event_and_records_failures() -> None:
     calls: list[Call] = []
     server = FakeVllm("s", calls)
