@@ -244,10 +244,12 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         streams = [Stream(**s) for rnd in rounds for s in rnd["streams"]]
         ttft = [s.ttft_s * 1e3 for s in streams if s.kind == "long" and s.ttft_s is not None]
         itl = [g * 1e3 for s in streams if s.kind == "decode" for g in s.gaps_s()]
+        prefill = [s.prefill_s * 1e3 for s in streams if s.kind == "long" and s.prefill_s is not None]
         n = len(streams)
         out["targets"][target] = {
             "ttft_ms": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99), "n": len(ttft)},
             "itl_ms": {"p50": _pct(itl, 0.5), "p99": _pct(itl, 0.99), "n": len(itl)},
+            "prefill_call_ms": {"p50": _pct(prefill, 0.5), "p99": _pct(prefill, 0.99), "n": len(prefill)},
             "requests": n,
             "errors": [s.error for s in streams if s.error],
             "computed_prompt_tokens_per_request": sum(r["local_compute_tokens"] for r in rounds) / max(n, 1),
@@ -283,6 +285,11 @@ def table(raw: dict[str, Any], fig: dict[str, Any]) -> str:
             lines.append(
                 f"{label:<28}{split[name][q]:>14.1f}{single[name][q]:>12.1f}"
                 + (f"{ratio:>14.2f}" if ratio is not None else f"{'-':>14}")
+            )
+        pre = split["prefill_call_ms"]
+        if name == "ttft_ms" and pre["n"]:
+            lines.append(
+                f"{'  the prefill call, p50':<28}{pre['p50']:>14.1f}{'-':>12}   (p99 {pre['p99']:.1f})"
             )
     lines.append(
         f"{'prompt tokens computed/req':<28}{split['computed_prompt_tokens_per_request']:>14.1f}"

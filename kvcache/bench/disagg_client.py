@@ -68,6 +68,8 @@ class Stream:
     times: list[float] = field(default_factory=list)
     text: str = ""
     error: str | None = None
+    prefill_s: float | None = None
+    """Through the proxy: its prefill call's duration (its ``Server-Timing`` header)."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -104,6 +106,9 @@ def stream(
         if resp.status != 200:
             out.error = f"HTTP {resp.status}: {resp.read()[:500]!r}"
             return
+        timing = resp.getheader("Server-Timing", "")
+        if timing.startswith("prefill;dur="):
+            out.prefill_s = float(timing.removeprefix("prefill;dur=")) / 1e3
         while line := resp.readline():
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue

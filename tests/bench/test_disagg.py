@@ -66,7 +66,7 @@ def test_the_client_times_every_event_and_records_failures() -> None:
 
 def _streams(ttft: list[float], gap: float, text: str = "t") -> list[dict[str, object]]:
     out = [Stream("decode", 0.0, [1.0, 1.0 + gap, 1.0 + 2 * gap], text)]
-    out += [Stream("long", 10.0, [10.0 + t], text) for t in ttft]
+    out += [Stream("long", 10.0, [10.0 + t], text, prefill_s=t / 2) for t in ttft]
     return [vars(s) for s in out]
 
 
@@ -83,6 +83,7 @@ def test_figures_pool_the_rounds_and_compare_split_with_single() -> None:
     split, single = fig["targets"]["split"], fig["targets"]["single"]
     assert split["ttft_ms"] == {"p50": pytest.approx(200), "p99": pytest.approx(400), "n": 4}
     assert single["itl_ms"]["p50"] == pytest.approx(10) and single["itl_ms"]["n"] == 4
+    assert split["prefill_call_ms"]["p50"] == pytest.approx(100)
     assert fig["ratios"]["ttft_ms p50"] == pytest.approx(2.0) and fig["ratios"][
         "itl_ms p99"
     ] == pytest.approx(2.0)
@@ -90,7 +91,7 @@ def test_figures_pool_the_rounds_and_compare_split_with_single() -> None:
     assert split["loaded_tokens_per_request"] == pytest.approx(300)
     assert fig["outputs_agree"] == [3, 6] and fig["problems"] == []
     text = disagg.table(raw, fig)
-    assert "long-prompt TTFT p50 ms" in text and "3/6 requests" in text
+    assert "long-prompt TTFT p50 ms" in text and "3/6 requests" in text and "the prefill call, p50" in text
 
     raw["rounds"][0]["split"]["streams"][1] = vars(Stream("long", 0.0, [], "", "HTTP 502: gone"))
     fig = disagg.summarize(raw)

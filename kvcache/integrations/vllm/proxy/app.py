@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -106,8 +107,10 @@ class Proxy:
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         headers.setdefault("X-Request-Id", f"kvcache-proxy-{uuid.uuid4().hex}")
         try:
+            t0 = time.perf_counter()
             params = await self._prefill(request.path, body, headers)
-            return await self._decode(request, body, params, headers)
+            timing = f"prefill;dur={(time.perf_counter() - t0) * 1e3:.1f}"
+            return await self._decode(request, body, params, headers, timing)
         except UpstreamFailed as exc:
             return exc.response
 
@@ -142,8 +145,10 @@ class Proxy:
         body: dict[str, Any],
         params: dict[str, Any] | None,
         headers: dict[str, str],
+        timing: str,
     ) -> web.StreamResponse:
-        """The decode call, relayed: whole, or event by event for a streaming client."""
+        """The decode call, relayed: whole, or event by event for a streaming client; the
+        answer carries ``Server-Timing: prefill;dur=<ms>``, the prefill call's share of it."""
         with self.decode.pick() as up:
             try:
                 resp = await self.session.post(
@@ -156,17 +161,17 @@ class Proxy:
                 raise _failed("decode", up.url, exc) from None
             async with resp:
                 if resp.status < 400 and body.get("stream", False):
-                    return await self._relay(request, resp, up.url)
+                    return await self._relay(request, resp, up.url, timing)
                 try:
                     raw = await resp.read()
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     raise _failed("decode", up.url, exc) from None
                 if resp.status >= 400:
                     raise UpstreamFailed.passthrough(resp, raw)
-                return _copy(resp, raw)
+                return _copy(resp, raw, timing)
 
     async def _relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, url: str
+        self, request: web.Request, resp: aiohttp.ClientResponse, url: str, timing: str
     ) -> web.StreamResponse:
         """Relay a stream event by event as its bytes arrive. A client that hangs up ends the
         relay, and leaving the upstream response unread closes it, so vLLM aborts the request."""
@@ -175,6 +180,7 @@ class Proxy:
             headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
+                "Server-Timing": timing,
             },
         )
         await out.prepare(request)
@@ -248,13 +254,12 @@ def _failed(kind: str, url: str, exc: BaseException) -> UpstreamFailed:
     )
 
 
-def _copy(resp: aiohttp.ClientResponse, raw: bytes) -> web.Response:
+def _copy(resp: aiohttp.ClientResponse, raw: bytes, timing: str | None = None) -> web.Response:
     """An upstream answer as the client gets it: status, body and content type."""
-    return web.Response(
-        status=resp.status,
-        body=raw,
-        headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
-    )
+    headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
+    if timing is not None:
+        headers["Server-Timing"] = timing
+    return web.Response(status=resp.status, body=raw, headers=headers)
 
 
 def _auth(request: web.Request) -> dict[str, str]:

@@ -119,6 +119,7 @@ def test_prefill_then_decode_with_the_params_exactly(w: World, path: str) -> Non
     assert second.body == dict(sent, kv_transfer_params=dict(PARAMS, instance=first.server))
     assert first.headers["Authorization"] == second.headers["Authorization"] == "Bearer k"
     assert first.headers["X-Request-Id"] == second.headers["X-Request-Id"]
+    assert resp.getheader("Server-Timing", "").startswith("prefill;dur=")
 
 
 def test_no_params_from_prefill_means_none_to_decode(w: World) -> None:
@@ -135,6 +136,7 @@ def test_a_stream_is_relayed_event_by_event(w: World) -> None:
     sent = dict(BODY, stream=True, stream_options={"include_usage": True})
     resp = request(w.proxy.url, "/v1/completions", sent)
     assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
+    assert float(resp.getheader("Server-Timing", "").removeprefix("prefill;dur=")) >= 0
     got = events(resp)
     d = w.calls[1].server
     assert json.loads(next(got))["choices"][0]["text"] == f"{d}-0"
