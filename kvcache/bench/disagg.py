@@ -3,8 +3,10 @@ one vLLM instance doing both, on the same workload, in one run (issue 23).
 
 The split: a prefill vLLM server and a decode vLLM server, both with kvcache's connector and
 one daemon, behind the proxy (``kvcache.integrations.vllm.proxy``). The single instance: one
-plain vLLM server (no connector). The workload (``disagg_client.Workload``): a few requests
-decode long outputs while long prompts arrive one after another; every request streams, so
+plain vLLM server (no connector; ``--single connector`` gives it kvcache's connector in its
+own key scope, to tell the split's cost from the connector's). The workload
+(``disagg_client.Workload``): a few requests decode long outputs while long prompts arrive
+one after another; every request streams, so
 the client sees each token arrive. Figures, pooled over the rounds, for each target:
 
 * time to first token of the long prompts, p50 and p99;
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(ROLES),
         default="both",
         help="the split servers' kv_role: both = kv_both, split = kv_producer / kv_consumer",
+    )
+    p.add_argument(
+        "--single",
+        choices=("plain", "connector"),
+        default="plain",
+        help="the single instance: vLLM alone, or with kvcache's connector (kv_both) on the same "
+        "daemon, which isolates the split from the connector's own per-step cost",
     )
     g = p.add_argument_group("workload")
     g.add_argument("--decoders", type=int, default=4, help="requests decoding while the long prompts arrive")
@@ -176,15 +185,23 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     max_len = max(4096, a.long_prompt + 13 * a.long_prompts + a.long_tokens + 64)
     kw = {"block_size": a.block_size, "max_model_len": max_len, "kv_cache_mb": a.kv_cache_mb}
     prefill_role, decode_role = ROLES[a.roles]
-    raw: dict[str, Any] = {"model": model.label(), "roles": [prefill_role, decode_role], "rounds": []}
+    raw: dict[str, Any] = {
+        "model": model.label(),
+        "roles": [prefill_role, decode_role],
+        "single": a.single,
+        "rounds": [],
+    }
     flags = ["--chunk-size", str(a.chunk_size), "--l1-size-gb", str(a.l1_gb)]
     with DaemonProcess(flags) as daemon:
         env["KVCACHE_RUNTIME_DIR"] = daemon.runtime_dir
         extra = {"timeout_s": 30.0}
+        # Its own key scope: it must not load what the split stored for the same prompts.
+        own_scope = {**extra, "model_name": "bench-single"}
+        single = connector_config("kv_both", own_scope) if a.single == "connector" else None
         servers = [
             VllmServer("prefill", python, model_dir, env, work, connector_config(prefill_role, extra), **kw),
             VllmServer("decode", python, model_dir, env, work, connector_config(decode_role, extra), **kw),
-            VllmServer("single", python, model_dir, env, work, None, **kw),
+            VllmServer("single", python, model_dir, env, work, single, **kw),
         ]
         proxy = None
         try:
@@ -323,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - t0,
     }
     print(
-        f"model: {raw['model']}; split roles {raw['roles'][0]} / {raw['roles'][1]}; servers ready in "
-        f"{raw['servers_ready_s']:.0f} s"
+        f"model: {raw['model']}; split roles {raw['roles'][0]} / {raw['roles'][1]}; single instance: "
+        f"{a.single}; servers ready in {raw['servers_ready_s']:.0f} s"
     )
     print(
         f"workload x {a.rounds} rounds: {a.decoders} requests decoding {a.decode_tokens} tokens while "
