@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-mb", type=int, default=256, help="vLLM's KV cache per server")
     g.add_argument("--l1-gb", type=float, default=1.0)
     g.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the servers")
+    g.add_argument(
+        "--bind",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin the prefill server to the first half of this process's cores, the decode "
+        "server to the second, the single server to all (VLLM_CPU_OMP_THREADS_BIND); "
+        "vLLM's default binds every server to every core, and their OpenMP threads "
+        "then fight for them",
+    )
     g.add_argument("--vllm-python", help="the vLLM venv's python (default: from scripts/vllm_env.sh)")
     g.add_argument("--work-dir", help="keep the model and logs here (default: a temporary directory)")
     g.add_argument("--timeout", type=float, default=600, help="seconds a server start or a request may take")
@@ -152,6 +161,20 @@ def workload(a: argparse.Namespace, seed: int, vocab: int) -> Workload:
     )
 
 
+def core_lists() -> dict[str, str]:
+    """VLLM_CPU_OMP_THREADS_BIND per server for ``--bind``: the split gets the same cores as
+    the single instance, half each; empty where there is one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {}
+    half = len(cores) // 2
+
+    def ids(c: list[int]) -> str:
+        return ",".join(map(str, c))
+
+    return {"prefill": ids(cores[:half]), "decode": ids(cores[half:]), "single": ids(cores)}
+
+
 def seeds(a: argparse.Namespace) -> tuple[list[int], list[int]]:
     """The warm-up rounds' seeds and the timed rounds': all distinct, so that no target ever
     sees a prompt twice (its prefix cache would answer). Non-negative: ``random.Random(-n)``
@@ -198,10 +221,26 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
         # Its own key scope: it must not load what the split stored for the same prompts.
         own_scope = {**extra, "model_name": "bench-single"}
         single = connector_config("kv_both", own_scope) if a.single == "connector" else None
+        binds = core_lists() if a.bind else {}
+        envs = {
+            n: {**env, "VLLM_CPU_OMP_THREADS_BIND": binds[n]} if n in binds else env
+            for n in ("prefill", "decode", "single")
+        }
+        raw["bind"] = binds
         servers = [
-            VllmServer("prefill", python, model_dir, env, work, connector_config(prefill_role, extra), **kw),
-            VllmServer("decode", python, model_dir, env, work, connector_config(decode_role, extra), **kw),
-            VllmServer("single", python, model_dir, env, work, single, **kw),
+            VllmServer(
+                "prefill",
+                python,
+                model_dir,
+                envs["prefill"],
+                work,
+                connector_config(prefill_role, extra),
+                **kw,
+            ),
+            VllmServer(
+                "decode", python, model_dir, envs["decode"], work, connector_config(decode_role, extra), **kw
+            ),
+            VllmServer("single", python, model_dir, envs["single"], work, single, **kw),
         ]
         proxy = None
         try:
