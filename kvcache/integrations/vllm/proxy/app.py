@@ -84,7 +84,7 @@ class Proxy:
 
     async def start(self, _app: web.Application) -> None:
         # No pool limit: the instances, not the proxy, decide how much they take at once.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
     async def close(self, _app: web.Application) -> None:
         if self._session is not None:
