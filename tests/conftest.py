@@ -24,7 +24,7 @@ from kvcache.server.launch import Spawn
 from kvcache.testing.daemon_zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_FIXTURES = frozenset({"vllm_python", "sglang_python"})
+ENGINE_FIXTURES = frozenset({"vllm_python", "sglang_python", "proxy_python"})
 
 
 @pytest.fixture(scope="session")
