@@ -14,8 +14,6 @@ from kvcache.bench import disagg
 from kvcache.bench.disagg_client import Stream, Workload, run
 from tests.integrations.vllm.proxy.upstream import Call, FakeVllm
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_quick_overrides_only_what_the_command_line_left_alone() -> None:
     a = disagg.parse_args(["--quick", "--decoders", "3"])
