@@ -1,4 +1,4 @@
-"""GPUCacheContext: one registered engine KV cache and the copies in and out of it.
+"""CacheContext: one registered engine KV cache and the copies in and out of it.
 
 Registration does the expensive, fixed work once (layout detection, validation, the
 native page table of addresses, the transfer handler with its device buffers and stream)
@@ -12,16 +12,17 @@ several threads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcache import _native
+from kvcache.deprecated import renamed
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.layouts import (
     LAYOUT_ROWS,
-    GPUKVFormat,
     KVCaches,
+    KVFormat,
     KVShape,
     check_page_bounds,
     describe,
@@ -35,7 +36,7 @@ from kvcache.transfer.validate import ChunkGeometry, cuda_errors
 DEFAULT_MAX_BLOCK_IDS = 1 << 20
 
 
-class GPUCacheContext:
+class CacheContext:
     """A registered KV cache: geometry, addresses, and block-id copies to/from chunks.
 
     A chunk is kvcache's own tensor ``[KV, NL, T, NH*HS]`` (KV = 2 for K/V layouts, 1 for
@@ -46,13 +47,13 @@ class GPUCacheContext:
         self,
         kv_caches: KVCaches,
         chunk_size: int = 256,
-        fmt: GPUKVFormat | None = None,
+        fmt: KVFormat | None = None,
         engine: str = "vllm",
         block_size: int | None = None,
         max_block_ids: int = DEFAULT_MAX_BLOCK_IDS,
         num_threads: int = 0,
     ) -> None:
-        self._format = GPUKVFormat(fmt) if fmt is not None else detect_format(kv_caches, engine)
+        self._format = KVFormat(fmt) if fmt is not None else detect_format(kv_caches, engine)
         tensors = flatten_tensors(kv_caches, self._format)
         self._check_tensors(tensors)
         self._shape = describe(tensors, self._format, block_size)
@@ -124,7 +125,7 @@ class GPUCacheContext:
 
     # -- geometry -------------------------------------------------------------------
     @property
-    def format(self) -> GPUKVFormat:
+    def format(self) -> KVFormat:
         return self._format
 
     @property
@@ -287,11 +288,16 @@ class GPUCacheContext:
 
     def __repr__(self) -> str:
         return (
-            f"GPUCacheContext(format={self._format.name}, layers={self.num_layers}, "
+            f"CacheContext(format={self._format.name}, layers={self.num_layers}, "
             f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
             f"head_size={self.head_size}, dtype={self._dtype}, device={self._device}, "
             f"chunk_size={self._chunk_size})"
         )
 
 
-__all__ = ["DEFAULT_MAX_BLOCK_IDS", "GPUCacheContext"]
+if TYPE_CHECKING:
+    GPUCacheContext = CacheContext  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"GPUCacheContext": "CacheContext"})
+
+__all__ = ["DEFAULT_MAX_BLOCK_IDS", "CacheContext"]

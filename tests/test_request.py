@@ -14,7 +14,7 @@ from kvcache.engine import CacheEngine
 from kvcache.errors import BlockIdError, ChunkMismatchError, LimitExceededError
 from kvcache.ids import Ids
 from kvcache.keys import KeyScope
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.records import RetrieveResult, StoreResult
 from kvcache.request import RetrieveRequest, StoreRequest
@@ -29,8 +29,8 @@ BLOCKS10 = [0, 1, 2, 3, 4, 5, 6, 7, 0, 0]
 
 def _engine() -> CacheEngine:
     e = CacheEngine(EngineConfig(chunk_size=CS, l1_size_bytes=1 << 22, l1_extent_bytes=1 << 16))
-    caches = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_blocks=NB, block_size=BS)
-    e.register(1, "m", caches, fmt=GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, block_size=BS)
+    caches = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_blocks=NB, block_size=BS)
+    e.register(1, "m", caches, fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, block_size=BS)
     return e
 
 

@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvcache.config import EngineConfig
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.deadline import Deadline
 from kvcache.engine import load as load_path
 from kvcache.engine import lookup as lookup_path
@@ -61,7 +61,7 @@ from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
 from kvcache.ids import RawIds
 from kvcache.keys import KeyScope
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.layouts import KVCaches, KVFormat
 from kvcache.observability.event import (
     Event,
     EventSink,
@@ -126,10 +126,10 @@ class CacheEngine:
         kv_caches: KVCaches,
         *,
         engine: str = "vllm",
-        fmt: GPUKVFormat | None = None,
+        fmt: KVFormat | None = None,
         block_size: int | None = None,
         chunk_size: int | None = None,
-    ) -> GPUCacheContext:
+    ) -> CacheContext:
         """Register an engine's KV tensors; the chunk size comes from the config unless
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
         (``pages``) keep one page per chunk."""
@@ -139,7 +139,7 @@ class CacheEngine:
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
-            ctx = GPUCacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
+            ctx = CacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
             self._instances[instance_id] = Instance(instance_id, model_name, ctx)
         return ctx
 

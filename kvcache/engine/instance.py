@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.engine.completion import Completer
 from kvcache.errors import ChunkMismatchError
 from kvcache.ids import RawIds
@@ -43,7 +43,7 @@ class Instance:
         "scope",
     )
 
-    def __init__(self, instance_id: int, model_name: str, ctx: GPUCacheContext) -> None:
+    def __init__(self, instance_id: int, model_name: str, ctx: CacheContext) -> None:
         self.instance_id = instance_id
         self.model_name = model_name
         self.ctx = ctx

@@ -30,7 +30,7 @@ from kvcache.errors import (
     TransferError,
     UnknownInstanceError,
 )
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.layouts import KVCaches, KVFormat
 from kvcache.observability.event import EventType
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler, native_cpu_copy
@@ -38,7 +38,7 @@ from kvcache.transfer.validate import CheckedJob
 from tests.helpers import RecordingSink, counts
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 PROMPT_BLOCKS = 8  # 128 tokens = 4 chunks
 PROMPTS = 4
 NB = PROMPT_BLOCKS * PROMPTS

@@ -28,7 +28,7 @@ import kvcache.context
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.errors import DeadlineExceededError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import EventType
 from kvcache.testing import make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler
@@ -36,7 +36,7 @@ from tests.engine.test_async import CopyGate
 from tests.helpers import RecordingSink
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 PROMPT_BLOCKS = 8  # 128 tokens = 4 chunks = the whole L1
 NB = 4 * PROMPT_BLOCKS
 

@@ -31,7 +31,7 @@ from kvcache.keys import fold64
 from kvcache.kv_events.messages import EventBatch
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.bus import Callback, EventBus, EventSubscriber
 from kvcache.observability.event import Event, EventType
 from kvcache.testing import make_kv_caches
@@ -118,7 +118,7 @@ class Incarnation:
             l2_workers=1,
         )
         self.engine = CacheEngine(cfg, bus=self.bus)
-        kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
+        kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
         self.inst = Instance(0, "m", self.engine.register(0, "m", kv))
         self.marks = 0
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kvcache import GPUCacheContext, _native, reference
+from kvcache import CacheContext, _native, reference
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
@@ -40,7 +40,7 @@ def _load(chunks: list[torch.Tensor], ids: list[int], skip: int = 0) -> Transfer
     return TransferJob(Direction.FROM_CHUNKS, ids, tuple(chunks), skip)
 
 
-def _gathered(ctx: GPUCacheContext, ids: list[int]) -> torch.Tensor:
+def _gathered(ctx: CacheContext, ids: list[int]) -> torch.Tensor:
     return reference.gather(ctx.tensors, ctx.format, ctx.shape, ids)
 
 

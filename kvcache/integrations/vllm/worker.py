@@ -52,7 +52,7 @@ from kvcache.errors import KvcacheError
 from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad, loaded
 from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 
 log = logging.getLogger("kvcache.integrations.vllm")
@@ -140,7 +140,7 @@ class ConnectorWorker:
         if fmt is None and layers[0].device.type == "cpu":
             # vLLM's CPU layout packs K (transposed) and V in each (block, head) tile: copy
             # each layer's block as one opaque page.
-            fmt = GPUKVFormat.NL_X_NB_PAGE.name
+            fmt = KVFormat.NL_X_NB_PAGE.name
         reply = self.client.register_kv_caches(layers, engine="vllm", block_size=self.block_size, fmt=fmt)
         self.chunk_size = reply.chunk_size
         self.registered = True

@@ -2,7 +2,7 @@
 
 Separate from the engine because it is pure bookkeeping over one lock: which key lives in which
 slot, who is using it, and what leaves when room is needed. The engine copies bytes into and out
-of the slot tensors (views into the pool, handed to ``GPUCacheContext`` as-is) without the lock.
+of the slot tensors (views into the pool, handed to ``CacheContext`` as-is) without the lock.
 Slots come from the ``SlabAllocator`` (``slab``: one slab per chunk geometry, grown by extents);
 when it is full, extents left wholly free by another geometry are released first, then the LRU
 victims (of any geometry) evicted.

@@ -19,7 +19,7 @@ import torch
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.worker import ConnectorWorker
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
@@ -38,7 +38,7 @@ def daemon() -> Iterator[DaemonProcess]:
 
 
 def _kv(seed: int) -> list[torch.Tensor]:
-    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                                     block_size=BS, num_heads=2, head_size=8, dtype=torch.float16,
                                     seed=seed))  # fmt: skip
 
@@ -48,7 +48,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
         source.register_kv_caches(_kv(1))
         source.store(PROMPT[:CS], BLOCKS[: CS // BS])  # only the first chunk is still cached
     client = KVCacheClient(daemon.endpoint, 2, "m", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(2))})
     assert worker.chunk_size == CS
     plan = StepPlan(
@@ -77,7 +77,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
 
 def test_a_failed_store_is_handed_back_to_the_scheduler(daemon: DaemonProcess) -> None:
     client = KVCacheClient(daemon.endpoint, 4, "m", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(4))})
     worker.begin_step(StepPlan())
     bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", stored_before=CS)  # refused ids
@@ -95,7 +95,7 @@ def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: Daemon
         source.register_kv_caches(_kv(5))
         source.store(PROMPT[:CS], BLOCKS[: CS // BS])
     client = KVCacheClient(daemon.endpoint, 6, "m2", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(6))})
     unfilled = set(BLOCKS[CS // BS : 3 * CS // BS])
     sharer = StoreSpec("s", PROMPT, BLOCKS, None, "", stored_before=0)  # holds r's blocks
@@ -168,7 +168,7 @@ def test_async_stores_release_a_finished_request_only_once_settled(daemon: Daemo
     sent (vLLM frees its blocks) only after its store is done, and a failed store releases
     its request too (counted)."""
     client = KVCacheClient(daemon.endpoint, 7, "m4", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(7))})
     gate = _gate_stores(client)
     worker.begin_step(StepPlan())
@@ -194,7 +194,7 @@ def test_async_stores_release_a_finished_request_only_once_settled(daemon: Daemo
 
 def test_sync_stores_are_done_when_store_returns(daemon: DaemonProcess) -> None:
     client = KVCacheClient(daemon.endpoint, 9, "m5", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name, async_stores=False)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name, async_stores=False)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(9))})
     worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", final=True)]))
     assert worker.take_finished_sending() == {"r"} and worker.tally.totals()["store_tokens"] == len(PROMPT)
@@ -212,7 +212,7 @@ def _loader(
         source.register_kv_caches(_kv(instance + 100))
         source.store(PROMPT[: chunks * CS], BLOCKS[: chunks * CS // BS])
     client = KVCacheClient(daemon.endpoint, instance, model, timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(instance))})
     return client, worker
 

@@ -1,0 +1,46 @@
+"""The names issue 21's glossary replaced still work for one release, and each use says so.
+
+Each old name must resolve to the very object of its new name (code written against it keeps
+working, ``isinstance`` included) and must raise a ``DeprecationWarning`` that names the
+replacement, pointing at the caller's line. Unknown names still fail as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+RENAMED = [
+    ("kvcache", "GPUCacheContext", "CacheContext"),
+    ("kvcache", "GPUKVFormat", "KVFormat"),
+    ("kvcache.context", "GPUCacheContext", "CacheContext"),
+    ("kvcache.layouts", "GPUKVFormat", "KVFormat"),
+]
+
+
+@pytest.mark.parametrize(("module", "old", "new"), RENAMED)
+def test_old_name_warns_and_is_the_new_object(module: str, old: str, new: str) -> None:
+    mod = importlib.import_module(module)
+    pattern = rf"{module}\.{old} is deprecated.*use {module}\.{new}"
+    with pytest.warns(DeprecationWarning, match=pattern) as rec:
+        value = getattr(mod, old)
+    assert value is getattr(mod, new)
+    assert rec[0].filename == __file__  # the warning points at the caller, not at kvcache
+
+
+@pytest.mark.parametrize("module", sorted({m for m, _, _ in RENAMED}))
+def test_new_names_do_not_warn_and_unknown_names_still_fail(module: str) -> None:
+    mod = importlib.import_module(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _, _, new in (r for r in RENAMED if r[0] == module):
+            getattr(mod, new)
+        with pytest.raises(AttributeError, match="NoSuchName"):
+            getattr(mod, "NoSuchName")  # noqa: B009
+
+
+def test_from_import_of_an_old_name_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="GPUCacheContext"):
+        from kvcache import GPUCacheContext  # noqa: F401
