@@ -49,7 +49,7 @@ from kvcache.engine import load as load_path
 from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
 from kvcache.engine import store as store_path
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.lookup import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
@@ -104,7 +104,7 @@ class CacheEngine:
             for adapter in l2_adapters_from_config(config, self._bus)
         ]
         self._stats = OffloadStatsCollector()
-        self._instances: dict[int, Instance] = {}
+        self._instances: dict[int, InstanceState] = {}
         self._lock = threading.Lock()
         self._closed = False
         settled = threading.Condition()  # EngineParts.loads_settled
@@ -140,7 +140,7 @@ class CacheEngine:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
             ctx = CacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
-            self._instances[instance_id] = Instance(instance_id, model_name, ctx)
+            self._instances[instance_id] = InstanceState(instance_id, model_name, ctx)
         return ctx
 
     def unregister(self, instance_id: int) -> None:
@@ -158,7 +158,7 @@ class CacheEngine:
         meta = InstanceUnregistered(instance_id=instance_id, model_name=inst.model_name)
         self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
 
-    def _instance(self, instance_id: int) -> Instance:
+    def _instance(self, instance_id: int) -> InstanceState:
         try:
             return self._instances[instance_id]
         except KeyError:

@@ -28,8 +28,10 @@ _MAX_HASHERS = 4096  # distinct key scopes remembered per instance
 _NO_SCOPE = KeyScope()
 
 
-class Instance:
-    """A registered instance; ``completer`` finishes its copy jobs (one thread, in order)."""
+class InstanceState:
+    """The engine's state of one registered instance: its context, key hashers and completer
+    (which finishes its copy jobs, one thread, in order). The daemon's record of the
+    registration itself (token, principal, mapped tensors) is ``server.registry.RegistrationRecord``."""
 
     __slots__ = (
         "_hashers",

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvcache.deadline import Deadline
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
 from kvcache.errors import DeadlineExceededError
@@ -41,7 +41,7 @@ logger = logging.getLogger("kvcache.engine.engine")  # the engine's logger name,
 
 def prefetch(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     keys: Sequence[ChunkKey],
     deadline: float | None = None,
     room_by: float | None = None,
@@ -84,7 +84,7 @@ def prefetch(
     return len(entries)
 
 
-def retrieve_async(parts: EngineParts, inst: Instance, req: RetrieveRequest) -> Future[RetrieveResult]:
+def retrieve_async(parts: EngineParts, inst: InstanceState, req: RetrieveRequest) -> Future[RetrieveResult]:
     """See ``CacheEngine.submit_retrieve``. Never raises: every error is set on the future.
 
     The caller's thread checks the request, pins the leading chunks resident in L1 and, when
@@ -122,7 +122,7 @@ class _RetrieveOp:
     there to the copy's completion, one thread at a time: whoever holds the op releases it."""
 
     parts: EngineParts
-    inst: Instance
+    inst: InstanceState
     sid: str
     num_tokens: int
     skip: int  # tokens left alone (whole blocks)
@@ -138,7 +138,7 @@ class _RetrieveOp:
     settled_upto: int = 0  # leading ``pinned`` entries known settled (``waiting``)
 
     @classmethod
-    def begin(cls, parts: EngineParts, inst: Instance, req: RetrieveRequest) -> _RetrieveOp:
+    def begin(cls, parts: EngineParts, inst: InstanceState, req: RetrieveRequest) -> _RetrieveOp:
         """Key the request (checked when it was built) and publish ``MP_RETRIEVE_START``."""
         ctx = inst.ctx
         num_tokens, skip_tokens = len(req.token_ids), req.skip_tokens

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.load import prefetch
 from kvcache.engine.parts import EngineParts
 from kvcache.ids import RawIds
@@ -30,14 +30,14 @@ class LookupHit(NamedTuple):
 
 
 def lookup(
-    parts: EngineParts, inst: Instance, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
+    parts: EngineParts, inst: InstanceState, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
     return _lookup_keys(parts, inst, len(token_ids), lambda: inst.keys(token_ids, key_scope), request_id)
 
 
 def lookup_many(
-    parts: EngineParts, inst: Instance, queries: Sequence[tuple[RawIds, KeyScope, str]]
+    parts: EngineParts, inst: InstanceState, queries: Sequence[tuple[RawIds, KeyScope, str]]
 ) -> list[LookupHit]:
     """``lookup`` of each (token ids, key scope, request id) in order, as one scheduler step
     asks them: prompts of one scope that share their head with the one before hash it once."""
@@ -55,7 +55,7 @@ def lookup_many(
 
 def _lookup_keys(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     num_tokens: int,
     make_keys: Callable[[], list[ChunkKey]],
     request_id: str,

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 
 from kvcache.deadline import Deadline
 from kvcache.engine import load as load_path
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.load import _RetrieveOp
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.store import _StoreOp
@@ -48,7 +48,7 @@ _TAG_PAGE = b"\x20"
 _NO_TOKENS = Ids.tokens([])
 
 
-def page_keys(inst: Instance, raw: bytes, cache_salt: str) -> list[ChunkKey]:
+def page_keys(inst: InstanceState, raw: bytes, cache_salt: str) -> list[ChunkKey]:
     """The chunk keys of ``raw`` (``PAGE_KEY_BYTES`` per page), scoped as the module says."""
     if len(raw) % PAGE_KEY_BYTES:
         raise ChunkMismatchError(f"page keys are {PAGE_KEY_BYTES} bytes each; got {len(raw)} bytes")
@@ -63,7 +63,9 @@ def page_keys(inst: Instance, raw: bytes, cache_salt: str) -> list[ChunkKey]:
     ]
 
 
-def exists(parts: EngineParts, inst: Instance, keys: list[ChunkKey], request_id: str = "") -> tuple[int, int]:
+def exists(
+    parts: EngineParts, inst: InstanceState, keys: list[ChunkKey], request_id: str = ""
+) -> tuple[int, int]:
     """(leading pages held, how many of them are loading from L2): ``load.lookup`` on keys."""
     sid = parts.events.session(inst.instance_id, request_id)
     ps = inst.ctx.chunk_size
@@ -87,7 +89,7 @@ def exists(parts: EngineParts, inst: Instance, keys: list[ChunkKey], request_id:
     return l1 + l2, l2
 
 
-def _check_ids(inst: Instance, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
+def _check_ids(inst: InstanceState, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
     if len(block_ids) != len(keys):
         raise ChunkMismatchError(f"{len(keys)} page keys but {len(block_ids)} block ids (one each)")
     return Ids.blocks(block_ids, inst.ctx.num_blocks)
@@ -95,7 +97,7 @@ def _check_ids(inst: Instance, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
 
 def store_async(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     keys: list[ChunkKey],
     block_ids: RawIds,
     *,
@@ -126,7 +128,7 @@ def store_async(
 
 def retrieve_async(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     keys: list[ChunkKey],
     block_ids: RawIds,
     *,
@@ -163,7 +165,7 @@ class EnginePages:
     """The engine's page entry points (``CacheEngine.pages``): keys checked and scoped by the
     instance, then the functions above. A bad instance or key fails the future, never raises."""
 
-    def __init__(self, parts: EngineParts, instance: Callable[[int], Instance]) -> None:
+    def __init__(self, parts: EngineParts, instance: Callable[[int], InstanceState]) -> None:
         self._parts, self._instance = parts, instance
 
     def exists(
@@ -174,7 +176,7 @@ class EnginePages:
         inst, keyed = self._keyed(instance_id, keys, cache_salt)
         return exists(self._parts, inst, keyed, request_id)
 
-    def _keyed(self, instance_id: int, keys: bytes, cache_salt: str) -> tuple[Instance, list[ChunkKey]]:
+    def _keyed(self, instance_id: int, keys: bytes, cache_salt: str) -> tuple[InstanceState, list[ChunkKey]]:
         """The instance and its scoped keys; raises for an unknown instance or malformed keys."""
         inst = self._instance(instance_id)
         return inst, page_keys(inst, keys, cache_salt)

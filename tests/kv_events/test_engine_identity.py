@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.keys import fold64
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.layouts import KVFormat
@@ -45,7 +45,7 @@ class Rig:
 
     def keys(self, tokens: list[int]) -> list[int]:
         """The chunk keys the engine files ``tokens`` under (its key scoping, recomputed)."""
-        return Instance(0, "m", self.ctx).keys(tokens)
+        return InstanceState(0, "m", self.ctx).keys(tokens)
 
     def settle(self) -> list[tuple[str, ...]]:
         assert self.engine.flush(10)
