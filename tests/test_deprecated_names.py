@@ -17,6 +17,10 @@ RENAMED = [
     ("kvcache", "GPUKVFormat", "KVFormat"),
     ("kvcache.context", "GPUCacheContext", "CacheContext"),
     ("kvcache.layouts", "GPUKVFormat", "KVFormat"),
+    ("kvcache.observability", "NullEventSink", "NullEventBus"),
+    ("kvcache.observability", "DisabledEventBus", "NullEventBus"),
+    ("kvcache.observability.event", "NullEventSink", "NullEventBus"),
+    ("kvcache.observability.bus", "DisabledEventBus", "NullEventBus"),
 ]
 
 

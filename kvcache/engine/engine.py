@@ -1,7 +1,7 @@
 """CacheEngine: the in-process library API — register, lookup, store, retrieve — over L1 + L2.
 
 The one place that ties keys, the L1 pool, the L2 tiers and the transfer contexts together;
-everything it does is published on the event sink it was given (``NullEventSink`` by default,
+everything it does is published on the event sink it was given (``NullEventBus`` by default,
 so the engine behaves the same with observability off).
 
 Policies, stated once:
@@ -67,7 +67,7 @@ from kvcache.observability.event import (
     EventSink,
     EventType,
     InstanceUnregistered,
-    NullEventSink,
+    NullEventBus,
 )
 from kvcache.records import BlockAllocationRecord, RetrieveResult, StoreResult
 from kvcache.request import RetrieveRequest, StoreRequest
@@ -84,7 +84,7 @@ class CacheEngine:
 
     def __init__(self, config: EngineConfig, bus: EventSink | None = None) -> None:
         self.config = config
-        self._bus: EventSink = bus if bus is not None else NullEventSink()
+        self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._pool = L1Pool(
             config.l1_size_bytes,
             watermark=config.l1_evict_watermark,

@@ -34,7 +34,7 @@ from kvcache.observability.event import (
     L1Cleared,
     L1ReadFinished,
     L1WriteFinished,
-    NullEventSink,
+    NullEventBus,
 )
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import EntryState, L1Entry, WriteReservation
@@ -70,7 +70,7 @@ class L1Pool(SlotTable):
             extent_bytes=extent_bytes,
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
             policy=policy if policy is not None else LRUPolicy(),
-            bus=bus if bus is not None else NullEventSink(),
+            bus=bus if bus is not None else NullEventBus(),
         )
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
         self._waiting_writers = 0
