@@ -48,3 +48,19 @@ def test_new_names_do_not_warn_and_unknown_names_still_fail(module: str) -> None
 def test_from_import_of_an_old_name_warns() -> None:
     with pytest.warns(DeprecationWarning, match="GPUCacheContext"):
         from kvcache import GPUCacheContext  # noqa: F401
+
+
+def test_offload_stats_load_is_retrieve_and_warns() -> None:
+    from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
+
+    c = OffloadStatsCollector()
+    c.record_retrieve(100, 0.5, 10)
+    stats = c.snapshot()
+    with pytest.warns(DeprecationWarning, match=r"OffloadStats\.load is deprecated.*OffloadStats\.retrieve"):
+        assert stats.load is stats.retrieve
+    with pytest.warns(DeprecationWarning, match="avg_retrieve_seconds_per_token"):
+        assert stats.avg_load_seconds_per_token == stats.avg_retrieve_seconds_per_token == 0.05
+    # A dict written before the rename ("load") reads back as the same stats.
+    old = stats.to_dict()
+    old["load"] = old.pop("retrieve")
+    assert OffloadStats.from_dict(old) == OffloadStats.from_dict(stats.to_dict()) == stats

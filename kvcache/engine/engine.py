@@ -28,7 +28,7 @@ Policies, stated once:
   records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
 This module is the facade (registration, lifecycle, introspection); the store path lives in
-``store``, lookup/prefetch/retrieve in ``load`` (their waits in ``waiter``),
+``store``, lookup/prefetch/retrieve in ``retrieve`` (their waits in ``waiter``),
 completion of copies in ``completion``, report checks in ``reports``, copy tallies in
 ``records`` and the MP_* event metadata in ``op_events``.
 """
@@ -45,9 +45,9 @@ from typing import Any, TypeVar
 from kvcache.config import EngineConfig
 from kvcache.context import CacheContext
 from kvcache.deadline import Deadline
-from kvcache.engine import load as load_path
 from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
+from kvcache.engine import retrieve as retrieve_path
 from kvcache.engine import store as store_path
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.lookup import LookupHit
@@ -110,7 +110,7 @@ class CacheEngine:
         settled = threading.Condition()  # EngineParts.loads_settled
         self._waiters = (
             Waiter(self._pool.wake_writers, "kvcache-store-wait"),
-            Waiter(functools.partial(load_path.notify_settled, settled), "kvcache-retrieve-wait"),
+            Waiter(functools.partial(retrieve_path.notify_settled, settled), "kvcache-retrieve-wait"),
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
         waiting = WaitingRetrieves(settled)
@@ -164,7 +164,7 @@ class CacheEngine:
         except KeyError:
             raise UnknownInstanceError(f"instance {instance_id} is not registered") from None
 
-    # -- data path (store.py, load.py) --------------------------------------------------------
+    # -- data path (store.py, retrieve.py) ----------------------------------------------------
     def geometry(self, instance_id: int) -> ChunkGeometry:
         """What a request for ``instance_id`` is checked against when it is built
         (``StoreRequest.build`` / ``RetrieveRequest.build``)."""
@@ -240,7 +240,7 @@ class CacheEngine:
             inst = self._instance(req.instance_id)
         except UnknownInstanceError as err:
             return failed(err)
-        return load_path.retrieve_async(self._parts, inst, req)
+        return retrieve_path.retrieve_async(self._parts, inst, req)
 
     # Argument-list forms: build the request (``copy_by``: its deadline, ``time.monotonic()``).
     def store_async(

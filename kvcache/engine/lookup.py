@@ -1,9 +1,9 @@
 """Lookups: the longest cached prefix of a prompt, and the L2 -> L1 prefetch of it.
 
-Separate from ``load`` (the retrieve path, which shares ``prefetch``) so each data path reads
+Separate from ``retrieve`` (the retrieve path, which shares ``prefetch``) so each data path reads
 on its own: a lookup keys the prompt, walks L1 (joining loads another request began, never
 reading a chunk from L2 twice) and starts loading what L2 holds, then answers at once; the
-retrieve that follows waits for those loads (``load``).
+retrieve that follows waits for those loads (``retrieve``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvcache.engine.instance import InstanceState
-from kvcache.engine.load import prefetch
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.retrieve import prefetch
 from kvcache.ids import RawIds
 from kvcache.keys import Hashed, KeyScope
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart

@@ -1,6 +1,6 @@
 """Pages keyed by the serving engine: SGLang HiCache's per-page keys over the same L1/L2 tiers.
 
-Separate from ``store``/``load`` because the keys come from the engine, not from token ids:
+Separate from ``store``/``retrieve`` because the keys come from the engine, not from token ids:
 SGLang names each page by a SHA-256 chained over the prompt's pages, so every key already names
 its whole prefix and a page can be stored, found and copied without its predecessors. The
 instance is registered with one page per chunk (``CacheEngine.register(chunk_size=page)``);
@@ -29,10 +29,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvcache.deadline import Deadline
-from kvcache.engine import load as load_path
+from kvcache.engine import retrieve as retrieve_path
 from kvcache.engine.instance import InstanceState
-from kvcache.engine.load import _RetrieveOp
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.retrieve import _RetrieveOp
 from kvcache.engine.store import _StoreOp
 from kvcache.errors import ChunkMismatchError
 from kvcache.futures import failed
@@ -66,7 +66,7 @@ def page_keys(inst: InstanceState, raw: bytes, cache_salt: str) -> list[ChunkKey
 def exists(
     parts: EngineParts, inst: InstanceState, keys: list[ChunkKey], request_id: str = ""
 ) -> tuple[int, int]:
-    """(leading pages held, how many of them are loading from L2): ``load.lookup`` on keys."""
+    """(leading pages held, how many of them are loading from L2): ``lookup.lookup`` on keys."""
     sid = parts.events.session(inst.instance_id, request_id)
     ps = inst.ctx.chunk_size
     num_tokens = len(keys) * ps
@@ -76,7 +76,7 @@ def exists(
     while True:  # runs in L1 and runs loaded from L2 may alternate
         l1 += parts.pool.prefix(keys[l1 + l2 :])
         rest = keys[l1 + l2 :]
-        loaded = load_path.prefetch(parts, inst, rest, room_by=room_by) if rest else 0
+        loaded = retrieve_path.prefetch(parts, inst, rest, room_by=room_by) if rest else 0
         if not loaded:
             break
         l2 += loaded
@@ -136,7 +136,7 @@ def retrieve_async(
     copy_by: float | None = None,
 ) -> Future[RetrieveResult]:
     """Copy the leading cached pages of ``keys`` into ``block_ids``; the result's
-    ``retrieved_tokens`` / page size is how many. Never raises, as ``load.retrieve_async``."""
+    ``retrieved_tokens`` / page size is how many. Never raises, as ``retrieve.retrieve_async``."""
     future: Future[RetrieveResult] = Future()
     try:
         ids = _check_ids(inst, keys, block_ids)

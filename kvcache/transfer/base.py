@@ -34,10 +34,10 @@ are; or ids as a direct caller holds them, which the handler checks in the job's
 
 
 class Direction(enum.Enum):
-    """Which way the bytes go. Values are the names offload metrics use (store / load)."""
+    """Which way the bytes go, named by the glossary's verbs (docs/architecture.md)."""
 
     TO_CHUNKS = "store"  # engine blocks -> kvcache chunks
-    FROM_CHUNKS = "load"  # kvcache chunks -> engine blocks
+    FROM_CHUNKS = "retrieve"  # kvcache chunks -> engine blocks
 
 
 @dataclass(frozen=True, eq=False)

@@ -246,10 +246,10 @@ def test_offload_figures_come_from_the_transfer_results_alone(gate: CopyGate) ->
     assert stats.store.seconds == pytest.approx(sum(ev.metadata.transfer_seconds for ev in stores))
     assert stats.store.seconds == pytest.approx(sum(r.transfer_seconds for r in results))
     assert stats.store.ops == 2 and stats.store.tokens == 8 * CS
-    assert stats.load.bytes == loads[0].metadata.num_bytes == 4 * chunk_bytes - chunk_bytes // 2
-    assert loaded.num_bytes == stats.load.bytes and loaded.transfer_seconds == stats.load.seconds > 0
-    assert stats.load.seconds == pytest.approx(loads[0].metadata.transfer_seconds)
-    assert stats.load.tokens == 4 * CS - BS
+    assert stats.retrieve.bytes == loads[0].metadata.num_bytes == 4 * chunk_bytes - chunk_bytes // 2
+    assert loaded.num_bytes == stats.retrieve.bytes and loaded.transfer_seconds == stats.retrieve.seconds > 0
+    assert stats.retrieve.seconds == pytest.approx(loads[0].metadata.transfer_seconds)
+    assert stats.retrieve.tokens == 4 * CS - BS
     e.close()
 
 

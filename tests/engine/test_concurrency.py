@@ -77,5 +77,5 @@ def test_concurrent_store_lookup_retrieve(tmp_path: Path, tier: str) -> None:
     if tier == "disk":
         assert st["l2"][0]["load_failures"] == 0 and st["l2"][0]["store_failures"] == 0
     s = e.stats_snapshot()
-    assert s.lookups == 160 and s.load.tokens == checked[0] * BS
+    assert s.lookups == 160 and s.retrieve.tokens == checked[0] * BS
     e.close()

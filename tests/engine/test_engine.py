@@ -169,7 +169,7 @@ def test_retrieve_partial_prefix_and_missing() -> None:
     assert e.retrieve(2, TOKENS, list(range(8))) == 64
     assert e.retrieve(2, [1, 2, 3], [0]) == 0
     s = e.stats_snapshot()
-    assert s.load.ops == 1 and s.load.tokens == 64 and s.load.bytes == 64 * dst.bytes_per_token
+    assert s.retrieve.ops == 1 and s.retrieve.tokens == 64 and s.retrieve.bytes == 64 * dst.bytes_per_token
 
 
 def test_bad_requests_change_nothing() -> None:

@@ -313,7 +313,7 @@ class _RetrieveOp:
         parts, inst = self.parts, self.inst
         copied = copies.blocks * inst.ctx.block_size
         retrieved = self.skip + copied
-        parts.stats.record_load(copies.nbytes, copies.seconds, copied)
+        parts.stats.record_retrieve(copies.nbytes, copies.seconds, copied)
         parts.events.retrieve_end(
             inst, self.sid, self.num_tokens, self.skip, retrieved, max(0, copied - l2_tokens), l2_tokens,
             copies, error is None,
