@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcache import _native
+from kvcache.deadline import Deadline
 from kvcache.deprecated import renamed
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.layouts import (
@@ -229,17 +230,17 @@ class CacheContext:
         chunks: Sequence[torch.Tensor],
         skip_blocks: int = 0,
         *,
-        start_by: float | None = None,
+        deadline: Deadline | None = None,
         after: Any = None,
     ) -> int:
         """Submit engine blocks -> chunks (store); returns the job id on ``transfer``.
 
         Returns before the copy ran; a bad job (ids, chunks) is reported on its result,
-        and so is one not started by ``start_by`` (``TransferJob``). ``after``: a CUDA event
+        and so is one not started by ``deadline`` (``TransferJob``). ``after``: a CUDA event
         the copy waits for on the device, the end of the engine's writes to the blocks
         (``TransferJob.after``; a CPU cache refuses it on the job's result).
         """
-        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by, after)
+        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, deadline, after)
         return self._handler.submit(job)
 
     def copy_from_chunks_async(
@@ -248,7 +249,7 @@ class CacheContext:
         block_ids: BlockIds,
         skip_blocks: int = 0,
         *,
-        start_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> int:
         """Submit chunks -> engine blocks (retrieve); returns the job id on ``transfer``.
 
@@ -256,7 +257,7 @@ class CacheContext:
         ``transfer.wait`` blocks the host, the CUDA handler's ``wait_on_stream`` only the
         engine's stream.
         """
-        job = TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by)
+        job = TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks, deadline)
         return self._handler.submit(job)
 
     def copy_to_chunks(

@@ -9,10 +9,13 @@ replacement at the caller's line. Nothing in kvcache itself uses an old name.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # The release that drops the aliases: one after the one that renamed them.
 REMOVED_IN = "0.2.0"
@@ -40,4 +43,29 @@ def renamed(module: str, names: Mapping[str, str], *, stacklevel: int = 2) -> Ca
     return __getattr__
 
 
-__all__ = ["REMOVED_IN", "renamed"]
+def renamed_keyword(old: str, new: str, convert: Callable[[Any], Any]) -> Callable[[_F], _F]:
+    """Let a function still take its keyword ``old`` (renamed to ``new``) for one release:
+    the value goes through ``convert`` (say a float moment to a ``Deadline``) and the call
+    warns. Passing both is a ``TypeError``, as for any repeated argument."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{fn.__qualname__}() got both {old!r} and {new!r}")
+                warnings.warn(
+                    f"{fn.__qualname__}({old}=...) is deprecated and will be removed in kvcache "
+                    f"{REMOVED_IN}; use {new}=",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = convert(kwargs.pop(old))
+            return fn(*args, **kwargs)
+
+        return cast(_F, call)
+
+    return wrap
+
+
+__all__ = ["REMOVED_IN", "renamed", "renamed_keyword"]

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 from kvcache.config import EngineConfig
 from kvcache.context import CacheContext
 from kvcache.deadline import Deadline
+from kvcache.deprecated import renamed_keyword
 from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
 from kvcache.engine import retrieve as retrieve_path
@@ -62,13 +63,7 @@ from kvcache.futures import failed
 from kvcache.ids import RawIds
 from kvcache.keys import KeyScope
 from kvcache.layouts import KVCaches, KVFormat
-from kvcache.observability.event import (
-    Event,
-    EventSink,
-    EventType,
-    InstanceUnregistered,
-    NullEventBus,
-)
+from kvcache.observability.event import Event, EventSink, EventType, InstanceUnregistered, NullEventBus
 from kvcache.records import BlockAllocationRecord, RetrieveResult, StoreResult
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.storage.l1.pool import L1Pool
@@ -77,6 +72,9 @@ from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
 from kvcache.transfer.validate import ChunkGeometry
 
 _T = TypeVar("_T")
+
+
+_copy_by = renamed_keyword("copy_by", "deadline", Deadline.of)  # until kvcache 0.2.0
 
 
 class CacheEngine:
@@ -242,7 +240,8 @@ class CacheEngine:
             return failed(err)
         return retrieve_path.retrieve_async(self._parts, inst, req)
 
-    # Argument-list forms: build the request (``copy_by``: its deadline, ``time.monotonic()``).
+    # Argument-list forms: build the request (``copy_by``, a float, is the deprecated ``deadline``).
+    @_copy_by
     def store_async(
         self,
         instance_id: int,
@@ -252,20 +251,21 @@ class CacheEngine:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
         after: Any = None,
     ) -> Future[StoreResult]:
         """``submit_store`` of ``StoreRequest.build(...)``; never raises."""
         try:
             req = StoreRequest.build(
                 instance_id, self.geometry(instance_id), token_ids, block_ids,
-                scope=KeyScope(cache_salt), request_id=request_id, deadline=Deadline.of(copy_by),
+                scope=KeyScope(cache_salt), request_id=request_id, deadline=deadline,
                 after=after, block_hashes=block_hashes,
             )  # fmt: skip
         except Exception as err:  # a bad request: nothing was reserved or published
             return failed(err)
         return self.submit_store(req)
 
+    @_copy_by
     def store(
         self,
         instance_id: int,
@@ -275,16 +275,17 @@ class CacheEngine:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
         after: Any = None,
     ) -> StoreResult:
         """A wait on ``store_async``; raises what its future holds."""
         future = self.store_async(
             instance_id, token_ids, block_ids, cache_salt=cache_salt, request_id=request_id,
-            block_hashes=block_hashes, copy_by=copy_by, after=after,
+            block_hashes=block_hashes, deadline=deadline, after=after,
         )  # fmt: skip
         return self._wait(instance_id, future)
 
+    @_copy_by
     def retrieve_async(
         self,
         instance_id: int,
@@ -294,18 +295,19 @@ class CacheEngine:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Future[RetrieveResult]:
         """``submit_retrieve`` of ``RetrieveRequest.build(...)``; never raises."""
         try:
             req = RetrieveRequest.build(
                 instance_id, self.geometry(instance_id), token_ids, block_ids, skip_tokens,
-                scope=KeyScope(cache_salt), request_id=request_id, deadline=Deadline.of(copy_by),
+                scope=KeyScope(cache_salt), request_id=request_id, deadline=deadline,
             )  # fmt: skip
         except Exception as err:  # a bad request: nothing was pinned or published
             return failed(err)
         return self.submit_retrieve(req)
 
+    @_copy_by
     def retrieve(
         self,
         instance_id: int,
@@ -315,13 +317,13 @@ class CacheEngine:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> int:
         """A wait on ``retrieve_async``: the prefix length now valid in the engine (skip +
         copied); raises what its future holds."""
         future = self.retrieve_async(
             instance_id, token_ids, block_ids, skip_tokens,
-            cache_salt=cache_salt, request_id=request_id, copy_by=copy_by,
+            cache_salt=cache_salt, request_id=request_id, deadline=deadline,
         )  # fmt: skip
         return self._wait(instance_id, future).retrieved_tokens
 

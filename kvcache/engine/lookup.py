@@ -8,10 +8,10 @@ retrieve that follows waits for those loads (``retrieve``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from kvcache.deadline import Deadline
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.retrieve import prefetch
@@ -64,7 +64,7 @@ def _lookup_keys(
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
     keys = make_keys()
     l1 = l2 = 0
-    room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
+    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
     while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
         run, joined = parts.pool.resident(keys[l1 + l2 :])  # joined: loads others began
         l1 += run - joined

@@ -24,7 +24,6 @@ differently, SHA-256 over token pages against blake2b over token chunks).
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -72,7 +71,7 @@ def exists(
     num_tokens = len(keys) * ps
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
     l1 = l2 = 0
-    room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
+    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
     while True:  # runs in L1 and runs loaded from L2 may alternate
         l1 += parts.pool.prefix(keys[l1 + l2 :])
         rest = keys[l1 + l2 :]
@@ -102,7 +101,7 @@ def store_async(
     block_ids: RawIds,
     *,
     request_id: str = "",
-    copy_by: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Future[StoreResult]:
     """Copy block ``block_ids[i]`` into the cache as page ``keys[i]`` (present ones skipped).
     Never raises: errors are set on the future, as for ``store.store_async``."""
@@ -110,12 +109,11 @@ def store_async(
     try:
         ids = _check_ids(inst, keys, block_ids)
         sid = parts.events.session(inst.instance_id, request_id)
-        copy_deadline = Deadline.of(copy_by)
         req = StoreRequest(instance_id=inst.instance_id, token_ids=_NO_TOKENS, block_ids=ids,
-                           request_id=request_id, deadline=copy_deadline)  # fmt: skip
-        deadline = Deadline.within(parts.config.store_wait_timeout_s).earliest(copy_deadline)
+                           request_id=request_id, deadline=deadline)  # fmt: skip
+        wait_until = Deadline.within(parts.config.store_wait_timeout_s).earliest(deadline)
         ps = inst.ctx.chunk_size
-        op = _StoreOp(parts, inst, req, sid, keys, deadline, keyed_tokens=len(keys) * ps)
+        op = _StoreOp(parts, inst, req, sid, keys, wait_until, keyed_tokens=len(keys) * ps)
         start = inst.meta(MpStoreStart, num_tokens=len(keys) * ps, num_chunks=len(keys))
         parts.events.publish(EventType.MP_STORE_START, sid, start)
     except Exception as err:  # a bad request: nothing was reserved
@@ -133,7 +131,7 @@ def retrieve_async(
     block_ids: RawIds,
     *,
     request_id: str = "",
-    copy_by: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Future[RetrieveResult]:
     """Copy the leading cached pages of ``keys`` into ``block_ids``; the result's
     ``retrieved_tokens`` / page size is how many. Never raises, as ``retrieve.retrieve_async``."""
@@ -141,10 +139,9 @@ def retrieve_async(
     try:
         ids = _check_ids(inst, keys, block_ids)
         sid = parts.events.session(inst.instance_id, request_id)
-        copy_deadline = Deadline.of(copy_by)
-        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(copy_deadline)
+        wait_until = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(deadline)
         num_tokens = len(keys) * inst.ctx.chunk_size
-        op = _RetrieveOp(parts, inst, sid, num_tokens, 0, 0, keys, ids, copy_deadline, deadline)
+        op = _RetrieveOp(parts, inst, sid, num_tokens, 0, 0, keys, ids, deadline, wait_until)
         start = inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=0)
         parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
     except Exception as err:
@@ -189,14 +186,14 @@ class EnginePages:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Future[StoreResult]:
         """``store_async`` of one page per key, from ``block_ids[i]``."""
         try:
             inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
-        return store_async(self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by)
+        return store_async(self._parts, inst, keyed, block_ids, request_id=request_id, deadline=deadline)
 
     def retrieve_async(
         self,
@@ -206,14 +203,16 @@ class EnginePages:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Future[RetrieveResult]:
         """``retrieve_async`` of the leading cached pages of ``keys`` into ``block_ids``."""
         try:
             inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
-        return retrieve_async(self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by)
+        return retrieve_async(
+            self._parts, inst, keyed, block_ids, request_id=request_id, deadline=deadline
+        )
 
 
 __all__ = ["PAGE_KEY_BYTES", "EnginePages", "exists", "page_keys", "retrieve_async", "store_async"]

@@ -171,10 +171,9 @@ class _StoreOp:
         else:
             sel = req.block_ids.runs([i * bpc for i in indices], bpc)
         ctx = self.inst.ctx
-        start_by = req.deadline.at if req.deadline is not None else None
         try:
             chunks = [e.tensor for e in new]
-            job = ctx.copy_to_chunks_async(sel, chunks, start_by=start_by, after=req.after)
+            job = ctx.copy_to_chunks_async(sel, chunks, deadline=req.deadline, after=req.after)
         except Exception as err:  # the handler is closed: nothing was queued
             self.parts.pool.finish(new, False)
             self._fail(err)

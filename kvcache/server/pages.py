@@ -89,7 +89,7 @@ class PageHandlers:
         deadline = accept_deadline(req.deadline_ms, "page set")
         return self._h.engine.pages.store_async(
             req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
-            copy_by=None if deadline is None else deadline.at,
+            deadline=deadline,
         )  # fmt: skip
 
     def get_async(self, req: m.PageGet, principal: Principal) -> Future[m.RetrieveResult]:
@@ -97,7 +97,7 @@ class PageHandlers:
         deadline = accept_deadline(req.deadline_ms, "page get")
         return self._h.engine.pages.retrieve_async(
             req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
-            copy_by=None if deadline is None else deadline.at,
+            deadline=deadline,
         )  # fmt: skip
 
 

@@ -69,7 +69,7 @@ class CpuTransferHandler(TransferHandler):
     earlier unfinished job (``pieces.Footprint``); a job that does share waits until those
     earlier jobs finished, so it sees every byte they wrote. A small job submitted behind a
     large one therefore waits for one piece of it, not all of it, and finishes first. The
-    start deadline (``start_by``) is checked before every piece: a job stops, with
+    start deadline (``TransferJob.deadline``) is checked before every piece: a job stops, with
     ``DeadlineExceededError`` on its result, rather than touch the blocks after it.
 
     ``submit`` only queues the job: the worker checks it (``check_job``) right before

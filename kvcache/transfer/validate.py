@@ -11,7 +11,6 @@ CUDA handler, the daemon's IPC, the context), become kvcache errors in ``cuda_er
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,8 +80,8 @@ class CheckedJob:
 
 
 def check_start(job: TransferJob) -> None:
-    """Raise ``DeadlineExceededError`` when ``job`` may no longer start (``start_by`` passed)."""
-    if job.start_by is not None and time.monotonic() > job.start_by:
+    """Raise ``DeadlineExceededError`` when ``job`` may no longer start (its deadline passed)."""
+    if job.deadline is not None and job.deadline.passed():
         raise DeadlineExceededError(
             "the copy's start deadline passed before its turn came; nothing was copied"
         )

@@ -22,6 +22,7 @@ import torch
 import kvcache.context
 from kvcache import _native
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.errors import (
     BlockIdError,
@@ -194,11 +195,11 @@ def test_a_copy_queued_past_its_copy_by_never_starts(gate: CopyGate) -> None:
     e, caches = make_engine()
     held = e.store_async(1, prompt(0), blocks(0))
     gate.wait_started()
-    copy_by = time.monotonic() + 0.05
-    late_store = e.store_async(1, prompt(1), blocks(1), copy_by=copy_by)
-    late_load = e.retrieve_async(1, prompt(0), blocks(2), copy_by=copy_by)  # nothing cached yet
+    copy_by = Deadline.within(0.05)
+    late_store = e.store_async(1, prompt(1), blocks(1), deadline=copy_by)
+    late_load = e.retrieve_async(1, prompt(0), blocks(2), deadline=copy_by)  # nothing cached yet
     before = clone_caches(caches)
-    while time.monotonic() <= copy_by:  # a moment of time: no event marks it
+    while not copy_by.passed():  # a moment of time: no event marks it
         time.sleep(0.01)
     gate.allow(3)
     assert held.result(30).stored_chunks == 4

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine, RetrieveResult
 from kvcache.errors import DeadlineExceededError
 from kvcache.keys import ChunkHasher
@@ -195,12 +196,12 @@ def test_copy_by_passing_while_waiting_fails_it_and_writes_nothing(
     with e:
         assert e.lookup(2, TOKENS) == ALL
         before = snapshot(dst)
-        copy_by = time.monotonic() + 2.0
-        fut = returns_at_once(lambda: e.retrieve_async(2, TOKENS, IDS, copy_by=copy_by))
+        copy_by = Deadline.within(2.0)
+        fut = returns_at_once(lambda: e.retrieve_async(2, TOKENS, IDS, deadline=copy_by))
         assert not fut.done()
         with pytest.raises(DeadlineExceededError):
             fut.result(30)
-        assert time.monotonic() > copy_by
+        assert copy_by.passed()
         sink.allow(4)  # the loads land after: still nothing is copied
         assert e.flush(10)
         assert untouched(dst, before)

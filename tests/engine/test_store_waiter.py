@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 
 import kvcache.context
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.errors import DeadlineExceededError
 from kvcache.layouts import KVFormat
@@ -142,8 +142,8 @@ def test_copy_by_passing_while_waiting_copies_nothing_and_a_callback_there_may_n
     blocking store would wait for the waiter itself, so it is refused."""
     e, _ = make_engine(store_wait_timeout_s=60.0)
     held = fill_l1(e, gate)
-    copy_by = time.monotonic() + 1.0  # a moment of time: no event marks the client giving up
-    waiting = returns_at_once(lambda: e.store_async(1, prompt(1), blocks(1), copy_by=copy_by))
+    copy_by = Deadline.within(1.0)  # a moment of time: no event marks the client giving up
+    waiting = returns_at_once(lambda: e.store_async(1, prompt(1), blocks(1), deadline=copy_by))
     refused: list[BaseException] = []
     chained: list[Future[StoreResult]] = []
     returned = threading.Event()
@@ -159,7 +159,7 @@ def test_copy_by_passing_while_waiting_copies_nothing_and_a_callback_there_may_n
     waiting.add_done_callback(callback)
     assert isinstance(waiting.exception(30), DeadlineExceededError)
     assert returned.wait(30)  # (exception() may return before the callbacks ran)
-    assert time.monotonic() > copy_by
+    assert copy_by.passed()
     assert e.status()["l1"]["num_chunks"] == 4  # nothing reserved, so nothing copied
     assert len(refused) == 1 and "done-callback" in str(refused[0])
     gate.allow(10)
