@@ -21,7 +21,8 @@ from kvcache.errors import (
     StorageError,
     UnknownInstanceError,
 )
-from kvcache.layouts import KVFormat, KVShape, detect_format
+from kvcache.geometry import Geometry
+from kvcache.layouts import KVFormat, detect_format
 
 __version__ = "0.1.0"
 
@@ -52,10 +53,15 @@ def __getattr__(name: str) -> Any:
 
 
 # Old names, one release: each use warns (DeprecationWarning) and names the new one.
-_renamed = renamed(__name__, {"GPUCacheContext": "CacheContext", "GPUKVFormat": "KVFormat"}, stacklevel=3)
+_renamed = renamed(
+    __name__,
+    {"GPUCacheContext": "CacheContext", "GPUKVFormat": "KVFormat", "KVShape": "Geometry"},
+    stacklevel=3,
+)
 if TYPE_CHECKING:
     GPUCacheContext = CacheContext
     GPUKVFormat = KVFormat
+    KVShape = Geometry
 
 __all__ = [
     "BlockIdError",
@@ -67,9 +73,9 @@ __all__ = [
     "DaemonUnavailableError",
     "Deadline",
     "EngineConfig",
+    "Geometry",
     "KVCacheClient",
     "KVFormat",
-    "KVShape",
     "KeyScope",
     "KvcacheError",
     "LayoutError",

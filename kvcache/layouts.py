@@ -21,6 +21,7 @@ import torch
 from kvcache import _native
 from kvcache.deprecated import renamed
 from kvcache.errors import LayoutError
+from kvcache.geometry import DEFAULT_MAX_BLOCK_IDS, Geometry
 
 # What an engine hands over: one tensor, a list of tensors, or [K_list, V_list].
 KVCaches = torch.Tensor | Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]]
@@ -58,28 +59,6 @@ LAYOUT_ROWS: dict[KVFormat, LayoutRow] = {
 }
 
 ENGINES = ("vllm", "sglang")
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """Geometry of a registered cache: everything the copy needs besides addresses."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_size: int
-    element_size: int
-    kv_count: int
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one block of one (layer, kv) pair: contiguous in every layout."""
-        return self.block_size * self.num_heads * self.head_size * self.element_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.kv_count * self.num_layers * self.num_heads * self.head_size * self.element_size
 
 
 def flatten_tensors(kv_caches: KVCaches, fmt: KVFormat) -> list[torch.Tensor]:
@@ -169,17 +148,26 @@ def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> KVFormat:
     )
 
 
-def describe(tensors: Sequence[torch.Tensor], fmt: KVFormat, block_size: int | None = None) -> KVShape:
-    """Read NL, NB, BS, NH, HS from tensors already flattened by ``flatten_tensors``."""
+def describe(
+    tensors: Sequence[torch.Tensor],
+    fmt: KVFormat,
+    block_size: int | None = None,
+    *,
+    chunk_size: int | None = None,
+    max_block_ids: int = DEFAULT_MAX_BLOCK_IDS,
+) -> Geometry:
+    """The geometry of tensors already flattened by ``flatten_tensors``: NL, NB, BS, NH, HS
+    read from their shapes, with chunks of ``chunk_size`` tokens (None: one block each)."""
     row = LAYOUT_ROWS[fmt]
     if not tensors:
         raise LayoutError("no KV tensors")
     shape = tuple(tensors[0].shape)
+    dtype, device = tensors[0].dtype, tensors[0].device
     if fmt is KVFormat.NL_X_NB_PAGE:
-        return _describe_pages(tensors, block_size)
+        nl, nb, bs, nh, hs, kv = _describe_pages(tensors, block_size)
+        return Geometry(nl, nb, bs, nh, hs, kv, dtype, device, chunk_size or bs, max_block_ids)
     if len(shape) != row.rank:
         raise LayoutError(f"{fmt.name} needs rank-{row.rank} tensors, got shape {shape}")
-    esize = tensors[0].element_size()
     n = len(tensors)
     if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         nb, nl, _, bs, nh, hs = shape
@@ -202,7 +190,7 @@ def describe(tensors: Sequence[torch.Tensor], fmt: KVFormat, block_size: int | N
     kv_axis = _KV_AXIS.get(fmt)
     if kv_axis is not None and shape[kv_axis] != 2:
         raise LayoutError(f"{fmt.name}: the K/V axis (dimension {kv_axis}) must be 2, got {shape[kv_axis]}")
-    return KVShape(nl, nb, bs, nh, hs, esize, row.kv)
+    return Geometry(nl, nb, bs, nh, hs, row.kv, dtype, device, chunk_size or bs, max_block_ids)
 
 
 # Which dimension of each tensor is the K/V axis, for the layouts that have one inside a tensor.
@@ -213,7 +201,7 @@ _KV_AXIS: dict[KVFormat, int] = {
 }
 
 
-def check_page_bounds(fmt: KVFormat, shape: KVShape, tensor_bytes: Sequence[int]) -> None:
+def check_page_bounds(fmt: KVFormat, shape: Geometry, tensor_bytes: Sequence[int]) -> None:
     """Refuse a registration whose page table could address outside its tensors.
 
     For every (layer, K/V) the table of ``csrc/layouts.def`` places block 0 at a page offset
@@ -235,7 +223,9 @@ def check_page_bounds(fmt: KVFormat, shape: KVShape, tensor_bytes: Sequence[int]
             )
 
 
-def _describe_pages(tensors: Sequence[torch.Tensor], block_size: int | None) -> KVShape:
+def _describe_pages(
+    tensors: Sequence[torch.Tensor], block_size: int | None
+) -> tuple[int, int, int, int, int, int]:
     """Opaque pages: one block of one layer is ``numel / NB`` contiguous elements, seen as
     ``block_size`` tokens of equal width (one head of that width)."""
     shape = tuple(tensors[0].shape)
@@ -246,21 +236,20 @@ def _describe_pages(tensors: Sequence[torch.Tensor], block_size: int | None) -> 
     per_block = tensors[0][0].numel()
     if per_block % block_size:
         raise LayoutError(f"a page of {per_block} elements does not split into {block_size} tokens")
-    return KVShape(
-        len(tensors), shape[0], block_size, 1, per_block // block_size, tensors[0].element_size(), 1
-    )
+    return len(tensors), shape[0], block_size, 1, per_block // block_size, 1  # NL NB BS NH HS KV
 
 if TYPE_CHECKING:
-    GPUKVFormat = KVFormat  # deprecated: the runtime alias below warns
+    GPUKVFormat = KVFormat  # deprecated: the runtime aliases below warn
+    KVShape = Geometry
 else:
-    __getattr__ = renamed(__name__, {"GPUKVFormat": "KVFormat"})
+    __getattr__ = renamed(__name__, {"GPUKVFormat": "KVFormat", "KVShape": "Geometry"})
 
 __all__ = [
     "ENGINES",
     "LAYOUT_ROWS",
+    "Geometry",
     "KVCaches",
     "KVFormat",
-    "KVShape",
     "LayoutRow",
     "check_page_bounds",
     "describe",

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.layouts import KVCaches, KVFormat, KVShape, flatten_tensors
+from kvcache.geometry import Geometry
+from kvcache.layouts import KVCaches, KVFormat, flatten_tensors
 
 
-def page_view(kv_caches: KVCaches, fmt: KVFormat, shape: KVShape, layer: int, kv: int) -> torch.Tensor:
+def page_view(kv_caches: KVCaches, fmt: KVFormat, shape: Geometry, layer: int, kv: int) -> torch.Tensor:
     """A writable view ``[NB, BS, NH*HS]`` of one (layer, kv) pair's blocks."""
     tensors = flatten_tensors(kv_caches, fmt)
     nb, bs = shape.num_blocks, shape.block_size
@@ -33,7 +34,7 @@ def page_view(kv_caches: KVCaches, fmt: KVFormat, shape: KVShape, layer: int, kv
     return view.flatten(2) if view.dim() == 4 else view
 
 
-def gather(kv_caches: KVCaches, fmt: KVFormat, shape: KVShape, block_ids: Sequence[int]) -> torch.Tensor:
+def gather(kv_caches: KVCaches, fmt: KVFormat, shape: Geometry, block_ids: Sequence[int]) -> torch.Tensor:
     """The chunk ``[KV, NL, len(block_ids) * BS, NH*HS]`` holding these blocks in order."""
     ids = torch.as_tensor(list(block_ids), dtype=torch.long)
     layers = []
@@ -50,7 +51,7 @@ def scatter(
     chunk: torch.Tensor,
     kv_caches: KVCaches,
     fmt: KVFormat,
-    shape: KVShape,
+    shape: Geometry,
     block_ids: Sequence[int],
     skip_blocks: int = 0,
 ) -> None:

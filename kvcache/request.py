@@ -29,7 +29,7 @@ from kvcache.transfer.base import Direction
 
 
 class IdBounds(Protocol):
-    """What checking a request needs of its instance (``transfer.validate.ChunkGeometry``)."""
+    """What checking a request needs of its instance (its ``geometry.Geometry``)."""
 
     @property
     def num_blocks(self) -> int: ...

@@ -60,6 +60,7 @@ from kvcache.engine.waiter import Waiter
 from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
+from kvcache.geometry import Geometry
 from kvcache.ids import RawIds
 from kvcache.keys import KeyScope
 from kvcache.layouts import KVCaches, KVFormat
@@ -69,7 +70,6 @@ from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
-from kvcache.transfer.validate import ChunkGeometry
 
 _T = TypeVar("_T")
 
@@ -163,7 +163,7 @@ class CacheEngine:
             raise UnknownInstanceError(f"instance {instance_id} is not registered") from None
 
     # -- data path (store.py, retrieve.py) ----------------------------------------------------
-    def geometry(self, instance_id: int) -> ChunkGeometry:
+    def geometry(self, instance_id: int) -> Geometry:
         """What a request for ``instance_id`` is checked against when it is built
         (``StoreRequest.build`` / ``RetrieveRequest.build``)."""
         return self._instance(instance_id).ctx.geometry

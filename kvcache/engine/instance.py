@@ -20,7 +20,7 @@ from kvcache.keys import ChunkHasher, KeyScope
 from kvcache.observability.event import OperationMeta
 from kvcache.records import ChunkKey, dtype_name
 from kvcache.request import Request
-from kvcache.storage.l1.slab import SlotGeometry
+from kvcache.storage.l1.slab import SlotShape
 
 OpMetaT = TypeVar("OpMetaT", bound=OperationMeta)
 
@@ -39,10 +39,10 @@ class InstanceState:
         "completer",
         "ctx",
         "device",
-        "geometry",
         "instance_id",
         "model_name",
         "scope",
+        "slot_shape",
     )
 
     def __init__(self, instance_id: int, model_name: str, ctx: CacheContext) -> None:
@@ -51,9 +51,9 @@ class InstanceState:
         self.ctx = ctx
         self.completer = Completer(ctx.transfer, f"kvcache-complete-{instance_id}")
         self.device = str(ctx.device)
-        self.geometry = SlotGeometry(tuple(ctx.chunk_shape()), ctx.dtype)
+        self.slot_shape = SlotShape(tuple(ctx.chunk_shape()), ctx.dtype)
         self.scope = (
-            "chunk:" + "x".join(map(str, self.geometry.shape)) + ":" + dtype_name(ctx.dtype)
+            "chunk:" + "x".join(map(str, self.slot_shape.shape)) + ":" + dtype_name(ctx.dtype)
         ).encode()
         self._hashers: dict[KeyScope, ChunkHasher] = {}
         self._lock = threading.Lock()

@@ -129,7 +129,7 @@ class _StoreOp:
             waits = stop is not None and not stop.is_set()
             left = self.deadline.left() if waits else 0.0
             pool, pos = parts.pool, self.pos
-            res = pool.begin_write(self.inst.geometry, keys[pos:], wait_s=left, partial=partial,
+            res = pool.begin_write(self.inst.slot_shape, keys[pos:], wait_s=left, partial=partial,
                                    defer=stop is None, held=len(self.held), stop=stop)  # fmt: skip
             got = self.held + [(pos + i, e) for i, e in res.new]
             self.held = []
