@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -38,16 +39,22 @@ def keys_of(*names: str) -> bytes:
 class Page:
     """A page client as the SGLang backend is one: a layer_first pool in shared memory."""
 
-    def __init__(self, endpoint: str, model: str = "m", salt: str = "") -> None:
+    def __init__(
+        self, endpoint: str, model: str = "m", salt: str = "", pages: int = PAGES, **client: Any
+    ) -> None:
+        self.client = KVCacheClient(endpoint, model_name=model, timeout_s=5, **client)
+        self.register(pages)
+        self.salt = salt
+
+    def register(self, pages: int) -> None:
+        """(Re-)register a ``pages``-page pool in fresh shared memory."""
         from kvcache.transport.memfd import empty_shared
 
-        self.buf = empty_shared((2, NL, PAGES * PS, NH, HS), torch.bfloat16)
+        self.buf = empty_shared((2, NL, pages * PS, NH, HS), torch.bfloat16)
         self.pages = HostPages(self.buf, "layer_first", mla=False, page_size=PS, staging_pages=8)
         assert self.pages.zero_copy
-        self.client = KVCacheClient(endpoint, model_name=model, timeout_s=5)
         self.client.register_kv_caches(self.pages.kv_caches, engine="sglang", block_size=PS,
                                        fmt=self.pages.fmt, chunk_size=PS)  # fmt: skip
-        self.salt = salt
 
     def call(self, body: m.RequestBody, expected: type) -> m.ReplyBody:
         return self.client.session.call(body, expected)
