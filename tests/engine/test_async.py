@@ -191,15 +191,15 @@ def test_errors_reach_the_future_with_nothing_written_and_slots_freed(gate: Copy
     e.close()
 
 
-def test_a_copy_queued_past_its_copy_by_never_starts(gate: CopyGate) -> None:
+def test_a_copy_queued_past_its_deadline_never_starts(gate: CopyGate) -> None:
     e, caches = make_engine()
     held = e.store_async(1, prompt(0), blocks(0))
     gate.wait_started()
-    copy_by = Deadline.within(0.05)
-    late_store = e.store_async(1, prompt(1), blocks(1), deadline=copy_by)
-    late_load = e.retrieve_async(1, prompt(0), blocks(2), deadline=copy_by)  # nothing cached yet
+    deadline = Deadline.within(0.05)
+    late_store = e.store_async(1, prompt(1), blocks(1), deadline=deadline)
+    late_load = e.retrieve_async(1, prompt(0), blocks(2), deadline=deadline)  # nothing cached yet
     before = clone_caches(caches)
-    while not copy_by.passed():  # a moment of time: no event marks it
+    while not deadline.passed():  # a moment of time: no event marks it
         time.sleep(0.01)
     gate.allow(3)
     assert held.result(30).stored_chunks == 4
