@@ -9,7 +9,7 @@
 
 namespace kvc {
 
-// GPUKVFormat ids, expanded from the one layout table.
+// KVFormat ids, expanded from the one layout table.
 enum class Format : int {
 #define KVC_LAYOUT(NAME, ID, KV, DEPTH, RANK, NTENSORS, TENSOR, OFFSET, STRIDE) NAME = ID,
 #include "layouts.def"

@@ -5,9 +5,10 @@ importable on a machine without the daemon's or the observability side's depende
 """
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
+from kvcache.deprecated import renamed
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
@@ -20,7 +21,8 @@ from kvcache.errors import (
     StorageError,
     UnknownInstanceError,
 )
-from kvcache.layouts import GPUKVFormat, KVShape, detect_format
+from kvcache.geometry import Geometry
+from kvcache.layouts import KVFormat, detect_format
 
 __version__ = "0.1.0"
 
@@ -47,10 +49,23 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'kvcache' has no attribute {name!r}")
+    return _renamed(name)
+
+
+# Old names, one release: each use warns (DeprecationWarning) and names the new one.
+_renamed = renamed(
+    __name__,
+    {"GPUCacheContext": "CacheContext", "GPUKVFormat": "KVFormat", "KVShape": "Geometry"},
+    stacklevel=3,
+)
+if TYPE_CHECKING:
+    GPUCacheContext = CacheContext
+    GPUKVFormat = KVFormat
+    KVShape = Geometry
 
 __all__ = [
     "BlockIdError",
+    "CacheContext",
     "CacheEngine",
     "ChunkMismatchError",
     "CorruptChunkError",
@@ -58,10 +73,9 @@ __all__ = [
     "DaemonUnavailableError",
     "Deadline",
     "EngineConfig",
-    "GPUCacheContext",
-    "GPUKVFormat",
+    "Geometry",
     "KVCacheClient",
-    "KVShape",
+    "KVFormat",
     "KeyScope",
     "KvcacheError",
     "LayoutError",

@@ -1,4 +1,4 @@
-"""GPUCacheContext: one registered engine KV cache and the copies in and out of it.
+"""CacheContext: one registered engine KV cache and the copies in and out of it.
 
 Registration does the expensive, fixed work once (layout detection, validation, the
 native page table of addresses, the transfer handler with its device buffers and stream)
@@ -12,17 +12,19 @@ several threads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcache import _native
+from kvcache.deadline import Deadline
+from kvcache.deprecated import renamed
 from kvcache.errors import CudaUnavailableError, LayoutError
+from kvcache.geometry import DEFAULT_MAX_BLOCK_IDS, Geometry
 from kvcache.layouts import (
     LAYOUT_ROWS,
-    GPUKVFormat,
     KVCaches,
-    KVShape,
+    KVFormat,
     check_page_bounds,
     describe,
     detect_format,
@@ -30,12 +32,10 @@ from kvcache.layouts import (
 )
 from kvcache.transfer.base import BlockIds, Direction, TransferHandler, TransferJob
 from kvcache.transfer.cpu import CpuTransferHandler
-from kvcache.transfer.validate import ChunkGeometry, cuda_errors
-
-DEFAULT_MAX_BLOCK_IDS = 1 << 20
+from kvcache.transfer.validate import cuda_errors
 
 
-class GPUCacheContext:
+class CacheContext:
     """A registered KV cache: geometry, addresses, and block-id copies to/from chunks.
 
     A chunk is kvcache's own tensor ``[KV, NL, T, NH*HS]`` (KV = 2 for K/V layouts, 1 for
@@ -46,55 +46,36 @@ class GPUCacheContext:
         self,
         kv_caches: KVCaches,
         chunk_size: int = 256,
-        fmt: GPUKVFormat | None = None,
+        fmt: KVFormat | None = None,
         engine: str = "vllm",
         block_size: int | None = None,
         max_block_ids: int = DEFAULT_MAX_BLOCK_IDS,
         num_threads: int = 0,
     ) -> None:
-        self._format = GPUKVFormat(fmt) if fmt is not None else detect_format(kv_caches, engine)
+        self._format = KVFormat(fmt) if fmt is not None else detect_format(kv_caches, engine)
         tensors = flatten_tensors(kv_caches, self._format)
         self._check_tensors(tensors)
-        self._shape = describe(tensors, self._format, block_size)
-        if chunk_size <= 0 or chunk_size % self._shape.block_size:
-            raise LayoutError(
-                f"chunk_size {chunk_size} must be a positive multiple of the block size "
-                f"{self._shape.block_size}"
-            )
-        self._chunk_size = chunk_size
+        self._geometry = geometry = describe(
+            tensors, self._format, block_size, chunk_size=chunk_size, max_block_ids=max_block_ids
+        )
         self._tensors = tensors  # keeps the engine memory alive while registered
-        self._dtype = tensors[0].dtype
-        self._device = tensors[0].device
         tensor_bytes = [t.numel() * t.element_size() for t in tensors]  # contiguous: checked
-        check_page_bounds(self._format, self._shape, tensor_bytes)
+        check_page_bounds(self._format, geometry, tensor_bytes)
         try:
             self._table = _native.PageTable(
                 int(self._format),
-                self._shape.num_layers,
-                self._shape.num_blocks,
-                self._shape.page_bytes,
+                geometry.num_layers,
+                geometry.num_blocks,
+                geometry.page_bytes,
                 [t.data_ptr() for t in tensors],
                 tensor_bytes,
             )
         except ValueError as exc:  # the native guard: reached only if the check above missed
             raise LayoutError(str(exc)) from exc
-        self._max_block_ids = max_block_ids
-        geometry = ChunkGeometry(
-            num_blocks=self._shape.num_blocks,
-            block_size=self._shape.block_size,
-            chunk_size=chunk_size,
-            kv_count=self._shape.kv_count,
-            num_layers=self._shape.num_layers,
-            token_width=self._shape.num_heads * self._shape.head_size,
-            dtype=self._dtype,
-            device=self._device,
-            max_block_ids=max_block_ids,
-        )
-        self._geometry = geometry
         self._handler: TransferHandler = self._make_handler(geometry, num_threads)
 
-    def _make_handler(self, geometry: ChunkGeometry, num_threads: int) -> TransferHandler:
-        if self._device.type == "cpu":
+    def _make_handler(self, geometry: Geometry, num_threads: int) -> TransferHandler:
+        if self._geometry.device.type == "cpu":
             return CpuTransferHandler(self._table, geometry, num_threads, owners=self._tensors)
         if not _native.cuda_compiled():
             raise CudaUnavailableError(
@@ -124,49 +105,51 @@ class GPUCacheContext:
 
     # -- geometry -------------------------------------------------------------------
     @property
-    def format(self) -> GPUKVFormat:
+    def format(self) -> KVFormat:
         return self._format
 
     @property
-    def shape(self) -> KVShape:
-        return self._shape
+    def geometry(self) -> Geometry:
+        """This cache's one geometry: what every copy job must fit (chunk shape, dtype,
+        device, id bounds), and what requests are checked against."""
+        return self._geometry
 
     @property
-    def geometry(self) -> ChunkGeometry:
-        """What every copy job must fit (chunk shape, dtype, device, id bounds)."""
+    def shape(self) -> Geometry:
+        """The same ``geometry`` (the name from before there was one geometry type)."""
         return self._geometry
 
     @property
     def num_layers(self) -> int:
-        return self._shape.num_layers
+        return self._geometry.num_layers
 
     @property
     def num_blocks(self) -> int:
-        return self._shape.num_blocks
+        return self._geometry.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self._shape.block_size
+        return self._geometry.block_size
 
     @property
     def num_heads(self) -> int:
-        return self._shape.num_heads
+        return self._geometry.num_heads
 
     @property
     def head_size(self) -> int:
-        return self._shape.head_size
+        return self._geometry.head_size
 
     @property
     def kv_count(self) -> int:
-        return self._shape.kv_count
+        return self._geometry.kv_count
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._dtype
+        return self._geometry.dtype
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._geometry.device
 
     @property
     def is_mla(self) -> bool:
@@ -174,19 +157,19 @@ class GPUCacheContext:
 
     @property
     def chunk_size(self) -> int:
-        return self._chunk_size
+        return self._geometry.chunk_size
 
     @property
     def blocks_per_chunk(self) -> int:
-        return self._chunk_size // self._shape.block_size
+        return self._geometry.blocks_per_chunk
 
     @property
     def bytes_per_token(self) -> int:
-        return self._shape.bytes_per_token
+        return self._geometry.bytes_per_token
 
     @property
     def max_block_ids(self) -> int:
-        return self._max_block_ids
+        return self._geometry.max_block_ids
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -197,7 +180,7 @@ class GPUCacheContext:
         return self._geometry.chunk_shape(num_tokens)
 
     def chunk_nbytes(self, num_tokens: int | None = None) -> int:
-        tokens = self._chunk_size if num_tokens is None else num_tokens
+        tokens = self._geometry.chunk_size if num_tokens is None else num_tokens
         return tokens * self.bytes_per_token
 
     def allocate_chunks(
@@ -212,9 +195,10 @@ class GPUCacheContext:
         pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
         shape = self.chunk_shape(num_tokens)
         if target.type != "cuda" and not pin:
-            return [torch.empty(shape, dtype=self._dtype, device=target) for _ in range(n)]
+            return [torch.empty(shape, dtype=self._geometry.dtype, device=target) for _ in range(n)]
         with cuda_errors(f"allocating {n} chunks on {target}{' (pinned)' if pin else ''}"):
-            return [torch.empty(shape, dtype=self._dtype, device=target, pin_memory=pin) for _ in range(n)]
+            dtype = self._geometry.dtype
+            return [torch.empty(shape, dtype=dtype, device=target, pin_memory=pin) for _ in range(n)]
 
     # -- copies ---------------------------------------------------------------------
     @property
@@ -228,17 +212,17 @@ class GPUCacheContext:
         chunks: Sequence[torch.Tensor],
         skip_blocks: int = 0,
         *,
-        start_by: float | None = None,
+        deadline: Deadline | None = None,
         after: Any = None,
     ) -> int:
         """Submit engine blocks -> chunks (store); returns the job id on ``transfer``.
 
         Returns before the copy ran; a bad job (ids, chunks) is reported on its result,
-        and so is one not started by ``start_by`` (``TransferJob``). ``after``: a CUDA event
+        and so is one not started by ``deadline`` (``TransferJob``). ``after``: a CUDA event
         the copy waits for on the device, the end of the engine's writes to the blocks
         (``TransferJob.after``; a CPU cache refuses it on the job's result).
         """
-        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by, after)
+        job = TransferJob(Direction.TO_CHUNKS, block_ids, tuple(chunks), skip_blocks, deadline, after)
         return self._handler.submit(job)
 
     def copy_from_chunks_async(
@@ -247,7 +231,7 @@ class GPUCacheContext:
         block_ids: BlockIds,
         skip_blocks: int = 0,
         *,
-        start_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> int:
         """Submit chunks -> engine blocks (retrieve); returns the job id on ``transfer``.
 
@@ -255,7 +239,7 @@ class GPUCacheContext:
         ``transfer.wait`` blocks the host, the CUDA handler's ``wait_on_stream`` only the
         engine's stream.
         """
-        job = TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks, start_by)
+        job = TransferJob(Direction.FROM_CHUNKS, block_ids, tuple(chunks), skip_blocks, deadline)
         return self._handler.submit(job)
 
     def copy_to_chunks(
@@ -287,11 +271,16 @@ class GPUCacheContext:
 
     def __repr__(self) -> str:
         return (
-            f"GPUCacheContext(format={self._format.name}, layers={self.num_layers}, "
+            f"CacheContext(format={self._format.name}, layers={self.num_layers}, "
             f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
-            f"head_size={self.head_size}, dtype={self._dtype}, device={self._device}, "
-            f"chunk_size={self._chunk_size})"
+            f"head_size={self.head_size}, dtype={self._geometry.dtype}, device={self._geometry.device}, "
+            f"chunk_size={self._geometry.chunk_size})"
         )
 
 
-__all__ = ["DEFAULT_MAX_BLOCK_IDS", "GPUCacheContext"]
+if TYPE_CHECKING:
+    GPUCacheContext = CacheContext  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"GPUCacheContext": "CacheContext"})
+
+__all__ = ["DEFAULT_MAX_BLOCK_IDS", "CacheContext"]

@@ -26,7 +26,7 @@ class Deadline:
     @classmethod
     def of(cls, at: float | None) -> Deadline | None:
         """A monotonic moment (or None: no deadline) as a ``Deadline``: for callers that still
-        hold a plain ``copy_by`` float."""
+        pass the deprecated ``copy_by`` float (``CacheEngine``, until kvcache 0.2.0)."""
         return None if at is None else cls(at)
 
     def passed(self) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import DaemonStartError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
@@ -72,7 +72,7 @@ def _scrape(url: str) -> dict[str, float]:
 
 
 def run(daemon: DaemonProcess) -> bool:
-    fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+    fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS
     kv = to_shared(make_kv_caches(fmt, LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, torch.float16))
     # Same tokens, same KV: every request's system-prompt blocks hold request 0's values.
     shared = _blocks(0)[: SYSTEM_TOKENS // BLOCK_SIZE]

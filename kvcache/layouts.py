@@ -14,17 +14,20 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcache import _native
+from kvcache.deprecated import renamed
 from kvcache.errors import LayoutError
+from kvcache.geometry import DEFAULT_MAX_BLOCK_IDS, Geometry
 
 # What an engine hands over: one tensor, a list of tensors, or [K_list, V_list].
 KVCaches = torch.Tensor | Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]]
 
 
-class GPUKVFormat(enum.IntEnum):
+class KVFormat(enum.IntEnum):
     """Engine KV layouts; values are the stable ids of ``csrc/layouts.def``."""
 
     NB_NL_TWO_BS_NH_HS = 0  # vLLM cross-layer: one tensor [NB, NL, 2, BS, NH, HS]
@@ -45,42 +48,20 @@ class LayoutRow:
     rank: int  # rank of each tensor; 0 = any rank >= 2 (opaque pages)
 
 
-LAYOUT_ROWS: dict[GPUKVFormat, LayoutRow] = {
-    GPUKVFormat.NB_NL_TWO_BS_NH_HS: LayoutRow(kv=2, depth=0, rank=6),
-    GPUKVFormat.NL_X_TWO_NB_BS_NH_HS: LayoutRow(kv=2, depth=1, rank=5),
-    GPUKVFormat.NL_X_NB_TWO_BS_NH_HS: LayoutRow(kv=2, depth=1, rank=5),
-    GPUKVFormat.NL_X_NB_BS_HS: LayoutRow(kv=1, depth=1, rank=3),
-    GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS: LayoutRow(kv=2, depth=2, rank=3),
-    GPUKVFormat.NL_X_NBBS_ONE_HS: LayoutRow(kv=1, depth=1, rank=3),
-    GPUKVFormat.NL_X_NB_PAGE: LayoutRow(kv=1, depth=1, rank=0),
+LAYOUT_ROWS: dict[KVFormat, LayoutRow] = {
+    KVFormat.NB_NL_TWO_BS_NH_HS: LayoutRow(kv=2, depth=0, rank=6),
+    KVFormat.NL_X_TWO_NB_BS_NH_HS: LayoutRow(kv=2, depth=1, rank=5),
+    KVFormat.NL_X_NB_TWO_BS_NH_HS: LayoutRow(kv=2, depth=1, rank=5),
+    KVFormat.NL_X_NB_BS_HS: LayoutRow(kv=1, depth=1, rank=3),
+    KVFormat.TWO_X_NL_X_NBBS_NH_HS: LayoutRow(kv=2, depth=2, rank=3),
+    KVFormat.NL_X_NBBS_ONE_HS: LayoutRow(kv=1, depth=1, rank=3),
+    KVFormat.NL_X_NB_PAGE: LayoutRow(kv=1, depth=1, rank=0),
 }
 
 ENGINES = ("vllm", "sglang")
 
 
-@dataclass(frozen=True)
-class KVShape:
-    """Geometry of a registered cache: everything the copy needs besides addresses."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_size: int
-    element_size: int
-    kv_count: int
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one block of one (layer, kv) pair: contiguous in every layout."""
-        return self.block_size * self.num_heads * self.head_size * self.element_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.kv_count * self.num_layers * self.num_heads * self.head_size * self.element_size
-
-
-def flatten_tensors(kv_caches: KVCaches, fmt: GPUKVFormat) -> list[torch.Tensor]:
+def flatten_tensors(kv_caches: KVCaches, fmt: KVFormat) -> list[torch.Tensor]:
     """The engine tensors in the table's TENSOR order (SGLang MHA: all K, then all V)."""
     depth = LAYOUT_ROWS[fmt].depth
     if depth == 0:
@@ -116,7 +97,7 @@ def _depth(kv_caches: KVCaches) -> int:
     raise LayoutError("KV cache list mixes tensors and lists")
 
 
-def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> GPUKVFormat:
+def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> KVFormat:
     """Recognise the layout from list nesting, rank and the position of the K/V axis.
 
     Raises LayoutError for anything else, and for the one true ambiguity: a vLLM
@@ -130,7 +111,7 @@ def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> GPUKVFormat:
         t = kv_caches
         assert isinstance(t, torch.Tensor)
         if engine == "vllm" and t.dim() == 6 and t.shape[2] == 2:
-            return GPUKVFormat.NB_NL_TWO_BS_NH_HS
+            return KVFormat.NB_NL_TWO_BS_NH_HS
         raise LayoutError(
             f"a single {engine} KV tensor must be [NB, NL, 2, BS, NH, HS]; got {tuple(t.shape)}"
         )
@@ -139,17 +120,17 @@ def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> GPUKVFormat:
             inner = next(iter(kv_caches))
             first = next(iter(inner))
             if isinstance(first, torch.Tensor) and first.dim() == 3:
-                return GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS
+                return KVFormat.TWO_X_NL_X_NBBS_NH_HS
         raise LayoutError(f"[K_list, V_list] of [NB*BS, NH, HS] tensors is SGLang MHA only ({engine=})")
     first = next(iter(kv_caches))
     assert isinstance(first, torch.Tensor)
     shape = tuple(first.shape)
     if engine == "sglang":
         if first.dim() == 3 and shape[1] == 1:
-            return GPUKVFormat.NL_X_NBBS_ONE_HS
+            return KVFormat.NL_X_NBBS_ONE_HS
         raise LayoutError(f"SGLang layer tensors must be [NB*BS, 1, HS] (MLA); got {shape}")
     if first.dim() == 3:
-        return GPUKVFormat.NL_X_NB_BS_HS
+        return KVFormat.NL_X_NB_BS_HS
     if first.dim() == 5:
         kv_first, kv_second = shape[0] == 2, shape[1] == 2
         if kv_first and kv_second:
@@ -158,39 +139,48 @@ def detect_format(kv_caches: KVCaches, engine: str = "vllm") -> GPUKVFormat:
                 "[NB, 2, ...] (NB == 2): pass fmt= explicitly"
             )
         if kv_first:
-            return GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+            return KVFormat.NL_X_TWO_NB_BS_NH_HS
         if kv_second:
-            return GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+            return KVFormat.NL_X_NB_TWO_BS_NH_HS
     raise LayoutError(
         f"unrecognised vLLM layer tensor shape {shape}: expected [2, NB, BS, NH, HS], "
         "[NB, 2, BS, NH, HS] or [NB, BS, HS]"
     )
 
 
-def describe(tensors: Sequence[torch.Tensor], fmt: GPUKVFormat, block_size: int | None = None) -> KVShape:
-    """Read NL, NB, BS, NH, HS from tensors already flattened by ``flatten_tensors``."""
+def describe(
+    tensors: Sequence[torch.Tensor],
+    fmt: KVFormat,
+    block_size: int | None = None,
+    *,
+    chunk_size: int | None = None,
+    max_block_ids: int = DEFAULT_MAX_BLOCK_IDS,
+) -> Geometry:
+    """The geometry of tensors already flattened by ``flatten_tensors``: NL, NB, BS, NH, HS
+    read from their shapes, with chunks of ``chunk_size`` tokens (None: one block each)."""
     row = LAYOUT_ROWS[fmt]
     if not tensors:
         raise LayoutError("no KV tensors")
     shape = tuple(tensors[0].shape)
-    if fmt is GPUKVFormat.NL_X_NB_PAGE:
-        return _describe_pages(tensors, block_size)
+    dtype, device = tensors[0].dtype, tensors[0].device
+    if fmt is KVFormat.NL_X_NB_PAGE:
+        nl, nb, bs, nh, hs, kv = _describe_pages(tensors, block_size)
+        return Geometry(nl, nb, bs, nh, hs, kv, dtype, device, chunk_size or bs, max_block_ids)
     if len(shape) != row.rank:
         raise LayoutError(f"{fmt.name} needs rank-{row.rank} tensors, got shape {shape}")
-    esize = tensors[0].element_size()
     n = len(tensors)
-    if fmt is GPUKVFormat.NB_NL_TWO_BS_NH_HS:
+    if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         nb, nl, _, bs, nh, hs = shape
-    elif fmt is GPUKVFormat.NL_X_TWO_NB_BS_NH_HS:
+    elif fmt is KVFormat.NL_X_TWO_NB_BS_NH_HS:
         nl, (_, nb, bs, nh, hs) = n, shape
-    elif fmt is GPUKVFormat.NL_X_NB_TWO_BS_NH_HS:
+    elif fmt is KVFormat.NL_X_NB_TWO_BS_NH_HS:
         nl, (nb, _, bs, nh, hs) = n, shape
-    elif fmt is GPUKVFormat.NL_X_NB_BS_HS:
+    elif fmt is KVFormat.NL_X_NB_BS_HS:
         nl, nh, (nb, bs, hs) = n, 1, shape
     else:
         if block_size is None:
             raise LayoutError(f"{fmt.name} flattens NB*BS: block_size is required")
-        nl = n // 2 if fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS else n
+        nl = n // 2 if fmt is KVFormat.TWO_X_NL_X_NBBS_NH_HS else n
         nbbs, nh, hs = shape
         if block_size <= 0 or nbbs % block_size:
             raise LayoutError(f"{nbbs} token slots are not a whole number of {block_size}-token blocks")
@@ -200,18 +190,18 @@ def describe(tensors: Sequence[torch.Tensor], fmt: GPUKVFormat, block_size: int 
     kv_axis = _KV_AXIS.get(fmt)
     if kv_axis is not None and shape[kv_axis] != 2:
         raise LayoutError(f"{fmt.name}: the K/V axis (dimension {kv_axis}) must be 2, got {shape[kv_axis]}")
-    return KVShape(nl, nb, bs, nh, hs, esize, row.kv)
+    return Geometry(nl, nb, bs, nh, hs, row.kv, dtype, device, chunk_size or bs, max_block_ids)
 
 
 # Which dimension of each tensor is the K/V axis, for the layouts that have one inside a tensor.
-_KV_AXIS: dict[GPUKVFormat, int] = {
-    GPUKVFormat.NB_NL_TWO_BS_NH_HS: 2,
-    GPUKVFormat.NL_X_TWO_NB_BS_NH_HS: 0,
-    GPUKVFormat.NL_X_NB_TWO_BS_NH_HS: 1,
+_KV_AXIS: dict[KVFormat, int] = {
+    KVFormat.NB_NL_TWO_BS_NH_HS: 2,
+    KVFormat.NL_X_TWO_NB_BS_NH_HS: 0,
+    KVFormat.NL_X_NB_TWO_BS_NH_HS: 1,
 }
 
 
-def check_page_bounds(fmt: GPUKVFormat, shape: KVShape, tensor_bytes: Sequence[int]) -> None:
+def check_page_bounds(fmt: KVFormat, shape: Geometry, tensor_bytes: Sequence[int]) -> None:
     """Refuse a registration whose page table could address outside its tensors.
 
     For every (layer, K/V) the table of ``csrc/layouts.def`` places block 0 at a page offset
@@ -233,7 +223,9 @@ def check_page_bounds(fmt: GPUKVFormat, shape: KVShape, tensor_bytes: Sequence[i
             )
 
 
-def _describe_pages(tensors: Sequence[torch.Tensor], block_size: int | None) -> KVShape:
+def _describe_pages(
+    tensors: Sequence[torch.Tensor], block_size: int | None
+) -> tuple[int, int, int, int, int, int]:
     """Opaque pages: one block of one layer is ``numel / NB`` contiguous elements, seen as
     ``block_size`` tokens of equal width (one head of that width)."""
     shape = tuple(tensors[0].shape)
@@ -244,17 +236,20 @@ def _describe_pages(tensors: Sequence[torch.Tensor], block_size: int | None) -> 
     per_block = tensors[0][0].numel()
     if per_block % block_size:
         raise LayoutError(f"a page of {per_block} elements does not split into {block_size} tokens")
-    return KVShape(
-        len(tensors), shape[0], block_size, 1, per_block // block_size, tensors[0].element_size(), 1
-    )
+    return len(tensors), shape[0], block_size, 1, per_block // block_size, 1  # NL NB BS NH HS KV
 
+if TYPE_CHECKING:
+    GPUKVFormat = KVFormat  # deprecated: the runtime aliases below warn
+    KVShape = Geometry
+else:
+    __getattr__ = renamed(__name__, {"GPUKVFormat": "KVFormat", "KVShape": "Geometry"})
 
 __all__ = [
     "ENGINES",
     "LAYOUT_ROWS",
-    "GPUKVFormat",
+    "Geometry",
     "KVCaches",
-    "KVShape",
+    "KVFormat",
     "LayoutRow",
     "check_page_bounds",
     "describe",

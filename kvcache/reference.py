@@ -11,29 +11,30 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.layouts import GPUKVFormat, KVCaches, KVShape, flatten_tensors
+from kvcache.geometry import Geometry
+from kvcache.layouts import KVCaches, KVFormat, flatten_tensors
 
 
-def page_view(kv_caches: KVCaches, fmt: GPUKVFormat, shape: KVShape, layer: int, kv: int) -> torch.Tensor:
+def page_view(kv_caches: KVCaches, fmt: KVFormat, shape: Geometry, layer: int, kv: int) -> torch.Tensor:
     """A writable view ``[NB, BS, NH*HS]`` of one (layer, kv) pair's blocks."""
     tensors = flatten_tensors(kv_caches, fmt)
     nb, bs = shape.num_blocks, shape.block_size
-    if fmt is GPUKVFormat.NB_NL_TWO_BS_NH_HS:
+    if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         view = tensors[0][:, layer, kv]
-    elif fmt is GPUKVFormat.NL_X_TWO_NB_BS_NH_HS:
+    elif fmt is KVFormat.NL_X_TWO_NB_BS_NH_HS:
         view = tensors[layer][kv]
-    elif fmt is GPUKVFormat.NL_X_NB_TWO_BS_NH_HS:
+    elif fmt is KVFormat.NL_X_NB_TWO_BS_NH_HS:
         view = tensors[layer][:, kv]
-    elif fmt is GPUKVFormat.NL_X_NB_BS_HS:
+    elif fmt is KVFormat.NL_X_NB_BS_HS:
         view = tensors[layer]
-    elif fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS:
+    elif fmt is KVFormat.TWO_X_NL_X_NBBS_NH_HS:
         view = tensors[kv * shape.num_layers + layer].view(nb, bs, shape.num_heads, shape.head_size)
     else:  # SGLang MLA [NB*BS, 1, HS] and opaque pages [NB, ...]: a block is BS rows of HS
         view = tensors[layer].view(nb, bs, shape.head_size)
     return view.flatten(2) if view.dim() == 4 else view
 
 
-def gather(kv_caches: KVCaches, fmt: GPUKVFormat, shape: KVShape, block_ids: Sequence[int]) -> torch.Tensor:
+def gather(kv_caches: KVCaches, fmt: KVFormat, shape: Geometry, block_ids: Sequence[int]) -> torch.Tensor:
     """The chunk ``[KV, NL, len(block_ids) * BS, NH*HS]`` holding these blocks in order."""
     ids = torch.as_tensor(list(block_ids), dtype=torch.long)
     layers = []
@@ -49,8 +50,8 @@ def gather(kv_caches: KVCaches, fmt: GPUKVFormat, shape: KVShape, block_ids: Seq
 def scatter(
     chunk: torch.Tensor,
     kv_caches: KVCaches,
-    fmt: GPUKVFormat,
-    shape: KVShape,
+    fmt: KVFormat,
+    shape: Geometry,
     block_ids: Sequence[int],
     skip_blocks: int = 0,
 ) -> None:

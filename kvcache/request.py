@@ -8,7 +8,7 @@ the daemon builds it from the wire message and the caller's registration
 reserved or copied, once: the id counts (``max_ids``), that the block ids cover the tokens,
 the token ids' type, and the range of the block ids of the full chunks. Past it, no Python
 layer converts or re-checks ids: the engine only counts them against its own geometry
-(``engine.instance.Instance.request_keys``), and the native copy re-checks them as defence in
+(``engine.instance.InstanceState.request_keys``), and the native copy re-checks them as defence in
 depth. The engine takes the request (``CacheEngine.submit_store`` / ``submit_retrieve``) and
 returns a future of one result record (``records.StoreResult`` / ``RetrieveResult``), which is
 also the daemon's reply.
@@ -29,7 +29,7 @@ from kvcache.transfer.base import Direction
 
 
 class IdBounds(Protocol):
-    """What checking a request needs of its instance (``transfer.validate.ChunkGeometry``)."""
+    """What checking a request needs of its instance (its ``geometry.Geometry``)."""
 
     @property
     def num_blocks(self) -> int: ...

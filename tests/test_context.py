@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from kvcache import GPUCacheContext, reference
+from kvcache import CacheContext, reference
 from kvcache.errors import BlockIdError, ChunkMismatchError, LayoutError, TransferError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.testing import (
     ALL_FORMATS,
     ENGINE_OF,
@@ -32,13 +32,13 @@ def _ids(pattern: str, n: int, seed: int = 1) -> list[int]:
 
 
 def _ctx(
-    fmt: GPUKVFormat,
+    fmt: KVFormat,
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
     head_size: int = 64,
     seed: int = 0,
     **kw: int,
-) -> tuple[GPUCacheContext, object]:
+) -> tuple[CacheContext, object]:
     caches = make_kv_caches(
         fmt,
         num_layers=3,
@@ -50,7 +50,7 @@ def _ctx(
         device=device,
         seed=seed,
     )
-    ctx = GPUCacheContext(
+    ctx = CacheContext(
         caches,
         chunk_size=CHUNK,
         fmt=fmt,
@@ -62,7 +62,7 @@ def _ctx(
 
 
 def _poisoned_chunks(
-    ctx: GPUCacheContext, n_blocks: int, device: str = "cpu", pin: bool = False
+    ctx: CacheContext, n_blocks: int, device: str = "cpu", pin: bool = False
 ) -> list[torch.Tensor]:
     bpc = ctx.blocks_per_chunk
     sizes = [bpc] * (n_blocks // bpc) + ([n_blocks % bpc] if n_blocks % bpc else [])
@@ -73,7 +73,7 @@ def _poisoned_chunks(
 
 
 def _check_store(
-    ctx: GPUCacheContext, caches: object, ids: list[int], skip: int, device: str = "cpu", pin: bool = False
+    ctx: CacheContext, caches: object, ids: list[int], skip: int, device: str = "cpu", pin: bool = False
 ) -> None:
     chunks = _poisoned_chunks(ctx, len(ids), device, pin)
     ctx.copy_to_chunks(ids, chunks, skip_blocks=skip)
@@ -86,11 +86,11 @@ def _check_store(
 
 
 def _check_retrieve(
-    ctx: GPUCacheContext, caches: object, ids: list[int], skip: int, device: str = "cpu", pin: bool = False
+    ctx: CacheContext, caches: object, ids: list[int], skip: int, device: str = "cpu", pin: bool = False
 ) -> None:
     source = clone_caches(caches)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(99)
-    for t in GPUCacheContext(source, chunk_size=CHUNK, fmt=ctx.format, block_size=BS).tensors:
+    for t in CacheContext(source, chunk_size=CHUNK, fmt=ctx.format, block_size=BS).tensors:
         t.copy_(random_fill(torch.empty_like(t, device="cpu"), gen))
     payload = reference.gather(source, ctx.format, ctx.shape, ids)
     chunks = _poisoned_chunks(ctx, len(ids), device, pin)
@@ -110,7 +110,7 @@ def _check_retrieve(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
 @pytest.mark.parametrize("skip", [0, 5])
-def test_store_matches_reference(fmt: GPUKVFormat, dtype: torch.dtype, pattern: str, skip: int) -> None:
+def test_store_matches_reference(fmt: KVFormat, dtype: torch.dtype, pattern: str, skip: int) -> None:
     ctx, caches = _ctx(fmt, dtype)
     _check_store(ctx, caches, _ids(pattern, 10), skip)
 
@@ -119,13 +119,13 @@ def test_store_matches_reference(fmt: GPUKVFormat, dtype: torch.dtype, pattern: 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
 @pytest.mark.parametrize("skip", [0, 5])
-def test_retrieve_matches_reference(fmt: GPUKVFormat, dtype: torch.dtype, pattern: str, skip: int) -> None:
+def test_retrieve_matches_reference(fmt: KVFormat, dtype: torch.dtype, pattern: str, skip: int) -> None:
     ctx, caches = _ctx(fmt, dtype)
     _check_retrieve(ctx, caches, _ids(pattern, 10), skip)
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
-def test_round_trip_into_another_cache(fmt: GPUKVFormat) -> None:
+def test_round_trip_into_another_cache(fmt: KVFormat) -> None:
     src, src_caches = _ctx(fmt, seed=1)
     dst, dst_caches = _ctx(fmt, seed=2)
     ids_src, ids_dst = _ids("scattered", 8, seed=3), _ids("scattered", 8, seed=4)
@@ -140,13 +140,13 @@ def test_round_trip_into_another_cache(fmt: GPUKVFormat) -> None:
 @pytest.mark.parametrize(
     "fmt, head_size, dtype",
     [
-        (GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, 3, torch.float16),  # 6-byte heads: no 16 B unit
-        (GPUKVFormat.NL_X_NB_TWO_BS_NH_HS, 5, torch.float8_e4m3fn),  # odd bytes
-        (GPUKVFormat.NL_X_NB_BS_HS, 576, torch.bfloat16),  # MLA latent
-        (GPUKVFormat.NL_X_NBBS_ONE_HS, 576, torch.float8_e5m2),
+        (KVFormat.NL_X_TWO_NB_BS_NH_HS, 3, torch.float16),  # 6-byte heads: no 16 B unit
+        (KVFormat.NL_X_NB_TWO_BS_NH_HS, 5, torch.float8_e4m3fn),  # odd bytes
+        (KVFormat.NL_X_NB_BS_HS, 576, torch.bfloat16),  # MLA latent
+        (KVFormat.NL_X_NBBS_ONE_HS, 576, torch.float8_e5m2),
     ],
 )
-def test_odd_sizes(fmt: GPUKVFormat, head_size: int, dtype: torch.dtype) -> None:
+def test_odd_sizes(fmt: KVFormat, head_size: int, dtype: torch.dtype) -> None:
     ctx, caches = _ctx(fmt, dtype, head_size=head_size)
     for ids in ([7], _ids("scattered", 6)):  # a single block; a short last chunk
         _check_store(ctx, caches, ids, skip=0)
@@ -156,7 +156,7 @@ def test_odd_sizes(fmt: GPUKVFormat, head_size: int, dtype: torch.dtype) -> None
 @pytest.mark.parametrize("bad", [NB, -1, 10**9])
 @pytest.mark.parametrize("to_chunks", [True, False])
 def test_out_of_range_block_id_changes_nothing(bad: int, to_chunks: bool) -> None:
-    ctx, caches = _ctx(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS)
+    ctx, caches = _ctx(KVFormat.NL_X_TWO_NB_BS_NH_HS)
     before = clone_caches(caches)  # type: ignore[arg-type]
     chunks = _poisoned_chunks(ctx, 4)
     ids = [0, 1, bad, 3]
@@ -171,7 +171,7 @@ def test_out_of_range_block_id_changes_nothing(bad: int, to_chunks: bool) -> Non
 
 
 def test_chunk_mismatches_are_clear() -> None:
-    ctx, _ = _ctx(GPUKVFormat.NL_X_NB_TWO_BS_NH_HS)
+    ctx, _ = _ctx(KVFormat.NL_X_NB_TWO_BS_NH_HS)
     good = ctx.allocate_chunks(1)
     with pytest.raises(ChunkMismatchError, match="dtype"):
         ctx.copy_to_chunks(range(4), [torch.empty(ctx.chunk_shape(), dtype=torch.float32)])
@@ -194,30 +194,30 @@ def test_chunk_mismatches_are_clear() -> None:
 
 def test_registration_errors() -> None:
     with pytest.raises(LayoutError, match="not contiguous"):
-        GPUCacheContext([torch.empty(16, 2, 64, 2, 8).transpose(0, 1)] * 2)
+        CacheContext([torch.empty(16, 2, 64, 2, 8).transpose(0, 1)] * 2)
     with pytest.raises(LayoutError, match="dtype"):
-        GPUCacheContext([torch.empty(2, 4, 16, 2, 8), torch.empty(2, 4, 16, 2, 8).half()])
+        CacheContext([torch.empty(2, 4, 16, 2, 8), torch.empty(2, 4, 16, 2, 8).half()])
     with pytest.raises(LayoutError, match="shape"):
-        GPUCacheContext([torch.empty(2, 4, 16, 2, 8), torch.empty(2, 5, 16, 2, 8)])
+        CacheContext([torch.empty(2, 4, 16, 2, 8), torch.empty(2, 5, 16, 2, 8)])
     with pytest.raises(LayoutError, match="multiple of the block size"):
-        GPUCacheContext([torch.empty(2, 4, 16, 2, 8)], chunk_size=40)
-    fmt = GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS
+        CacheContext([torch.empty(2, 4, 16, 2, 8)], chunk_size=40)
+    fmt = KVFormat.TWO_X_NL_X_NBBS_NH_HS
     with pytest.raises(LayoutError, match="block_size"):
-        GPUCacheContext(make_kv_caches(fmt, fill=False), engine="sglang")
+        CacheContext(make_kv_caches(fmt, fill=False), engine="sglang")
 
 
 def test_explicit_format_resolves_ambiguity() -> None:
     caches = [torch.empty(2, 2, 16, 2, 8, dtype=torch.float16) for _ in range(2)]
-    ctx = GPUCacheContext(caches, chunk_size=32, fmt=GPUKVFormat.NL_X_NB_TWO_BS_NH_HS)
-    assert ctx.format is GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+    ctx = CacheContext(caches, chunk_size=32, fmt=KVFormat.NL_X_NB_TWO_BS_NH_HS)
+    assert ctx.format is KVFormat.NL_X_NB_TWO_BS_NH_HS
     assert ctx.num_blocks == 2
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
-def test_properties(fmt: GPUKVFormat) -> None:
+def test_properties(fmt: KVFormat) -> None:
     ctx, _caches = _ctx(fmt, torch.float16, head_size=32)
-    page = fmt is GPUKVFormat.NL_X_NB_PAGE
-    mla = fmt in (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS) or page
+    page = fmt is KVFormat.NL_X_NB_PAGE
+    mla = fmt in (KVFormat.NL_X_NB_BS_HS, KVFormat.NL_X_NBBS_ONE_HS) or page
     heads = 1 if mla else 2
     head_size = 2 * 2 * 32 if page else 32
     assert ctx.format is fmt
@@ -239,7 +239,7 @@ def test_properties(fmt: GPUKVFormat) -> None:
     assert ctx.max_block_ids == 1 << 20
     assert ctx.shape.page_bytes == BS * heads * head_size * 2
     assert len(ctx.tensors) == (
-        1 if fmt is GPUKVFormat.NB_NL_TWO_BS_NH_HS else 6 if fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS else 3
+        1 if fmt is KVFormat.NB_NL_TWO_BS_NH_HS else 6 if fmt is KVFormat.TWO_X_NL_X_NBBS_NH_HS else 3
     )
     chunks = ctx.allocate_chunks(2)
     assert len(chunks) == 2 and chunks[0].shape == ctx.chunk_shape()
@@ -250,7 +250,7 @@ def test_properties(fmt: GPUKVFormat) -> None:
 def test_copy_releases_the_gil_and_is_thread_safe() -> None:
     import threading
 
-    ctx, caches = _ctx(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS)
+    ctx, caches = _ctx(KVFormat.NL_X_TWO_NB_BS_NH_HS)
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
@@ -276,7 +276,7 @@ def test_copy_releases_the_gil_and_is_thread_safe() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
 @pytest.mark.parametrize("chunk_place", ["device", "pinned"])
 @pytest.mark.parametrize("skip", [0, 5])
-def test_cuda_round_trip(fmt: GPUKVFormat, dtype: torch.dtype, chunk_place: str, skip: int) -> None:
+def test_cuda_round_trip(fmt: KVFormat, dtype: torch.dtype, chunk_place: str, skip: int) -> None:
     ctx, caches = _ctx(fmt, dtype, device="cuda")
     device, pin = ("cuda", False) if chunk_place == "device" else ("cpu", True)
     for pattern in ("contiguous", "scattered"):
@@ -289,7 +289,7 @@ def test_cuda_round_trip(fmt: GPUKVFormat, dtype: torch.dtype, chunk_place: str,
     "head_size, dtype", [(3, torch.float16), (5, torch.float8_e4m3fn), (576, torch.bfloat16)]
 )
 def test_cuda_odd_sizes(head_size: int, dtype: torch.dtype) -> None:
-    fmt = GPUKVFormat.NL_X_NB_BS_HS if head_size == 576 else GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+    fmt = KVFormat.NL_X_NB_BS_HS if head_size == 576 else KVFormat.NL_X_TWO_NB_BS_NH_HS
     ctx, caches = _ctx(fmt, dtype, device="cuda", head_size=head_size)
     for ids in ([7], _ids("scattered", 6)):
         _check_store(ctx, caches, ids, skip=0, device="cuda")
@@ -298,7 +298,7 @@ def test_cuda_odd_sizes(head_size: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.cuda
 def test_cuda_bad_ids_and_pageable_chunks() -> None:
-    ctx, caches = _ctx(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, device="cuda")
+    ctx, caches = _ctx(KVFormat.NL_X_TWO_NB_BS_NH_HS, device="cuda")
     before = clone_caches(caches)  # type: ignore[arg-type]
     chunks = _poisoned_chunks(ctx, 4, device="cuda")
     with pytest.raises(BlockIdError):
@@ -311,7 +311,7 @@ def test_cuda_bad_ids_and_pageable_chunks() -> None:
 @pytest.mark.cuda
 def test_cuda_many_chunks_one_call() -> None:
     caches = make_kv_caches(
-        GPUKVFormat.NL_X_TWO_NB_BS_NH_HS,
+        KVFormat.NL_X_TWO_NB_BS_NH_HS,
         num_layers=2,
         num_blocks=4096,
         block_size=16,
@@ -319,7 +319,7 @@ def test_cuda_many_chunks_one_call() -> None:
         head_size=16,
         device="cuda",
     )
-    ctx = GPUCacheContext(caches, chunk_size=16)  # one block per chunk: 4096 chunks
+    ctx = CacheContext(caches, chunk_size=16)  # one block per chunk: 4096 chunks
     ids = list(range(4095, -1, -1))
     chunks = ctx.allocate_chunks(len(ids), device="cuda")
     ctx.copy_to_chunks(ids, chunks)
@@ -332,7 +332,7 @@ def test_cuda_many_chunks_one_call() -> None:
 
 
 def test_async_copies_return_job_ids_on_the_contexts_handler() -> None:
-    ctx, caches = _ctx(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS)
+    ctx, caches = _ctx(KVFormat.NL_X_TWO_NB_BS_NH_HS)
     ids, dst = _ids("scattered", 8), _ids("scattered", 8, seed=7)
     chunks = _poisoned_chunks(ctx, 8)
     want = reference.gather(caches, ctx.format, ctx.shape, ids).clone()  # type: ignore[arg-type]
@@ -348,7 +348,7 @@ def test_async_copies_return_job_ids_on_the_contexts_handler() -> None:
 
 
 def test_results_count_blocks_past_the_skip_and_synchronize_drains() -> None:
-    ctx, _ = _ctx(GPUKVFormat.NL_X_NB_TWO_BS_NH_HS)
+    ctx, _ = _ctx(KVFormat.NL_X_NB_TWO_BS_NH_HS)
     (result,) = ctx.transfer.wait([ctx.copy_to_chunks_async(range(4), ctx.allocate_chunks(1), skip_blocks=1)])
     assert result.ok and result.blocks == 3 and result.bytes == 3 * BS * ctx.bytes_per_token
     pending = [ctx.copy_to_chunks_async(range(4), ctx.allocate_chunks(1)) for _ in range(3)]

@@ -1,7 +1,7 @@
 """No accepted registration can address outside its tensors (issue 20, finding 1).
 
 A property test: random formats, shapes, list nestings, dtypes, strides and block sizes are
-handed to ``GPUCacheContext``; whatever it accepts, every page its native table can form
+handed to ``CacheContext``; whatever it accepts, every page its native table can form
 (every (layer, K/V) and every block id) must lie inside one of the registered tensors'
 bytes. The oracle is the tensors' own address ranges, not ``csrc/layouts.def``, so a wrong
 row or a shape the layout misreads fails it. The native table's own guard is checked
@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache import _native
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.errors import LayoutError
-from kvcache.layouts import LAYOUT_ROWS, GPUKVFormat, check_page_bounds, describe, flatten_tensors
+from kvcache.layouts import LAYOUT_ROWS, KVFormat, check_page_bounds, describe, flatten_tensors
 from kvcache.testing import make_kv_caches
 
 DIM = st.integers(min_value=1, max_value=4)
@@ -40,9 +40,9 @@ def _tensor(draw: st.DrawFn, rank: int) -> torch.Tensor:
 
 
 @st.composite
-def _registration(draw: st.DrawFn) -> tuple[Any, GPUKVFormat, str, int | None]:
+def _registration(draw: st.DrawFn) -> tuple[Any, KVFormat, str, int | None]:
     """An engine object of random nesting and shapes, and the layout it claims."""
-    fmt = draw(st.sampled_from(list(GPUKVFormat)))
+    fmt = draw(st.sampled_from(list(KVFormat)))
     depth = draw(st.sampled_from([0, 1, 2, LAYOUT_ROWS[fmt].depth, LAYOUT_ROWS[fmt].depth]))
     rank = draw(st.sampled_from([2, 3, 5, 6, LAYOUT_ROWS[fmt].rank or 3, LAYOUT_ROWS[fmt].rank or 4]))
     same = draw(st.booleans())  # all tensors alike (most get past the shape checks) or not
@@ -71,11 +71,11 @@ def _ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_registration())
 def test_no_accepted_registration_addresses_outside_its_tensors(
-    reg: tuple[Any, GPUKVFormat, str, int | None],
+    reg: tuple[Any, KVFormat, str, int | None],
 ) -> None:
     kv, fmt, engine, block_size = reg
     try:
-        ctx = GPUCacheContext(kv, chunk_size=4 * (block_size or 4), fmt=fmt, engine=engine,
+        ctx = CacheContext(kv, chunk_size=4 * (block_size or 4), fmt=fmt, engine=engine,
                               block_size=block_size)  # fmt: skip
     except LayoutError:
         return  # refused: nothing to address
@@ -91,10 +91,10 @@ def test_no_accepted_registration_addresses_outside_its_tensors(
             )
 
 
-@pytest.mark.parametrize("fmt", list(GPUKVFormat))
-def test_the_native_table_refuses_sizes_one_byte_short(fmt: GPUKVFormat) -> None:
+@pytest.mark.parametrize("fmt", list(KVFormat))
+def test_the_native_table_refuses_sizes_one_byte_short(fmt: KVFormat) -> None:
     """Defence in depth: even a caller that skipped the registration check gets no table."""
-    nh = 1 if fmt is GPUKVFormat.NL_X_NBBS_ONE_HS else 2
+    nh = 1 if fmt is KVFormat.NL_X_NBBS_ONE_HS else 2
     kv = make_kv_caches(fmt, num_layers=2, num_blocks=4, block_size=4, num_heads=nh, head_size=8)
     tensors = flatten_tensors(kv, fmt)
     shape = describe(tensors, fmt, block_size=4)
@@ -114,4 +114,4 @@ def test_the_native_table_refuses_sizes_one_byte_short(fmt: GPUKVFormat) -> None
 def test_a_named_layout_with_one_kv_entry_is_refused_with_the_reason() -> None:
     kv = [torch.zeros(1, 4, 4, 2, 8, dtype=torch.float16) for _ in range(2)]
     with pytest.raises(LayoutError, match="K/V axis"):
-        GPUCacheContext(kv, chunk_size=16, fmt=GPUKVFormat.NL_X_TWO_NB_BS_NH_HS)
+        CacheContext(kv, chunk_size=16, fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS)

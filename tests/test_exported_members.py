@@ -16,8 +16,8 @@ def test_all_names_resolve_and_are_sorted() -> None:
 
 
 def test_public_classes_report_the_package_as_module() -> None:
-    assert kvcache.GPUCacheContext.__module__ == "kvcache"
-    assert repr(kvcache.GPUKVFormat.NL_X_NB_BS_HS).startswith("<GPUKVFormat")
+    assert kvcache.CacheContext.__module__ == "kvcache"
+    assert repr(kvcache.KVFormat.NL_X_NB_BS_HS).startswith("<KVFormat")
 
 
 def test_import_is_light() -> None:

@@ -5,22 +5,22 @@ import torch
 
 from kvcache import _native
 from kvcache.errors import KvcacheError, LayoutError
-from kvcache.layouts import LAYOUT_ROWS, GPUKVFormat, describe, detect_format, flatten_tensors
+from kvcache.layouts import LAYOUT_ROWS, KVFormat, describe, detect_format, flatten_tensors
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, make_kv_caches
 
-DETECTABLE = [f for f in ALL_FORMATS if f is not GPUKVFormat.NL_X_NB_PAGE]
+DETECTABLE = [f for f in ALL_FORMATS if f is not KVFormat.NL_X_NB_PAGE]
 
 
 def test_python_mirror_matches_native_table() -> None:
     native = {row["name"]: row for row in _native.layout_table()}
-    assert set(native) == {f.name for f in GPUKVFormat}
+    assert set(native) == {f.name for f in KVFormat}
     for fmt, row in LAYOUT_ROWS.items():
         n = native[fmt.name]
         assert (n["id"], n["kv"], n["depth"], n["rank"]) == (int(fmt), row.kv, row.depth, row.rank)
 
 
 def test_the_six_engine_formats_and_opaque_pages() -> None:
-    assert [f.name for f in GPUKVFormat] == [
+    assert [f.name for f in KVFormat] == [
         "NB_NL_TWO_BS_NH_HS",
         "NL_X_TWO_NB_BS_NH_HS",
         "NL_X_NB_TWO_BS_NH_HS",
@@ -32,13 +32,13 @@ def test_the_six_engine_formats_and_opaque_pages() -> None:
 
 
 @pytest.mark.parametrize("fmt", DETECTABLE)
-def test_detect_each_format(fmt: GPUKVFormat) -> None:
+def test_detect_each_format(fmt: KVFormat) -> None:
     caches = make_kv_caches(fmt, num_layers=3, num_blocks=5, fill=False)
     assert detect_format(caches, ENGINE_OF[fmt]) is fmt
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_describe_reads_geometry(fmt: GPUKVFormat) -> None:
+def test_describe_reads_geometry(fmt: KVFormat) -> None:
     caches = make_kv_caches(
         fmt,
         num_layers=3,
@@ -53,17 +53,17 @@ def test_describe_reads_geometry(fmt: GPUKVFormat) -> None:
     mla = LAYOUT_ROWS[fmt].kv == 1
     assert (shape.num_layers, shape.num_blocks, shape.block_size) == (3, 5, 16)
     assert shape.num_heads == (1 if mla else 4)
-    assert shape.head_size == (4 * 2 * 32 if fmt is GPUKVFormat.NL_X_NB_PAGE else 32)
+    assert shape.head_size == (4 * 2 * 32 if fmt is KVFormat.NL_X_NB_PAGE else 32)
     assert shape.element_size == 2
     assert shape.kv_count == (1 if mla else 2)
     assert shape.page_bytes == 16 * shape.num_heads * shape.head_size * 2
 
 
 def test_opaque_pages_are_never_guessed() -> None:
-    caches = make_kv_caches(GPUKVFormat.NL_X_NB_PAGE, fill=False)  # vLLM CPU [NB, NH, BS, 2*HS]
+    caches = make_kv_caches(KVFormat.NL_X_NB_PAGE, fill=False)  # vLLM CPU [NB, NH, BS, 2*HS]
     with pytest.raises(LayoutError):
         detect_format(caches)
-    fmt = GPUKVFormat.NL_X_NB_PAGE
+    fmt = KVFormat.NL_X_NB_PAGE
     with pytest.raises(LayoutError, match="block_size"):
         describe(flatten_tensors(caches, fmt), fmt)
     shape = describe(flatten_tensors(caches, fmt), fmt, block_size=16)
@@ -99,7 +99,7 @@ def test_layout_error_is_value_error_and_kvcache_error() -> None:
 
 
 def test_sglang_needs_block_size() -> None:
-    fmt = GPUKVFormat.NL_X_NBBS_ONE_HS
+    fmt = KVFormat.NL_X_NBBS_ONE_HS
     caches = make_kv_caches(fmt, fill=False)
     with pytest.raises(LayoutError, match="block_size"):
         describe(flatten_tensors(caches, fmt), fmt)
@@ -108,14 +108,14 @@ def test_sglang_needs_block_size() -> None:
 
 
 def test_block_size_checked_against_shape() -> None:
-    fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+    fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS
     caches = make_kv_caches(fmt, block_size=16, fill=False)
     with pytest.raises(LayoutError, match="disagrees"):
         describe(flatten_tensors(caches, fmt), fmt, block_size=32)
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_native_page_placements_cover_each_page_once(fmt: GPUKVFormat) -> None:
+def test_native_page_placements_cover_each_page_once(fmt: KVFormat) -> None:
     nl, nb = 3, 5
     places, stride = _native.page_placements(int(fmt), nl, nb)
     ntensors = _native.expected_num_tensors(int(fmt), nl)

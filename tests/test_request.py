@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -12,15 +13,15 @@ from kvcache.config import EngineConfig
 from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine
 from kvcache.errors import BlockIdError, ChunkMismatchError, LimitExceededError
+from kvcache.geometry import Geometry
 from kvcache.ids import Ids
 from kvcache.keys import KeyScope
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.records import RetrieveResult, StoreResult
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.testing import make_kv_caches
 from kvcache.transfer.base import Direction
-from kvcache.transfer.validate import ChunkGeometry
 
 BS, CS, NB = 4, 16, 8
 TOKENS = list(range(40))  # two full chunks (8 blocks) and a partial one
@@ -29,12 +30,12 @@ BLOCKS10 = [0, 1, 2, 3, 4, 5, 6, 7, 0, 0]
 
 def _engine() -> CacheEngine:
     e = CacheEngine(EngineConfig(chunk_size=CS, l1_size_bytes=1 << 22, l1_extent_bytes=1 << 16))
-    caches = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_blocks=NB, block_size=BS)
-    e.register(1, "m", caches, fmt=GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, block_size=BS)
+    caches = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_blocks=NB, block_size=BS)
+    e.register(1, "m", caches, fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, block_size=BS)
     return e
 
 
-def _geometry(e: CacheEngine) -> ChunkGeometry:
+def _geometry(e: CacheEngine) -> Geometry:
     return e.geometry(1)
 
 
@@ -87,8 +88,7 @@ def test_one_entry_per_direction_returns_the_wire_record() -> None:
 def test_a_request_built_for_another_geometry_is_refused() -> None:
     with _engine() as e:
         g = _geometry(e)
-        other = ChunkGeometry(NB, BS, 2 * CS, g.kv_count, g.num_layers, g.token_width, g.dtype,
-                              g.device, g.max_block_ids)  # fmt: skip
+        other = dataclasses.replace(g, chunk_size=2 * CS)
         req = StoreRequest.build(1, other, list(range(48)), list(range(8)) * 2)  # 1 chunk, not 3
         with pytest.raises(ChunkMismatchError, match="another instance"):
             e.submit_store(req).result()

@@ -36,7 +36,7 @@ import torch
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.launch import DaemonProcess
@@ -44,7 +44,7 @@ from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
 GiB = 1 << 30
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
 
 GiB = 1 << 30
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -26,10 +26,10 @@ import torch
 
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.testing import make_kv_caches
 
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

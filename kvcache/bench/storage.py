@@ -1,7 +1,7 @@
 """Storage benchmarks: ``python -m kvcache.bench l1`` and ``python -m kvcache.bench l2``.
 
 ``l1``: store and retrieve through the whole ``CacheEngine`` (hashing, L1 bookkeeping, events
-off) against the raw transfer (``GPUCacheContext`` copies into preallocated chunks) for the same
+off) against the raw transfer (``CacheContext`` copies into preallocated chunks) for the same
 bytes; the target is engine >= 0.7 x raw. Also the latency of a lookup of a 32k-token prompt
 (target <= 1 ms). ``l2``: the disk tier against a ``dd``-style sequential write of the same
 bytes, and Redis on loopback (a throwaway ``redis-server`` unless ``--redis-url`` is given);
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from kvcache.config import EngineConfig
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.base import L2Adapter
 from kvcache.storage.l2.disk import DiskL2Adapter
@@ -59,7 +59,7 @@ def _args(argv: list[str], l2: bool) -> argparse.Namespace:
 
 def _caches(a: argparse.Namespace, num_blocks: int, seed: int) -> Any:
     return make_kv_caches(
-        GPUKVFormat.NL_X_TWO_NB_BS_NH_HS,
+        KVFormat.NL_X_TWO_NB_BS_NH_HS,
         num_layers=a.layers,
         num_blocks=num_blocks,
         block_size=a.block_size,
@@ -94,7 +94,7 @@ def main_l1(argv: list[str]) -> int:
     bpc = a.chunk_size // a.block_size
     nblocks = a.chunks * bpc
     src = _caches(a, nblocks, 1)
-    ctx = GPUCacheContext(src, chunk_size=a.chunk_size)
+    ctx = CacheContext(src, chunk_size=a.chunk_size)
     nbytes = a.chunks * ctx.chunk_nbytes()
     ids = list(range(nblocks))
     chunks = ctx.allocate_chunks(a.chunks)
@@ -139,7 +139,7 @@ def _lookup_latency(a: argparse.Namespace, tokens: int = 32768) -> dict[str, Any
     """Lookup of a fully cached 32k-token prompt (a small geometry: only the keys matter)."""
     nblocks = tokens // a.block_size
     small = make_kv_caches(
-        GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=nblocks, block_size=a.block_size,
+        KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=nblocks, block_size=a.block_size,
         num_heads=1, head_size=8, dtype=torch.float16, fill=False,
     )  # fmt: skip
     with CacheEngine(EngineConfig(chunk_size=a.chunk_size, l1_size_bytes=64 << 20)) as eng:
@@ -169,7 +169,7 @@ def _lookup_latency(a: argparse.Namespace, tokens: int = 32768) -> dict[str, Any
 
 def main_l2(argv: list[str]) -> int:
     a = _args(argv, l2=True)
-    ctx = GPUCacheContext(_caches(a, a.chunk_size // a.block_size, 1), chunk_size=a.chunk_size)
+    ctx = CacheContext(_caches(a, a.chunk_size // a.block_size, 1), chunk_size=a.chunk_size)
     chunk = ctx.allocate_chunks(1)[0]
     chunk.view(torch.uint8).copy_(torch.randint(0, 256, chunk.view(torch.uint8).shape, dtype=torch.uint8))
     if a.redis_cluster:  # one Redis server against a Redis Cluster, nothing else

@@ -36,8 +36,8 @@ from kvcache.bench.transfer_timing import (
     time_interleaved,
     touch,
 )
-from kvcache.context import GPUCacheContext
-from kvcache.layouts import GPUKVFormat
+from kvcache.context import CacheContext
+from kvcache.layouts import KVFormat
 from kvcache.reference import page_view
 from kvcache.testing import ENGINE_OF, make_kv_caches
 
@@ -60,7 +60,7 @@ class Row:
 
 
 def _index_select_baseline(
-    ctx: GPUCacheContext, caches: object, ids: torch.Tensor, out: torch.Tensor
+    ctx: CacheContext, caches: object, ids: torch.Tensor, out: torch.Tensor
 ) -> Callable[[], None]:
     """Per (layer, kv): index_select the blocks, then copy into the chunk buffer."""
     views = [
@@ -80,7 +80,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 """``--dtypes`` names: the element types an engine's KV cache comes in."""
 
 
-def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str, dtype: str) -> list[Row]:
+def bench_layout(fmt: KVFormat, args: argparse.Namespace, device: str, dtype: str) -> list[Row]:
     rng = np.random.default_rng(args.seed)
     caches = make_kv_caches(
         fmt,
@@ -94,7 +94,7 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str, dtype:
         fill=False,
     )
     touch(caches)  # fault every page in: untouched memory reads as the shared zero page
-    ctx = GPUCacheContext(
+    ctx = CacheContext(
         caches,
         chunk_size=args.chunk_size,
         fmt=fmt,
@@ -118,7 +118,7 @@ def bench_layout(fmt: GPUKVFormat, args: argparse.Namespace, device: str, dtype:
 
 
 def _bench_place(
-    ctx: GPUCacheContext,
+    ctx: CacheContext,
     caches: object,
     ids_np: np.ndarray,
     args: argparse.Namespace,
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layouts", default="all", help="comma-separated GPUKVFormat names")
+    p.add_argument("--layouts", default="all", help="comma-separated KVFormat names")
     p.add_argument("--async-layout", default="NL_X_TWO_NB_BS_NH_HS", help="layout of the async rows")
     p.add_argument("--async-batch", type=int, default=8, help="back-to-back copies per async batch")
     p.add_argument("--dtypes", default="bf16", help=f"comma-separated, of {','.join(DTYPES)}")
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and _native.cuda_compiled() else "cpu"
-    fmts = list(GPUKVFormat) if args.layouts == "all" else [GPUKVFormat[n] for n in args.layouts.split(",")]
+    fmts = list(KVFormat) if args.layouts == "all" else [KVFormat[n] for n in args.layouts.split(",")]
     dtypes = args.dtypes.split(",")
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:

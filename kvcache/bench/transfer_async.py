@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from kvcache.bench.transfer_timing import MLA_FORMATS, time_interleaved, touch
-from kvcache.context import GPUCacheContext
-from kvcache.layouts import GPUKVFormat
+from kvcache.context import CacheContext
+from kvcache.layouts import KVFormat
 from kvcache.testing import ENGINE_OF, make_kv_caches
 
 
@@ -48,7 +48,7 @@ def bench_async(args: argparse.Namespace, device: str = "cpu") -> list[AsyncRow]
     copy seconds. Throughput: ``--async-batch`` copies submitted back to back and waited
     for once, against the same copies issued synchronously, interleaved best-of-reps.
     """
-    fmt = GPUKVFormat[args.async_layout]
+    fmt = KVFormat[args.async_layout]
     caches = make_kv_caches(
         fmt,
         num_layers=args.layers,
@@ -61,7 +61,7 @@ def bench_async(args: argparse.Namespace, device: str = "cpu") -> list[AsyncRow]
         fill=False,
     )
     touch(caches)
-    ctx = GPUCacheContext(
+    ctx = CacheContext(
         caches, args.chunk_size, fmt, ENGINE_OF[fmt], args.block_size, num_threads=args.threads
     )
     rng = np.random.default_rng(args.seed)
@@ -96,7 +96,7 @@ def bench_async(args: argparse.Namespace, device: str = "cpu") -> list[AsyncRow]
 
 
 def _async_row(
-    ctx: GPUCacheContext,
+    ctx: CacheContext,
     args: argparse.Namespace,
     direction: str,
     submit: Callable[[np.ndarray], int],

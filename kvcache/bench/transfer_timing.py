@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 
-MLA_FORMATS = (GPUKVFormat.NL_X_NB_BS_HS, GPUKVFormat.NL_X_NBBS_ONE_HS)
+MLA_FORMATS = (KVFormat.NL_X_NB_BS_HS, KVFormat.NL_X_NBBS_ONE_HS)
 """Layouts whose one head is the MLA latent: they take ``--mla-head-size`` as head width."""
 
 

@@ -117,7 +117,7 @@ class KVCacheClient:
         """Share the engine's KV tensors with the daemon (CPU: sealed memfds, GPU: CUDA IPC).
 
         ``kv_caches`` is one tensor, a list, or ``[K_list, V_list]``; CPU tensors must come
-        from ``empty_shared``. ``fmt`` is a ``GPUKVFormat`` (or its name) when detection
+        from ``empty_shared``. ``fmt`` is a ``KVFormat`` (or its name) when detection
         from shapes is ambiguous. ``chunk_size``: smaller chunks than the daemon's (SGLang
         page instances: one page each).
         """

@@ -1,7 +1,7 @@
 """CacheEngine: the in-process library API — register, lookup, store, retrieve — over L1 + L2.
 
 The one place that ties keys, the L1 pool, the L2 tiers and the transfer contexts together;
-everything it does is published on the event sink it was given (``NullEventSink`` by default,
+everything it does is published on the event sink it was given (``NullEventBus`` by default,
 so the engine behaves the same with observability off).
 
 Policies, stated once:
@@ -28,7 +28,7 @@ Policies, stated once:
   records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
 This module is the facade (registration, lifecycle, introspection); the store path lives in
-``store``, lookup/prefetch/retrieve in ``load`` (their waits in ``waiter``),
+``store``, lookup/prefetch/retrieve in ``retrieve`` (their waits in ``waiter``),
 completion of copies in ``completion``, report checks in ``reports``, copy tallies in
 ``records`` and the MP_* event metadata in ``op_events``.
 """
@@ -43,13 +43,14 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvcache.config import EngineConfig
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.deadline import Deadline
-from kvcache.engine import load as load_path
+from kvcache.deprecated import renamed_keyword
 from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
+from kvcache.engine import retrieve as retrieve_path
 from kvcache.engine import store as store_path
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.lookup import LookupHit
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
@@ -59,24 +60,21 @@ from kvcache.engine.waiter import Waiter
 from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
+from kvcache.geometry import Geometry
 from kvcache.ids import RawIds
 from kvcache.keys import KeyScope
-from kvcache.layouts import GPUKVFormat, KVCaches
-from kvcache.observability.event import (
-    Event,
-    EventSink,
-    EventType,
-    InstanceUnregistered,
-    NullEventSink,
-)
+from kvcache.layouts import KVCaches, KVFormat
+from kvcache.observability.event import Event, EventSink, EventType, InstanceUnregistered, NullEventBus
 from kvcache.records import BlockAllocationRecord, RetrieveResult, StoreResult
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
-from kvcache.transfer.validate import ChunkGeometry
 
 _T = TypeVar("_T")
+
+
+_copy_by = renamed_keyword("copy_by", "deadline", Deadline.of)  # until kvcache 0.2.0
 
 
 class CacheEngine:
@@ -84,7 +82,7 @@ class CacheEngine:
 
     def __init__(self, config: EngineConfig, bus: EventSink | None = None) -> None:
         self.config = config
-        self._bus: EventSink = bus if bus is not None else NullEventSink()
+        self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._pool = L1Pool(
             config.l1_size_bytes,
             watermark=config.l1_evict_watermark,
@@ -104,13 +102,13 @@ class CacheEngine:
             for adapter in l2_adapters_from_config(config, self._bus)
         ]
         self._stats = OffloadStatsCollector()
-        self._instances: dict[int, Instance] = {}
+        self._instances: dict[int, InstanceState] = {}
         self._lock = threading.Lock()
         self._closed = False
         settled = threading.Condition()  # EngineParts.loads_settled
         self._waiters = (
             Waiter(self._pool.wake_writers, "kvcache-store-wait"),
-            Waiter(functools.partial(load_path.notify_settled, settled), "kvcache-retrieve-wait"),
+            Waiter(functools.partial(retrieve_path.notify_settled, settled), "kvcache-retrieve-wait"),
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
         waiting = WaitingRetrieves(settled)
@@ -126,10 +124,10 @@ class CacheEngine:
         kv_caches: KVCaches,
         *,
         engine: str = "vllm",
-        fmt: GPUKVFormat | None = None,
+        fmt: KVFormat | None = None,
         block_size: int | None = None,
         chunk_size: int | None = None,
-    ) -> GPUCacheContext:
+    ) -> CacheContext:
         """Register an engine's KV tensors; the chunk size comes from the config unless
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
         (``pages``) keep one page per chunk."""
@@ -139,8 +137,8 @@ class CacheEngine:
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
-            ctx = GPUCacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
-            self._instances[instance_id] = Instance(instance_id, model_name, ctx)
+            ctx = CacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
+            self._instances[instance_id] = InstanceState(instance_id, model_name, ctx)
         return ctx
 
     def unregister(self, instance_id: int) -> None:
@@ -158,14 +156,14 @@ class CacheEngine:
         meta = InstanceUnregistered(instance_id=instance_id, model_name=inst.model_name)
         self._bus.publish(Event(EventType.INSTANCE_UNREGISTERED, meta))
 
-    def _instance(self, instance_id: int) -> Instance:
+    def _instance(self, instance_id: int) -> InstanceState:
         try:
             return self._instances[instance_id]
         except KeyError:
             raise UnknownInstanceError(f"instance {instance_id} is not registered") from None
 
-    # -- data path (store.py, load.py) --------------------------------------------------------
-    def geometry(self, instance_id: int) -> ChunkGeometry:
+    # -- data path (store.py, retrieve.py) ----------------------------------------------------
+    def geometry(self, instance_id: int) -> Geometry:
         """What a request for ``instance_id`` is checked against when it is built
         (``StoreRequest.build`` / ``RetrieveRequest.build``)."""
         return self._instance(instance_id).ctx.geometry
@@ -240,9 +238,10 @@ class CacheEngine:
             inst = self._instance(req.instance_id)
         except UnknownInstanceError as err:
             return failed(err)
-        return load_path.retrieve_async(self._parts, inst, req)
+        return retrieve_path.retrieve_async(self._parts, inst, req)
 
-    # Argument-list forms: build the request (``copy_by``: its deadline, ``time.monotonic()``).
+    # Argument-list forms: build the request (``copy_by``, a float, is the deprecated ``deadline``).
+    @_copy_by
     def store_async(
         self,
         instance_id: int,
@@ -252,20 +251,21 @@ class CacheEngine:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
         after: Any = None,
     ) -> Future[StoreResult]:
         """``submit_store`` of ``StoreRequest.build(...)``; never raises."""
         try:
             req = StoreRequest.build(
                 instance_id, self.geometry(instance_id), token_ids, block_ids,
-                scope=KeyScope(cache_salt), request_id=request_id, deadline=Deadline.of(copy_by),
+                scope=KeyScope(cache_salt), request_id=request_id, deadline=deadline,
                 after=after, block_hashes=block_hashes,
             )  # fmt: skip
         except Exception as err:  # a bad request: nothing was reserved or published
             return failed(err)
         return self.submit_store(req)
 
+    @_copy_by
     def store(
         self,
         instance_id: int,
@@ -275,16 +275,17 @@ class CacheEngine:
         cache_salt: str = "",
         request_id: str = "",
         block_hashes: Sequence[int] | None = None,
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
         after: Any = None,
     ) -> StoreResult:
         """A wait on ``store_async``; raises what its future holds."""
         future = self.store_async(
             instance_id, token_ids, block_ids, cache_salt=cache_salt, request_id=request_id,
-            block_hashes=block_hashes, copy_by=copy_by, after=after,
+            block_hashes=block_hashes, deadline=deadline, after=after,
         )  # fmt: skip
         return self._wait(instance_id, future)
 
+    @_copy_by
     def retrieve_async(
         self,
         instance_id: int,
@@ -294,18 +295,19 @@ class CacheEngine:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Future[RetrieveResult]:
         """``submit_retrieve`` of ``RetrieveRequest.build(...)``; never raises."""
         try:
             req = RetrieveRequest.build(
                 instance_id, self.geometry(instance_id), token_ids, block_ids, skip_tokens,
-                scope=KeyScope(cache_salt), request_id=request_id, deadline=Deadline.of(copy_by),
+                scope=KeyScope(cache_salt), request_id=request_id, deadline=deadline,
             )  # fmt: skip
         except Exception as err:  # a bad request: nothing was pinned or published
             return failed(err)
         return self.submit_retrieve(req)
 
+    @_copy_by
     def retrieve(
         self,
         instance_id: int,
@@ -315,13 +317,13 @@ class CacheEngine:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> int:
         """A wait on ``retrieve_async``: the prefix length now valid in the engine (skip +
         copied); raises what its future holds."""
         future = self.retrieve_async(
             instance_id, token_ids, block_ids, skip_tokens,
-            cache_salt=cache_salt, request_id=request_id, copy_by=copy_by,
+            cache_salt=cache_salt, request_id=request_id, deadline=deadline,
         )  # fmt: skip
         return self._wait(instance_id, future).retrieved_tokens
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.engine.completion import Completer
 from kvcache.errors import ChunkMismatchError
 from kvcache.ids import RawIds
@@ -20,7 +20,7 @@ from kvcache.keys import ChunkHasher, KeyScope
 from kvcache.observability.event import OperationMeta
 from kvcache.records import ChunkKey, dtype_name
 from kvcache.request import Request
-from kvcache.storage.l1.slab import SlotGeometry
+from kvcache.storage.l1.slab import SlotShape
 
 OpMetaT = TypeVar("OpMetaT", bound=OperationMeta)
 
@@ -28,8 +28,10 @@ _MAX_HASHERS = 4096  # distinct key scopes remembered per instance
 _NO_SCOPE = KeyScope()
 
 
-class Instance:
-    """A registered instance; ``completer`` finishes its copy jobs (one thread, in order)."""
+class InstanceState:
+    """The engine's state of one registered instance: its context, key hashers and completer
+    (which finishes its copy jobs, one thread, in order). The daemon's record of the
+    registration itself (token, principal, mapped tensors) is ``server.registry.RegistrationRecord``."""
 
     __slots__ = (
         "_hashers",
@@ -37,21 +39,21 @@ class Instance:
         "completer",
         "ctx",
         "device",
-        "geometry",
         "instance_id",
         "model_name",
         "scope",
+        "slot_shape",
     )
 
-    def __init__(self, instance_id: int, model_name: str, ctx: GPUCacheContext) -> None:
+    def __init__(self, instance_id: int, model_name: str, ctx: CacheContext) -> None:
         self.instance_id = instance_id
         self.model_name = model_name
         self.ctx = ctx
         self.completer = Completer(ctx.transfer, f"kvcache-complete-{instance_id}")
         self.device = str(ctx.device)
-        self.geometry = SlotGeometry(tuple(ctx.chunk_shape()), ctx.dtype)
+        self.slot_shape = SlotShape(tuple(ctx.chunk_shape()), ctx.dtype)
         self.scope = (
-            "chunk:" + "x".join(map(str, self.geometry.shape)) + ":" + dtype_name(ctx.dtype)
+            "chunk:" + "x".join(map(str, self.slot_shape.shape)) + ":" + dtype_name(ctx.dtype)
         ).encode()
         self._hashers: dict[KeyScope, ChunkHasher] = {}
         self._lock = threading.Lock()

@@ -1,20 +1,20 @@
 """Lookups: the longest cached prefix of a prompt, and the L2 -> L1 prefetch of it.
 
-Separate from ``load`` (the retrieve path, which shares ``prefetch``) so each data path reads
+Separate from ``retrieve`` (the retrieve path, which shares ``prefetch``) so each data path reads
 on its own: a lookup keys the prompt, walks L1 (joining loads another request began, never
 reading a chunk from L2 twice) and starts loading what L2 holds, then answers at once; the
-retrieve that follows waits for those loads (``load``).
+retrieve that follows waits for those loads (``retrieve``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvcache.engine.instance import Instance
-from kvcache.engine.load import prefetch
+from kvcache.deadline import Deadline
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.retrieve import prefetch
 from kvcache.ids import RawIds
 from kvcache.keys import Hashed, KeyScope
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart
@@ -30,14 +30,14 @@ class LookupHit(NamedTuple):
 
 
 def lookup(
-    parts: EngineParts, inst: Instance, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
+    parts: EngineParts, inst: InstanceState, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
     return _lookup_keys(parts, inst, len(token_ids), lambda: inst.keys(token_ids, key_scope), request_id)
 
 
 def lookup_many(
-    parts: EngineParts, inst: Instance, queries: Sequence[tuple[RawIds, KeyScope, str]]
+    parts: EngineParts, inst: InstanceState, queries: Sequence[tuple[RawIds, KeyScope, str]]
 ) -> list[LookupHit]:
     """``lookup`` of each (token ids, key scope, request id) in order, as one scheduler step
     asks them: prompts of one scope that share their head with the one before hash it once."""
@@ -55,7 +55,7 @@ def lookup_many(
 
 def _lookup_keys(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     num_tokens: int,
     make_keys: Callable[[], list[ChunkKey]],
     request_id: str,
@@ -64,7 +64,7 @@ def _lookup_keys(
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
     keys = make_keys()
     l1 = l2 = 0
-    room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
+    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
     while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
         run, joined = parts.pool.resident(keys[l1 + l2 :])  # joined: loads others began
         l1 += run - joined

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.records import CopyTally
 from kvcache.ids import RawIds
 from kvcache.observability.event import (
@@ -43,7 +43,7 @@ class OpEvents:
 
     def store_end(
         self,
-        inst: Instance,
+        inst: InstanceState,
         sid: str,
         num_tokens: int,
         r: StoreResult,
@@ -68,7 +68,7 @@ class OpEvents:
 
     def retrieve_end(
         self,
-        inst: Instance,
+        inst: InstanceState,
         sid: str,
         num_tokens: int,
         skip: int,

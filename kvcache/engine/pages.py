@@ -1,6 +1,6 @@
 """Pages keyed by the serving engine: SGLang HiCache's per-page keys over the same L1/L2 tiers.
 
-Separate from ``store``/``load`` because the keys come from the engine, not from token ids:
+Separate from ``store``/``retrieve`` because the keys come from the engine, not from token ids:
 SGLang names each page by a SHA-256 chained over the prompt's pages, so every key already names
 its whole prefix and a page can be stored, found and copied without its predecessors. The
 instance is registered with one page per chunk (``CacheEngine.register(chunk_size=page)``);
@@ -24,15 +24,14 @@ differently, SHA-256 over token pages against blake2b over token chunks).
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvcache.deadline import Deadline
-from kvcache.engine import load as load_path
-from kvcache.engine.instance import Instance
-from kvcache.engine.load import _RetrieveOp
+from kvcache.engine import retrieve as retrieve_path
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
+from kvcache.engine.retrieve import _RetrieveOp
 from kvcache.engine.store import _StoreOp
 from kvcache.errors import ChunkMismatchError
 from kvcache.futures import failed
@@ -48,7 +47,7 @@ _TAG_PAGE = b"\x20"
 _NO_TOKENS = Ids.tokens([])
 
 
-def page_keys(inst: Instance, raw: bytes, cache_salt: str) -> list[ChunkKey]:
+def page_keys(inst: InstanceState, raw: bytes, cache_salt: str) -> list[ChunkKey]:
     """The chunk keys of ``raw`` (``PAGE_KEY_BYTES`` per page), scoped as the module says."""
     if len(raw) % PAGE_KEY_BYTES:
         raise ChunkMismatchError(f"page keys are {PAGE_KEY_BYTES} bytes each; got {len(raw)} bytes")
@@ -63,18 +62,20 @@ def page_keys(inst: Instance, raw: bytes, cache_salt: str) -> list[ChunkKey]:
     ]
 
 
-def exists(parts: EngineParts, inst: Instance, keys: list[ChunkKey], request_id: str = "") -> tuple[int, int]:
-    """(leading pages held, how many of them are loading from L2): ``load.lookup`` on keys."""
+def exists(
+    parts: EngineParts, inst: InstanceState, keys: list[ChunkKey], request_id: str = ""
+) -> tuple[int, int]:
+    """(leading pages held, how many of them are loading from L2): ``lookup.lookup`` on keys."""
     sid = parts.events.session(inst.instance_id, request_id)
     ps = inst.ctx.chunk_size
     num_tokens = len(keys) * ps
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
     l1 = l2 = 0
-    room_by = time.monotonic() + parts.config.lookup_wait_timeout_s
+    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
     while True:  # runs in L1 and runs loaded from L2 may alternate
         l1 += parts.pool.prefix(keys[l1 + l2 :])
         rest = keys[l1 + l2 :]
-        loaded = load_path.prefetch(parts, inst, rest, room_by=room_by) if rest else 0
+        loaded = retrieve_path.prefetch(parts, inst, rest, room_by=room_by) if rest else 0
         if not loaded:
             break
         l2 += loaded
@@ -87,7 +88,7 @@ def exists(parts: EngineParts, inst: Instance, keys: list[ChunkKey], request_id:
     return l1 + l2, l2
 
 
-def _check_ids(inst: Instance, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
+def _check_ids(inst: InstanceState, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
     if len(block_ids) != len(keys):
         raise ChunkMismatchError(f"{len(keys)} page keys but {len(block_ids)} block ids (one each)")
     return Ids.blocks(block_ids, inst.ctx.num_blocks)
@@ -95,12 +96,12 @@ def _check_ids(inst: Instance, keys: list[ChunkKey], block_ids: RawIds) -> Ids:
 
 def store_async(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     keys: list[ChunkKey],
     block_ids: RawIds,
     *,
     request_id: str = "",
-    copy_by: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Future[StoreResult]:
     """Copy block ``block_ids[i]`` into the cache as page ``keys[i]`` (present ones skipped).
     Never raises: errors are set on the future, as for ``store.store_async``."""
@@ -108,12 +109,11 @@ def store_async(
     try:
         ids = _check_ids(inst, keys, block_ids)
         sid = parts.events.session(inst.instance_id, request_id)
-        copy_deadline = Deadline.of(copy_by)
         req = StoreRequest(instance_id=inst.instance_id, token_ids=_NO_TOKENS, block_ids=ids,
-                           request_id=request_id, deadline=copy_deadline)  # fmt: skip
-        deadline = Deadline.within(parts.config.store_wait_timeout_s).earliest(copy_deadline)
+                           request_id=request_id, deadline=deadline)  # fmt: skip
+        wait_until = Deadline.within(parts.config.store_wait_timeout_s).earliest(deadline)
         ps = inst.ctx.chunk_size
-        op = _StoreOp(parts, inst, req, sid, keys, deadline, keyed_tokens=len(keys) * ps)
+        op = _StoreOp(parts, inst, req, sid, keys, wait_until, keyed_tokens=len(keys) * ps)
         start = inst.meta(MpStoreStart, num_tokens=len(keys) * ps, num_chunks=len(keys))
         parts.events.publish(EventType.MP_STORE_START, sid, start)
     except Exception as err:  # a bad request: nothing was reserved
@@ -126,23 +126,22 @@ def store_async(
 
 def retrieve_async(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     keys: list[ChunkKey],
     block_ids: RawIds,
     *,
     request_id: str = "",
-    copy_by: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Future[RetrieveResult]:
     """Copy the leading cached pages of ``keys`` into ``block_ids``; the result's
-    ``retrieved_tokens`` / page size is how many. Never raises, as ``load.retrieve_async``."""
+    ``retrieved_tokens`` / page size is how many. Never raises, as ``retrieve.retrieve_async``."""
     future: Future[RetrieveResult] = Future()
     try:
         ids = _check_ids(inst, keys, block_ids)
         sid = parts.events.session(inst.instance_id, request_id)
-        copy_deadline = Deadline.of(copy_by)
-        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(copy_deadline)
+        wait_until = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(deadline)
         num_tokens = len(keys) * inst.ctx.chunk_size
-        op = _RetrieveOp(parts, inst, sid, num_tokens, 0, 0, keys, ids, copy_deadline, deadline)
+        op = _RetrieveOp(parts, inst, sid, num_tokens, 0, 0, keys, ids, deadline, wait_until)
         start = inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=0)
         parts.events.publish(EventType.MP_RETRIEVE_START, sid, start)
     except Exception as err:
@@ -163,7 +162,7 @@ class EnginePages:
     """The engine's page entry points (``CacheEngine.pages``): keys checked and scoped by the
     instance, then the functions above. A bad instance or key fails the future, never raises."""
 
-    def __init__(self, parts: EngineParts, instance: Callable[[int], Instance]) -> None:
+    def __init__(self, parts: EngineParts, instance: Callable[[int], InstanceState]) -> None:
         self._parts, self._instance = parts, instance
 
     def exists(
@@ -174,7 +173,7 @@ class EnginePages:
         inst, keyed = self._keyed(instance_id, keys, cache_salt)
         return exists(self._parts, inst, keyed, request_id)
 
-    def _keyed(self, instance_id: int, keys: bytes, cache_salt: str) -> tuple[Instance, list[ChunkKey]]:
+    def _keyed(self, instance_id: int, keys: bytes, cache_salt: str) -> tuple[InstanceState, list[ChunkKey]]:
         """The instance and its scoped keys; raises for an unknown instance or malformed keys."""
         inst = self._instance(instance_id)
         return inst, page_keys(inst, keys, cache_salt)
@@ -187,14 +186,14 @@ class EnginePages:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Future[StoreResult]:
         """``store_async`` of one page per key, from ``block_ids[i]``."""
         try:
             inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
-        return store_async(self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by)
+        return store_async(self._parts, inst, keyed, block_ids, request_id=request_id, deadline=deadline)
 
     def retrieve_async(
         self,
@@ -204,14 +203,16 @@ class EnginePages:
         *,
         cache_salt: str = "",
         request_id: str = "",
-        copy_by: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Future[RetrieveResult]:
         """``retrieve_async`` of the leading cached pages of ``keys`` into ``block_ids``."""
         try:
             inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
-        return retrieve_async(self._parts, inst, keyed, block_ids, request_id=request_id, copy_by=copy_by)
+        return retrieve_async(
+            self._parts, inst, keyed, block_ids, request_id=request_id, deadline=deadline
+        )
 
 
 __all__ = ["PAGE_KEY_BYTES", "EnginePages", "exists", "page_keys", "retrieve_async", "store_async"]

@@ -1,7 +1,7 @@
 """The parts the engine's data paths share: config, L1 pool, L2 tiers, statistics, events,
 the waiters (stores wait for L1 room, retrieves for L2 loads) and the signal loads settle on.
 
-Separate so the facade builds them once and the store and load paths take one record, instead
+Separate so the facade builds them once and the store and retrieve paths take one record, instead
 of each path repeating the same constructor (and drifting apart in what it is handed).
 """
 
@@ -23,7 +23,7 @@ from kvcache.storage.l2.async_front import AsyncL2
 class EngineParts:
     """What one ``CacheEngine`` owns; its paths share these objects (the same instances).
 
-    ``loads_settled`` is notified after every L2 -> L1 load settled (``load.prefetch``), and
+    ``loads_settled`` is notified after every L2 -> L1 load settled (``retrieve.prefetch``), and
     by ``retrieve_waiter``'s ``wake``: a waiting retrieve waits on it, never on one entry, so
     a stop reaches it at once. ``waiting`` holds the retrieves waiting for loads, guarded by
     ``loads_settled``: whichever retrieve waiter pass is waiting serves them all."""

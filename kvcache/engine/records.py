@@ -1,7 +1,7 @@
 """What an engine operation's copies moved (``CopyTally``). Its result records
 (``StoreResult``, ``RetrieveResult``) are shared with the wire: they live in ``kvcache.records``.
 
-Separate so that the paths that fill them (``store``, ``load``) and the module that reports
+Separate so that the paths that fill them (``store``, ``retrieve``) and the module that reports
 them (``op_events``) both import this leaf, instead of each other.
 """
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.errors import BlockIdError, LimitExceededError
 from kvcache.observability.event import Event, EventSink, EventType, MpVllmBlockAllocation, MpVllmEndSession
 from kvcache.records import BlockAllocationRecord
@@ -44,7 +44,7 @@ def check_allocation_report(
 
 
 def publish_allocations(
-    bus: EventSink, inst: Instance, max_records: int, records: list[BlockAllocationRecord]
+    bus: EventSink, inst: InstanceState, max_records: int, records: list[BlockAllocationRecord]
 ) -> None:
     """Publish an engine's block allocations for lifecycle tracking.
 
@@ -63,7 +63,7 @@ def publish_allocations(
     bus.publish(Event(EventType.MP_VLLM_BLOCK_ALLOCATION, meta))
 
 
-def publish_end_session(bus: EventSink, inst: Instance, request_id: str) -> None:
+def publish_end_session(bus: EventSink, inst: InstanceState, request_id: str) -> None:
     """Publish that a request ended (its lifecycle subscribers close its session)."""
     meta = MpVllmEndSession(instance_id=inst.instance_id, model_name=inst.model_name, request_id=request_id)
     bus.publish(Event(EventType.MP_VLLM_END_SESSION, meta, session_id=request_id))

@@ -7,7 +7,8 @@ never a mean of per-operation rates, every division is guarded, and a poller rec
 happened *since its previous poll* (snapshot-and-reset), so feeding the deltas to Prometheus
 counters never double counts. Deltas from several workers combine with ``aggregate``.
 
-Directions follow vLLM: **store** = engine -> cache, **load** = cache -> engine. The engine
+Directions follow the glossary: **store** = engine -> cache, **retrieve** = cache -> engine
+(vLLM's offload metrics call the latter "load"; their names keep it). The engine
 records bytes, seconds and tokens from its copies' ``TransferResult`` records only (summed per
 operation in ``records.CopyTally``, the same figures its MP_*_END events carry), so these
 statistics and the metrics built from those events cannot disagree.
@@ -17,13 +18,24 @@ from __future__ import annotations
 
 import bisect
 import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache.deprecated import REMOVED_IN
+
 KiB = 1 << 10
 #: Upper bounds (bytes) of the per-operation size histogram; a last bucket catches the rest.
 SIZE_BUCKETS_BYTES: tuple[int, ...] = tuple(4**k * KiB for k in range(1, 13))  # 4 KiB .. 16 GiB
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated and will be removed in kvcache {REMOVED_IN}; use {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _zeros() -> list[int]:
@@ -87,7 +99,7 @@ class OffloadStats:
     """Offload activity over one period (a delta, unless built by ``aggregate`` from several)."""
 
     store: TransferStats = field(default_factory=TransferStats)
-    load: TransferStats = field(default_factory=TransferStats)
+    retrieve: TransferStats = field(default_factory=TransferStats)
     lookups: int = 0
     lookup_query_tokens: int = 0
     lookup_hit_tokens: int = 0
@@ -97,8 +109,20 @@ class OffloadStats:
         return self.store.seconds_per_token
 
     @property
+    def avg_retrieve_seconds_per_token(self) -> float:
+        return self.retrieve.seconds_per_token
+
+    @property
+    def load(self) -> TransferStats:
+        """Deprecated (until kvcache 0.2.0): ``retrieve``."""
+        _deprecated("OffloadStats.load", "OffloadStats.retrieve")
+        return self.retrieve
+
+    @property
     def avg_load_seconds_per_token(self) -> float:
-        return self.load.seconds_per_token
+        """Deprecated (until kvcache 0.2.0): ``avg_retrieve_seconds_per_token``."""
+        _deprecated("OffloadStats.avg_load_seconds_per_token", "OffloadStats.avg_retrieve_seconds_per_token")
+        return self.retrieve.seconds_per_token
 
     @property
     def lookup_hit_rate(self) -> float:
@@ -106,7 +130,7 @@ class OffloadStats:
         return self.lookup_hit_tokens / self.lookup_query_tokens if self.lookup_query_tokens else 0.0
 
     def is_empty(self) -> bool:
-        return not (self.store.ops or self.load.ops or self.lookups)
+        return not (self.store.ops or self.retrieve.ops or self.lookups)
 
     @staticmethod
     def aggregate(parts: Iterable[OffloadStats]) -> OffloadStats:
@@ -114,7 +138,7 @@ class OffloadStats:
         total = OffloadStats()
         for p in parts:
             total.store.merge(p.store)
-            total.load.merge(p.load)
+            total.retrieve.merge(p.retrieve)
             total.lookups += p.lookups
             total.lookup_query_tokens += p.lookup_query_tokens
             total.lookup_hit_tokens += p.lookup_hit_tokens
@@ -124,7 +148,7 @@ class OffloadStats:
         """JSON-able form (derived averages included for readers; ignored by ``from_dict``)."""
         return {
             "store": self.store.to_dict(),
-            "load": self.load.to_dict(),
+            "retrieve": self.retrieve.to_dict(),
             "lookups": self.lookups,
             "lookup_query_tokens": self.lookup_query_tokens,
             "lookup_hit_tokens": self.lookup_hit_tokens,
@@ -133,9 +157,10 @@ class OffloadStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OffloadStats:
+        """Also reads a dict written before the rename (``"load"`` for ``"retrieve"``)."""
         return cls(
             TransferStats.from_dict(d["store"]),
-            TransferStats.from_dict(d["load"]),
+            TransferStats.from_dict(d["retrieve"] if "retrieve" in d else d["load"]),
             int(d["lookups"]),
             int(d["lookup_query_tokens"]),
             int(d["lookup_hit_tokens"]),
@@ -155,11 +180,11 @@ class OffloadStatsCollector:
             with self._lock:
                 self._cur.store.record(nbytes, seconds, tokens)
 
-    def record_load(self, nbytes: int, seconds: float, tokens: int) -> None:
+    def record_retrieve(self, nbytes: int, seconds: float, tokens: int) -> None:
         """One cache -> engine copy; ops that moved nothing are not operations."""
         if tokens > 0:
             with self._lock:
-                self._cur.load.record(nbytes, seconds, tokens)
+                self._cur.retrieve.record(nbytes, seconds, tokens)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvcache.deadline import Deadline
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
@@ -33,7 +33,7 @@ from kvcache.storage.l1.entry import L1Entry
 from kvcache.transfer.base import Direction, TransferResult
 
 
-def store_async(parts: EngineParts, inst: Instance, req: StoreRequest) -> Future[StoreResult]:
+def store_async(parts: EngineParts, inst: InstanceState, req: StoreRequest) -> Future[StoreResult]:
     """See ``CacheEngine.submit_store``. Never raises: every error is set on the future.
 
     Chunks are reserved and their copies submitted in batches: when L1 runs out while this
@@ -60,7 +60,7 @@ class _StoreOp:
     ``stored`` and the tally; ``lock`` guards the shared counts."""
 
     parts: EngineParts
-    inst: Instance
+    inst: InstanceState
     req: StoreRequest
     sid: str
     keys: list[ChunkKey]
@@ -78,7 +78,7 @@ class _StoreOp:
     keyed_tokens: int = 0  # tokens of a store keyed by the engine (``pages``): it has no token ids
 
     @classmethod
-    def begin(cls, parts: EngineParts, inst: Instance, req: StoreRequest) -> _StoreOp:
+    def begin(cls, parts: EngineParts, inst: InstanceState, req: StoreRequest) -> _StoreOp:
         """Key the request once and publish ``MP_STORE_START``."""
         keys = inst.request_keys(req)
         sid = parts.events.session(inst.instance_id, req.request_id)
@@ -129,7 +129,7 @@ class _StoreOp:
             waits = stop is not None and not stop.is_set()
             left = self.deadline.left() if waits else 0.0
             pool, pos = parts.pool, self.pos
-            res = pool.begin_write(self.inst.geometry, keys[pos:], wait_s=left, partial=partial,
+            res = pool.begin_write(self.inst.slot_shape, keys[pos:], wait_s=left, partial=partial,
                                    defer=stop is None, held=len(self.held), stop=stop)  # fmt: skip
             got = self.held + [(pos + i, e) for i, e in res.new]
             self.held = []
@@ -171,10 +171,9 @@ class _StoreOp:
         else:
             sel = req.block_ids.runs([i * bpc for i in indices], bpc)
         ctx = self.inst.ctx
-        start_by = req.deadline.at if req.deadline is not None else None
         try:
             chunks = [e.tensor for e in new]
-            job = ctx.copy_to_chunks_async(sel, chunks, start_by=start_by, after=req.after)
+            job = ctx.copy_to_chunks_async(sel, chunks, deadline=req.deadline, after=req.after)
         except Exception as err:  # the handler is closed: nothing was queued
             self.parts.pool.finish(new, False)
             self._fail(err)

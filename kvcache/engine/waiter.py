@@ -1,6 +1,6 @@
 """The engine's waiters: the threads on which operations wait, off their caller's thread.
 
-Separate from the store and load paths because ``store_async`` and ``retrieve_async`` share one
+Separate from the store and retrieve paths because ``store_async`` and ``retrieve_async`` share one
 rule: they never wait on their caller's thread (an engine step, a daemon worker serving every
 client). The caller does what needs no waiting; an operation that must wait (a store for L1
 room, a retrieve for the L2 -> L1 loads of its prefix) is handed here and waits, within its

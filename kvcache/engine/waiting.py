@@ -1,7 +1,7 @@
 """The retrieves waiting for L2 loads, each copied as soon as its own chunks settled.
 
-Separate from the load path so that ``EngineParts`` can hold the set without importing the
-load path (which imports the parts); the ops are the load path's retrieves, seen here only
+Separate from the retrieve path so that ``EngineParts`` can hold the set without importing
+the retrieve path (which imports the parts); the ops are the retrieve path's, seen here only
 through ``WaitingOp``.
 """
 
@@ -15,7 +15,7 @@ from kvcache.deadline import Deadline
 
 
 class WaitingOp(Protocol):
-    """What the set needs of a waiting retrieve (``load._RetrieveOp``)."""
+    """What the set needs of a waiting retrieve (``retrieve._RetrieveOp``)."""
 
     deadline: Deadline
     claimed: bool

@@ -13,24 +13,24 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvcache.deprecated import renamed
+
 if TYPE_CHECKING:  # the real names for type checkers; at run time they load on first use
     from kvcache.observability.bus import EventBus
     from kvcache.observability.config import ObservabilityConfig, add_observability_args
-    from kvcache.observability.disabled import DisabledEventBus
     from kvcache.observability.event import (
         BlockAllocationRecord,
         ChunkKey,
         Event,
         EventSink,
         EventType,
-        NullEventSink,
+        NullEventBus,
     )
     from kvcache.observability.prometheus import PrometheusEndpoint, start_prometheus_endpoint
     from kvcache.observability.runtime import Observability, init_observability
     from kvcache.observability.subscriber import EventSubscriber
 
 _HOME = {
-    "DisabledEventBus": "disabled",
     "EventBus": "bus",
     "EventSubscriber": "subscriber",
     "ObservabilityConfig": "config",
@@ -40,7 +40,7 @@ _HOME = {
     "Event": "event",
     "EventSink": "event",
     "EventType": "event",
-    "NullEventSink": "event",
+    "NullEventBus": "event",
     "PrometheusEndpoint": "prometheus",
     "start_prometheus_endpoint": "prometheus",
     "Observability": "runtime",
@@ -51,22 +51,29 @@ _HOME = {
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
     if home is None:
-        raise AttributeError(f"module 'kvcache.observability' has no attribute {name!r}")
+        return _renamed(name)
     value = getattr(importlib.import_module(f"kvcache.observability.{home}"), name)
     globals()[name] = value
     return value
 
 
+# Old names, one release: each use warns (DeprecationWarning) and names the new one.
+_renamed = renamed(
+    __name__, {"DisabledEventBus": "NullEventBus", "NullEventSink": "NullEventBus"}, stacklevel=3
+)
+if TYPE_CHECKING:
+    DisabledEventBus = NullEventBus
+    NullEventSink = NullEventBus
+
 __all__ = [
     "BlockAllocationRecord",
     "ChunkKey",
-    "DisabledEventBus",
     "Event",
     "EventBus",
     "EventSink",
     "EventSubscriber",
     "EventType",
-    "NullEventSink",
+    "NullEventBus",
     "Observability",
     "ObservabilityConfig",
     "PrometheusEndpoint",

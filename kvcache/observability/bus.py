@@ -18,7 +18,7 @@ Contract:
 * ``flush(timeout)`` returns True once everything published before the call has been
   dispatched (tests use it instead of sleeping). ``stop()`` stops accepting events,
   drains the queue, then calls every subscriber's ``shutdown``; it is idempotent.
-* ``DisabledEventBus`` is the null twin: ``publish`` is one empty call.
+* ``NullEventBus`` (``event.py``) is the null twin: ``publish`` is one empty call.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from prometheus_client.registry import CollectorRegistry
 
+from kvcache.deprecated import renamed
 from kvcache.observability.bus_metrics import BusMetrics, BusSnapshot
-from kvcache.observability.disabled import DisabledEventBus  # the null twin, re-exported
-from kvcache.observability.event import Event, EventType
+from kvcache.observability.event import Event, EventType, NullEventBus  # the null twin, re-exported
 from kvcache.observability.instruments import MetricSet
 from kvcache.observability.subscriber import Callback, EventSubscriber  # re-exported
 
@@ -291,4 +292,9 @@ class EventBus:
         )
 
 
-__all__ = ["Callback", "DisabledEventBus", "EventBus", "EventSubscriber"]
+if TYPE_CHECKING:
+    DisabledEventBus = NullEventBus  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"DisabledEventBus": "NullEventBus"})
+
+__all__ = ["Callback", "EventBus", "EventSubscriber", "NullEventBus"]

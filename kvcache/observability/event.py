@@ -15,10 +15,11 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from kvcache.deprecated import renamed
 from kvcache.records import BlockAllocationRecord, ChunkIdentity, ChunkKey
 
 
@@ -268,11 +269,54 @@ class EventSink(Protocol):
     def publish(self, event: Event) -> None: ...
 
 
-class NullEventSink:
-    """The sink used when observability is off: publishing costs one call."""
+class NullEventBus:
+    """The one null bus: the engine's default sink and the bus when observability is off.
+
+    A null object rather than ``if enabled:`` checks in callers, so the data path and entry
+    points handle "off" exactly like "on": ``publish`` costs one call and nothing else runs.
+    It answers the whole ``EventBus`` surface that entry points use (start, flush, stop,
+    counters), so one object serves both needs. Producers that would do extra work only to
+    describe an event (decoding an identity, watching Redis evictions) skip it for this bus.
+    Here, not in ``bus.py``, so the data path gets it without importing the real bus.
+    """
+
+    enabled = False
+    max_queue_size = 0
+    running = False
+    queue_depth = 0
+    dropped_events = 0
+    dispatched_events = 0
+    subscribers: tuple[()] = ()
 
     def publish(self, event: Event) -> None:
         return None
+
+    def register_subscriber(self, subscriber: object) -> None:
+        return None
+
+    def start(self) -> None:
+        return None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        return None
+
+    def subscriber_errors(self, name: str) -> int:
+        return 0
+
+    def __enter__(self) -> NullEventBus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+if TYPE_CHECKING:
+    NullEventSink = NullEventBus  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"NullEventSink": "NullEventBus"})
 
 
 __all__ = [
@@ -307,6 +351,6 @@ __all__ = [
     "MpStoreStart",
     "MpVllmBlockAllocation",
     "MpVllmEndSession",
-    "NullEventSink",
+    "NullEventBus",
     "OperationMeta",
 ]

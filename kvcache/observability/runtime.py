@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from kvcache.observability.bus import DisabledEventBus, EventBus, EventSubscriber
+from kvcache.observability.bus import EventBus, EventSubscriber, NullEventBus
 from kvcache.observability.config import ObservabilityConfig
 from kvcache.observability.prometheus import PrometheusEndpoint
 
@@ -26,7 +26,7 @@ class Observability:
     """Everything ``init_observability`` started; ``shutdown()`` stops it all, once."""
 
     config: ObservabilityConfig
-    bus: EventBus | DisabledEventBus
+    bus: EventBus | NullEventBus
     registry: CollectorRegistry
     endpoint: PrometheusEndpoint | None = None
     tracer_provider: Any = None
@@ -86,7 +86,7 @@ def init_observability(
     """
     registry = CollectorRegistry() if registry is None else registry
     if not config.enabled:
-        return Observability(config, DisabledEventBus(), registry)
+        return Observability(config, NullEventBus(), registry)
     bus = EventBus(config.event_bus_queue_size, registry=registry)
     obs = Observability(config, bus, registry)
     try:

@@ -1,9 +1,9 @@
 """``EventSubscriber``: the contract between the event bus and whatever consumes events.
 
-Its own module because both buses implement against it: ``bus.py`` (the real bus) and
-``disabled.py`` (the null twin) each take subscribers, and with the contract in ``bus.py``
-the null twin had to import the module that re-exports it. ``kvcache.observability.bus``
-re-exports both names, so plug-ins keep importing them from there.
+Its own module so that subscribers can be written against the contract without the bus's
+queue and thread; ``kvcache.observability.bus`` re-exports both names, so plug-ins keep
+importing them from there. The null bus (``event.NullEventBus``) takes subscribers and drops
+them, so it needs no import of this module.
 """
 
 from __future__ import annotations

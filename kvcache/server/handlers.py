@@ -35,7 +35,7 @@ from kvcache.server.auth import LOOPBACK, Principal
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
-from kvcache.server.registry import Instance, InstanceRegistry
+from kvcache.server.registry import InstanceRegistry, RegistrationRecord
 from kvcache.transport.cuda_events import open_ipc_event
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class Handlers:
                 chunk_size=req.chunk_size,
             )
             device = str(imported[0].tensor.device)
-            instance = Instance(
+            instance = RegistrationRecord(
                 req.instance_id, req.model_name, device, imported, principal, req.client_nonce
             )
             self.registry.add(instance)
@@ -184,7 +184,7 @@ class Handlers:
         self._release(req.instance_id)
         return m.Done()
 
-    def reap(self, instance: Instance) -> None:
+    def reap(self, instance: RegistrationRecord) -> None:
         """Release an instance the registry already dropped for missing heartbeats."""
         log.warning(
             "instance %d (%s) sent nothing for %.1f s; releasing its registration",
@@ -202,7 +202,7 @@ class Handlers:
 
     # -- data path ---------------------------------------------------------------------
 
-    def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> Instance:
+    def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> RegistrationRecord:
         instance = self.registry.authorize(
             req.instance_id, req.token, principal, token_required=token_required
         )

@@ -25,7 +25,7 @@ from kvcache.server.deadlines import accept_deadline
 if TYPE_CHECKING:
     from kvcache.engine.engine import CacheEngine
     from kvcache.server.registration import Limits
-    from kvcache.server.registry import Instance
+    from kvcache.server.registry import RegistrationRecord
 
 
 class Checks(Protocol):
@@ -35,7 +35,7 @@ class Checks(Protocol):
     engine: CacheEngine
     limits: Limits
 
-    def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> Instance: ...
+    def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> RegistrationRecord: ...
 
 
 class PageHandlers:
@@ -57,7 +57,7 @@ class PageHandlers:
 
     def _checked(
         self, req: m.PageExists | m.PageSet | m.PageGet, principal: Principal
-    ) -> tuple[Instance, str]:
+    ) -> tuple[RegistrationRecord, str]:
         """The instance (token and tenant checked) and the salt its pages are keyed with."""
         token_required = not isinstance(req, m.PageExists)
         instance = self._h._instance(req, principal, token_required=token_required)
@@ -89,7 +89,7 @@ class PageHandlers:
         deadline = accept_deadline(req.deadline_ms, "page set")
         return self._h.engine.pages.store_async(
             req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
-            copy_by=None if deadline is None else deadline.at,
+            deadline=deadline,
         )  # fmt: skip
 
     def get_async(self, req: m.PageGet, principal: Principal) -> Future[m.RetrieveResult]:
@@ -97,7 +97,7 @@ class PageHandlers:
         deadline = accept_deadline(req.deadline_ms, "page get")
         return self._h.engine.pages.retrieve_async(
             req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
-            copy_by=None if deadline is None else deadline.at,
+            deadline=deadline,
         )  # fmt: skip
 
 

@@ -118,16 +118,16 @@ def rebuild_kv_caches(req: m.Register, tensors: list[torch.Tensor]) -> Any:
 
 
 def format_from_name(name: str | None) -> Any:
-    """The ``GPUKVFormat`` a registration names; None lets the engine detect it."""
+    """The ``KVFormat`` a registration names; None lets the engine detect it."""
     if name is None:
         return None
-    from kvcache.layouts import GPUKVFormat
+    from kvcache.layouts import KVFormat
 
     try:
-        return GPUKVFormat[name]
+        return KVFormat[name]
     except KeyError:
         raise LayoutError(
-            f"unknown KV format {name!r}; known: {[f.name for f in GPUKVFormat]}"
+            f"unknown KV format {name!r}; known: {[f.name for f in KVFormat]}"
         ) from None
 
 

@@ -18,8 +18,9 @@ from kvcache.transport.tensors import ImportedTensor
 
 
 @dataclass(slots=True)
-class Instance:
-    """One registered engine instance; ``tensors`` keep its mapped KV memory alive.
+class RegistrationRecord:
+    """The daemon's record of one registration; ``tensors`` keep its mapped KV memory alive.
+    (The engine's own state of the instance is ``engine.instance.InstanceState``.)
 
     ``token`` is the secret the registration returned; ``client_nonce`` identifies the client
     object that registered (so it alone may replace the registration); ``principal`` is the
@@ -55,9 +56,9 @@ class InstanceRegistry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._instances: dict[int, Instance] = {}
+        self._instances: dict[int, RegistrationRecord] = {}
 
-    def add(self, instance: Instance) -> Instance | None:
+    def add(self, instance: RegistrationRecord) -> RegistrationRecord | None:
         """Insert ``instance``; returns the record it replaced (same id registered again)."""
         with self._lock:
             old = self._instances.get(instance.instance_id)
@@ -66,11 +67,11 @@ class InstanceRegistry:
             self._instances[instance.instance_id] = instance
             return old
 
-    def find(self, instance_id: int) -> Instance | None:
+    def find(self, instance_id: int) -> RegistrationRecord | None:
         with self._lock:
             return self._instances.get(instance_id)
 
-    def get(self, instance_id: int) -> Instance:
+    def get(self, instance_id: int) -> RegistrationRecord:
         with self._lock:
             instance = self._instances.get(instance_id)
         if instance is None:
@@ -82,7 +83,7 @@ class InstanceRegistry:
 
     def authorize(
         self, instance_id: int, token: bytes, principal: Principal, *, token_required: bool
-    ) -> Instance:
+    ) -> RegistrationRecord:
         """The instance, if ``principal`` may act for it; raises otherwise.
 
         Only the principal that registered an instance may act for it, token or not: a token
@@ -141,7 +142,7 @@ class InstanceRegistry:
                 if principal is None or _visible(inst, principal)
             )
 
-    def remove(self, instance_id: int) -> Instance | None:
+    def remove(self, instance_id: int) -> RegistrationRecord | None:
         with self._lock:
             return self._instances.pop(instance_id, None)
 
@@ -178,7 +179,7 @@ class InstanceRegistry:
                 instance.in_flight -= 1
                 instance.last_seen = time.monotonic() if now is None else now
 
-    def pop_expired(self, timeout_s: float, now: float | None = None) -> list[Instance]:
+    def pop_expired(self, timeout_s: float, now: float | None = None) -> list[RegistrationRecord]:
         """Remove and return instances silent for ``timeout_s`` with nothing in flight."""
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -192,7 +193,7 @@ class InstanceRegistry:
         return dead
 
 
-def _may_act(instance: Instance, principal: Principal, token: bytes) -> bool:
+def _may_act(instance: RegistrationRecord, principal: Principal, token: bytes) -> bool:
     """The lenient rule of ``authorize`` (metadata operations), as a yes/no: the principal
     that registered, with the right token or, unless it is ``shared``, none."""
     if principal.name != instance.principal.name:
@@ -202,7 +203,7 @@ def _may_act(instance: Instance, principal: Principal, token: bytes) -> bool:
     return not principal.shared
 
 
-def _visible(instance: Instance, principal: Principal) -> bool:
+def _visible(instance: RegistrationRecord, principal: Principal) -> bool:
     """Whether ``Status`` shows ``instance`` to ``principal``: the operator sees every one,
     a ``shared`` principal none (it proves no identity), any other its own."""
     if principal.operator:
@@ -210,4 +211,4 @@ def _visible(instance: Instance, principal: Principal) -> bool:
     return not principal.shared and principal.name == instance.principal.name
 
 
-__all__ = ["Instance", "InstanceRegistry"]
+__all__ = ["InstanceRegistry", "RegistrationRecord"]

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.layouts import KVCaches, KVFormat
 
-ALL_FORMATS = tuple(GPUKVFormat)
+ALL_FORMATS = tuple(KVFormat)
 ENGINE_OF = {
-    GPUKVFormat.NB_NL_TWO_BS_NH_HS: "vllm",
-    GPUKVFormat.NL_X_TWO_NB_BS_NH_HS: "vllm",
-    GPUKVFormat.NL_X_NB_TWO_BS_NH_HS: "vllm",
-    GPUKVFormat.NL_X_NB_BS_HS: "vllm",
-    GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS: "sglang",
-    GPUKVFormat.NL_X_NBBS_ONE_HS: "sglang",
-    GPUKVFormat.NL_X_NB_PAGE: "vllm",
+    KVFormat.NB_NL_TWO_BS_NH_HS: "vllm",
+    KVFormat.NL_X_TWO_NB_BS_NH_HS: "vllm",
+    KVFormat.NL_X_NB_TWO_BS_NH_HS: "vllm",
+    KVFormat.NL_X_NB_BS_HS: "vllm",
+    KVFormat.TWO_X_NL_X_NBBS_NH_HS: "sglang",
+    KVFormat.NL_X_NBBS_ONE_HS: "sglang",
+    KVFormat.NL_X_NB_PAGE: "vllm",
 }
 
 
@@ -34,7 +34,7 @@ def random_fill(t: torch.Tensor, generator: torch.Generator | None = None) -> to
 
 
 def make_kv_caches(
-    fmt: GPUKVFormat,
+    fmt: KVFormat,
     num_layers: int = 2,
     num_blocks: int = 8,
     block_size: int = 16,
@@ -56,17 +56,17 @@ def make_kv_caches(
             random_fill(t, gen)
         return t.to(device)
 
-    if fmt is GPUKVFormat.NB_NL_TWO_BS_NH_HS:
+    if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         return new(nb, nl, 2, bs, nh, hs)
-    if fmt is GPUKVFormat.NL_X_TWO_NB_BS_NH_HS:
+    if fmt is KVFormat.NL_X_TWO_NB_BS_NH_HS:
         return [new(2, nb, bs, nh, hs) for _ in range(nl)]
-    if fmt is GPUKVFormat.NL_X_NB_TWO_BS_NH_HS:
+    if fmt is KVFormat.NL_X_NB_TWO_BS_NH_HS:
         return [new(nb, 2, bs, nh, hs) for _ in range(nl)]
-    if fmt is GPUKVFormat.NL_X_NB_BS_HS:
+    if fmt is KVFormat.NL_X_NB_BS_HS:
         return [new(nb, bs, hs) for _ in range(nl)]
-    if fmt is GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS:
+    if fmt is KVFormat.TWO_X_NL_X_NBBS_NH_HS:
         return [[new(nb * bs, nh, hs) for _ in range(nl)] for _ in range(2)]
-    if fmt is GPUKVFormat.NL_X_NB_PAGE:  # vLLM's CPU cache: [NB, NH, BS, 2*HS] per layer
+    if fmt is KVFormat.NL_X_NB_PAGE:  # vLLM's CPU cache: [NB, NH, BS, 2*HS] per layer
         return [new(nb, nh, bs, 2 * hs) for _ in range(nl)]
     return [new(nb * bs, 1, hs) for _ in range(nl)]
 

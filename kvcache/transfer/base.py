@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvcache.deadline import Deadline
 from kvcache.errors import KvcacheError
 from kvcache.ids import Ids, RawIds
 
@@ -34,10 +35,10 @@ are; or ids as a direct caller holds them, which the handler checks in the job's
 
 
 class Direction(enum.Enum):
-    """Which way the bytes go. Values are the names offload metrics use (store / load)."""
+    """Which way the bytes go, named by the glossary's verbs (docs/architecture.md)."""
 
     TO_CHUNKS = "store"  # engine blocks -> kvcache chunks
-    FROM_CHUNKS = "load"  # kvcache chunks -> engine blocks
+    FROM_CHUNKS = "retrieve"  # kvcache chunks -> engine blocks
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,14 +47,15 @@ class TransferJob:
 
     Chunk ``c`` takes block ids ``[c * blocks_per_chunk, ...)``; every chunk but the last
     holds a full chunk, the last a whole number of blocks. The first ``skip_blocks`` ids
-    are left alone in both directions (the engine already holds them on a load). The job
+    are left alone in both directions (the engine already holds them on a retrieve). The job
     keeps its chunk tensors alive until the copy has finished, so a caller may drop its
     own references right after ``submit``; it must not change ``block_ids`` or the
     chunks' contents before the job's result is out (a handler may read them late).
 
-    ``start_by`` (``time.monotonic()`` scale): the caller stops owning the engine blocks
-    then (a serving engine may hand them to another request), so a job that has not
-    started by that time is refused with ``DeadlineExceededError`` and writes nothing.
+    ``deadline`` (a ``Deadline``: a ``time.monotonic()`` moment): the caller stops owning
+    the engine blocks then (a serving engine may hand them to another request), so a job
+    that has not started by that time is refused with ``DeadlineExceededError`` and writes
+    nothing.
     NOTE: the CPU handler checks it when the job's turn comes; a CUDA handler when it
     launches the job (at ``submit``), as the device's start time is not known to the host.
 
@@ -72,7 +74,7 @@ class TransferJob:
     block_ids: BlockIds
     chunks: tuple[torch.Tensor, ...]
     skip_blocks: int = 0
-    start_by: float | None = None
+    deadline: Deadline | None = None
     after: Any = None
 
 
@@ -107,8 +109,8 @@ class TransferHandler(ABC):
 
     Ordering: a job takes effect after every job submitted before it that shares memory
     with it (an engine block past the skip, or a chunk) has finished, so it sees every byte
-    they wrote (a load of a chunk just stored reads the stored bytes; of two loads into one
-    block the later wins). Jobs that share nothing may finish in any order: the CPU handler
+    they wrote (a retrieve of a chunk just stored reads the stored bytes; of two retrieves into
+    one block the later wins). Jobs that share nothing may finish in any order: the CPU handler
     cuts a large job into pieces so that a later small one can pass it; a CUDA handler runs
     them in submission order on its stream. ``get_finished`` reports the finished results
     in submission order.
@@ -116,7 +118,7 @@ class TransferHandler(ABC):
     Errors: ``submit`` raises only when the handler is closed (``TransferError``). A job
     that fails its checks (block id out of range or not an integer, ids that do not cover
     the chunks, chunks that do not fit the cache) writes nothing and finishes in its
-    turn with the error on its result; so does a job past its ``start_by`` and a copy
+    turn with the error on its result; so does a job past its ``deadline`` and a copy
     that fails while it runs.
 
     Shutdown: ``close`` stops accepting jobs, then waits until every job already

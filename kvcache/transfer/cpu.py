@@ -17,10 +17,11 @@ import torch
 
 from kvcache import _native
 from kvcache.errors import CudaUnavailableError, TransferError, UnknownTransferError
+from kvcache.geometry import Geometry
 from kvcache.idle import wait_for_work
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
 from kvcache.transfer.pieces import Footprint, chunks_per_piece, first_chunk, piece
-from kvcache.transfer.validate import CheckedJob, ChunkGeometry, check_job, check_start, native_error
+from kvcache.transfer.validate import CheckedJob, check_job, check_start, native_error
 
 #: The native copy's signature; tests pass a wrapper that holds a job in flight.
 CopyFn = Callable[[_native.PageTable, CheckedJob, int], None]
@@ -69,7 +70,7 @@ class CpuTransferHandler(TransferHandler):
     earlier unfinished job (``pieces.Footprint``); a job that does share waits until those
     earlier jobs finished, so it sees every byte they wrote. A small job submitted behind a
     large one therefore waits for one piece of it, not all of it, and finishes first. The
-    start deadline (``start_by``) is checked before every piece: a job stops, with
+    start deadline (``TransferJob.deadline``) is checked before every piece: a job stops, with
     ``DeadlineExceededError`` on its result, rather than touch the blocks after it.
 
     ``submit`` only queues the job: the worker checks it (``check_job``) right before
@@ -94,7 +95,7 @@ class CpuTransferHandler(TransferHandler):
     def __init__(
         self,
         table: _native.PageTable,
-        geometry: ChunkGeometry,
+        geometry: Geometry,
         num_threads: int = 0,
         owners: Sequence[torch.Tensor] = (),
         copy: CopyFn = native_cpu_copy,
@@ -119,7 +120,7 @@ class CpuTransferHandler(TransferHandler):
         self._interrupts = 0  # wait_any returns when this changes
 
     @property
-    def geometry(self) -> ChunkGeometry:
+    def geometry(self) -> Geometry:
         return self._geometry
 
     def submit(self, job: TransferJob) -> int:

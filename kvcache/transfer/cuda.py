@@ -26,10 +26,10 @@ import torch
 
 from kvcache import _native
 from kvcache.errors import KvcacheError, TransferError, UnknownTransferError
+from kvcache.geometry import Geometry
 from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
 from kvcache.transfer.validate import (
     CheckedJob,
-    ChunkGeometry,
     check_job,
     check_start,
     cuda_error,
@@ -68,7 +68,7 @@ class CudaTransferHandler(TransferHandler):
     def __init__(
         self,
         table: _native.PageTable,
-        geometry: ChunkGeometry,
+        geometry: Geometry,
         owners: Sequence[torch.Tensor] = (),
     ) -> None:
         self._geometry = geometry
@@ -90,7 +90,7 @@ class CudaTransferHandler(TransferHandler):
         self._closed = False
 
     @property
-    def geometry(self) -> ChunkGeometry:
+    def geometry(self) -> Geometry:
         return self._geometry
 
     @property

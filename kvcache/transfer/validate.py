@@ -11,15 +11,16 @@ CUDA handler, the daemon's IPC, the context), become kvcache errors in ``cuda_er
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvcache import _native
+from kvcache.deprecated import renamed
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
@@ -30,40 +31,9 @@ from kvcache.errors import (
     LimitExceededError,
     TransferError,
 )
+from kvcache.geometry import Geometry
 from kvcache.ids import Ids, block_id_array
 from kvcache.transfer.base import BlockIds, Direction, TransferJob
-
-
-@dataclass(frozen=True)
-class ChunkGeometry:
-    """What a job must fit: one registered cache's sizes, built once by the context.
-
-    A chunk is ``[kv_count, num_layers, tokens, token_width]`` of ``dtype``; it holds at
-    most ``chunk_size`` tokens, a whole number of ``block_size``-token blocks.
-    """
-
-    num_blocks: int
-    block_size: int
-    chunk_size: int
-    kv_count: int
-    num_layers: int
-    token_width: int  # heads * head_size elements per token of one (kv, layer)
-    dtype: torch.dtype
-    device: torch.device
-    max_block_ids: int
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size // self.block_size
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block id moves: every layer and K/V of its tokens."""
-        return self.kv_count * self.num_layers * self.block_size * self.token_width * self.dtype.itemsize
-
-    def chunk_shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int]:
-        tokens = self.chunk_size if num_tokens is None else num_tokens
-        return (self.kv_count, self.num_layers, tokens, self.token_width)
 
 
 @dataclass(frozen=True)
@@ -81,14 +51,14 @@ class CheckedJob:
 
 
 def check_start(job: TransferJob) -> None:
-    """Raise ``DeadlineExceededError`` when ``job`` may no longer start (``start_by`` passed)."""
-    if job.start_by is not None and time.monotonic() > job.start_by:
+    """Raise ``DeadlineExceededError`` when ``job`` may no longer start (its deadline passed)."""
+    if job.deadline is not None and job.deadline.passed():
         raise DeadlineExceededError(
             "the copy's start deadline passed before its turn came; nothing was copied"
         )
 
 
-def check_job(job: TransferJob, geom: ChunkGeometry) -> CheckedJob:
+def check_job(job: TransferJob, geom: Geometry) -> CheckedJob:
     """Every check a job needs before a byte moves; raises the typed error of the first
     failure (chunks first, then how the ids cover them, then the ids themselves)."""
     chunks = list(job.chunks)
@@ -126,7 +96,7 @@ def _checked_ids(block_ids: BlockIds, num_blocks: int) -> np.ndarray:
     return block_id_array(block_ids, num_blocks)
 
 
-def _check_chunks(chunks: list[torch.Tensor], geom: ChunkGeometry) -> int:
+def _check_chunks(chunks: list[torch.Tensor], geom: Geometry) -> int:
     """Validates every chunk and returns the number of blocks in the last one."""
     if not chunks:
         raise ChunkMismatchError("no chunks given")
@@ -229,9 +199,13 @@ def cuda_errors(doing: str) -> Iterator[None]:
         raise cuda_error(err, doing) from err
 
 
+if TYPE_CHECKING:
+    ChunkGeometry = Geometry  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"ChunkGeometry": "Geometry"})
+
 __all__ = [
     "CheckedJob",
-    "ChunkGeometry",
     "block_id_array",
     "check_job",
     "check_start",

@@ -25,7 +25,7 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.errors import DaemonUnavailableError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
@@ -36,7 +36,7 @@ from tests.client.helpers import ARGS, wait_for
 from tests.engine.test_retrieve_waiter import HeldLoads
 
 CS, BS = 16, 4
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 ON_DISK = list(range(9000, 9000 + 4 * CS))  # on disk only: a load of it is held
 LOAD_BLOCKS, STORE_BLOCKS = list(range(16, 32)), list(range(32, 48))
 

@@ -22,6 +22,7 @@ import torch
 import kvcache.context
 from kvcache import _native
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.errors import (
     BlockIdError,
@@ -30,7 +31,7 @@ from kvcache.errors import (
     TransferError,
     UnknownInstanceError,
 )
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.layouts import KVCaches, KVFormat
 from kvcache.observability.event import EventType
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler, native_cpu_copy
@@ -38,7 +39,7 @@ from kvcache.transfer.validate import CheckedJob
 from tests.helpers import RecordingSink, counts
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 PROMPT_BLOCKS = 8  # 128 tokens = 4 chunks
 PROMPTS = 4
 NB = PROMPT_BLOCKS * PROMPTS
@@ -190,15 +191,15 @@ def test_errors_reach_the_future_with_nothing_written_and_slots_freed(gate: Copy
     e.close()
 
 
-def test_a_copy_queued_past_its_copy_by_never_starts(gate: CopyGate) -> None:
+def test_a_copy_queued_past_its_deadline_never_starts(gate: CopyGate) -> None:
     e, caches = make_engine()
     held = e.store_async(1, prompt(0), blocks(0))
     gate.wait_started()
-    copy_by = time.monotonic() + 0.05
-    late_store = e.store_async(1, prompt(1), blocks(1), copy_by=copy_by)
-    late_load = e.retrieve_async(1, prompt(0), blocks(2), copy_by=copy_by)  # nothing cached yet
+    deadline = Deadline.within(0.05)
+    late_store = e.store_async(1, prompt(1), blocks(1), deadline=deadline)
+    late_load = e.retrieve_async(1, prompt(0), blocks(2), deadline=deadline)  # nothing cached yet
     before = clone_caches(caches)
-    while time.monotonic() <= copy_by:  # a moment of time: no event marks it
+    while not deadline.passed():  # a moment of time: no event marks it
         time.sleep(0.01)
     gate.allow(3)
     assert held.result(30).stored_chunks == 4
@@ -246,10 +247,10 @@ def test_offload_figures_come_from_the_transfer_results_alone(gate: CopyGate) ->
     assert stats.store.seconds == pytest.approx(sum(ev.metadata.transfer_seconds for ev in stores))
     assert stats.store.seconds == pytest.approx(sum(r.transfer_seconds for r in results))
     assert stats.store.ops == 2 and stats.store.tokens == 8 * CS
-    assert stats.load.bytes == loads[0].metadata.num_bytes == 4 * chunk_bytes - chunk_bytes // 2
-    assert loaded.num_bytes == stats.load.bytes and loaded.transfer_seconds == stats.load.seconds > 0
-    assert stats.load.seconds == pytest.approx(loads[0].metadata.transfer_seconds)
-    assert stats.load.tokens == 4 * CS - BS
+    assert stats.retrieve.bytes == loads[0].metadata.num_bytes == 4 * chunk_bytes - chunk_bytes // 2
+    assert loaded.num_bytes == stats.retrieve.bytes and loaded.transfer_seconds == stats.retrieve.seconds > 0
+    assert stats.retrieve.seconds == pytest.approx(loads[0].metadata.transfer_seconds)
+    assert stats.retrieve.tokens == 4 * CS - BS
     e.close()
 
 

@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from kvcache.config import EngineConfig
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.testing import make_kv_caches
 
 BS, CS, NB = 16, 32, 64
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 PROMPTS = 8
 PROMPT_BLOCKS = 8  # 128 tokens, 4 chunks each; prompt p lives in src blocks [8p, 8p + 8)
 
 
-def block_crcs(ctx: GPUCacheContext, ids: list[int]) -> list[int]:
+def block_crcs(ctx: CacheContext, ids: list[int]) -> list[int]:
     chunks = ctx.allocate_chunks(len(ids), num_tokens=BS)
     for b, c in zip(ids, chunks, strict=True):
         ctx.copy_to_chunks([b], [c])
@@ -32,7 +32,7 @@ def block_crcs(ctx: GPUCacheContext, ids: list[int]) -> list[int]:
 def test_concurrent_store_lookup_retrieve(tmp_path: Path, tier: str) -> None:
     kw = {"l2_disk_path": str(tmp_path)} if tier == "disk" else {}
     src_caches = make_kv_caches(FMT, num_blocks=NB, block_size=BS, seed=1)
-    probe = GPUCacheContext(src_caches, chunk_size=CS)
+    probe = CacheContext(src_caches, chunk_size=CS)
     # room for ~half of the 32 chunks: eviction (and, with disk, L2 prefetch) runs concurrently
     cfg = EngineConfig(chunk_size=CS, l1_size_bytes=16 * probe.chunk_nbytes(), l1_extent_bytes=1 << 16, **kw)
     e = CacheEngine(cfg)
@@ -77,5 +77,5 @@ def test_concurrent_store_lookup_retrieve(tmp_path: Path, tier: str) -> None:
     if tier == "disk":
         assert st["l2"][0]["load_failures"] == 0 and st["l2"][0]["store_failures"] == 0
     s = e.stats_snapshot()
-    assert s.lookups == 160 and s.load.tokens == checked[0] * BS
+    assert s.lookups == 160 and s.retrieve.tokens == checked[0] * BS
     e.close()

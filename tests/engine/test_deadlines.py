@@ -17,15 +17,16 @@ from typing import Any
 import pytest
 
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine
 from kvcache.errors import DeadlineExceededError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from tests.helpers import RecordingSink
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 TOKENS = list(range(500, 500 + 8 * BS))  # 4 chunks
 IDS = list(range(8))
 
@@ -65,7 +66,7 @@ def test_a_store_waiting_for_l1_room_gives_up_at_the_deadline(tmp_path: Path) ->
         other = [t + 10_000 for t in TOKENS]
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceededError):
-            e.store(1, other, IDS, copy_by=time.monotonic() + 0.3)
+            e.store(1, other, IDS, deadline=Deadline.within(0.3))
         assert time.monotonic() - t0 < 10  # well before the 30 s store wait
     finally:
         sink.gate.set()
@@ -86,7 +87,7 @@ def test_a_retrieve_waiting_for_l2_loads_leaves_the_blocks_alone_at_the_deadline
         before = clone_caches(caches)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceededError):
-            e.retrieve(1, TOKENS, IDS, copy_by=time.monotonic() + 0.3)
+            e.retrieve(1, TOKENS, IDS, deadline=Deadline.within(0.3))
         assert time.monotonic() - t0 < 10
         assert caches_equal(caches, before)  # no byte moved into the engine's blocks
     finally:
@@ -101,8 +102,25 @@ def test_a_deadline_in_the_past_moves_nothing(tmp_path: Path) -> None:
     e.store(1, TOKENS, IDS)
     before = clone_caches(caches)
     with pytest.raises(DeadlineExceededError):
-        e.retrieve(1, TOKENS, IDS, copy_by=time.monotonic() - 1)
+        e.retrieve(1, TOKENS, IDS, deadline=Deadline.within(-1))
     with pytest.raises(DeadlineExceededError):
-        e.store(1, [t + 1 for t in TOKENS], IDS, copy_by=time.monotonic() - 1)
+        e.store(1, [t + 1 for t in TOKENS], IDS, deadline=Deadline.within(-1))
+    assert caches_equal(caches, before) and e.lookup(1, [t + 1 for t in TOKENS]) == 0
+    e.close()
+
+
+def test_the_deprecated_copy_by_float_is_still_the_deadline(tmp_path: Path) -> None:
+    """``copy_by`` (a monotonic float) was the argument-list forms' deadline before the
+    glossary made it a ``Deadline``: for one release it still works, and warns."""
+    e, caches = _engine(tmp_path, None)
+    e.store(1, TOKENS, IDS)
+    before = clone_caches(caches)
+    warning = r"copy_by=\.\.\.\) is deprecated.*use deadline="
+    with pytest.warns(DeprecationWarning, match=warning), pytest.raises(DeadlineExceededError):
+        e.retrieve(1, TOKENS, IDS, copy_by=time.monotonic() - 1)
+    with pytest.warns(DeprecationWarning), pytest.raises(DeadlineExceededError):
+        e.store_async(1, [t + 1 for t in TOKENS], IDS, copy_by=time.monotonic() - 1).result(10)
+    with pytest.raises(TypeError, match="both"):
+        e.retrieve(1, TOKENS, IDS, copy_by=time.monotonic() + 60, deadline=Deadline.within(60))
     assert caches_equal(caches, before) and e.lookup(1, [t + 1 for t in TOKENS]) == 0
     e.close()

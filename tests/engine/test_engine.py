@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcache.config import EngineConfig
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.engine import CacheEngine
 from kvcache.errors import (
     BlockIdError,
@@ -21,7 +21,7 @@ from kvcache.errors import (
     LimitExceededError,
     UnknownInstanceError,
 )
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.layouts import KVCaches, KVFormat
 from kvcache.observability.event import EVENT_META, BlockAllocationRecord, EventType, InstanceUnregistered
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, caches_equal, make_kv_caches
 from tests.helpers import RecordingSink as Sink
@@ -31,7 +31,7 @@ BS = 16  # engine block size used throughout
 CS = 32  # chunk size: two blocks per chunk
 
 
-def blocks_bytes(ctx: GPUCacheContext, block_ids: Sequence[int]) -> list[torch.Tensor]:
+def blocks_bytes(ctx: CacheContext, block_ids: Sequence[int]) -> list[torch.Tensor]:
     """The bytes of each engine block, read through a context (one-block chunks)."""
     out = []
     for b in block_ids:
@@ -41,7 +41,7 @@ def blocks_bytes(ctx: GPUCacheContext, block_ids: Sequence[int]) -> list[torch.T
     return out
 
 
-def same_blocks(a: GPUCacheContext, a_ids: Sequence[int], b: GPUCacheContext, b_ids: Sequence[int]) -> bool:
+def same_blocks(a: CacheContext, a_ids: Sequence[int], b: CacheContext, b_ids: Sequence[int]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(blocks_bytes(a, a_ids), blocks_bytes(b, b_ids), strict=True))
 
 
@@ -56,17 +56,17 @@ def engine(sink: Sink | None = None, l1: int = 1 << 22, **kw: Any) -> CacheEngin
 def reg(
     e: CacheEngine,
     iid: int,
-    fmt: GPUKVFormat = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS,
+    fmt: KVFormat = KVFormat.NL_X_TWO_NB_BS_NH_HS,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
-) -> tuple[KVCaches, GPUCacheContext]:
+) -> tuple[KVCaches, CacheContext]:
     caches = make_kv_caches(fmt, num_blocks=8, block_size=BS, seed=seed, dtype=dtype)
     ctx = e.register(iid, "m", caches, engine=ENGINE_OF[fmt], fmt=fmt, block_size=BS)
     return caches, ctx
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
-def test_round_trip_byte_exact_all_layouts(fmt: GPUKVFormat) -> None:
+def test_round_trip_byte_exact_all_layouts(fmt: KVFormat) -> None:
     e = engine()
     src, _ = reg(e, 1, fmt, seed=1)
     dst, _ = reg(e, 2, fmt, seed=2)
@@ -80,9 +80,9 @@ def test_round_trip_byte_exact_all_layouts(fmt: GPUKVFormat) -> None:
 
 def test_layouts_of_one_geometry_share_chunks() -> None:
     e = engine()
-    _, a = reg(e, 1, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, seed=1)
-    _, b = reg(e, 2, GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS, seed=2)  # SGLang MHA, same geometry
-    reg(e, 3, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, seed=3, dtype=torch.float16)
+    _, a = reg(e, 1, KVFormat.NL_X_TWO_NB_BS_NH_HS, seed=1)
+    _, b = reg(e, 2, KVFormat.TWO_X_NL_X_NBBS_NH_HS, seed=2)  # SGLang MHA, same geometry
+    reg(e, 3, KVFormat.NL_X_TWO_NB_BS_NH_HS, seed=3, dtype=torch.float16)
     e.store(1, TOKENS, list(range(8)))
     assert e.retrieve(2, TOKENS, [7, 6, 5, 4, 3, 2, 1, 0]) == 128
     assert same_blocks(a, range(8), b, [7, 6, 5, 4, 3, 2, 1, 0])
@@ -169,7 +169,7 @@ def test_retrieve_partial_prefix_and_missing() -> None:
     assert e.retrieve(2, TOKENS, list(range(8))) == 64
     assert e.retrieve(2, [1, 2, 3], [0]) == 0
     s = e.stats_snapshot()
-    assert s.load.ops == 1 and s.load.tokens == 64 and s.load.bytes == 64 * dst.bytes_per_token
+    assert s.retrieve.ops == 1 and s.retrieve.tokens == 64 and s.retrieve.bytes == 64 * dst.bytes_per_token
 
 
 def test_bad_requests_change_nothing() -> None:

@@ -11,14 +11,14 @@ import torch
 
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
 from kvcache.testing import caches_equal, make_kv_caches
 from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink as Sink
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+FMT = KVFormat.NL_X_NB_TWO_BS_NH_HS
 TOKENS = list(range(500, 500 + 8 * BS))  # 4 chunks
 IDS = list(range(8))
 

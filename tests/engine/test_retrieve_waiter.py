@@ -2,11 +2,11 @@
 engine's retrieve waiter does the rest.
 
 Observed before: ``retrieve_async`` pinned the prefix on the caller's thread and waited there
-(up to ``retrieve_wait_timeout_s`` and the client's ``copy_by``) for the L2 -> L1 loads a lookup
+(up to ``retrieve_wait_timeout_s`` and the request's deadline) for the L2 -> L1 loads a lookup
 began, so a daemon worker serving every client stood still for as long as disk or Redis took.
 Now the caller pins what is READY and hands a prefix still loading to an engine-owned thread,
 which keeps the old rules: the first failed load ends the prefix, the wait ends at the
-deadline with what is READY, nothing is written after ``copy_by``, one ``MP_RETRIEVE_END``,
+deadline with what is READY, nothing is written after the deadline, one ``MP_RETRIEVE_END``,
 the future always resolved, ``close``/``unregister`` resolve a waiting retrieve.
 
 Every L2 load is held inside its ``L2_LOAD_FINISHED`` / ``L2_LOAD_FAILED`` announcement until
@@ -27,16 +27,17 @@ import pytest
 import torch
 
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine, RetrieveResult
 from kvcache.errors import DeadlineExceededError
 from kvcache.keys import ChunkHasher
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
 from kvcache.testing import caches_equal, make_kv_caches
 from tests.helpers import RecordingSink
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+FMT = KVFormat.NL_X_NB_TWO_BS_NH_HS
 TOKENS = list(range(500, 500 + 8 * BS))  # 4 chunks
 IDS = list(range(8))
 ALL = len(TOKENS)
@@ -188,19 +189,19 @@ def test_the_wait_ends_at_retrieve_wait_timeout_with_what_is_ready(
         sink.allow(2)
 
 
-def test_copy_by_passing_while_waiting_fails_it_and_writes_nothing(
+def test_the_deadline_passing_while_waiting_fails_it_and_writes_nothing(
     tmp_path: Path, on_disk: list[torch.Tensor], sink: HeldLoads
 ) -> None:
     e, dst = reader(tmp_path, sink, retrieve_wait_timeout_s=60.0)
     with e:
         assert e.lookup(2, TOKENS) == ALL
         before = snapshot(dst)
-        copy_by = time.monotonic() + 2.0
-        fut = returns_at_once(lambda: e.retrieve_async(2, TOKENS, IDS, copy_by=copy_by))
+        deadline = Deadline.within(2.0)
+        fut = returns_at_once(lambda: e.retrieve_async(2, TOKENS, IDS, deadline=deadline))
         assert not fut.done()
         with pytest.raises(DeadlineExceededError):
             fut.result(30)
-        assert time.monotonic() > copy_by
+        assert deadline.passed()
         sink.allow(4)  # the loads land after: still nothing is copied
         assert e.flush(10)
         assert untouched(dst, before)

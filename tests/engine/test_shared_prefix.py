@@ -27,7 +27,7 @@ import torch
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine, RetrieveResult
 from kvcache.keys import KeyScope
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import EventType
 from kvcache.records import ChunkKey
 from kvcache.storage.l2.disk import DiskL2Adapter
@@ -36,7 +36,7 @@ from tests.engine.test_retrieve_waiter import HeldLoads
 from tests.helpers import RecordingSink
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+FMT = KVFormat.NL_X_NB_TWO_BS_NH_HS
 CHUNKS = 8
 TOKENS = list(range(900, 900 + CHUNKS * CS))
 IDS = list(range(CHUNKS * CS // BS))

@@ -25,11 +25,11 @@ def test_average_is_sum_over_sum_not_mean_of_rates() -> None:
 
 def test_zero_safe() -> None:
     s = OffloadStats()
-    assert s.avg_load_seconds_per_token == 0.0 and s.avg_store_seconds_per_token == 0.0
-    assert s.lookup_hit_rate == 0.0 and s.load.bytes_per_second == 0.0 and s.is_empty()
+    assert s.avg_retrieve_seconds_per_token == 0.0 and s.avg_store_seconds_per_token == 0.0
+    assert s.lookup_hit_rate == 0.0 and s.retrieve.bytes_per_second == 0.0 and s.is_empty()
     c = OffloadStatsCollector()
-    c.record_load(0, 0.5, 0)  # moved nothing: not an operation
-    assert c.snapshot().load.ops == 0
+    c.record_retrieve(0, 0.5, 0)  # moved nothing: not an operation
+    assert c.snapshot().retrieve.ops == 0
 
 
 def test_snapshot_is_a_delta_without_double_counting() -> None:
@@ -39,11 +39,11 @@ def test_snapshot_is_a_delta_without_double_counting() -> None:
     first = c.snapshot()
     assert (first.store.ops, first.lookups, first.lookup_hit_rate) == (1, 1, 0.5)
     assert c.snapshot().is_empty()
-    c.record_load(50, 0.2, 5)
+    c.record_retrieve(50, 0.2, 5)
     third = c.snapshot()
-    assert third.store.ops == 0 and third.load.ops == 1 and third.lookups == 0
+    assert third.store.ops == 0 and third.retrieve.ops == 1 and third.lookups == 0
     total = OffloadStats.aggregate([first, third])
-    assert total.store.bytes == 100 and total.load.bytes == 50 and total.lookups == 1
+    assert total.store.bytes == 100 and total.retrieve.bytes == 50 and total.lookups == 1
 
 
 def test_aggregate_across_workers_keeps_weighting() -> None:
@@ -51,11 +51,11 @@ def test_aggregate_across_workers_keeps_weighting() -> None:
     for ops in ([(10, 1.0, 1000)], [(10, 1.0, 10), (10, 1.0, 10)]):
         c = OffloadStatsCollector()
         for nbytes, sec, tok in ops:
-            c.record_load(nbytes, sec, tok)
+            c.record_retrieve(nbytes, sec, tok)
         workers.append(c.snapshot())
     total = OffloadStats.aggregate(workers)
-    assert total.load.ops == 3 and total.load.tokens == 1020
-    assert total.avg_load_seconds_per_token == pytest.approx(3.0 / 1020)
+    assert total.retrieve.ops == 3 and total.retrieve.tokens == 1020
+    assert total.avg_retrieve_seconds_per_token == pytest.approx(3.0 / 1020)
     assert OffloadStats.aggregate([]).is_empty()
 
 

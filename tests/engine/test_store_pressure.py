@@ -16,14 +16,14 @@ import torch
 
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine, StoreResult
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import EventType
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink
 
 BS, CS, CHUNKS, PROMPTS = 16, 32, 4, 12
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 BLOCKS = list(range(CHUNKS * CS // BS))
 
 

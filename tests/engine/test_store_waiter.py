@@ -4,7 +4,7 @@ Observed before: ``store_async`` reserved its slots on the caller's thread and w
 (up to ``store_wait_timeout_s``) for room held by other operations, so an engine step, or a
 daemon worker serving every client, stood still behind someone else's copies. Now the caller
 reserves only what is free and hands the rest to one engine-owned thread, which keeps the
-old rules: bounded by the store's deadline, no copy after ``copy_by``, failed chunks counted,
+old rules: bounded by the store's deadline, no copy after the deadline, failed chunks counted,
 one ``MP_STORE_END``, the future always resolved.
 
 L1 holds exactly one prompt (4 chunk slots, no watermark eviction); the first store's copy is
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -26,9 +25,10 @@ import torch
 
 import kvcache.context
 from kvcache.config import EngineConfig
+from kvcache.deadline import Deadline
 from kvcache.engine import CacheEngine, StoreResult
 from kvcache.errors import DeadlineExceededError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import EventType
 from kvcache.testing import make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler
@@ -36,7 +36,7 @@ from tests.engine.test_async import CopyGate
 from tests.helpers import RecordingSink
 
 BS, CS = 16, 32
-FMT = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 PROMPT_BLOCKS = 8  # 128 tokens = 4 chunks = the whole L1
 NB = 4 * PROMPT_BLOCKS
 
@@ -135,15 +135,15 @@ def test_a_waiting_store_fails_its_chunks_when_its_wait_bound_passes(gate: CopyG
     e.close()
 
 
-def test_copy_by_passing_while_waiting_copies_nothing_and_a_callback_there_may_not_wait(
+def test_the_deadline_passing_while_waiting_copies_nothing_and_a_callback_there_may_not_wait(
     gate: CopyGate,
 ) -> None:
     """The store resolves on the waiter's thread: a done-callback there may submit, but a
     blocking store would wait for the waiter itself, so it is refused."""
     e, _ = make_engine(store_wait_timeout_s=60.0)
     held = fill_l1(e, gate)
-    copy_by = time.monotonic() + 1.0  # a moment of time: no event marks the client giving up
-    waiting = returns_at_once(lambda: e.store_async(1, prompt(1), blocks(1), copy_by=copy_by))
+    deadline = Deadline.within(1.0)  # a moment of time: no event marks the client giving up
+    waiting = returns_at_once(lambda: e.store_async(1, prompt(1), blocks(1), deadline=deadline))
     refused: list[BaseException] = []
     chained: list[Future[StoreResult]] = []
     returned = threading.Event()
@@ -159,7 +159,7 @@ def test_copy_by_passing_while_waiting_copies_nothing_and_a_callback_there_may_n
     waiting.add_done_callback(callback)
     assert isinstance(waiting.exception(30), DeadlineExceededError)
     assert returned.wait(30)  # (exception() may return before the callbacks ran)
-    assert time.monotonic() > copy_by
+    assert deadline.passed()
     assert e.status()["l1"]["num_chunks"] == 4  # nothing reserved, so nothing copied
     assert len(refused) == 1 and "done-callback" in str(refused[0])
     gate.allow(10)

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.keys import fold64
 from kvcache.kv_events.subscriber import KVEventsSubscriber
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.bus import EventBus
 from kvcache.testing import make_kv_caches
 from tests.kv_events.test_subscriber import ListPublisher
@@ -40,12 +40,12 @@ class Rig:
         disk = {} if tmp_path is None else {"l2_disk_path": str(tmp_path), "l2_disk_size_bytes": 1 << 24}
         cfg = EngineConfig(chunk_size=CS, l1_size_bytes=16 * CHUNK_BYTES, l1_pin_memory=False, **disk)  # type: ignore[arg-type]
         self.engine = CacheEngine(cfg, bus=self.bus)
-        kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
+        kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
         self.ctx = self.engine.register(0, "m", kv)
 
     def keys(self, tokens: list[int]) -> list[int]:
         """The chunk keys the engine files ``tokens`` under (its key scoping, recomputed)."""
-        return Instance(0, "m", self.ctx).keys(tokens)
+        return InstanceState(0, "m", self.ctx).keys(tokens)
 
     def settle(self) -> list[tuple[str, ...]]:
         assert self.engine.flush(10)

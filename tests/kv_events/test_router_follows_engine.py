@@ -19,7 +19,7 @@ from kvcache.keys import fold64
 from kvcache.kv_events.messages import EventBatch
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.bus import EventBus
 from kvcache.testing import make_kv_caches
 from tests.kv_events.router import Consumer, wait_connected
@@ -53,7 +53,7 @@ def test_router_matches_engine_after_mixed_workload(tmp_path: Path, fmt: str) ->
     router = Consumer(pub.endpoint, pub.replay_endpoint, fmt=fmt, topic="kv")
     try:
         wait_connected(lambda: pub.publish(EventBatch(0.0, [])), router)
-        kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
+        kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
         engine.register(0, "m", kv)
         rng = random.Random(7)
         system = [rng.randrange(50_000) for _ in range(2 * CS)]

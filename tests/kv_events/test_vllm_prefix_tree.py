@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.keys import fold64
 from kvcache.kv_events.messages import EventBatch
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.kv_events.zmq_publisher import ZmqEventPublisher
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.bus import Callback, EventBus, EventSubscriber
 from kvcache.observability.event import Event, EventType
 from kvcache.testing import make_kv_caches
@@ -116,8 +116,8 @@ class Incarnation:
             l2_workers=1,
         )
         self.engine = CacheEngine(cfg, bus=self.bus)
-        kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
-        self.inst = Instance(0, "m", self.engine.register(0, "m", kv))
+        kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=NB, block_size=BS)
+        self.inst = InstanceState(0, "m", self.engine.register(0, "m", kv))
         self.marks = 0
 
     def settle(self) -> list[bytes]:
@@ -148,7 +148,7 @@ class Script:
         self.hashes = [rng.randrange(1, 2**63) for _ in range(7 * BPC)]  # the engine's, for "e"
         self.expected: dict[int, list[tuple[int, int | None, tuple[int, ...]]]] = {}
 
-    def learn(self, inst: Instance) -> None:
+    def learn(self, inst: InstanceState) -> None:
         """Per chunk key of every prompt: its blocks as (hash, parent, tokens)."""
         for name, toks in self.tokens.items():
             keys = inst.keys(toks)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvcache.observability.bus import Callback, DisabledEventBus, EventBus, EventSubscriber
+from kvcache.observability.bus import Callback, EventBus, EventSubscriber, NullEventBus
 from kvcache.observability.event import Event, EventMeta, EventType
 
 A = EventType.MP_STORE_END
@@ -249,7 +249,7 @@ def test_self_metrics_exist_at_zero_and_count(registry: CollectorRegistry) -> No
 
 
 def test_disabled_bus_is_a_null_object() -> None:
-    bus = DisabledEventBus()
+    bus = NullEventBus()
     rec = Recorder()
     bus.register_subscriber(rec)
     bus.start()

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.observability import (
-    DisabledEventBus,
     EventBus,
     EventType,
+    NullEventBus,
     ObservabilityConfig,
     init_observability,
 )
@@ -55,7 +55,7 @@ def test_full_wiring_serves_metrics_on_the_configured_port() -> None:
 
 def test_disabled_observability_is_a_null_bus() -> None:
     with init_observability(ObservabilityConfig(enabled=False)) as obs:
-        assert isinstance(obs.bus, DisabledEventBus)
+        assert isinstance(obs.bus, NullEventBus)
         assert obs.endpoint is None and obs.subscribers == []
 
 

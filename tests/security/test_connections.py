@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
 from kvcache.server.launch import DaemonProcess
@@ -36,7 +36,7 @@ MiB = 1 << 20
 
 
 def _cache(seed: int) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 

@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import LimitExceededError
 from kvcache.kv_events.messages import END_SEQ, seq_bytes
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.keygen import main as keygen
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cache(seed: int = 0) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 

@@ -16,7 +16,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import AccessDeniedError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.launch import DaemonProcess
@@ -29,7 +29,7 @@ TOKENS, BLOCKS = list(range(64)), list(range(16))
 
 
 def _cache(seed: int) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 
@@ -125,7 +125,7 @@ def test_another_client_can_neither_keep_an_instance_alive_nor_list_it(
     """A dead engine's instance is reaped even while a stranger pings it and sends requests
     naming it; the daemon's status lists only the caller's own instances."""
     d = start_daemon("--heartbeat-timeout", "1.5", tcp=True)
-    fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name
+    fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS.name
     dead = engine("kill_mid_store", d.ipc_endpoint, 21, "victim", fmt, seed=1)
     dead.wait(timeout=60)
     stranger = m.Ping(instance_id=21)  # over TCP: the "loopback" principal, not the victim's uid

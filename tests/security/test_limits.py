@@ -15,7 +15,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import BlockIdError, LimitExceededError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
@@ -25,7 +25,7 @@ from .conftest import raw_call
 
 
 def _cache(blocks: int = 16) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=blocks,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=blocks,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=0)  # fmt: skip
     return to_shared(kv)
 

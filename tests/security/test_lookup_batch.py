@@ -20,7 +20,7 @@ import zmq
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import AccessDeniedError, LimitExceededError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, pack_ids
 from kvcache.server.keygen import main as keygen
@@ -35,7 +35,7 @@ MAX_IDS = 4096
 
 
 def _cache() -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=0)  # fmt: skip
     return to_shared(kv)
 

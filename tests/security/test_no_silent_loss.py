@@ -17,7 +17,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import GiB
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from kvcache.testing.redis_local import LocalRedis
@@ -35,7 +35,7 @@ def redis_server() -> Iterator[LocalRedis]:
 
 
 def _cache() -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=LAYERS, num_blocks=len(BLOCKS),
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=LAYERS, num_blocks=len(BLOCKS),
                         block_size=BS, num_heads=HEADS, head_size=HEAD, dtype=torch.float16,
                         seed=5)  # fmt: skip
     assert isinstance(kv, list)

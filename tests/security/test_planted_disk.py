@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess, DaemonStartError
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
@@ -27,7 +27,7 @@ DISK = ["--l2-disk-size-gb", "0.05"]
 
 
 def _cache(seed: int = 0) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 

@@ -29,7 +29,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import AccessDeniedError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 
@@ -39,7 +39,7 @@ needs_root = pytest.mark.skipif(os.getuid() != 0, reason="plays another user wit
 
 
 def _cache(seed: int = 0) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 

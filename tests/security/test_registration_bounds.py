@@ -17,7 +17,7 @@ import torch
 
 from kvcache.client import KVCacheClient, empty_shared, to_shared
 from kvcache.errors import AccessDeniedError, LayoutError, UnknownInstanceError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, make_kv_caches
 
@@ -26,7 +26,7 @@ NL, NB, BS, NH, HS = 2, 16, 4, 2, 8
 
 
 def _victim_cache(seed: int) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=NL, num_blocks=NB, block_size=BS,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=NL, num_blocks=NB, block_size=BS,
                         num_heads=NH, head_size=HS, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 
@@ -41,15 +41,15 @@ def _filled(shape: tuple[int, ...], count: int) -> list[torch.Tensor]:
 
 
 # (named layout, the engine object an attacker hands over, extra register kwargs)
-HOSTILE: dict[str, tuple[GPUKVFormat, Callable[[], object], dict[str, object]]] = {
+HOSTILE: dict[str, tuple[KVFormat, Callable[[], object], dict[str, object]]] = {
     "flash_attention_kv_axis_1": (
-        GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, lambda: _filled((1, NB, BS, NH, HS), NL), {}),
+        KVFormat.NL_X_TWO_NB_BS_NH_HS, lambda: _filled((1, NB, BS, NH, HS), NL), {}),
     "flash_infer_kv_axis_1": (
-        GPUKVFormat.NL_X_NB_TWO_BS_NH_HS, lambda: _filled((NB, 1, BS, NH, HS), NL), {}),
+        KVFormat.NL_X_NB_TWO_BS_NH_HS, lambda: _filled((NB, 1, BS, NH, HS), NL), {}),
     "cross_layer_kv_axis_1": (
-        GPUKVFormat.NB_NL_TWO_BS_NH_HS, lambda: _filled((NB, NL, 1, BS, NH, HS), 1)[0], {}),
+        KVFormat.NB_NL_TWO_BS_NH_HS, lambda: _filled((NB, NL, 1, BS, NH, HS), 1)[0], {}),
     "sglang_mha_v_list_short": (
-        GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS,
+        KVFormat.TWO_X_NL_X_NBBS_NH_HS,
         lambda: [_filled((NB * BS, NH, HS), NL), _filled((NB * BS, NH, HS), NL - 1)],
         {"engine": "sglang", "block_size": BS}),
 }  # fmt: skip

@@ -20,7 +20,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import LayoutError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
@@ -33,7 +33,7 @@ TOKENS, BLOCKS = list(range(64)), list(range(16))
 
 
 def _cache(seed: int = 0) -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=seed)  # fmt: skip
     return to_shared(kv)
 
@@ -57,10 +57,10 @@ def _fd_socket(d: DaemonProcess) -> str:
 TRUNCATING_ENGINE = r"""
 import os, sys, torch
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.testing import make_kv_caches
 from kvcache.transport import memfd
-kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                               block_size=4, num_heads=2, head_size=8, dtype=torch.float16))
 c = KVCacheClient(sys.argv[1], 99, "victim-model", timeout_s=5)
 c.register_kv_caches(kv)

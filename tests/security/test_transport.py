@@ -21,7 +21,7 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.errors import AccessDeniedError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import encode_request
 from kvcache.protocol.errors import DaemonUnavailableError
@@ -37,7 +37,7 @@ NOBODY = 65534
 
 
 def _cache() -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=0)  # fmt: skip
     return to_shared(kv)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol.errors import DaemonUnavailableError
 from kvcache.testing import ENGINE_OF, caches_equal, clone_caches, make_kv_caches
@@ -30,8 +30,8 @@ def emit(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def build(fmt_name: str, seed: int) -> tuple[Any, Any, GPUKVFormat]:
-    fmt = GPUKVFormat[fmt_name]
+def build(fmt_name: str, seed: int) -> tuple[Any, Any, KVFormat]:
+    fmt = KVFormat[fmt_name]
     kv = make_kv_caches(fmt, num_layers=3, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                         num_heads=2, head_size=16, dtype=DTYPES.get(fmt_name, torch.float32),
                         seed=seed)  # fmt: skip
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
     raise SystemExit(f"unknown mode {mode}")
 
 
-def _prefix_equal(kv: object, original: object, fmt: GPUKVFormat, n_blocks: int) -> bool:
+def _prefix_equal(kv: object, original: object, fmt: KVFormat, n_blocks: int) -> bool:
     """Byte-exact on the first ``n_blocks`` blocks; the rest must still be zero."""
     from kvcache.layouts import describe, flatten_tensors
     from kvcache.reference import gather

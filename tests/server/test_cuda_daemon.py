@@ -11,24 +11,24 @@ import torch
 
 from kvcache import reference
 from kvcache.client import KVCacheClient
-from kvcache.context import GPUCacheContext
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.context import CacheContext
+from kvcache.layouts import KVCaches, KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
 
 pytestmark = pytest.mark.cuda
 
 CS, BS, NB = 16, 4, 32  # matches BASE_ARGS' chunk size
-FORMATS = [GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, GPUKVFormat.NL_X_NB_TWO_BS_NH_HS, GPUKVFormat.NL_X_NB_BS_HS]
+FORMATS = [KVFormat.NL_X_TWO_NB_BS_NH_HS, KVFormat.NL_X_NB_TWO_BS_NH_HS, KVFormat.NL_X_NB_BS_HS]
 
 
-def _caches(fmt: GPUKVFormat, seed: int) -> KVCaches:
+def _caches(fmt: KVFormat, seed: int) -> KVCaches:
     return make_kv_caches(fmt, num_layers=2, num_blocks=NB, block_size=BS, head_size=16,
                           device="cuda", seed=seed)  # fmt: skip
 
 
-def _blocks(kv: KVCaches, fmt: GPUKVFormat, ids: list[int]) -> torch.Tensor:
-    shape = GPUCacheContext(kv, chunk_size=CS, fmt=fmt).shape
+def _blocks(kv: KVCaches, fmt: KVFormat, ids: list[int]) -> torch.Tensor:
+    shape = CacheContext(kv, chunk_size=CS, fmt=fmt).shape
     return reference.gather(kv, fmt, shape, ids).view(torch.uint8).cpu()
 
 
@@ -41,7 +41,7 @@ def _wipe(kv: KVCaches) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_gpu_blocks_round_trip_through_the_daemon(
-    start_daemon: Callable[..., DaemonProcess], fmt: GPUKVFormat
+    start_daemon: Callable[..., DaemonProcess], fmt: KVFormat
 ) -> None:
     daemon = start_daemon()
     kv = _caches(fmt, seed=1)
@@ -63,7 +63,7 @@ def test_a_store_sees_what_the_engine_stream_wrote_just_before(
     the interprocess event the client records must order the daemon's copy after the write
     (the daemon hands it to the copy, whose stream waits for it on the device)."""
     daemon = start_daemon()
-    fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+    fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS
     kv = _caches(fmt, seed=2)
     tokens = list(range(1000, 1000 + 2 * CS))
     ids = list(range(8))
@@ -84,7 +84,7 @@ def test_a_store_sees_what_the_engine_stream_wrote_just_before(
 
 def test_two_gpu_engines_never_see_each_others_bytes(start_daemon: Callable[..., DaemonProcess]) -> None:
     daemon = start_daemon()
-    fmt = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS
+    fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS
     a_kv, b_kv = _caches(fmt, seed=3), _caches(fmt, seed=4)
     tokens, ids = list(range(2 * CS)), list(range(8))
     with KVCacheClient(daemon.endpoint, model_name="m-a", timeout_s=30) as a, \

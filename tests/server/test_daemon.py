@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import UnknownInstanceError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.channel import Channel
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
@@ -150,7 +150,7 @@ def test_fuzzed_frames_over_the_socket_get_error_replies(shared_daemon: DaemonPr
 
 
 def test_ragged_id_buffer_is_a_bad_request(shared_daemon: DaemonProcess) -> None:
-    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=4,
+    kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=4,
                                   block_size=4, head_size=8))  # fmt: skip
     with KVCacheClient(shared_daemon.endpoint, 21, "ragged", timeout_s=5) as c:
         c.register_kv_caches(kv)
@@ -211,7 +211,7 @@ def test_sigterm_during_traffic_exits_cleanly_and_restart_finds_disk_chunks(
     runtime_dir = os.path.join(str(tmp_path), "run")  # the same ipc:// endpoint after the restart
     disk = ["--l2-disk-path", os.path.join(str(tmp_path), "l2"), "--l2-disk-size-gb", "0.1"]
     first = start_daemon(*disk, runtime_dir=runtime_dir)
-    fmt = GPUKVFormat.NL_X_NB_TWO_BS_NH_HS  # FlashInfer layout, this process's engine
+    fmt = KVFormat.NL_X_NB_TWO_BS_NH_HS  # FlashInfer layout, this process's engine
     kv = to_shared(make_kv_caches(fmt, num_layers=2, num_blocks=16, block_size=4, head_size=8))
     expected = clone_caches(kv)
     tokens, blocks = list(range(64)), list(range(16))
@@ -251,7 +251,7 @@ def test_kv_events_flag_publishes_the_engines_block_hashes(
     sub.bind(f"tcp://127.0.0.1:{port}")  # a plain host address: the daemon's PUB connects
     try:
         d = start_daemon("--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kv")
-        kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+        kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                                       block_size=4, head_size=8))  # fmt: skip
         with KVCacheClient(d.endpoint, 1, "events", timeout_s=5) as c:
             c.register_kv_caches(kv)

@@ -23,14 +23,14 @@ from kvcache import _native
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import RemoteError, ShuttingDownError
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
-from kvcache.server.registry import Instance, InstanceRegistry
+from kvcache.server.registry import InstanceRegistry, RegistrationRecord
 from kvcache.testing import make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler, native_cpu_copy
 from kvcache.transfer.validate import CheckedJob
@@ -110,7 +110,7 @@ def daemon(gate: CopyGate) -> Iterator[tuple[Daemon, CountingEngine, threading.T
 
 
 def _cache() -> Any:
-    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                                     block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
 
 
@@ -211,10 +211,10 @@ def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGat
     engine = CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
     handlers = Handlers(engine, InstanceRegistry(), 30.0)
     try:
-        kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+        kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                             block_size=4, head_size=8, dtype=torch.float16)  # fmt: skip
         engine.register(1, "m", kv)
-        handlers.registry.add(Instance(1, "m", "cpu", [], token=b"t" * 16))
+        handlers.registry.add(RegistrationRecord(1, "m", "cpu", [], token=b"t" * 16))
         bad = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(tokens(0)),
                       block_ids=pack_ids([99] * 16))  # fmt: skip
         gate.allow(1000)

@@ -20,7 +20,7 @@ import zmq
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import ShuttingDownError
@@ -69,7 +69,7 @@ def daemon() -> Iterator[tuple[Daemon, GatedEngine, threading.Thread]]:
 
 
 def _cache() -> Any:
-    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                                     block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import DaemonUnavailableError
@@ -39,7 +39,7 @@ def daemon() -> Iterator[DaemonProcess]:
 
 
 def _cache(seed: int) -> list[torch.Tensor]:
-    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                                     block_size=4, num_heads=2, head_size=8, dtype=torch.float16,
                                     seed=seed))  # fmt: skip
 

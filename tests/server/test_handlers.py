@@ -15,7 +15,7 @@ import torch
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.errors import UnknownInstanceError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.observability.event import BlockAllocationRecord
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
@@ -50,10 +50,10 @@ def _register(handlers: Handlers, leaves: list[torch.Tensor], **fields: Any) -> 
 
 @pytest.mark.parametrize(
     "fmt",
-    [GPUKVFormat.NB_NL_TWO_BS_NH_HS, GPUKVFormat.NL_X_NB_TWO_BS_NH_HS,
-     GPUKVFormat.TWO_X_NL_X_NBBS_NH_HS, GPUKVFormat.NL_X_NBBS_ONE_HS],
+    [KVFormat.NB_NL_TWO_BS_NH_HS, KVFormat.NL_X_NB_TWO_BS_NH_HS,
+     KVFormat.TWO_X_NL_X_NBBS_NH_HS, KVFormat.NL_X_NBBS_ONE_HS],
 )  # fmt: skip
-def test_register_rebuilds_every_nesting(handlers: Handlers, fmt: GPUKVFormat) -> None:
+def test_register_rebuilds_every_nesting(handlers: Handlers, fmt: KVFormat) -> None:
     kv = to_shared(make_kv_caches(fmt, num_layers=2, num_blocks=8, block_size=4, head_size=8))
     leaves = [kv] if isinstance(kv, torch.Tensor) else (
         list(kv) if isinstance(kv[0], torch.Tensor) else [t for g in kv for t in g])  # fmt: skip
@@ -82,7 +82,7 @@ def test_register_rebuilds_every_nesting(handlers: Handlers, fmt: GPUKVFormat) -
 )
 def test_bad_registrations_are_layout_errors(handlers: Handlers, changes: dict[str, object],
                                             needle: str) -> None:  # fmt: skip
-    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
+    kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
                                   block_size=4, head_size=8))  # fmt: skip
     fields = {"instance_id": 1, "model_name": "m", **changes}
     reply = handlers.handle(_register(handlers, kv, **fields))
@@ -103,7 +103,7 @@ def test_requests_for_unknown_instances_are_typed_errors(handlers: Handlers) -> 
 
 
 def test_lifecycle_register_report_reap(handlers: Handlers) -> None:
-    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
+    kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=8,
                                   block_size=4, head_size=8))  # fmt: skip
     nonce = b"n" * 16
     first = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m", client_nonce=nonce))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.launch import DaemonProcess
@@ -18,7 +18,7 @@ TOKENS, BLOCKS = list(range(64)), list(range(16))
 
 
 def _cache() -> list[torch.Tensor]:
-    kv = make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                         block_size=4, num_heads=2, head_size=8, dtype=torch.float16, seed=0)  # fmt: skip
     return to_shared(kv)
 

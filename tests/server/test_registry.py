@@ -6,13 +6,13 @@ import pytest
 
 from kvcache.errors import UnknownInstanceError
 from kvcache.server.auth import Principal
-from kvcache.server.registry import Instance, InstanceRegistry
+from kvcache.server.registry import InstanceRegistry, RegistrationRecord
 
 OWNER, STRANGER = Principal("uid:1000"), Principal("loopback", shared=True)
 
 
-def _inst(i: int, t: float = 0.0) -> Instance:
-    return Instance(instance_id=i, model_name="m", device="cpu", tensors=[], last_seen=t,
+def _inst(i: int, t: float = 0.0) -> RegistrationRecord:
+    return RegistrationRecord(instance_id=i, model_name="m", device="cpu", tensors=[], last_seen=t,
                     principal=OWNER)  # fmt: skip
 
 
@@ -50,7 +50,7 @@ def test_registering_again_replaces_and_keeps_in_flight() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
     assert reg.begin(1, OWNER, now=0.0)
-    old = reg.add(Instance(1, "other", "cpu", []))
+    old = reg.add(RegistrationRecord(1, "other", "cpu", []))
     assert old is not None and old.model_name == "m"
     assert reg.get(1).model_name == "other" and reg.get(1).in_flight == 1
     assert 1 in reg and 2 not in reg

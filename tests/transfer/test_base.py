@@ -14,7 +14,7 @@ def test_result_ok_follows_error() -> None:
 
 
 def test_directions_name_the_offload_metrics() -> None:
-    assert Direction.TO_CHUNKS.value == "store" and Direction.FROM_CHUNKS.value == "load"
+    assert Direction.TO_CHUNKS.value == "store" and Direction.FROM_CHUNKS.value == "retrieve"
 
 
 def test_handler_closes_on_leaving_a_with_block() -> None:

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from kvcache import GPUCacheContext, _native, reference
+from kvcache import CacheContext, _native, reference
+from kvcache.deadline import Deadline
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
@@ -40,7 +41,7 @@ def _load(chunks: list[torch.Tensor], ids: list[int], skip: int = 0) -> Transfer
     return TransferJob(Direction.FROM_CHUNKS, ids, tuple(chunks), skip)
 
 
-def _gathered(ctx: GPUCacheContext, ids: list[int]) -> torch.Tensor:
+def _gathered(ctx: CacheContext, ids: list[int]) -> torch.Tensor:
     return reference.gather(ctx.tensors, ctx.format, ctx.shape, ids)
 
 
@@ -176,8 +177,8 @@ def test_a_bad_job_fails_on_its_result_and_writes_nothing(
     h.close()
 
 
-def test_a_job_whose_turn_comes_after_its_start_by_writes_nothing() -> None:
-    """The engine passes its caller's deadline as ``start_by``: a job queued behind a slow
+def test_a_job_whose_turn_comes_after_its_deadline_writes_nothing() -> None:
+    """The engine passes its caller's deadline as the job's ``deadline``: a job queued behind a slow
     one must not start once the caller stopped owning the blocks."""
     ctx = make_context()
     gate = Gate()
@@ -185,9 +186,10 @@ def test_a_job_whose_turn_comes_after_its_start_by_writes_nothing() -> None:
     before = snapshot(ctx)
     held = h.submit(_store([0, 1, 2, 3], poisoned_chunks(ctx, 1)))
     late_chunks = poisoned_chunks(ctx, 1)
-    late = h.submit(TransferJob(Direction.FROM_CHUNKS, [4, 5, 6, 7], tuple(late_chunks), start_by=0.0))
+    past, never = Deadline(0.0), Deadline(float("inf"))
+    late = h.submit(TransferJob(Direction.FROM_CHUNKS, [4, 5, 6, 7], tuple(late_chunks), deadline=past))
     timely_chunks = tuple(poisoned_chunks(ctx, 1))
-    timely = h.submit(TransferJob(Direction.TO_CHUNKS, [8, 9, 10, 11], timely_chunks, start_by=float("inf")))
+    timely = h.submit(TransferJob(Direction.TO_CHUNKS, [8, 9, 10, 11], timely_chunks, deadline=never))
     assert gate.entered.wait(10)
     gate.opened.set()
     r_held, r_late, r_timely = h.wait([held, late, timely])

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from kvcache import GPUCacheContext, _native
+from kvcache import CacheContext, _native
 from kvcache.transfer import CpuTransferHandler, Direction, TransferJob
 from kvcache.transfer.cpu import native_cpu_copy
 from kvcache.transfer.validate import CheckedJob
@@ -34,7 +34,7 @@ class HoldFirst:
         native_cpu_copy(table, job, num_threads)
 
 
-def _handler(copy: HoldFirst) -> tuple[CpuTransferHandler, GPUCacheContext]:
+def _handler(copy: HoldFirst) -> tuple[CpuTransferHandler, CacheContext]:
     ctx = make_context()
     piece = BPC * ctx.geometry.bytes_per_block  # one chunk per piece
     h = CpuTransferHandler(page_table(ctx), ctx.geometry, owners=ctx.tensors, copy=copy, piece_bytes=piece)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcache import _native
+from kvcache.deadline import Deadline
 from kvcache.errors import BlockIdError, ChunkMismatchError, CudaError, DeadlineExceededError, TransferError
 from kvcache.transfer import Direction, TransferJob
 from kvcache.transfer import cuda as cuda_mod
@@ -145,10 +146,10 @@ def test_a_job_failing_its_checks_waits_its_turn_and_is_reported_in_order(rig: A
     assert [x.job_id for x in h.get_finished()] == [first]
 
 
-def test_a_job_past_its_start_by_at_launch_is_never_launched(rig: Any) -> None:
+def test_a_job_past_its_deadline_at_launch_is_never_launched(rig: Any) -> None:
     h, gpu, _, ctx = rig
     chunks = tuple(ctx.allocate_chunks(1))
-    late = h.submit(TransferJob(Direction.FROM_CHUNKS, [0, 1, 2, 3], chunks, start_by=0.0))
+    late = h.submit(TransferJob(Direction.FROM_CHUNKS, [0, 1, 2, 3], chunks, deadline=Deadline(0.0)))
     assert gpu.launched == 0  # checked on the host at launch: the device never sees it
     (r,) = h.wait([late])
     assert isinstance(r.error, DeadlineExceededError) and (r.blocks, r.bytes) == (0, 0)

@@ -18,7 +18,7 @@ from kvcache.errors import CudaError, CudaUnavailableError, KvcacheError, Layout
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 from kvcache.server.handlers import Handlers
-from kvcache.server.registry import Instance, InstanceRegistry
+from kvcache.server.registry import InstanceRegistry, RegistrationRecord
 from kvcache.transfer.cuda import CudaTransferHandler
 from kvcache.transfer.validate import cuda_error, cuda_errors
 from kvcache.transport import cuda_events, cuda_ipc
@@ -95,7 +95,7 @@ def test_a_store_naming_a_cuda_event_on_a_daemon_without_a_gpu_is_a_typed_reply(
     handlers = Handlers(engine, InstanceRegistry(), 30.0)
     try:
         engine.register(1, "m", make_context().tensors, block_size=16)
-        handlers.registry.add(Instance(1, "m", "cuda:0", [], token=b"t" * 16))
+        handlers.registry.add(RegistrationRecord(1, "m", "cuda:0", [], token=b"t" * 16))
         store = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(range(64)),
                         block_ids=pack_ids(range(4)), cuda_event=b"\0" * 64)  # fmt: skip
         reply = handlers.submit(store).result(timeout=10)

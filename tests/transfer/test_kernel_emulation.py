@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache import GPUCacheContext, _native, reference
+from kvcache import CacheContext, _native, reference
 from kvcache.errors import BlockIdError
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.testing import ALL_FORMATS, ENGINE_OF, caches_equal, clone_caches, make_kv_caches
 from tests.transfer.helpers import page_table
 
@@ -30,16 +30,16 @@ WORDS = [
 
 
 def _ctx(
-    fmt: GPUKVFormat, dtype: torch.dtype, heads: int, head_size: int, bs: int
-) -> tuple[GPUCacheContext, object]:
+    fmt: KVFormat, dtype: torch.dtype, heads: int, head_size: int, bs: int
+) -> tuple[CacheContext, object]:
     caches = make_kv_caches(
         fmt, num_layers=3, num_blocks=NB, block_size=bs, num_heads=heads, head_size=head_size, dtype=dtype
     )
-    ctx = GPUCacheContext(caches, chunk_size=4 * bs, fmt=fmt, engine=ENGINE_OF[fmt], block_size=bs)
+    ctx = CacheContext(caches, chunk_size=4 * bs, fmt=fmt, engine=ENGINE_OF[fmt], block_size=bs)
     return ctx, caches
 
 
-def _chunks(ctx: GPUCacheContext, n_blocks: int) -> list[torch.Tensor]:
+def _chunks(ctx: CacheContext, n_blocks: int) -> list[torch.Tensor]:
     bpc = ctx.blocks_per_chunk
     sizes = [bpc] * (n_blocks // bpc) + ([n_blocks % bpc] if n_blocks % bpc else [])
     chunks = [ctx.allocate_chunks(1, num_tokens=b * ctx.block_size)[0] for b in sizes]
@@ -49,7 +49,7 @@ def _chunks(ctx: GPUCacheContext, n_blocks: int) -> list[torch.Tensor]:
 
 
 def _emulate(
-    ctx: GPUCacheContext, ids: list[int], chunks: list[torch.Tensor], skip: int, to_chunks: bool
+    ctx: CacheContext, ids: list[int], chunks: list[torch.Tensor], skip: int, to_chunks: bool
 ) -> int:
     table = page_table(ctx)
     ptrs = [c.data_ptr() for c in chunks]
@@ -66,7 +66,7 @@ def _emulate(
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
 @pytest.mark.parametrize("skip", [0, 5])
 def test_emulated_kernel_matches_the_oracle(
-    fmt: GPUKVFormat,
+    fmt: KVFormat,
     dtype: torch.dtype,
     heads: int,
     head_size: int,
@@ -80,7 +80,7 @@ def test_emulated_kernel_matches_the_oracle(
     # store: engine -> chunks; the skipped prefix is never written
     chunks = _chunks(ctx, len(ids))
     unit = _emulate(ctx, ids, chunks, skip, to_chunks=True)
-    assert unit == word or fmt is GPUKVFormat.NL_X_NB_PAGE  # opaque pages: K and V in one page
+    assert unit == word or fmt is KVFormat.NL_X_NB_PAGE  # opaque pages: K and V in one page
     got = torch.cat(chunks, dim=2)
     want = reference.gather(caches, fmt, ctx.shape, ids)  # type: ignore[arg-type]
     s = skip * bs
@@ -102,7 +102,7 @@ def test_emulated_kernel_matches_the_oracle(
 
 
 def test_emulation_refuses_bad_ids_before_any_byte_moves() -> None:
-    ctx, caches = _ctx(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, torch.bfloat16, 2, 64, 16)
+    ctx, caches = _ctx(KVFormat.NL_X_TWO_NB_BS_NH_HS, torch.bfloat16, 2, 64, 16)
     before = clone_caches(caches)  # type: ignore[arg-type]
     chunks = _chunks(ctx, 4)
     with pytest.raises(IndexError, match=f"block id {NB} at position 2"):

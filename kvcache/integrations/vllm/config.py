@@ -34,7 +34,7 @@ class ConnectorConfig:
     * ``window``: asynchronous calls (stores, asynchronous loads, notices) each worker keeps
       in flight at the daemon (default 32); 1 sends each only after the previous one's reply.
     * ``load`` / ``store``: switch either direction off.
-    * ``kv_format``: a ``GPUKVFormat`` name for the registered tensors (default: opaque pages
+    * ``kv_format``: a ``KVFormat`` name for the registered tensors (default: opaque pages
       on CPU, detection from the tensor shapes on GPU).
     * ``async_stores``: issue stores without waiting for the daemon's copies (default True);
       vLLM keeps a finished request's blocks until its stores are done. False: every store is

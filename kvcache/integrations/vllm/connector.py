@@ -103,7 +103,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         )
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
         async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-        self._async_loads = self.config.async_loads or async_scheduling
+        self._async_retrieves = self.config.async_loads or async_scheduling
         # scheduler half
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
@@ -112,7 +112,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         """The scheduler half's statistics (lookups, requests not cached) for vLLM's metrics."""
         self._steps = 0  # plans built
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
-        self._loading: set[str] = set()  # asynchronous loads planned, not yet reported received
+        self._retrieving: set[str] = set()  # asynchronous retrieves planned, not yet reported received
         self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
         self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
         # worker half
@@ -154,8 +154,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVCacheMetadata):
             return
         self._worker.begin_step(meta.plan)
-        if meta.plan.loads:
-            self._worker.load(meta.plan)
+        if meta.plan.retrieves:
+            self._worker.retrieve(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-model: synchronous ones finish in start_load_kv
@@ -186,7 +186,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors()
+        return self._worker.take_retrieve_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         not_stored = self._worker.take_not_stored()
@@ -202,14 +202,14 @@ class KVCacheConnector(KVConnectorBase_V1):
         daemon has the bytes before they look."""
         return self._worker.wait_stores(timeout_s) if self._worker.registered else True
 
-    def wait_for_loads(self, timeout_s: float | None = None) -> bool:
+    def wait_for_retrieves(self, timeout_s: float | None = None) -> bool:
         """As ``wait_for_stores``, for this worker's asynchronous loads (reported to vLLM by
         the next ``get_finished``)."""
-        return self._worker.wait_loads(timeout_s)
+        return self._worker.wait_retrieves(timeout_s)
 
     def shutdown(self) -> None:
         self.wait_for_stores(self.config.timeout_s)  # what was issued reaches the daemon
-        self.wait_for_loads(self.config.timeout_s)  # no copy into the blocks after we leave
+        self.wait_for_retrieves(self.config.timeout_s)  # no copy into the blocks after we leave
         self.client.close(unregister=self._worker.registered)
 
     # ------------------------------------------------------------ vLLM's metrics (both halves)
@@ -278,7 +278,7 @@ class KVCacheConnector(KVConnectorBase_V1):
                     return 0, False
             self._last_hit[request.request_id] = (num_computed_tokens, hit)
         external = planner.external_tokens(len(prompt), num_computed_tokens, hit)
-        return external, self._async_loads and external > 0
+        return external, self._async_retrieves and external > 0
 
     def on_new_request(self, request: Any) -> None:
         """vLLM 0.32 calls this for every request it adds (``Scheduler.add_request``): the
@@ -300,13 +300,13 @@ class KVCacheConnector(KVConnectorBase_V1):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         planner.on_alloc(
             req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
-            request.cache_salt or "", key_extra, self._async_loads,
+            request.cache_salt or "", key_extra, self._async_retrieves,
         )  # fmt: skip
-        if self._async_loads and num_external_tokens > 0:
-            self._loading.add(req_id)
+        if self._async_retrieves and num_external_tokens > 0:
+            self._retrieving.add(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._loading.difference_update(getattr(connector_output, "finished_recving", None) or ())
+        self._retrieving.difference_update(getattr(connector_output, "finished_recving", None) or ())
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVCacheWorkerMeta):
             self._recompute.update(r for r in meta.failed_async if r in self._requests)
@@ -379,8 +379,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._lookups.forget(req_id)
         self._recompute.discard(req_id)
         delay = False
-        # ``_loading`` forgets it when the workers report it received.
-        if req_id not in self._loading and self._planner is not None and self.config.store:
+        # ``_retrieving`` forgets it when the workers report it received.
+        if req_id not in self._retrieving and self._planner is not None and self.config.store:
             # KV is written for every computed token whose step has finished.
             written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             hashes = request.block_hashes if self._pass_hashes else []

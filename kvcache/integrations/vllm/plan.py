@@ -28,7 +28,7 @@ _U64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
-class LoadSpec:
+class RetrieveSpec:
     """Copy the cached prefix ``token_ids`` into ``block_ids``, leaving the first
     ``skip_tokens`` (vLLM's own hit) alone."""
 
@@ -65,7 +65,7 @@ class StoreSpec:
 class StepPlan:
     """What the workers do around one forward pass."""
 
-    loads: list[LoadSpec] = field(default_factory=list)
+    retrieves: list[RetrieveSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     step: int = 0
     """This plan's number (1, 2, ...), as the workers tag the load failures they report."""
@@ -105,7 +105,7 @@ class Planner:
         self.block_size = block_size
         self.chunk_size = chunk_size
         self._reqs: dict[str, _Request] = {}
-        self._loads: list[LoadSpec] = []
+        self._retrieves: list[RetrieveSpec] = []
         self._final_stores: list[StoreSpec] = []
 
     def external_tokens(self, num_prompt_tokens: int, local_hit: int, daemon_hit: int) -> int:
@@ -137,7 +137,8 @@ class Planner:
         end = min(end, len(prompt))
         nblocks = -(-end // self.block_size)
         tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
-        self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async))
+        spec = RetrieveSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async)
+        self._retrieves.append(spec)
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 
     def step(
@@ -146,8 +147,8 @@ class Planner:
     ) -> tuple[StepPlan, list[BlockAllocationRecord]]:
         """Plan one step. ``scheduled`` rows: ``(req_id, computed_before, num_scheduled,
         all_token_ids, block_ids, block_hashes)``; returns the plan and the allocation records."""
-        plan = StepPlan(loads=self._loads, stores=self._final_stores)
-        self._loads, self._final_stores = [], []
+        plan = StepPlan(retrieves=self._retrieves, stores=self._final_stores)
+        self._retrieves, self._final_stores = [], []
         records: list[BlockAllocationRecord] = []
         bs, cs = self.block_size, self.chunk_size
         for req_id, before, num_scheduled, tokens, block_ids, hashes in scheduled:
@@ -244,4 +245,4 @@ class Planner:
         return len(self._reqs)
 
 
-__all__ = ["LoadSpec", "Planner", "StepPlan", "StoreSpec", "block_hash_to_int"]
+__all__ = ["Planner", "RetrieveSpec", "StepPlan", "StoreSpec", "block_hash_to_int"]

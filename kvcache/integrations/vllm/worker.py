@@ -1,36 +1,36 @@
-"""Worker side: register vLLM's KV tensors with the daemon, run a step's loads and stores.
+"""Worker side: register vLLM's KV tensors with the daemon, run a step's retrieves and stores.
 
 No vLLM import: it takes the tensors and a ``StepPlan`` and talks to the daemon through
-``KVCacheClient``. A synchronous load is done in ``load``, before the forward that reads its
-blocks. An asynchronous one is only issued there (``LoadsInFlight`` holds it): its request
+``KVCacheClient``. A synchronous retrieve is done in ``retrieve``, before the forward that reads its
+blocks. An asynchronous one is only issued there (``RetrievesInFlight`` holds it): its request
 waits in vLLM (``WAITING_FOR_REMOTE_KVS``) and is reported received (``take_finished_recving``)
 in the first step that finds the copy settled, with the blocks it did not fill among that
-same step's load errors, so vLLM truncates the request before it schedules it. Until then
+same step's retrieve errors, so vLLM truncates the request before it schedules it. Until then
 vLLM touches none of its blocks, not even when the request is aborted: vLLM 0.32 keeps an
-aborted request's blocks while its load is unreported, and frees them when it is reported.
+aborted request's blocks while its retrieve is unreported, and frees them when it is reported.
 Stores are issued at the end of the step (``store``) and,
 by default, not waited for: the daemon copies while vLLM schedules and computes the next
 steps. vLLM must not hand a block to another request before the daemon has copied it (the
 store would cache the other request's bytes), so a finished request is reported sent
 (``take_finished_sending``, vLLM then frees its blocks) only once every store of its blocks
-is settled, and a preempted request's stores (and loads, though vLLM never preempts a
-request it has not been told is loaded) are waited for before the step's forward can write
+is settled, and a preempted request's stores (and retrieves, though vLLM never preempts a
+request it has not been told has arrived) are waited for before the step's forward can write
 into its old blocks (``begin_step``, from vLLM's ``handle_preemptions``). With
 ``async_stores=False`` every store is waited for in ``store`` (the blocks are copied before
 the step's output is processed).
 
 NOTE: an asynchronous store reads the blocks whenever the daemon handles it, so nothing may
 write them in place before: vLLM writes only slots of tokens not yet computed, except when it
-recomputes the blocks a failed load left unfilled, and those are cut from every store (below).
+recomputes the blocks a failed retrieve left unfilled, and those are cut from every store (below).
 
-Failures never stop the engine, and never poison the cache: a load that returns fewer
+Failures never stop the engine, and never poison the cache: a retrieve that returns fewer
 tokens than planned reports the blocks it did not fill (vLLM recomputes them). Those blocks,
 and everything computed on top of them, are garbage until vLLM has recomputed them, so every
-store stops before the chunk holding the first of them: the loading request's, and any other
+store stops before the chunk holding the first of them: the retrieving request's, and any other
 request's that shares them through vLLM's prefix cache. They stay marked until a plan built
 after vLLM processed the failure (``StepPlan.failures_seen``): under async scheduling the next
-step was planned before (and, after a synchronous load, computes on them too). A failure is
-the step's that reports it, not the step's that issued the load: an asynchronous load seen
+step was planned before (and, after a synchronous retrieve, computes on them too). A failure is
+the step's that reports it, not the step's that issued the retrieve: an asynchronous retrieve seen
 failed steps after it was issued is unknown to every plan built before that report reached
 vLLM. Whatever the
 plan counted as stored but was not (cut this way, or a store that failed) is handed back to
@@ -49,10 +49,10 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
-from kvcache.integrations.vllm.loads import LoadsInFlight, SettledLoad, loaded
-from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvcache.integrations.vllm.plan import RetrieveSpec, StepPlan, StoreSpec
+from kvcache.integrations.vllm.retrieves import RetrievesInFlight, SettledRetrieve, retrieved
 from kvcache.integrations.vllm.stats import ConnectorTally
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 
 log = logging.getLogger("kvcache.integrations.vllm")
@@ -102,33 +102,33 @@ class ConnectorWorker:
         self.kv_format = kv_format
         self.registered = False
         self.tally = ConnectorTally()
-        """What this rank loaded and stored: vLLM's connector stats (``metrics.py``)."""
-        self._load_errors: set[int] = set()
-        # block id -> (the step whose load left it unfilled, whether that step computed on it)
+        """What this rank retrieved and stored: vLLM's connector stats (``metrics.py``)."""
+        self._retrieve_errors: set[int] = set()
+        # block id -> (the step whose retrieve left it unfilled, whether that step computed on it)
         self._unfilled: dict[int, tuple[int, bool]] = {}
         self._finished_recving: set[str] = set()
-        self._failed_step = -1  # the last step with a failed load, not yet reported
-        self._failed_async: set[str] = set()  # requests whose asynchronous load failed, unreported
+        self._failed_step = -1  # the last step with a failed retrieve, not yet reported
+        self._failed_async: set[str] = set()  # requests whose asynchronous retrieve failed, unreported
         self._not_stored: dict[str, int] = {}  # req -> tokens really stored (a watermark)
         self._finished_sending: set[str] = set()
         self._in_flight: dict[str, list[_InFlight]] = {}  # req -> its stores not settled yet
         self._releasing: set[str] = set()  # finished requests whose blocks vLLM holds for us
-        self._loads = LoadsInFlight()
+        self._retrieves = RetrievesInFlight()
         self._plan: StepPlan | None = None  # the plan of the step begun last
-        self._step = 0  # its number: load failures seen from now on are this step's
+        self._step = 0  # its number: retrieve failures seen from now on are this step's
 
     def begin_step(self, plan: StepPlan) -> None:
-        """Wait for the stores and loads of requests vLLM preempted for this step (it freed
-        their blocks and may hand them to this step's loads and forward); forget the blocks of
-        failed loads that vLLM recomputes from this plan on. Once per plan: vLLM calls it
+        """Wait for the stores and retrieves of requests vLLM preempted for this step (it freed
+        their blocks and may hand them to this step's retrieves and forward); forget the blocks of
+        failed retrieves that vLLM recomputes from this plan on. Once per plan: vLLM calls it
         before the forward (``handle_preemptions``) and the connector again from
-        ``start_load_kv``, which runs after the forward in a step without synchronous loads."""
+        ``start_load_kv``, which runs after the forward in a step without synchronous retrieves."""
         if plan is self._plan:
             return
         self._plan, self._step = plan, plan.step
         for req_id in plan.preempted:
             self._wait(self._in_flight.get(req_id, []), None)
-            self._loads.wait([req_id], None)
+            self._retrieves.wait([req_id], None)
         if self._unfilled:
             self._unfilled = {b: v for b, v in self._unfilled.items() if v[0] > plan.failures_seen}
 
@@ -140,7 +140,7 @@ class ConnectorWorker:
         if fmt is None and layers[0].device.type == "cpu":
             # vLLM's CPU layout packs K (transposed) and V in each (block, head) tile: copy
             # each layer's block as one opaque page.
-            fmt = GPUKVFormat.NL_X_NB_PAGE.name
+            fmt = KVFormat.NL_X_NB_PAGE.name
         reply = self.client.register_kv_caches(layers, engine="vllm", block_size=self.block_size, fmt=fmt)
         self.chunk_size = reply.chunk_size
         self.registered = True
@@ -149,15 +149,15 @@ class ConnectorWorker:
             reply.num_layers, reply.num_blocks, reply.block_size, reply.fmt, reply.chunk_size,
         )  # fmt: skip
 
-    def load(self, plan: StepPlan) -> None:
-        """Copy the planned prefixes in: a synchronous load before returning, an asynchronous
-        one only issued (settled by ``take_finished_recving`` / ``take_load_errors``). What
-        did not arrive is reported as load errors (vLLM recomputes it), including every load
+    def retrieve(self, plan: StepPlan) -> None:
+        """Copy the planned prefixes in: a synchronous retrieve before returning, an asynchronous
+        one only issued (settled by ``take_finished_recving`` / ``take_retrieve_errors``). What
+        did not arrive is reported as retrieve errors (vLLM recomputes it), including every retrieve
         of a rank that could not register (the scheduler half may still find prefixes through
         another rank's registration)."""
-        for spec in plan.loads:
+        for spec in plan.retrieves:
             if spec.is_async:
-                self._loads.add(spec, self._retrieve_async(spec))
+                self._retrieves.add(spec, self._retrieve_async(spec))
                 continue
             try:  # on the caller's channel: not queued behind the stores in flight
                 if not self.registered:
@@ -166,13 +166,13 @@ class ConnectorWorker:
                     spec.token_ids, spec.block_ids, spec.skip_tokens,
                     cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
                 )  # fmt: skip
-                load = loaded(spec, reply)
+                settled = retrieved(spec, reply)
             except Exception as exc:  # the daemon is down or refused: recompute instead
-                load = SettledLoad(spec, spec.skip_tokens, exc)
-            self._loaded(load, plan.step, True)
+                settled = SettledRetrieve(spec, spec.skip_tokens, exc)
+            self._retrieved(settled, plan.step, True)
 
-    def _retrieve_async(self, spec: LoadSpec) -> Future[m.RetrieveResult]:
-        """The load's future (the daemon's whole reply: it carries the copy's bytes and
+    def _retrieve_async(self, spec: RetrieveSpec) -> Future[m.RetrieveResult]:
+        """The retrieve's future (the daemon's whole reply: it carries the copy's bytes and
         seconds); one that could not be issued is already failed."""
         try:
             if not self.registered:
@@ -186,47 +186,48 @@ class ConnectorWorker:
             failed.set_exception(exc)
             return failed
 
-    def _loaded(self, load: SettledLoad, step: int, computed_on: bool) -> None:
-        """Count a finished load; mark what it did not fill as ``step``'s failure (load errors,
+    def _retrieved(self, retrieve: SettledRetrieve, step: int, computed_on: bool) -> None:
+        """Count a finished retrieve; mark what it did not fill as ``step``'s failure (retrieve errors,
         unfilled blocks cut from stores, the scheduler's watermark lowered). ``computed_on``:
-        that step's forward read the blocks (a synchronous load)."""
-        spec, got = load.spec, load.got
+        that step's forward read the blocks (a synchronous retrieve)."""
+        spec, got = retrieve.spec, retrieve.got
         want = len(spec.token_ids)
-        loaded = max(0, got - spec.skip_tokens)
-        self.tally.transfer("load", loaded, load.num_bytes, load.seconds, ok=got >= want)
-        if load.error is not None:
-            log.warning("kvcache: load for %s failed: %s", spec.req_id, load.error)
+        copied = max(0, got - spec.skip_tokens)
+        # "load": the tally's keys are vLLM's offload metric names (vllm:kv_offload_load_*).
+        self.tally.transfer("load", copied, retrieve.num_bytes, retrieve.seconds, ok=got >= want)
+        if retrieve.error is not None:
+            log.warning("kvcache: retrieve for %s failed: %s", spec.req_id, retrieve.error)
         if got >= want:
             return
         first_bad = max(got, spec.skip_tokens) // self.block_size
-        self._load_errors.update(spec.block_ids[first_bad:])
+        self._retrieve_errors.update(spec.block_ids[first_bad:])
         self._unfilled.update((b, (step, computed_on)) for b in spec.block_ids[first_bad:])
         self._failed_step = max(self._failed_step, step)
         if spec.is_async:
             self._failed_async.add(spec.req_id)
         self._mark_not_stored(spec.req_id, self._chunk_floor(first_bad))
         log.warning(
-            "kvcache: loaded %d of %d tokens for %s; vLLM recomputes the rest", got, want, spec.req_id
+            "kvcache: retrieved %d of %d tokens for %s; vLLM recomputes the rest", got, want, spec.req_id
         )
 
-    def _settle_loads(self) -> None:
-        """Take in every asynchronous load that has settled: its failures are this step's,
-        and its request is reported received once it has no load left in flight."""
-        settled, done = self._loads.settled()
-        for load in settled:
-            self._loaded(load, self._step, False)  # vLLM computes on them only once told
+    def _settle_retrieves(self) -> None:
+        """Take in every asynchronous retrieve that has settled: its failures are this step's,
+        and its request is reported received once it has no retrieve left in flight."""
+        settled, done = self._retrieves.settled()
+        for retrieve in settled:
+            self._retrieved(retrieve, self._step, False)  # vLLM computes on them only once told
         self._finished_recving |= done
 
-    def wait_loads(self, timeout_s: float | None) -> bool:
-        """Wait (at most ``timeout_s``; None: until each load's own deadline) until no
-        asynchronous load is in flight; True if none is. They are reported by the next
+    def wait_retrieves(self, timeout_s: float | None) -> bool:
+        """Wait (at most ``timeout_s``; None: until each retrieve's own deadline) until no
+        asynchronous retrieve is in flight; True if none is. They are reported by the next
         ``take_finished_recving``."""
-        return self._loads.wait(None, timeout_s)
+        return self._retrieves.wait(None, timeout_s)
 
     @property
-    def loads_in_flight(self) -> int:
-        """Asynchronous loads issued whose copy has not settled yet."""
-        return len(self._loads)
+    def retrieves_in_flight(self) -> int:
+        """Asynchronous retrieves issued whose copy has not settled yet."""
+        return len(self._retrieves)
 
     def store(self, plan: StepPlan) -> None:
         """Issue the plan's stores; in synchronous mode, wait for them too."""
@@ -322,46 +323,46 @@ class ConnectorWorker:
         out, self._not_stored = self._not_stored, {}
         return out
 
-    def take_load_errors(self) -> set[int]:
+    def take_retrieve_errors(self) -> set[int]:
         """This step's unfilled blocks, and those of earlier steps vLLM had not processed
         when it planned this one (async scheduling): this step computed on them too, and
         reporting them again makes vLLM discard what it computed instead of keeping a token
         sampled from garbage.
 
-        NOTE: an asynchronous load's unfilled blocks must reach vLLM no later than its request's
-        ``finished_recving``. Both this and ``take_finished_recving`` take in settled loads,
-        and a load taken in is in both sets from then on: whichever vLLM asks first, the
+        NOTE: an asynchronous retrieve's unfilled blocks must reach vLLM no later than its request's
+        ``finished_recving``. Both this and ``take_finished_recving`` take in settled retrieves,
+        and a retrieve taken in is in both sets from then on: whichever vLLM asks first, the
         errors are never reported in a later output than the request (vLLM's worker asks for
-        ``get_finished`` first, then the load errors, in the same pass)."""
-        self._settle_loads()
+        ``get_finished`` first, then the retrieve errors, in the same pass)."""
+        self._settle_retrieves()
         recomputing = {b for b, (_, computed_on) in self._unfilled.items() if computed_on}
-        errors, self._load_errors = self._load_errors | recomputing, set()
+        errors, self._retrieve_errors = self._retrieve_errors | recomputing, set()
         return errors
 
     def take_failed_step(self) -> int:
-        """The last step whose load failed since the previous call, or -1."""
+        """The last step whose retrieve failed since the previous call, or -1."""
         step, self._failed_step = self._failed_step, -1
         return step
 
     def take_failed_async(self) -> frozenset[str]:
-        """Requests whose asynchronous load failed since the previous call. A settled load is
-        taken in by ``take_finished_recving`` or ``take_load_errors``, both called before this
+        """Requests whose asynchronous retrieve failed since the previous call. A settled retrieve is
+        taken in by ``take_finished_recving`` or ``take_retrieve_errors``, both called before this
         in vLLM's pass, so a request is named here in the output that reports it received."""
         out, self._failed_async = frozenset(self._failed_async), set()
         return out
 
     def take_finished_recving(self, idle_wait_s: float = 0.0) -> set[str]:
-        """Requests whose asynchronous loads have all settled (failed blocks are load errors
+        """Requests whose asynchronous retrieves have all settled (failed blocks are retrieve errors
         of this step or an earlier one). ``idle_wait_s``: in a step with no forward, wait that
-        long at most for the first load in flight to settle if none has.
+        long at most for the first retrieve in flight to settle if none has.
 
-        NOTE: without that wait a lone loading request reaches its first token about twice as
-        late as with a synchronous load: vLLM steps again at once while nothing is scheduled,
+        NOTE: without that wait a lone retrieving request reaches its first token about twice as
+        late as with a synchronous retrieve: vLLM steps again at once while nothing is scheduled,
         and its loop holds the GIL that the client's thread needs to receive the reply."""
-        self._settle_loads()
-        if idle_wait_s > 0 and not self._finished_recving and self._loads:
-            self._loads.wait(None, idle_wait_s, first=True)
-            self._settle_loads()
+        self._settle_retrieves()
+        if idle_wait_s > 0 and not self._finished_recving and self._retrieves:
+            self._retrieves.wait(None, idle_wait_s, first=True)
+            self._settle_retrieves()
         done, self._finished_recving = self._finished_recving, set()
         return done
 

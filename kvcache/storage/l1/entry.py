@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.records import ChunkKey
-from kvcache.storage.l1.slab import SlotGeometry
+from kvcache.storage.l1.slab import SlotShape
 
 
 class EntryState(enum.Enum):
@@ -34,19 +34,19 @@ class L1Entry:
         "_extent",
         "_offset",
         "from_l2",
-        "geometry",
         "key",
         "ok",
         "pins",
+        "slot_shape",
         "state",
         "tensor",
     )
 
     def __init__(
-        self, key: ChunkKey, geometry: SlotGeometry, tensor: torch.Tensor, extent: int, offset: int
+        self, key: ChunkKey, slot_shape: SlotShape, tensor: torch.Tensor, extent: int, offset: int
     ) -> None:
         self.key = key
-        self.geometry = geometry
+        self.slot_shape = slot_shape
         self.tensor = tensor
         self.state = EntryState.WRITING
         self.pins = 1
@@ -58,7 +58,7 @@ class L1Entry:
 
     @property
     def nbytes(self) -> int:
-        return self.geometry.nbytes
+        return self.slot_shape.nbytes
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until a WRITING/LOADING entry settles; True when it became READY."""

@@ -2,10 +2,10 @@
 
 Separate from the engine because it is pure bookkeeping over one lock: which key lives in which
 slot, who is using it, and what leaves when room is needed. The engine copies bytes into and out
-of the slot tensors (views into the pool, handed to ``GPUCacheContext`` as-is) without the lock.
-Slots come from the ``SlabAllocator`` (``slab``: one slab per chunk geometry, grown by extents);
-when it is full, extents left wholly free by another geometry are released first, then the LRU
-victims (of any geometry) evicted.
+of the slot tensors (views into the pool, handed to ``CacheContext`` as-is) without the lock.
+Slots come from the ``SlabAllocator`` (``slab``: one slab per slot shape, grown by extents);
+when it is full, extents left wholly free by another slot shape are released first, then the LRU
+victims (of any slot shape) evicted.
 
 Eviction is LRU with one twist for prefixes: the chunks of one operation are marked used tail
 first, so the head of a prompt is the most recent and the tail leaves first (a prefix cache that
@@ -22,11 +22,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
+from kvcache.deprecated import renamed
 from kvcache.observability.event import (
     Event,
     EventSink,
@@ -34,12 +35,12 @@ from kvcache.observability.event import (
     L1Cleared,
     L1ReadFinished,
     L1WriteFinished,
-    NullEventSink,
+    NullEventBus,
 )
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import EntryState, L1Entry, WriteReservation
 from kvcache.storage.l1.lru import LRUPolicy
-from kvcache.storage.l1.slab import SLOT_ALIGN, SlotGeometry
+from kvcache.storage.l1.slab import SLOT_ALIGN, SlotShape
 from kvcache.storage.l1.table import SlotTable
 from kvcache.storage.l2.base import EvictionPolicy
 
@@ -70,7 +71,7 @@ class L1Pool(SlotTable):
             extent_bytes=extent_bytes,
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
             policy=policy if policy is not None else LRUPolicy(),
-            bus=bus if bus is not None else NullEventSink(),
+            bus=bus if bus is not None else NullEventBus(),
         )
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
         self._waiting_writers = 0
@@ -79,7 +80,7 @@ class L1Pool(SlotTable):
     # -- reservations ---------------------------------------------------------------------
     def begin_write(
         self,
-        geometry: SlotGeometry,
+        slot_shape: SlotShape,
         keys: Sequence[ChunkKey],
         *,
         wait_s: float = 0.0,
@@ -120,7 +121,7 @@ class L1Pool(SlotTable):
                 if key in self._entries:
                     present.append(i)
                     continue
-                entry = self._allocate(geometry, key, events)
+                entry = self._allocate(slot_shape, key, events)
                 mine = len(new) + held
                 if entry is None and ((partial and new) or (defer and self._pinned > mine)):
                     settled = i
@@ -136,13 +137,13 @@ class L1Pool(SlotTable):
                         self._waiting_writers -= 1
                     if key in self._entries:  # written by someone else meanwhile
                         break
-                    entry = self._allocate(geometry, key, events)
+                    entry = self._allocate(slot_shape, key, events)
                 if entry is None and key in self._entries:
                     present.append(i)
                     continue
                 if entry is None:
                     failed = len(keys) - i
-                    events.append(self._alloc_failed_event(failed, failed * geometry.nbytes))
+                    events.append(self._alloc_failed_event(failed, failed * slot_shape.nbytes))
                     break
                 new.append((i, entry))
         self._publish(events)
@@ -154,7 +155,7 @@ class L1Pool(SlotTable):
             self._room.notify_all()
 
     def begin_load(
-        self, geometry: SlotGeometry, keys: Sequence[ChunkKey], *, wait_s: float = 0.0
+        self, slot_shape: SlotShape, keys: Sequence[ChunkKey], *, wait_s: float = 0.0
     ) -> list[L1Entry]:
         """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
         key that is present or cannot get memory, so the result is a prefix of ``keys``.
@@ -170,7 +171,7 @@ class L1Pool(SlotTable):
             for i, key in enumerate(keys):
                 if key in self._entries:
                     break
-                entry = self._allocate(geometry, key, events)
+                entry = self._allocate(slot_shape, key, events)
                 while entry is None and not out and self._pinned > 0:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -182,11 +183,11 @@ class L1Pool(SlotTable):
                         self._waiting_loaders -= 1
                     if key in self._entries:  # loaded or written by someone else meanwhile
                         break
-                    entry = self._allocate(geometry, key, events)
+                    entry = self._allocate(slot_shape, key, events)
                 if entry is None:
                     if key not in self._entries:
                         n = len(keys) - i
-                        events.append(self._alloc_failed_event(n, n * geometry.nbytes))
+                        events.append(self._alloc_failed_event(n, n * slot_shape.nbytes))
                     break
                 entry.state = EntryState.LOADING
                 entry.from_l2 = True
@@ -346,4 +347,9 @@ class L1Pool(SlotTable):
             }
 
 
-__all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotGeometry", "WriteReservation"]
+if TYPE_CHECKING:
+    SlotGeometry = SlotShape  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"SlotGeometry": "SlotShape"})
+
+__all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotShape", "WriteReservation"]

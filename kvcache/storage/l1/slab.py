@@ -1,15 +1,15 @@
-"""The L1 slot allocator: one slab per chunk geometry, grown by extents carved into aligned slots.
+"""The L1 slot allocator: one slab per slot shape, grown by extents carved into aligned slots.
 
 Separate from the pool because it is pure memory arithmetic, with no keys, pins or eviction: the
 pool decides *what* leaves, this module only says whether a slot can be had and which bytes it is.
 
-One *slab* per chunk geometry (shape + dtype of a chunk; instances of the same model share one).
+One *slab* per slot shape (shape + dtype of a chunk; instances of the same model share one).
 A slab grows lazily by *extents*: one allocation of ``extent_bytes`` (at least one slot), carved
 into fixed-size slots whose stride is the chunk size rounded up to 256 bytes, so every view is
 aligned for DMA and any dtype. Fixed slots cannot fragment: when enough bytes are free a slot is
 free. The sum of extents never exceeds ``capacity_bytes``, and one extent is at most a quarter of
 it (when that holds a slot), so a pool smaller than a few extents still leaves room for another
-geometry instead of handing all of it to the first one.
+slot shape instead of handing all of it to the first one.
 
 Not thread-safe: the pool calls it under its lock.
 """
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+from kvcache.deprecated import renamed
 
 SLOT_ALIGN = 256
 #: An extent is at most ``capacity_bytes // EXTENT_SHARE`` (but always at least one slot).
@@ -28,7 +30,7 @@ EXTENT_SHARE = 4
 
 
 @dataclass(frozen=True, slots=True)
-class SlotGeometry:
+class SlotShape:
     """Shape and dtype of one chunk; the unit a slab is carved in."""
 
     shape: tuple[int, ...]
@@ -62,46 +64,46 @@ class _Extent:
 
 @dataclass(slots=True)
 class _Slab:
-    geometry: SlotGeometry
+    slot_shape: SlotShape
     extents: dict[int, _Extent] = field(default_factory=dict)
     avail: dict[int, _Extent] = field(default_factory=dict)  # extents with a free slot
 
 
 class SlabAllocator:
-    """Slots of every geometry within one byte budget; extents are (pinned) host tensors."""
+    """Slots of every shape within one byte budget; extents are (pinned) host tensors."""
 
     def __init__(self, capacity_bytes: int, extent_bytes: int, pin_memory: bool) -> None:
         self.capacity_bytes = capacity_bytes
         self.extent_bytes = extent_bytes
         self.pin_memory = pin_memory
-        self._slabs: dict[SlotGeometry, _Slab] = {}
+        self._slabs: dict[SlotShape, _Slab] = {}
         self._next_extent = 0
         self.allocated_bytes = 0  # sum of extents
 
-    def take(self, geometry: SlotGeometry) -> Slot | None:
-        """A free slot of ``geometry``, growing its slab within the budget; None when full."""
-        slab = self._slabs.get(geometry)
+    def take(self, slot_shape: SlotShape) -> Slot | None:
+        """A free slot of ``slot_shape``, growing its slab within the budget; None when full."""
+        slab = self._slabs.get(slot_shape)
         if slab is None:
-            slab = self._slabs[geometry] = _Slab(geometry)
+            slab = self._slabs[slot_shape] = _Slab(slot_shape)
         if not slab.avail and not self._grow(slab):
             return None
         ext_id, ext = next(iter(slab.avail.items()))
         offset = ext.free.pop()
         if not ext.free:
             del slab.avail[ext_id]
-        view = ext.buf[offset : offset + geometry.nbytes].view(geometry.dtype).view(geometry.shape)
+        view = ext.buf[offset : offset + slot_shape.nbytes].view(slot_shape.dtype).view(slot_shape.shape)
         return Slot(ext_id, offset, view)
 
-    def free(self, geometry: SlotGeometry, extent: int, offset: int) -> None:
+    def free(self, slot_shape: SlotShape, extent: int, offset: int) -> None:
         """Return a slot that ``take`` handed out."""
-        slab = self._slabs[geometry]
+        slab = self._slabs[slot_shape]
         ext = slab.extents[extent]
         ext.free.append(offset)
         slab.avail[extent] = ext
 
-    def reclaim_for(self, geometry: SlotGeometry) -> bool:
+    def reclaim_for(self, slot_shape: SlotShape) -> bool:
         """Release the wholly free extents of the first other slab that has any; True if it did."""
-        return any(self._release_free_extents(s) for g, s in self._slabs.items() if g != geometry)
+        return any(self._release_free_extents(s) for g, s in self._slabs.items() if g != slot_shape)
 
     def release_free_extents(self) -> None:
         """Release every wholly free extent of every slab."""
@@ -111,8 +113,8 @@ class SlabAllocator:
     def slab_info(self) -> list[dict[str, Any]]:
         return [
             {
-                "shape": list(s.geometry.shape),
-                "dtype": str(s.geometry.dtype).removeprefix("torch."),
+                "shape": list(s.slot_shape.shape),
+                "dtype": str(s.slot_shape.dtype).removeprefix("torch."),
                 "extents": len(s.extents),
                 "slots": sum(x.nslots for x in s.extents.values()),
             }
@@ -120,7 +122,7 @@ class SlabAllocator:
         ]
 
     def _grow(self, slab: _Slab) -> bool:
-        stride = slab.geometry.stride
+        stride = slab.slot_shape.stride
         room = (self.capacity_bytes - self.allocated_bytes) // stride
         extent = min(self.extent_bytes, max(stride, self.capacity_bytes // EXTENT_SHARE))
         n = min(max(1, extent // stride), room)
@@ -145,8 +147,13 @@ class SlabAllocator:
         for ext_id in freed:
             ext = slab.extents.pop(ext_id)
             slab.avail.pop(ext_id, None)
-            self.allocated_bytes -= ext.nslots * slab.geometry.stride
+            self.allocated_bytes -= ext.nslots * slab.slot_shape.stride
         return bool(freed)
 
 
-__all__ = ["EXTENT_SHARE", "SLOT_ALIGN", "SlabAllocator", "Slot", "SlotGeometry"]
+if TYPE_CHECKING:
+    SlotGeometry = SlotShape  # deprecated: the runtime alias below warns
+else:
+    __getattr__ = renamed(__name__, {"SlotGeometry": "SlotShape"})
+
+__all__ = ["EXTENT_SHARE", "SLOT_ALIGN", "SlabAllocator", "Slot", "SlotShape"]

@@ -21,7 +21,7 @@ from kvcache.observability.event import (
 )
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import L1Entry
-from kvcache.storage.l1.slab import SlabAllocator, SlotGeometry
+from kvcache.storage.l1.slab import SlabAllocator, SlotShape
 from kvcache.storage.l2.base import EvictionPolicy
 
 
@@ -68,11 +68,11 @@ class SlotTable:
         if entry.pins == 0:
             self._pinned -= 1
 
-    def _allocate(self, geometry: SlotGeometry, key: ChunkKey, events: list[Event]) -> L1Entry | None:
+    def _allocate(self, slot_shape: SlotShape, key: ChunkKey, events: list[Event]) -> L1Entry | None:
         evicted: list[L1Entry] = []
-        while (slot := self._slabs.take(geometry)) is None:
+        while (slot := self._slabs.take(slot_shape)) is None:
             # Room must come from elsewhere: wholly free extents of other slabs, then victims.
-            if self._slabs.reclaim_for(geometry):
+            if self._slabs.reclaim_for(slot_shape):
                 continue
             victim = self._policy.victim()
             if victim is None:
@@ -86,16 +86,16 @@ class SlotTable:
         if slot is None:
             self.allocation_failures += 1
             return None
-        entry = L1Entry(key, geometry, slot.tensor, slot.extent, slot.offset)  # born pinned
+        entry = L1Entry(key, slot_shape, slot.tensor, slot.extent, slot.offset)  # born pinned
         self._pinned += 1
         self._entries[key] = entry
-        self.used_bytes += geometry.stride
+        self.used_bytes += slot_shape.stride
         return entry
 
     def _remove(self, entry: L1Entry) -> None:
         del self._entries[entry.key]
-        self._slabs.free(entry.geometry, entry._extent, entry._offset)
-        self.used_bytes -= entry.geometry.stride
+        self._slabs.free(entry.slot_shape, entry._extent, entry._offset)
+        self.used_bytes -= entry.slot_shape.stride
 
     def _evict(self, victims: list[L1Entry], events: list[Event]) -> None:
         for entry in victims:

@@ -46,7 +46,7 @@ from kvcache.observability.event import (
     L2LoadFinished,
     L2StoreFailed,
     L2StoreFinished,
-    NullEventSink,
+    NullEventBus,
 )
 from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage.l2.base import L2Adapter, failure_reason, failure_scope, storage_error
@@ -80,7 +80,7 @@ class AsyncL2:
         self.backend = adapter.backend
         self.max_inflight = max_inflight
         self.retry_interval_s = retry_interval_s
-        self._bus: EventSink = bus if bus is not None else NullEventSink()
+        self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._clock = clock
         self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvcache-l2-{self.backend}")
@@ -333,7 +333,7 @@ class AsyncL2:
 
     def _identity(self, meta: bytes) -> ChunkIdentity | None:
         """How a loaded chunk's writer announced it, decoded only for a real sink."""
-        if not meta or isinstance(self._bus, NullEventSink):
+        if not meta or isinstance(self._bus, NullEventBus):
             return None
         try:
             return msgspec.msgpack.decode(meta, type=ChunkIdentity)

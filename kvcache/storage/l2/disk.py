@@ -44,7 +44,7 @@ import msgspec
 import torch
 
 from kvcache.errors import CorruptChunkError
-from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventSink
+from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventBus
 from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage.l2 import codec
 from kvcache.storage.l2.base import Announce, L2Adapter, StoreItem, storage_error
@@ -67,7 +67,7 @@ class DiskL2Adapter(L2Adapter):
     def __init__(self, path: str, size_bytes: int, bus: EventSink | None = None) -> None:
         self.path = os.path.abspath(path)
         self.size_bytes = size_bytes
-        self._bus: EventSink = bus if bus is not None else NullEventSink()
+        self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file bytes, LRU first
         self.used_bytes = 0
@@ -289,7 +289,7 @@ class DiskL2Adapter(L2Adapter):
             keys = list(self._index)
             used = self.used_bytes
         if keys:  # tell holdings trackers (KV events) what survived the restart, and as what
-            identities = [] if isinstance(self._bus, NullEventSink) else [self._identity(k) for k in keys]
+            identities = [] if isinstance(self._bus, NullEventBus) else [self._identity(k) for k in keys]
             meta = L2KeysFound(backend=self.backend, keys=keys, num_bytes=used, identities=identities)
             self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 

@@ -103,7 +103,7 @@ def sync_loads_under_async() -> Iterator[None]:
 
     def sync_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self._async_loads = False
+        self._async_retrieves = False
 
     with patched(cls, "__init__", sync_init):
         yield
@@ -113,20 +113,20 @@ def sync_loads_under_async() -> Iterator[None]:
 def loads_reported_when_issued() -> Iterator[None]:
     """Asynchronous loads reported received in the step that issued them, copied or not (as
     before ``async_loads``): vLLM lets the request go, or frees an aborted one's blocks."""
-    load = ConnectorWorker.load
+    load = ConnectorWorker.retrieve
 
     def report_at_once(self: ConnectorWorker, plan: Any) -> None:
         load(self, plan)
-        self._finished_recving |= {s.req_id for s in plan.loads if s.is_async}
+        self._finished_recving |= {s.req_id for s in plan.retrieves if s.is_async}
 
     def settle_unreported(self: ConnectorWorker) -> None:
-        settled, _ = self._loads.settled()
+        settled, _ = self._retrieves.settled()
         for done in settled:
-            self._loaded(done, self._step, False)
+            self._retrieved(done, self._step, False)
 
     with (
-        patched(ConnectorWorker, "load", report_at_once),
-        patched(ConnectorWorker, "_settle_loads", settle_unreported),
+        patched(ConnectorWorker, "retrieve", report_at_once),
+        patched(ConnectorWorker, "_settle_retrieves", settle_unreported),
     ):
         yield
 
@@ -139,11 +139,11 @@ def loading_released_too() -> Iterator[None]:
     finished = cls.request_finished
 
     def unguarded(self: Any, request: Any, block_ids: list[int]) -> Any:
-        loading, self._loading = self._loading, set()
+        loading, self._retrieving = self._retrieving, set()
         try:
             return finished(self, request, block_ids)
         finally:
-            self._loading = loading
+            self._retrieving = loading
 
     with patched(cls, "request_finished", unguarded):
         yield

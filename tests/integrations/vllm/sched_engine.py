@@ -226,7 +226,7 @@ class Engine:
         worker = self.worker
         meta = out.kv_connector_metadata
         assert isinstance(meta, KVCacheMetadata)
-        for load in meta.plan.loads:
+        for load in meta.plan.retrieves:
             self.planned_loads[load.req_id] = (
                 self.planned_loads.get(load.req_id, 0) + len(load.token_ids) - load.skip_tokens
             )
@@ -248,7 +248,7 @@ class Engine:
             # Nothing ran: vLLM steps again at once, only to hear of transfers finishing. Wait
             # a little for them (bounded: a scenario may hold one until a later step).
             worker.wait_for_stores(0.1)
-            worker.wait_for_loads(0.1)
+            worker.wait_for_retrieves(0.1)
         sending, recving = worker.get_finished(out.finished_req_ids)
         conn = KVConnectorOutput(
             finished_sending=sending,

@@ -43,7 +43,7 @@ SMALL_CACHE = 26
 
 
 def _loads_of(out: Any) -> list[Any]:
-    return list(out.kv_connector_metadata.plan.loads)
+    return list(out.kv_connector_metadata.plan.retrieves)
 
 
 def _failures(eng: Engine) -> int:
@@ -258,7 +258,7 @@ def preempted_resume(h: Harness) -> None:
         plan = out.kv_connector_metadata.plan
         if "store_step" not in state and any(s.req_id == "p" for s in plan.stores):
             state["store_step"] = step
-        for load in plan.loads:
+        for load in plan.retrieves:
             state.setdefault("loads", []).append((step, load.req_id, len(load.block_ids)))
             if "restarted" not in state:
                 h.daemon.restart()

@@ -61,7 +61,7 @@ def late_loads(h: Harness, async_scheduling: bool) -> None:
     targets: dict[str, list[int]] = {}
 
     def issued(step: int, out: Any) -> None:
-        for load in out.kv_connector_metadata.plan.loads:
+        for load in out.kv_connector_metadata.plan.retrieves:
             targets[load.req_id] = list(load.block_ids)
             state.setdefault("issued", step)
 
@@ -75,7 +75,7 @@ def late_loads(h: Harness, async_scheduling: bool) -> None:
             h.reader.store_oracle("", bad_prompt[:CHUNK])
             state["opened"] = step
             gate.set()
-            assert eng.worker.wait_for_loads(30), "the held loads never settled"
+            assert eng.worker.wait_for_retrieves(30), "the held loads never settled"
 
     eng.between_schedule_and_load = issued
     eng.before_schedule = arrive_then_release
@@ -118,7 +118,7 @@ def abort_while_loading(h: Harness, async_scheduling: bool) -> None:
     targets: list[int] = []
 
     def issued(step: int, out: Any) -> None:
-        for load in out.kv_connector_metadata.plan.loads:
+        for load in out.kv_connector_metadata.plan.retrieves:
             if load.req_id == "a":
                 state["issued"] = step
                 targets.extend(load.block_ids)
@@ -133,7 +133,7 @@ def abort_while_loading(h: Harness, async_scheduling: bool) -> None:
             if b >= 600 or step >= state["aborted"] + 3:
                 state.update(opened=step, b_computed_at_open=b, a_held_at_open="a" in eng.scheduler.requests)
                 gate.set()
-                assert eng.worker.wait_for_loads(30), "the held load never settled"
+                assert eng.worker.wait_for_retrieves(30), "the held load never settled"
 
     eng.between_schedule_and_load = issued
     eng.before_schedule = abort_then_release
@@ -168,7 +168,7 @@ def abort_resumed_while_loading(h: Harness) -> None:
         plan = out.kv_connector_metadata.plan
         if "store_step" not in state and any(s.req_id == "p" for s in plan.stores):
             state["store_step"] = step
-        if "preempted" in state and any(x.req_id == "p" for x in plan.loads):
+        if "preempted" in state and any(x.req_id == "p" for x in plan.retrieves):
             state.setdefault("load_step", step)
 
     def preempt_abort_release(step: int) -> None:
@@ -185,7 +185,7 @@ def abort_resumed_while_loading(h: Harness) -> None:
         elif "aborted" in state and not gate.is_set() and step >= state["aborted"] + 2:
             state["opened"] = step
             gate.set()
-            assert eng.worker.wait_for_loads(30), "the held load never settled"
+            assert eng.worker.wait_for_retrieves(30), "the held load never settled"
 
     eng.between_schedule_and_load = watch
     eng.before_schedule = preempt_abort_release
@@ -216,7 +216,7 @@ def loading_through_preemptions(h: Harness) -> None:
     targets: set[int] = set()
 
     def watch(step: int, out: Any) -> None:
-        for load in out.kv_connector_metadata.plan.loads:
+        for load in out.kv_connector_metadata.plan.retrieves:
             if load.req_id == "l":
                 state["issued"] = step
                 targets.update(load.block_ids)
@@ -235,7 +235,7 @@ def loading_through_preemptions(h: Harness) -> None:
         if "issued" in state and not gate.is_set() and enough:
             state["opened"] = step
             gate.set()
-            assert eng.worker.wait_for_loads(30), "the held load never settled"
+            assert eng.worker.wait_for_retrieves(30), "the held load never settled"
 
     eng.between_schedule_and_load = watch
     eng.before_schedule = release

@@ -111,7 +111,7 @@ def failed_load(h: Harness, async_scheduling: bool) -> None:
 
     def restart(step: int, out: Any) -> None:
         meta = out.kv_connector_metadata
-        if restarted or not (isinstance(meta, KVCacheMetadata) and meta.plan.loads):
+        if restarted or not (isinstance(meta, KVCacheMetadata) and meta.plan.retrieves):
             return
         h.daemon.restart()
         h.reader.store_oracle("", prompt[:CHUNK])
@@ -395,10 +395,10 @@ def _stall_once(h: Harness, what: str, pid: int, attempt: int) -> bool:
     targets: set[int] = set()  # the blocks the stalled load would write
 
     def stop(step: int, out: Any) -> None:
-        if "stopped" not in state and out.kv_connector_metadata.plan.loads:
+        if "stopped" not in state and out.kv_connector_metadata.plan.retrieves:
             os.kill(pid, signal.SIGSTOP)
             state["stopped"] = step
-            targets.update(out.kv_connector_metadata.plan.loads[0].block_ids)
+            targets.update(out.kv_connector_metadata.plan.retrieves[0].block_ids)
 
     def reuse_then_resume(step: int) -> None:
         if "stopped" in state and a not in eng.aborted:

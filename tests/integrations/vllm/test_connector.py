@@ -315,5 +315,5 @@ def test_vllm_slow_l2_load_times_out(
     assert first["first_token"] == reference["first_token"]
     assert first["outputs"] == reference["outputs"]
     log = (tmp_path / "slow_l2.log").read_text()  # the driver's: vLLM's and the connector's lines
-    assert "deadline passed" in log and "loaded 0 of 1024 tokens" in log, log[-3000:]
+    assert "deadline passed" in log and "retrieved 0 of 1024 tokens" in log, log[-3000:]
     assert "Recovered from KV load failure" in log, log[-3000:]

@@ -23,16 +23,16 @@ def test_load_plan_covers_whole_chunks_and_skips_the_local_hit() -> None:
     blocks = list(range(50, 60))
     p.on_alloc("r", PROMPT, blocks, local_hit=64, external=192)
     plan, _ = p.step([])
-    (load,) = plan.loads
+    (load,) = plan.retrieves
     assert load.token_ids == PROMPT[:256] and load.block_ids == blocks[:8] and load.skip_tokens == 64
-    assert p.step([])[0].loads == []  # handed out once
+    assert p.step([])[0].retrieves == []  # handed out once
 
 
 def test_whole_prompt_hit_loads_its_last_chunk_whole() -> None:
     p = Planner(BS, CS)
     prompt = PROMPT[:256]
     p.on_alloc("r", prompt, list(range(8)), local_hit=0, external=255)
-    (load,) = p.step([])[0].loads
+    (load,) = p.step([])[0].retrieves
     assert load.token_ids == prompt and load.block_ids == list(range(8))
 
 
@@ -55,7 +55,7 @@ def test_loaded_chunks_are_not_stored_again() -> None:
     p = Planner(BS, CS)
     p.on_alloc("r", PROMPT, list(range(10)), local_hit=0, external=256)
     plan, _ = p.step([("r", 256, 44, PROMPT, list(range(10)), [])])
-    assert len(plan.loads) == 1 and plan.stores == []
+    assert len(plan.retrieves) == 1 and plan.stores == []
 
 
 def test_missing_hashes_are_sent_as_none() -> None:

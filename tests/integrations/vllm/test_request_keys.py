@@ -15,7 +15,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.integrations.vllm.request_keys import request_key_extra
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol.errors import RemoteError
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
@@ -54,7 +54,7 @@ def daemon() -> Iterator[DaemonProcess]:
 
 
 def test_the_daemon_keys_chunks_by_the_extra(daemon: DaemonProcess) -> None:
-    kv = to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=8,
+    kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=1, num_blocks=8,
                                   block_size=4, num_heads=2, head_size=8, dtype=torch.float16))  # fmt: skip
     tokens, blocks = list(range(32)), list(range(8))
     with KVCacheClient(daemon.endpoint, 1, "m", timeout_s=5) as c:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvcache.integrations.vllm.plan import RetrieveSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.worker import ConnectorWorker
-from kvcache.layouts import GPUKVFormat
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
@@ -38,7 +38,7 @@ def daemon() -> Iterator[DaemonProcess]:
 
 
 def _kv(seed: int) -> list[torch.Tensor]:
-    return to_shared(make_kv_caches(GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                                     block_size=BS, num_heads=2, head_size=8, dtype=torch.float16,
                                     seed=seed))  # fmt: skip
 
@@ -48,16 +48,16 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
         source.register_kv_caches(_kv(1))
         source.store(PROMPT[:CS], BLOCKS[: CS // BS])  # only the first chunk is still cached
     client = KVCacheClient(daemon.endpoint, 2, "m", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(2))})
     assert worker.chunk_size == CS
     plan = StepPlan(
-        loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)],
+        retrieves=[RetrieveSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)],
         stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", stored_before=3 * CS)],
     )
     worker.begin_step(plan)
-    worker.load(plan)
-    assert worker.take_load_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
+    worker.retrieve(plan)
+    assert worker.take_retrieve_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
     assert worker.take_failed_async() == frozenset()  # a synchronous load's request runs on
     worker.store(plan)
     assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
@@ -77,7 +77,7 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
 
 def test_a_failed_store_is_handed_back_to_the_scheduler(daemon: DaemonProcess) -> None:
     client = KVCacheClient(daemon.endpoint, 4, "m", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(4))})
     worker.begin_step(StepPlan())
     bad = StoreSpec("q", PROMPT, [99] * len(BLOCKS), None, "", stored_before=CS)  # refused ids
@@ -95,25 +95,25 @@ def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: Daemon
         source.register_kv_caches(_kv(5))
         source.store(PROMPT[:CS], BLOCKS[: CS // BS])
     client = KVCacheClient(daemon.endpoint, 6, "m2", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(6))})
     unfilled = set(BLOCKS[CS // BS : 3 * CS // BS])
     sharer = StoreSpec("s", PROMPT, BLOCKS, None, "", stored_before=0)  # holds r's blocks
     failed = StepPlan(
-        loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)], stores=[sharer], step=1
+        retrieves=[RetrieveSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0)], stores=[sharer], step=1
     )
     worker.begin_step(failed)
-    worker.load(failed)
+    worker.retrieve(failed)
     worker.store(failed)
     assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
-    assert worker.take_load_errors() == unfilled and worker.take_failed_step() == 1
+    assert worker.take_retrieve_errors() == unfilled and worker.take_failed_step() == 1
     assert worker.take_not_stored() == {"r": CS, "s": CS}
     # Planned before vLLM processed step 1 (async scheduling): still garbage, still reported.
     stale = StepPlan(stores=[sharer], step=2, failures_seen=-1)
     worker.begin_step(stale)
     worker.store(stale)
     assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
-    assert worker.take_load_errors() == unfilled and worker.take_not_stored() == {"s": CS}
+    assert worker.take_retrieve_errors() == unfilled and worker.take_not_stored() == {"s": CS}
     with KVCacheClient(daemon.endpoint, 7, "m2", timeout_s=5) as reader:
         reader.register_kv_caches(_kv(7))
         assert reader.lookup(PROMPT) == CS
@@ -124,7 +124,7 @@ def test_unfilled_blocks_cut_every_store_until_vllm_has_seen_them(daemon: Daemon
         worker.begin_step(fresh)
         worker.store(fresh)
         assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
-        assert worker.take_load_errors() == set() and worker.take_not_stored() == {}
+        assert worker.take_retrieve_errors() == set() and worker.take_not_stored() == {}
         assert reader.lookup(PROMPT) == len(PROMPT)
     client.close()
 
@@ -135,15 +135,15 @@ def test_a_rank_that_could_not_register_reports_every_planned_load_as_failed() -
     done all the same (vLLM would otherwise wait for it forever)."""
     worker = ConnectorWorker(KVCacheClient("ipc:///nonexistent/kvcache.sock", 8, "m", timeout_s=1), BS)
     plan = StepPlan(
-        loads=[
-            LoadSpec("s", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], CS // 2),
-            LoadSpec("a", PROMPT[:CS], [40, 41, 42, 43], 0, is_async=True),
+        retrieves=[
+            RetrieveSpec("s", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], CS // 2),
+            RetrieveSpec("a", PROMPT[:CS], [40, 41, 42, 43], 0, is_async=True),
         ],
         step=1,
     )
     worker.begin_step(plan)
-    worker.load(plan)
-    assert worker.take_load_errors() == set(BLOCKS[CS // 2 // BS : 2 * CS // BS]) | {40, 41, 42, 43}
+    worker.retrieve(plan)
+    assert worker.take_retrieve_errors() == set(BLOCKS[CS // 2 // BS : 2 * CS // BS]) | {40, 41, 42, 43}
     assert worker.take_finished_recving() == {"a"}
     assert worker.tally.totals()["load_failures"] == 2
     worker.close()
@@ -168,7 +168,7 @@ def test_async_stores_release_a_finished_request_only_once_settled(daemon: Daemo
     sent (vLLM frees its blocks) only after its store is done, and a failed store releases
     its request too (counted)."""
     client = KVCacheClient(daemon.endpoint, 7, "m4", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(7))})
     gate = _gate_stores(client)
     worker.begin_step(StepPlan())
@@ -194,7 +194,7 @@ def test_async_stores_release_a_finished_request_only_once_settled(daemon: Daemo
 
 def test_sync_stores_are_done_when_store_returns(daemon: DaemonProcess) -> None:
     client = KVCacheClient(daemon.endpoint, 9, "m5", timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name, async_stores=False)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name, async_stores=False)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(9))})
     worker.store(StepPlan(stores=[StoreSpec("r", PROMPT, BLOCKS, None, "", final=True)]))
     assert worker.take_finished_sending() == {"r"} and worker.tally.totals()["store_tokens"] == len(PROMPT)
@@ -212,7 +212,7 @@ def _loader(
         source.register_kv_caches(_kv(instance + 100))
         source.store(PROMPT[: chunks * CS], BLOCKS[: chunks * CS // BS])
     client = KVCacheClient(daemon.endpoint, instance, model, timeout_s=5)
-    worker = ConnectorWorker(client, BS, GPUKVFormat.NL_X_TWO_NB_BS_NH_HS.name)
+    worker = ConnectorWorker(client, BS, KVFormat.NL_X_TWO_NB_BS_NH_HS.name)
     worker.register({f"l{i}": t for i, t in enumerate(_kv(instance))})
     return client, worker
 
@@ -222,19 +222,20 @@ def test_an_async_load_is_issued_without_waiting_and_reported_once_settled(daemo
     schedules it) only in a step after the copy is done, never before."""
     client, worker = _loader(daemon, 11, "m6", 3)
     gate = _gate_stores(client, m.Retrieve)
-    plan = StepPlan(loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0, is_async=True)], step=1)
+    spec = RetrieveSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0, is_async=True)
+    plan = StepPlan(retrieves=[spec], step=1)
     worker.begin_step(plan)
-    worker.load(plan)
-    assert worker.take_finished_recving() == set() and worker.take_load_errors() == set()
-    assert worker.loads_in_flight == 1
+    worker.retrieve(plan)
+    assert worker.take_finished_recving() == set() and worker.take_retrieve_errors() == set()
+    assert worker.retrieves_in_flight == 1
     worker.begin_step(StepPlan(step=2))
     assert worker.take_finished_recving() == set()  # still held: vLLM keeps it waiting
     gate.set()
-    assert worker.wait_loads(None)
+    assert worker.wait_retrieves(None)
     worker.begin_step(StepPlan(step=3))
-    assert worker.take_load_errors() == set() and worker.take_finished_recving() == {"r"}
+    assert worker.take_retrieve_errors() == set() and worker.take_finished_recving() == {"r"}
     assert worker.take_failed_step() == -1 and worker.take_not_stored() == {}
-    assert worker.tally.totals()["load_tokens"] == 3 * CS and worker.loads_in_flight == 0
+    assert worker.tally.totals()["load_tokens"] == 3 * CS and worker.retrieves_in_flight == 0
     worker.close()
 
 
@@ -247,17 +248,18 @@ def test_a_late_async_load_failure_is_reported_with_its_request_in_the_step_that
     client, worker = _loader(daemon, 12, "m7", 1)  # only the first chunk is still cached
     gate = _gate_stores(client, m.Retrieve)
     unfilled = set(BLOCKS[CS // BS : 3 * CS // BS])
-    plan = StepPlan(loads=[LoadSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0, is_async=True)], step=1)
+    spec = RetrieveSpec("r", PROMPT[: 3 * CS], BLOCKS[: 3 * CS // BS], 0, is_async=True)
+    plan = StepPlan(retrieves=[spec], step=1)
     worker.begin_step(plan)
-    worker.load(plan)
+    worker.retrieve(plan)
     worker.begin_step(StepPlan(step=2))
-    assert worker.take_finished_recving() == set() and worker.take_load_errors() == set()
+    assert worker.take_finished_recving() == set() and worker.take_retrieve_errors() == set()
     assert worker.take_failed_step() == -1 and worker.take_failed_async() == frozenset()
     gate.set()
-    assert worker.wait_loads(None)
+    assert worker.wait_retrieves(None)
     worker.begin_step(StepPlan(step=3, failures_seen=-1))
     assert worker.take_finished_recving() == {"r"}
-    assert worker.take_load_errors() == unfilled  # not computed on: named once
+    assert worker.take_retrieve_errors() == unfilled  # not computed on: named once
     assert worker.take_failed_step() == 3 and worker.take_not_stored() == {"r": CS}
     # Named with its report: the scheduler half offers it no second load (issue 26).
     assert worker.take_failed_async() == frozenset({"r"}) and worker.take_failed_async() == frozenset()
@@ -268,7 +270,7 @@ def test_a_late_async_load_failure_is_reported_with_its_request_in_the_step_that
     worker.begin_step(stale)
     worker.store(stale)
     assert worker.wait_stores(None) and worker.take_not_stored() == {"s": CS}
-    assert worker.take_load_errors() == set()
+    assert worker.take_retrieve_errors() == set()
     fresh = StepPlan(stores=[sharer], step=5, failures_seen=3)
     worker.begin_step(fresh)
     worker.store(fresh)
@@ -282,29 +284,31 @@ def test_a_preempted_requests_load_in_flight_is_waited_for_before_the_step(daemo
     them must be over first (``begin_step``), as its stores are."""
     client, worker = _loader(daemon, 13, "m8", 2)
     gate = _gate_stores(client, m.Retrieve)
-    plan = StepPlan(loads=[LoadSpec("p", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], 0, is_async=True)], step=1)
+    spec = RetrieveSpec("p", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], 0, is_async=True)
+    plan = StepPlan(retrieves=[spec], step=1)
     worker.begin_step(plan)
-    worker.load(plan)
-    assert worker.loads_in_flight == 1
+    worker.retrieve(plan)
+    assert worker.retrieves_in_flight == 1
     opener = threading.Timer(0.3, gate.set)  # the copy is held until after begin_step is called
     opener.start()
     try:
         worker.begin_step(StepPlan(step=2, preempted=["p"]))
-        assert worker.loads_in_flight == 0, "the step began with the preempted request's load in flight"
+        assert worker.retrieves_in_flight == 0, "the step began with the preempted request's load in flight"
     finally:
         opener.cancel()
         gate.set()
-    assert worker.take_finished_recving() == {"p"} and worker.take_load_errors() == set()
+    assert worker.take_finished_recving() == {"p"} and worker.take_retrieve_errors() == set()
     worker.close()
 
 
 def test_an_async_load_that_cannot_be_issued_is_reported_in_the_same_step() -> None:
     worker = ConnectorWorker(KVCacheClient("ipc:///nonexistent/kvcache.sock", 14, "m", timeout_s=1), BS)
-    plan = StepPlan(loads=[LoadSpec("a", PROMPT[:CS], [40, 41, 42, 43], 0, is_async=True)], step=7)
+    spec = RetrieveSpec("a", PROMPT[:CS], [40, 41, 42, 43], 0, is_async=True)
+    plan = StepPlan(retrieves=[spec], step=7)
     worker.begin_step(plan)
-    worker.load(plan)
-    assert worker.take_finished_recving() == {"a"} and worker.take_load_errors() == {40, 41, 42, 43}
-    assert worker.take_failed_step() == 7 and worker.loads_in_flight == 0
+    worker.retrieve(plan)
+    assert worker.take_finished_recving() == {"a"} and worker.take_retrieve_errors() == {40, 41, 42, 43}
+    assert worker.take_failed_step() == 7 and worker.retrieves_in_flight == 0
     assert worker.take_failed_async() == frozenset({"a"})
     worker.close()
 
@@ -314,9 +318,10 @@ def test_a_step_with_no_forward_waits_briefly_for_a_load_to_settle(daemon: Daemo
     first load in flight instead, so the client's thread gets the GIL to finish it."""
     client, worker = _loader(daemon, 15, "m9", 2)
     gate = _gate_stores(client, m.Retrieve)
-    plan = StepPlan(loads=[LoadSpec("r", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], 0, is_async=True)], step=1)
+    spec = RetrieveSpec("r", PROMPT[: 2 * CS], BLOCKS[: 2 * CS // BS], 0, is_async=True)
+    plan = StepPlan(retrieves=[spec], step=1)
     worker.begin_step(plan)
-    worker.load(plan)
+    worker.retrieve(plan)
     assert worker.take_finished_recving(idle_wait_s=0.05) == set()  # bounded: still held
     opener = threading.Timer(0.1, gate.set)
     opener.start()
@@ -325,5 +330,5 @@ def test_a_step_with_no_forward_waits_briefly_for_a_load_to_settle(daemon: Daemo
     finally:
         opener.cancel()
         gate.set()
-    assert worker.take_load_errors() == set()
+    assert worker.take_retrieve_errors() == set()
     worker.close()

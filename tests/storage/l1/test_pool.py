@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from kvcache.observability.event import EventType, L1Cleared, L1ReadFinished
-from kvcache.storage.l1.pool import EntryState, L1Pool, SlotGeometry, WriteReservation
+from kvcache.storage.l1.pool import EntryState, L1Pool, SlotShape, WriteReservation
 from tests.helpers import RecordingSink as Sink
 
-G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
-G2 = SlotGeometry((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk
+G = SlotShape((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
+G2 = SlotShape((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk
 
 
 def pool(chunks: int, watermark: float = 1.0, sink: Sink | None = None, extent_chunks: int = 2) -> L1Pool:
     return L1Pool(chunks * G.stride, watermark=watermark, extent_bytes=extent_chunks * G.stride, bus=sink)
 
 
-def write(p: L1Pool, keys: list[int], geometry: SlotGeometry = G) -> list[int]:
+def write(p: L1Pool, keys: list[int], geometry: SlotShape = G) -> list[int]:
     res = p.begin_write(geometry, keys)
     for _, e in res.new:
         e.tensor.fill_(e.key)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.storage.l1.slab import EXTENT_SHARE, SlabAllocator, SlotGeometry
+from kvcache.storage.l1.slab import EXTENT_SHARE, SlabAllocator, SlotShape
 
-G = SlotGeometry((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
-G2 = SlotGeometry((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk
+G = SlotShape((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
+G2 = SlotShape((1, 3, 16, 32), torch.float32)  # 6 KiB per chunk
 
 
 def test_an_extent_never_takes_the_whole_budget() -> None:

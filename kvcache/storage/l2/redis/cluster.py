@@ -36,7 +36,7 @@ from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 
 from kvcache.errors import RedisURLError, StorageError
-from kvcache.observability.event import EventSink, NullEventSink
+from kvcache.observability.event import EventSink, NullEventBus
 from kvcache.records import ChunkKey
 from kvcache.storage.l2.base import failure_reason, storage_error
 from kvcache.storage.l2.redis.cluster_notify import ClusterEvictionWatcher
@@ -152,7 +152,7 @@ class RedisClusterL2Adapter(PipelinedChunks):
         # Keys the masters drop by themselves (TTL, maxmemory) reach the bus as L2_KEYS_EVICTED;
         # the master set is re-read as often as a dead shard is retried.
         self._watcher: ClusterEvictionWatcher | None = None
-        if bus is not None and not isinstance(bus, NullEventSink):
+        if bus is not None and not isinstance(bus, NullEventBus):
             self._watcher = ClusterEvictionWatcher(
                 target,
                 key_prefix=key_prefix,

@@ -20,7 +20,7 @@ import torch
 from redis import exceptions as rex
 
 from kvcache.errors import CorruptChunkError, StorageError
-from kvcache.observability.event import EventSink, NullEventSink
+from kvcache.observability.event import EventSink, NullEventBus
 from kvcache.records import ChunkKey
 from kvcache.storage.l2 import codec
 from kvcache.storage.l2.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
@@ -129,7 +129,7 @@ class RedisL2Adapter(PipelinedChunks):
         self._client = redis.Redis(connection_pool=pool)
         # Keys the server drops by itself (TTL, maxmemory) reach the bus as L2_KEYS_EVICTED.
         self._watcher: RedisEvictionWatcher | None = None
-        if bus is not None and not isinstance(bus, NullEventSink):
+        if bus is not None and not isinstance(bus, NullEventBus):
             self._watcher = RedisEvictionWatcher(
                 self._client, key_prefix=key_prefix, backend=self.backend, bus=bus
             )

@@ -19,9 +19,9 @@ import zmq
 from kvcache import reference
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.config import EngineConfig
-from kvcache.context import GPUCacheContext
+from kvcache.context import CacheContext
 from kvcache.engine import CacheEngine
-from kvcache.layouts import GPUKVFormat, KVCaches
+from kvcache.layouts import KVCaches, KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches, random_fill
 from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
@@ -30,7 +30,7 @@ from tests.server.helpers import free_port, scrape
 CS, BS = 16, 4  # 16-token chunks of 4 blocks: small, so every prompt touches every shard
 CHUNKS = 8
 NB = 2 * CHUNKS * CS // BS  # room for a prompt and a second copy of it
-FA, FI = GPUKVFormat.NL_X_TWO_NB_BS_NH_HS, GPUKVFormat.NL_X_NB_TWO_BS_NH_HS
+FA, FI = KVFormat.NL_X_TWO_NB_BS_NH_HS, KVFormat.NL_X_NB_TWO_BS_NH_HS
 
 
 @dataclass
@@ -110,13 +110,13 @@ def _until_subscribed(fleet: Fleet, topic: bytes, daemon: DaemonProcess) -> None
             assert time.monotonic() < deadline, f"no KV event from daemon {topic!r}"
 
 
-def caches(fmt: GPUKVFormat, seed: int) -> KVCaches:
+def caches(fmt: KVFormat, seed: int) -> KVCaches:
     return to_shared(make_kv_caches(fmt, num_layers=2, num_blocks=NB, block_size=BS, head_size=8, seed=seed))
 
 
-def blocks(kv: KVCaches, fmt: GPUKVFormat, ids: range) -> torch.Tensor:
+def blocks(kv: KVCaches, fmt: KVFormat, ids: range) -> torch.Tensor:
     """The bytes of these blocks, in the layout-independent chunk order (for comparisons)."""
-    shape = GPUCacheContext(kv, chunk_size=CS, fmt=fmt).shape
+    shape = CacheContext(kv, chunk_size=CS, fmt=fmt).shape
     return reference.gather(kv, fmt, shape, list(ids)).view(torch.uint8)
 
 
@@ -165,7 +165,7 @@ def test_a_prompt_stored_through_one_daemon_is_retrieved_byte_exact_through_anot
         ({"chunk_size": 2 * CS}, False),
         ({"dtype": torch.float16}, False),
         ({"num_layers": 3}, False),
-        ({"fmt": GPUKVFormat.NL_X_NB_BS_HS, "head_size": 32}, False),  # MLA, same bytes per token
+        ({"fmt": KVFormat.NL_X_NB_BS_HS, "head_size": 32}, False),  # MLA, same bytes per token
         ({"model": "other-model"}, False),
         ({"salt": "tenant-b"}, False),
     ],
@@ -177,7 +177,7 @@ def test_engines_share_chunks_exactly_when_they_can_exchange_the_bytes(
     split or MLA never reads these chunks (a hit would hand it wrong bytes); a layout change
     of the same model does, byte-exact. Two engines in one process, each with its own L1."""
 
-    def engine(**kw: Any) -> tuple[CacheEngine, KVCaches, GPUKVFormat, str, str]:
+    def engine(**kw: Any) -> tuple[CacheEngine, KVCaches, KVFormat, str, str]:
         cfg = EngineConfig(chunk_size=kw.get("chunk_size", CS), l1_size_bytes=1 << 24,
                            l1_extent_bytes=1 << 20, l2_redis_url=shared_cluster.url)  # fmt: skip
         fmt = kw.get("fmt", FA)

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.observability.bus import EventBus
-from kvcache.observability.event import Event, EventType, L2StoreFinished
+from kvcache.observability.event import Event, EventType, L2StoreFinished, NullEventBus
 from kvcache.storage.l2.redis.notify import covers
 from kvcache.storage.l2.redis.single import RedisL2Adapter
 from kvcache.testing.redis_local import LocalRedis
@@ -145,13 +145,16 @@ def test_without_permission_to_switch_them_on_it_warns_and_says_so(
 
 
 def test_no_bus_no_watcher(redis_server: LocalRedis) -> None:
-    a = RedisL2Adapter(redis_server.url)
-    try:
-        assert a.info()["evictions_watched"] == "off"
-        raw = redis.Redis.from_url(redis_server.url)
-        assert raw.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""
-    finally:
-        a.close()
+    """No bus, or the null bus (observability off): nobody would see the events, so no
+    watcher thread and no server setting changed."""
+    for bus in (None, NullEventBus()):
+        a = RedisL2Adapter(redis_server.url, bus=bus)
+        try:
+            assert a.info()["evictions_watched"] == "off"
+            raw = redis.Redis.from_url(redis_server.url)
+            assert raw.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""
+        finally:
+            a.close()
 
 
 def test_a_restarted_server_is_followed_again(redis_server: LocalRedis) -> None:

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvcache.deadline import Deadline
-from kvcache.engine.instance import Instance
+from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
 from kvcache.errors import DeadlineExceededError
@@ -41,10 +40,10 @@ logger = logging.getLogger("kvcache.engine.engine")  # the engine's logger name,
 
 def prefetch(
     parts: EngineParts,
-    inst: Instance,
+    inst: InstanceState,
     keys: Sequence[ChunkKey],
-    deadline: float | None = None,
-    room_by: float | None = None,
+    deadline: Deadline | None = None,
+    room_by: Deadline | None = None,
 ) -> int:
     """Start loading the leading ``keys`` found in L2 into L1; returns how many started.
 
@@ -66,8 +65,8 @@ def prefetch(
                 source[i] = tier
     n = next((i for i, s in enumerate(source) if s is None), len(keys))
     room = room_by if room_by is not None else deadline
-    room_s = 0.0 if room is None else max(0.0, room - time.monotonic())
-    entries = parts.pool.begin_load(inst.geometry, keys[:n], wait_s=room_s)
+    room_s = 0.0 if room is None else room.left()
+    entries = parts.pool.begin_load(inst.slot_shape, keys[:n], wait_s=room_s)
     for i, entry in enumerate(entries):
         src = source[i]
         assert src is not None
@@ -76,7 +75,7 @@ def prefetch(
             parts.pool.finish([entry], ok)
             notify_settled(parts.loads_settled)  # a retrieve waiting for it looks again
 
-        wait_s = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        wait_s = 0.0 if deadline is None else deadline.left()
         if not src.submit_load(entry.key, entry.tensor, done, wait_s):
             parts.pool.finish(entries[i:], False)
             notify_settled(parts.loads_settled)
@@ -84,7 +83,7 @@ def prefetch(
     return len(entries)
 
 
-def retrieve_async(parts: EngineParts, inst: Instance, req: RetrieveRequest) -> Future[RetrieveResult]:
+def retrieve_async(parts: EngineParts, inst: InstanceState, req: RetrieveRequest) -> Future[RetrieveResult]:
     """See ``CacheEngine.submit_retrieve``. Never raises: every error is set on the future.
 
     The caller's thread checks the request, pins the leading chunks resident in L1 and, when
@@ -122,15 +121,15 @@ class _RetrieveOp:
     there to the copy's completion, one thread at a time: whoever holds the op releases it."""
 
     parts: EngineParts
-    inst: Instance
+    inst: InstanceState
     sid: str
     num_tokens: int
     skip: int  # tokens left alone (whole blocks)
     local_skip: int  # blocks of the first chunk left alone
     keys: list[ChunkKey]  # from the first chunk with a block to copy
     ids: Ids  # the block ids of ``keys``
-    copy_by: Deadline | None  # the request's: no byte is written into its blocks after it
-    deadline: Deadline  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``copy_by``)
+    req_deadline: Deadline | None  # the request's: no byte is written into its blocks after it
+    deadline: Deadline  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``req_deadline``)
     future: Future[RetrieveResult] = field(default_factory=Future)
     pinned: list[L1Entry] = field(default_factory=list)
     claimed: bool = False  # its wait is over: one thread cuts and copies it (``claim``)
@@ -138,7 +137,7 @@ class _RetrieveOp:
     settled_upto: int = 0  # leading ``pinned`` entries known settled (``waiting``)
 
     @classmethod
-    def begin(cls, parts: EngineParts, inst: Instance, req: RetrieveRequest) -> _RetrieveOp:
+    def begin(cls, parts: EngineParts, inst: InstanceState, req: RetrieveRequest) -> _RetrieveOp:
         """Key the request (checked when it was built) and publish ``MP_RETRIEVE_START``."""
         ctx = inst.ctx
         num_tokens, skip_tokens = len(req.token_ids), req.skip_tokens
@@ -162,11 +161,10 @@ class _RetrieveOp:
             inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=skip),
         )
         first = skip_blocks // bpc  # the first chunk with a block to copy
-        copy_by = req.deadline
-        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(copy_by)
+        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(req.deadline)
         local_skip = skip_blocks - first * bpc
         return cls(parts, inst, sid, num_tokens, skip, local_skip, keys[first:], ids[first * bpc :],
-                   copy_by, deadline)  # fmt: skip
+                   req.deadline, deadline)  # fmt: skip
 
     # -- caller's thread ------------------------------------------------------------------
     def ready_now(self) -> bool:
@@ -227,7 +225,7 @@ class _RetrieveOp:
             rest = keys[len(entries) :]
             more = parts.pool.acquire(rest)
             if not more:
-                prefetch(parts, self.inst, rest, self.deadline.at)
+                prefetch(parts, self.inst, rest, self.deadline)
                 more = parts.pool.acquire(rest)  # the loads just begun, or begun by another
                 if not more:  # a miss, or they failed already
                     break
@@ -259,7 +257,7 @@ class _RetrieveOp:
     def copy(self) -> None:
         """Submit the copy of ``pinned`` (all READY), or end the retrieve without one."""
         inst, good = self.inst, self.pinned
-        if self.copy_by is not None and self.copy_by.passed():
+        if self.req_deadline is not None and self.req_deadline.passed():
             self.fail(DeadlineExceededError(
                 "retrieve: its client's deadline passed before the copy could start; no byte was "
                 "written into its blocks"
@@ -272,8 +270,9 @@ class _RetrieveOp:
         sel = self.ids[: len(good) * ctx.blocks_per_chunk]
         try:
             chunks = [e.tensor for e in good]
-            start_by = self.copy_by.at if self.copy_by is not None else None
-            job = ctx.copy_from_chunks_async(chunks, sel, skip_blocks=self.local_skip, start_by=start_by)
+            job = ctx.copy_from_chunks_async(
+                chunks, sel, skip_blocks=self.local_skip, deadline=self.req_deadline
+            )
         except Exception as err:  # the handler is closed: nothing was queued
             self.fail(err)
             return
@@ -313,7 +312,7 @@ class _RetrieveOp:
         parts, inst = self.parts, self.inst
         copied = copies.blocks * inst.ctx.block_size
         retrieved = self.skip + copied
-        parts.stats.record_load(copies.nbytes, copies.seconds, copied)
+        parts.stats.record_retrieve(copies.nbytes, copies.seconds, copied)
         parts.events.retrieve_end(
             inst, self.sid, self.num_tokens, self.skip, retrieved, max(0, copied - l2_tokens), l2_tokens,
             copies, error is None,
