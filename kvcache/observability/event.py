@@ -105,6 +105,8 @@ class MpRetrieveEnd(OperationMeta, frozen=True, gc=False):
     num_bytes: int
     transfer_seconds: float
     success: bool
+    awaited_tokens: int = 0
+    awaited_missing_tokens: int = 0
 
 
 class MpLookupStart(OperationMeta, frozen=True, gc=False):

@@ -52,6 +52,11 @@ class ConnectorConfig:
       most ``MAX_LOOKUP_BATCH``): the first request of a step that needs a lookup takes the
       other requests vLLM added (or preempted) since with it, so a step that admits many
       requests asks the daemon once. 1: one lookup per request.
+    * ``consumer_store``: under ``kv_role=kv_consumer``, store anyway (default False: a decode
+      instance only loads). ``kv_producer`` never loads (docs/disaggregation.md).
+    * ``transfer_wait_s``: how long a decode instance's load waits at the daemon for the chunks
+      the prefill instance named in ``kv_transfer_params`` (default 5; below ``timeout_s``);
+      what has not arrived by then is recomputed.
     """
 
     endpoint: str | None = None
@@ -68,6 +73,8 @@ class ConnectorConfig:
     async_stores: bool = True
     async_loads: bool = True
     lookup_batch: int = 32
+    consumer_store: bool = False
+    transfer_wait_s: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -81,6 +88,9 @@ class ConnectorConfig:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
         if not 1 <= cfg.lookup_batch <= MAX_LOOKUP_BATCH:
             raise ValueError(f"lookup_batch must be in 1..{MAX_LOOKUP_BATCH}, got {cfg.lookup_batch}")
+        if not 0 < cfg.transfer_wait_s < cfg.timeout_s:
+            wait = cfg.transfer_wait_s
+            raise ValueError(f"transfer_wait_s must be in (0, timeout_s={cfg.timeout_s}), got {wait}")
         if cfg.window < 1:
             raise ValueError(f"window must be >= 1, got {cfg.window}")
         if cfg.instance_id is not None and cfg.instance_id < 0:
@@ -101,4 +111,18 @@ class ConnectorConfig:
         return name if world_size == 1 else f"{name}@tp{rank}of{world_size}"
 
 
-__all__ = ["ConnectorConfig"]
+def tp_rank_world() -> tuple[int, int]:
+    """This process's tensor-parallel (rank, world size); (0, 1) without vLLM's distributed
+    state (the scheduler process, a single process)."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:
+        return 0, 1
+
+
+__all__ = ["ConnectorConfig", "tp_rank_world"]

@@ -40,7 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcache.client import KVCacheClient
-from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
+from kvcache.integrations.vllm.disagg import TransferTokens, producer_params, resolve_role
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
@@ -62,30 +63,19 @@ IDLE_LOAD_WAIT_S = 0.005
 the client's thread to get the GIL, short next to a step, so an arrival waits little longer."""
 
 
-def _tp() -> tuple[int, int]:
-    try:
-        from vllm.distributed.parallel_state import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    except Exception:  # no distributed state (scheduler process, single process)
-        return 0, 1
-
-
 class KVCacheConnector(KVConnectorBase_V1):
     """See the module docstring; configuration: ``ConnectorConfig`` (docs/vllm.md)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        self.config = resolve_role(tc.kv_role, ConnectorConfig.from_extra(tc.kv_connector_extra_config))
+        self._producer = tc.kv_role == "kv_producer"  # its finished requests name what they stored
         cache = vllm_config.cache_config
         self.block_size: int = cache.block_size
         hash_bs = getattr(cache, "hash_block_size", None)
         self._pass_hashes = hash_bs in (None, self.block_size)
-        rank, world = _tp() if role == KVConnectorRole.WORKER else (0, 1)
+        rank, world = tp_rank_world() if role == KVConnectorRole.WORKER else (0, 1)
         world = vllm_config.parallel_config.tensor_parallel_size
         served = vllm_config.model_config.served_model_name
         served = served[0] if isinstance(served, list) else served
@@ -114,6 +104,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._loading: set[str] = set()  # asynchronous loads planned, not yet reported received
         self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
+        self._awaited = TransferTokens(self.tally)  # decode requests: the tokens their params name
         self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
         # worker half
         self._worker = ConnectorWorker(
@@ -261,6 +252,9 @@ class KVCacheConnector(KVConnectorBase_V1):
             return 0, False
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
+        awaited = self._awaited.of(request, len(prompt), planner.chunk_size)
+        if awaited:  # a decode request: its load waits at the daemon for the prefill's store
+            return planner.external_tokens(len(prompt), num_computed_tokens, awaited), True
         cached = self._last_hit.get(request.request_id)
         if cached is not None and cached[0] == num_computed_tokens:
             # Asked again while the request waits for memory: one lookup per admission.
@@ -298,11 +292,13 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._requests[req_id] = request
         local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        awaited = self._awaited.get(req_id)  # a decode request's load is asynchronous
+        is_async = self._async_loads or awaited > 0
         planner.on_alloc(
             req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
-            request.cache_salt or "", key_extra, self._async_loads,
+            request.cache_salt or "", key_extra, is_async, (awaited, int(self.config.transfer_wait_s * 1000)),
         )  # fmt: skip
-        if self._async_loads and num_external_tokens > 0:
+        if is_async and num_external_tokens > 0:
             self._loading.add(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -389,12 +385,14 @@ class KVCacheConnector(KVConnectorBase_V1):
                 self._planner.release(req_id)
                 delay = True
         self._stored.discard(req_id)
+        self._awaited.forget(req_id)
+        stored = self._planner.stored(req_id) if self._planner is not None and self.config.store else 0
         if self._planner is not None and self._planner.finish(req_id):
             try:
                 self.client.end_session(req_id, wait=False)
             except Exception as exc:
                 log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
-        return delay, None
+        return delay, producer_params(self._producer, request, stored)
 
 
 __all__ = ["KVCacheConnector", "KVCacheMetadata", "KVCacheWorkerMeta"]

@@ -41,6 +41,9 @@ class LoadSpec:
     is_async: bool = False
     """vLLM waits for it (``WAITING_FOR_REMOTE_KVS``) instead of computing on the blocks in the
     same step; the workers report it in ``get_finished`` whatever its outcome."""
+    awaited: tuple[int, int] = (0, 0)
+    """(chunks, ms): the leading chunks a prefill instance is storing, and how long the daemon
+    may wait for them (``disagg``; ``KVCacheClient.retrieve_reply_async``)."""
 
 
 @dataclass(slots=True)
@@ -123,8 +126,10 @@ class Planner:
         cache_salt: str = "",
         key_extra: str = "",
         is_async: bool = False,
+        awaited: tuple[int, int] = (0, 0),
     ) -> None:
-        """A request got its blocks; queue its load (if any) for the next step's plan."""
+        """A request got its blocks; queue its load (if any) for the next step's plan.
+        ``awaited``: (tokens, ms) of a decode request's transfer parameters (``disagg``)."""
         state = self._reqs.get(req_id)
         if state is None or external:
             state = self._reqs[req_id] = _Request(cache_salt, key_extra)
@@ -137,7 +142,8 @@ class Planner:
         end = min(end, len(prompt))
         nblocks = -(-end // self.block_size)
         tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
-        self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async))
+        wait = (min(awaited[0], end) // self.chunk_size, awaited[1])
+        self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async, wait))
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 
     def step(
@@ -235,6 +241,11 @@ class Planner:
         state = self._reqs.get(req_id)
         salt, extra = (state.cache_salt, state.key_extra) if state is not None else ("", "")
         self._final_stores.append(StoreSpec(req_id, [], [], None, salt, 0, extra, final=True))
+
+    def stored(self, req_id: str) -> int:
+        """The request's stored watermark in tokens (chunks stored or being stored), 0 if unknown."""
+        state = self._reqs.get(req_id)
+        return state.stored_tokens if state is not None else 0
 
     def finish(self, req_id: str) -> bool:
         """Forget a finished request; True if it was known."""
