@@ -57,6 +57,8 @@ def _free_port() -> int:
 def vllm_python() -> str:
     if os.environ.get("KVCACHE_SKIP_VLLM_E2E") == "1":
         pytest.skip("KVCACHE_SKIP_VLLM_E2E=1")
+    if os.environ.get("KVCACHE_VLLM_PYTHON"):  # a venv built already (PYTHONPATH picks the tree)
+        return os.environ["KVCACHE_VLLM_PYTHON"]
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / "vllm_env.sh")], capture_output=True, text=True, timeout=900
     )

@@ -1,0 +1,123 @@
+"""Prefill/decode disaggregation through kvcache, end to end: two real ``vllm serve``
+processes (a ``kv_producer`` prefill instance, a ``kv_consumer`` decode instance) and one
+real daemon, driven over HTTP the way a proxy drives them (vLLM's P/D convention):
+
+1. the prefill instance gets the request with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true}`` and answers with the parameters that
+   name the prompt chunks it stored (asynchronously: they may still be in flight);
+2. the decode instance gets the original request with those parameters, waits at the daemon
+   for exactly those chunks, and generates.
+
+For prompts of odd lengths: the decode output equals that of the same decode instance, its
+prefix cache reset, serving the request without parameters (loading the prefix from kvcache
+through an ordinary lookup); the decode instance computed only the prompt's tail past the
+last whole chunk (vLLM's ``prompt_tokens_by_source``), and nothing it waited for went
+missing (its metrics and the daemon's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvcache.integrations.vllm.disagg import PARAMS_KEY
+from tests.integrations.vllm.test_connector import Daemon, start_daemon, vllm_python  # noqa: F401
+from tests.integrations.vllm.vllm_driver import prompts
+from tests.integrations.vllm.vllm_server import (
+    Server,
+    make_model,
+    post,
+    reset_prefix_cache,
+    scrape,
+    start_server,
+    total,
+)
+
+pytestmark = pytest.mark.slow
+CHUNK = 256
+LENGTHS = (300, 555, 777)  # odd lengths: a partial chunk after one, two and three whole ones
+
+
+@dataclass
+class Split:
+    prefill: Server
+    decode: Server
+    daemon: Daemon
+    model: str
+
+
+@pytest.fixture(scope="module")
+def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:  # noqa: F811
+    tmp = tmp_path_factory.mktemp("disagg")
+    model = tmp / "model"
+    make_model(vllm_python, model)
+    daemon = start_daemon(tmp, None, "daemon", ["--chunk-size", str(CHUNK)])
+    extra = {"timeout_s": 30.0, "transfer_wait_s": 20.0}
+    run = tmp / "run"
+    prefill = start_server(vllm_python, model, run, tmp / "prefill.log", "kv_producer", extra)
+    decode = start_server(vllm_python, model, run, tmp / "decode.log", "kv_consumer", extra)
+    try:
+        started = max(prefill.wait_ready(), decode.wait_ready())
+        print(f"two vllm serve processes ready in {started:.0f} s")
+        yield Split(prefill, decode, daemon, str(model))
+    finally:
+        for server in (prefill, decode):
+            server.stop()
+            print(server.log.read_text()[-2000:])
+        daemon.stop()
+
+
+def _computed(base: str, want_prompt_tokens: float) -> dict[str, float]:
+    """The decode instance's metrics once vLLM logged ``want_prompt_tokens`` prompt tokens
+    (its logger records outputs after the response is sent: polled, it has no event)."""
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape(base + "/metrics")
+        if total(samples, "vllm:prompt_tokens_by_source_total") >= want_prompt_tokens:
+            return samples
+        assert time.monotonic() < deadline, "vLLM never counted the request's prompt tokens"
+        time.sleep(0.1)
+
+
+def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
+    decode_base = split.decode.base
+    seen = total(scrape(decode_base + "/metrics"), "vllm:prompt_tokens_by_source_total")
+    for i, length in enumerate(LENGTHS):
+        prompt = prompts(100 + i, length, 1, 0)[0]
+        assert len(prompt) == length
+        request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        # 1. prefill: one token, the parameters back.
+        asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        first = post(split.prefill.base + "/v1/completions", asked)
+        params = first["kv_transfer_params"]
+        whole = length // CHUNK * CHUNK
+        assert params["do_remote_prefill"] is True and params[PARAMS_KEY] == {"v": 1, "tokens": whole}
+        # 2. decode, with them: right after the prefill answered (its stores may be in flight).
+        before = scrape(decode_base + "/metrics")
+        split_out = post(decode_base + "/v1/completions", {**request, "kv_transfer_params": params})
+        seen += length
+        after = _computed(decode_base, seen)
+        computed = total(after, "vllm:prompt_tokens_by_source_total", source="local_compute") - total(
+            before, "vllm:prompt_tokens_by_source_total", source="local_compute"
+        )
+        assert computed == length - whole, (length, computed)  # only the tail past the whole chunks
+        assert total(after, "vllm:kvcache_transfer_missed_tokens_total") == 0
+        # 3. the reference: the same instance, its own prefix cache reset, without parameters:
+        # an ordinary lookup loads the same prefix from kvcache.
+        reset_prefix_cache(decode_base)
+        reference = post(decode_base + "/v1/completions", request)
+        seen += length
+        _computed(decode_base, seen)
+        reset_prefix_cache(decode_base)
+        assert split_out["choices"][0]["text"] == reference["choices"][0]["text"], length
+    final = scrape(decode_base + "/metrics")
+    awaited = sum(n // CHUNK * CHUNK for n in LENGTHS)
+    assert total(final, "vllm:kvcache_transfer_requests_total") == len(LENGTHS)
+    assert total(final, "vllm:kvcache_transfer_awaited_tokens_total") == awaited
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 0
+    # The prefill instance never loads and the decode instance never stores.
+    assert total(scrape(split.prefill.base + "/metrics"), "vllm:kvcache_lookup_tokens_total") == 0
+    assert total(final, "vllm:kvcache_stored_tokens_total") == 0
