@@ -259,6 +259,18 @@ class _RetrieveOp:
                 return False
             entries += more
 
+    def polls(self) -> bool:
+        """(``loads_settled`` held) Awaited chunks are missing and an L2 tier may bring them
+        (another daemon sharing the L2 is storing them: nothing here is told when it lands)."""
+        return bool(self.parts.tiers) and len(self.pinned) < self.await_n and not self.claimed
+
+    def poll(self) -> None:
+        """Begin loading the awaited chunks L2 holds now; ``settled`` pins them (they are in
+        L1, LOADING) and their loads' ends wake the waiting set."""
+        rest = self.keys[len(self.pinned) : self.await_n]
+        if rest and not self.parts.pool.prefix(rest[:1]):
+            prefetch(self.parts, self.inst, rest, self.deadline.at, room_by=time.monotonic())
+
     def finish_wait(self) -> None:
         """(Claimed) Copy the READY prefix of ``pinned``; the first unsettled or failed chunk
         ends it."""
