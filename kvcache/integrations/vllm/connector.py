@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
-from kvcache.integrations.vllm.disagg import TransferTokens, producer_params, resolve_role
+from kvcache.integrations.vllm.disagg import SplitRequests, resolve_role
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
@@ -104,7 +104,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._loading: set[str] = set()  # asynchronous loads planned, not yet reported received
         self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
-        self._awaited = TransferTokens(self.tally)  # decode requests: the tokens their params name
+        self._split = SplitRequests(self.tally)  # decode requests: what their transfer params name
         self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
         # worker half
         self._worker = ConnectorWorker(
@@ -240,7 +240,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._lookups.asked(request.request_id)  # asked about now: no batch takes it along
         planner = self._get_planner() if self.config.load else None
         prompt = request.prompt_token_ids
-        if planner is None or prompt is None or len(prompt) <= planner.chunk_size:
+        if planner is None or prompt is None:
             return 0, False
         key_extra = request_key_extra(request)
         if key_extra is None:  # cannot be keyed faithfully (prompt embeddings): not offered
@@ -250,11 +250,11 @@ class KVCacheConnector(KVConnectorBase_V1):
             # counts it among its in-flight prefills, so a second asynchronous load would reserve
             # its own blocks against it and might never be admitted (docs/vllm.md): it recomputes.
             return 0, False
-        if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
-            return 0, False  # vLLM's own hit covers every chunk the daemon could add
-        awaited = self._awaited.of(request, len(prompt), planner.chunk_size)
+        awaited = self._split.tokens(request, len(prompt), planner.chunk_size, planner.block_size)
         if awaited:  # a decode request: its load waits at the daemon for the prefill's store
             return planner.external_tokens(len(prompt), num_computed_tokens, awaited), True
+        if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
+            return 0, False  # vLLM's own hit covers every chunk the daemon could add
         cached = self._last_hit.get(request.request_id)
         if cached is not None and cached[0] == num_computed_tokens:
             # Asked again while the request waits for memory: one lookup per admission.
@@ -292,12 +292,14 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._requests[req_id] = request
         local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        awaited = self._awaited.get(req_id)  # a decode request's load is asynchronous
-        is_async = self._async_loads or awaited > 0
+        whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
+        is_async, wait_ms = self._async_loads or whole + tail > 0, int(self.config.transfer_wait_s * 1000)
+        external = min(num_external_tokens, max(0, whole - local)) if tail else num_external_tokens
         planner.on_alloc(
-            req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
-            request.cache_salt or "", key_extra, is_async, (awaited, int(self.config.transfer_wait_s * 1000)),
+            req_id, request.prompt_token_ids or [], block_ids, local, external,
+            request.cache_salt or "", key_extra, is_async, (whole, wait_ms),
         )  # fmt: skip
+        self._split.tail_load(planner, request, block_ids, local, key_extra, wait_ms)
         if is_async and num_external_tokens > 0:
             self._loading.add(req_id)
 
@@ -374,25 +376,25 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._last_hit.pop(req_id, None)
         self._lookups.forget(req_id)
         self._recompute.discard(req_id)
-        delay = False
+        delay, params = False, None
         # ``_loading`` forgets it when the workers report it received.
         if req_id not in self._loading and self._planner is not None and self.config.store:
             # KV is written for every computed token whose step has finished.
             written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             hashes = request.block_hashes if self._pass_hashes else []
             delay = self._planner.final_store(req_id, request.all_token_ids, block_ids, written, hashes)
-            if req_id in self._stored and not delay:
+            params, tail = self._split.finished(self._producer, self._planner, request, block_ids, written)
+            if req_id in self._stored and not (delay or tail):  # a tail store is final too
                 self._planner.release(req_id)
-                delay = True
+            delay = delay or tail or req_id in self._stored
         self._stored.discard(req_id)
-        self._awaited.forget(req_id)
-        stored = self._planner.stored(req_id) if self._planner is not None and self.config.store else 0
+        self._split.forget(req_id)
         if self._planner is not None and self._planner.finish(req_id):
             try:
                 self.client.end_session(req_id, wait=False)
             except Exception as exc:
                 log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
-        return delay, producer_params(self._producer, request, stored)
+        return delay, params
 
 
 __all__ = ["KVCacheConnector", "KVCacheMetadata", "KVCacheWorkerMeta"]

@@ -242,6 +242,14 @@ class Planner:
         salt, extra = (state.cache_salt, state.key_extra) if state is not None else ("", "")
         self._final_stores.append(StoreSpec(req_id, [], [], None, salt, 0, extra, final=True))
 
+    def queue_load(self, spec: LoadSpec) -> None:
+        """Queue a load built elsewhere (a decode request's tail chunk) for the next plan."""
+        self._loads.append(spec)
+
+    def queue_final_store(self, spec: StoreSpec) -> None:
+        """Queue a final store built elsewhere (a prefill request's tail chunk) for the next plan."""
+        self._final_stores.append(spec)
+
     def stored(self, req_id: str) -> int:
         """The request's stored watermark in tokens (chunks stored or being stored), 0 if unknown."""
         state = self._reqs.get(req_id)

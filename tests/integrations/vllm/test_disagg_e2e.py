@@ -10,9 +10,11 @@ real daemon, driven over HTTP the way a proxy drives them (vLLM's P/D convention
 
 For prompts of odd lengths: the decode output equals that of the same decode instance, its
 prefix cache reset, serving the request without parameters (loading the prefix from kvcache
-through an ordinary lookup); the decode instance computed only the prompt's tail past the
-last whole chunk (vLLM's ``prompt_tokens_by_source``), and nothing it waited for went
-missing (its metrics and the daemon's).
+through an ordinary lookup); the decode instance computed less than one vLLM block of the
+prompt (vLLM's ``prompt_tokens_by_source``): the prefill instance stored the prompt's whole
+blocks past its last whole chunk as a tail chunk only the parameters' holder can find, and
+the ordinary lookup indeed does not find it (it computes the whole tail); nothing the decode
+instance waited for went missing (its metrics and the daemon's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvcache.integrations.vllm.disagg import PARAMS_KEY
 from tests.integrations.vllm.test_connector import Daemon, start_daemon, vllm_python  # noqa: F401
 from tests.integrations.vllm.vllm_driver import prompts
 from tests.integrations.vllm.vllm_server import (
+    BLOCK,
     Server,
     make_model,
     post,
@@ -38,7 +41,7 @@ from tests.integrations.vllm.vllm_server import (
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
-LENGTHS = (300, 555, 777)  # odd lengths: a partial chunk after one, two and three whole ones
+LENGTHS = (300, 555, 640, 777)  # a tail of 1, 1, 4 and 0 whole blocks after the whole chunks
 
 
 @dataclass
@@ -82,6 +85,10 @@ def _computed(base: str, want_prompt_tokens: float) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def _local_compute(samples: dict[str, float]) -> float:
+    return total(samples, "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+
 def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
     decode_base = split.decode.base
     seen = total(scrape(decode_base + "/metrics"), "vllm:prompt_tokens_by_source_total")
@@ -94,27 +101,29 @@ def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
         first = post(split.prefill.base + "/v1/completions", asked)
         params = first["kv_transfer_params"]
         whole = length // CHUNK * CHUNK
-        assert params["do_remote_prefill"] is True and params[PARAMS_KEY] == {"v": 1, "tokens": whole}
+        tail = (length - whole) // BLOCK * BLOCK
+        ours = params[PARAMS_KEY]
+        assert params["do_remote_prefill"] is True and (ours["v"], ours["tokens"]) == (1, whole)
+        assert ours.get("tail", 0) == tail and len(ours.get("secret", "")) == (32 if tail else 0)
         # 2. decode, with them: right after the prefill answered (its stores may be in flight).
         before = scrape(decode_base + "/metrics")
         split_out = post(decode_base + "/v1/completions", {**request, "kv_transfer_params": params})
         seen += length
         after = _computed(decode_base, seen)
-        computed = total(after, "vllm:prompt_tokens_by_source_total", source="local_compute") - total(
-            before, "vllm:prompt_tokens_by_source_total", source="local_compute"
-        )
-        assert computed == length - whole, (length, computed)  # only the tail past the whole chunks
+        computed = _local_compute(after) - _local_compute(before)
+        assert computed == length - min(whole + tail, length - 1) <= BLOCK, (length, computed)
         assert total(after, "vllm:kvcache_transfer_missed_tokens_total") == 0
         # 3. the reference: the same instance, its own prefix cache reset, without parameters:
-        # an ordinary lookup loads the same prefix from kvcache.
+        # an ordinary lookup loads the same prefix from kvcache, and never finds the tail.
         reset_prefix_cache(decode_base)
         reference = post(decode_base + "/v1/completions", request)
         seen += length
-        _computed(decode_base, seen)
+        computed = _local_compute(_computed(decode_base, seen)) - _local_compute(after)
+        assert computed == length - min(whole, length - 1), (length, computed)
         reset_prefix_cache(decode_base)
         assert split_out["choices"][0]["text"] == reference["choices"][0]["text"], length
     final = scrape(decode_base + "/metrics")
-    awaited = sum(n // CHUNK * CHUNK for n in LENGTHS)
+    awaited = sum(n // BLOCK * BLOCK for n in LENGTHS)
     assert total(final, "vllm:kvcache_transfer_requests_total") == len(LENGTHS)
     assert total(final, "vllm:kvcache_transfer_awaited_tokens_total") == awaited
     assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 0
