@@ -18,6 +18,7 @@ import torch
 
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import ChunkMismatchError
+from kvcache.integrations.vllm.disagg import tail_chunk, tail_extra
 from kvcache.layouts import GPUKVFormat
 from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess
@@ -30,6 +31,7 @@ from .conftest import BASE_ARGS, raw_call
 TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens, 4 blocks each
 HALF = 64
 SHORT_MS = 300  # a wait that is meant to run out
+SECRET = "5ec7e7" + "0" * 26
 
 
 def _cache(seed: int) -> list[torch.Tensor]:
@@ -128,3 +130,26 @@ def test_malformed_waits_get_a_typed_error_and_change_nothing(daemon: DaemonProc
         # An absurd bound is capped by the daemon's retrieve_wait_timeout_s, not refused.
         assert consumer.retrieve_reply_async(tokens, BLOCKS, awaited=(8, 1 << 40)).result(timeout=10)
         assert consumer.lookup(tokens) == 128 and daemon.proc.poll() is None
+
+
+def test_a_tail_chunk_is_found_only_with_its_secret_and_prompt(daemon: DaemonProcess) -> None:
+    """The prefill side's tail (the blocks past the last whole chunk, padded to one chunk under
+    ``tail_extra``) is never part of an ordinary prefix: a lookup of the prompt stops at the
+    whole chunks, and only the secret's holder with the same prompt before it finds the tail."""
+    producer, kv_p, consumer, kv_c = _pair(daemon)
+    with producer, consumer:
+        prompt = [t + 5000 for t in range(16 * 3 + 12)]  # 3 whole chunks, then 3 whole blocks
+        whole, tail = 48, 12
+        producer.store(prompt[:whole], BLOCKS[: whole // 4])
+        tokens, ids = tail_chunk(prompt, whole, tail, BLOCKS, 16, 4)
+        extra = tail_extra("", SECRET, prompt, whole)
+        assert producer.store(tokens, ids, key_extra=extra).stored_chunks == 1
+        assert consumer.lookup(prompt) == whole  # an ordinary lookup: the whole chunks only
+        assert consumer.lookup(prompt + prompt) == whole
+        assert consumer.lookup(tokens) == 0  # the padded tail as an ordinary prompt
+        assert consumer.lookup(tokens, key_extra=tail_extra("", SECRET[::-1], prompt, whole)) == 0
+        other_prefix = [7, *prompt[1:]]
+        assert consumer.lookup(tokens, key_extra=tail_extra("", SECRET, other_prefix, whole)) == 0
+        assert consumer.lookup(tokens, key_extra=extra) == 16  # the holder of the parameters
+        assert consumer.retrieve(tokens, ids, key_extra=extra) == 16
+        assert caches_equal([t[:, ids[:3]] for t in kv_c], [t[:, ids[:3]] for t in kv_p])
