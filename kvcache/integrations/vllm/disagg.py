@@ -190,7 +190,7 @@ class SplitRequests:
         skip = max(0, local - got.whole) // bs * bs
         extra = tail_extra(key_extra, got.secret, prompt, got.whole)
         planner.queue_load(LoadSpec(request.request_id, tokens, ids, skip, request.cache_salt or "", extra,
-                                    True, (1, wait_ms)))  # fmt: skip
+                                    True, (1, wait_ms, got.tail)))  # fmt: skip
 
     def finished(self, producer: bool, planner: Planner, request: Any, block_ids: Sequence[int],
                  written: int) -> tuple[dict[str, Any] | None, bool]:  # fmt: skip

@@ -41,9 +41,10 @@ class LoadSpec:
     is_async: bool = False
     """vLLM waits for it (``WAITING_FOR_REMOTE_KVS``) instead of computing on the blocks in the
     same step; the workers report it in ``get_finished`` whatever its outcome."""
-    awaited: tuple[int, int] = (0, 0)
-    """(chunks, ms): the leading chunks a prefill instance is storing, and how long the daemon
-    may wait for them (``disagg``; ``KVCacheClient.retrieve_reply_async``)."""
+    awaited: tuple[int, int, int] = (0, 0, 0)
+    """(chunks, ms, tokens): the leading chunks a prefill instance is storing, how long the
+    daemon may wait for them (``disagg``; ``KVCacheClient.retrieve_reply_async``), and the
+    prompt tokens they hold (a tail chunk holds fewer than a chunk: the rest is padding)."""
 
 
 @dataclass(slots=True)
@@ -142,7 +143,7 @@ class Planner:
         end = min(end, len(prompt))
         nblocks = -(-end // self.block_size)
         tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
-        wait = (min(awaited[0], end) // self.chunk_size, awaited[1])
+        wait = (min(awaited[0], end) // self.chunk_size, awaited[1], min(awaited[0], end))
         self._loads.append(LoadSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async, wait))
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 

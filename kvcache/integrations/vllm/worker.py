@@ -180,7 +180,7 @@ class ConnectorWorker:
             return self.client.retrieve_reply_async(
                 spec.token_ids, spec.block_ids, spec.skip_tokens,
                 cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
-                awaited=spec.awaited,
+                awaited=spec.awaited[:2],
             )  # fmt: skip
         except Exception as exc:
             failed: Future[m.RetrieveResult] = Future()
@@ -196,7 +196,7 @@ class ConnectorWorker:
         loaded = max(0, got - spec.skip_tokens)
         self.tally.transfer("load", loaded, load.num_bytes, load.seconds, ok=got >= want)
         if spec.awaited[0]:  # a decode request: what the prefill instance's store did not bring
-            self.tally.count("transfer_missed_tokens", max(0, want - got))
+            self.tally.count("transfer_missed_tokens", max(0, min(want, spec.awaited[2]) - got))
         if load.error is not None:
             log.warning("kvcache: load for %s failed: %s", spec.req_id, load.error)
         if got >= want:

@@ -19,9 +19,11 @@ instance waited for went missing (its metrics and the daemon's).
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +43,7 @@ from tests.integrations.vllm.vllm_server import (
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
+WAIT_S = 5.0  # transfer_wait_s: what a fault costs the decode side
 LENGTHS = (300, 555, 640, 777)  # a tail of 1, 1, 4 and 0 whole blocks after the whole chunks
 
 
@@ -50,6 +53,7 @@ class Split:
     decode: Server
     daemon: Daemon
     model: str
+    tmp: Path
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +62,20 @@ def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     model = tmp / "model"
     make_model(vllm_python, model)
     daemon = start_daemon(tmp, None, "daemon", ["--chunk-size", str(CHUNK)])
-    extra = {"timeout_s": 30.0, "transfer_wait_s": 20.0}
+    extra = {"timeout_s": 30.0, "transfer_wait_s": WAIT_S}
     run = tmp / "run"
     prefill = start_server(vllm_python, model, run, tmp / "prefill.log", "kv_producer", extra)
     decode = start_server(vllm_python, model, run, tmp / "decode.log", "kv_consumer", extra)
     try:
         started = max(prefill.wait_ready(), decode.wait_ready())
         print(f"two vllm serve processes ready in {started:.0f} s")
-        yield Split(prefill, decode, daemon, str(model))
+        box = Split(prefill, decode, daemon, str(model), tmp)
+        yield box
     finally:
         for server in (prefill, decode):
             server.stop()
             print(server.log.read_text()[-2000:])
-        daemon.stop()
+        box.daemon.stop()
 
 
 def _computed(base: str, want_prompt_tokens: float) -> dict[str, float]:
@@ -130,3 +135,45 @@ def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
     # The prefill instance never loads and the decode instance never stores.
     assert total(scrape(split.prefill.base + "/metrics"), "vllm:kvcache_lookup_tokens_total") == 0
     assert total(final, "vllm:kvcache_stored_tokens_total") == 0
+
+
+def _decode_and_reference(split: Split, request: dict[str, object], params: dict[str, object]) -> None:
+    """The decode instance serves ``request`` with ``params`` and, its prefix cache reset,
+    without: the same text (nothing wrong was served, whatever the parameters named)."""
+    out = post(split.decode.base + "/v1/completions", {**request, "kv_transfer_params": params})
+    reset_prefix_cache(split.decode.base)
+    reference = post(split.decode.base + "/v1/completions", request)
+    reset_prefix_cache(split.decode.base)
+    assert out["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+def test_faults_are_recomputed_within_the_bound_and_nothing_wrong_is_served(split: Split) -> None:
+    """(1) The prefill instance is gone before its stores reached the daemon: the parameters
+    (as it would have answered) name chunks and a tail that never arrive. (2) The daemon
+    restarts between the two halves (no L2: what the prefill side stored is lost). Either way
+    the decode side waits ``transfer_wait_s``, recomputes, counts it, and serves the same
+    text as without parameters. Runs after the main test (it restarts the daemon)."""
+    decode_metrics = split.decode.base + "/metrics"
+    missed = total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total")
+    daemon_missed = split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total")
+    prompt = prompts(200, 555, 1, 0)[0]
+    request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    ours = {"v": 1, "tokens": 512, "tail": 32, "secret": secrets.token_hex(16)}
+    gone = {"do_remote_prefill": True, PARAMS_KEY: ours}
+    _decode_and_reference(split, request, gone)
+    deadline = time.monotonic() + 60
+    while total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total") < missed + 544:
+        assert time.monotonic() < deadline, "the missed tokens were never counted"
+        time.sleep(0.1)  # vLLM's logger: no event to wait on
+    assert total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total") == missed + 544
+    # The daemon counts whole chunks: the tail chunk as one (256 tokens, most of them padding).
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == daemon_missed + 768
+
+    prompt = prompts(201, 555, 1, 0)[0]
+    request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = post(split.prefill.base + "/v1/completions", asked)["kv_transfer_params"]
+    split.daemon.stop()
+    split.daemon = start_daemon(split.tmp, None, "daemon-restarted", ["--chunk-size", str(CHUNK)])
+    _decode_and_reference(split, request, params)
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 768
