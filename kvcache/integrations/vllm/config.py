@@ -55,8 +55,8 @@ class ConnectorConfig:
     * ``consumer_store``: under ``kv_role=kv_consumer``, store anyway (default False: a decode
       instance only loads). ``kv_producer`` never loads (docs/disaggregation.md).
     * ``transfer_wait_s``: how long a decode instance's load waits at the daemon for the chunks
-      the prefill instance named in ``kv_transfer_params`` (default 5; below ``timeout_s``);
-      what has not arrived by then is recomputed.
+      the prefill instance named in ``kv_transfer_params`` (below ``timeout_s``; default 5, or
+      half of ``timeout_s`` if that is less); what has not arrived by then is recomputed.
     """
 
     endpoint: str | None = None
@@ -74,7 +74,7 @@ class ConnectorConfig:
     async_loads: bool = True
     lookup_batch: int = 32
     consumer_store: bool = False
-    transfer_wait_s: float = 5.0
+    transfer_wait_s: float | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -88,7 +88,7 @@ class ConnectorConfig:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
         if not 1 <= cfg.lookup_batch <= MAX_LOOKUP_BATCH:
             raise ValueError(f"lookup_batch must be in 1..{MAX_LOOKUP_BATCH}, got {cfg.lookup_batch}")
-        if not 0 < cfg.transfer_wait_s < cfg.timeout_s:
+        if cfg.transfer_wait_s is not None and not 0 < cfg.transfer_wait_s < cfg.timeout_s:
             wait = cfg.transfer_wait_s
             raise ValueError(f"transfer_wait_s must be in (0, timeout_s={cfg.timeout_s}), got {wait}")
         if cfg.window < 1:
@@ -96,6 +96,11 @@ class ConnectorConfig:
         if cfg.instance_id is not None and cfg.instance_id < 0:
             raise ValueError(f"instance_id must be >= 0, got {cfg.instance_id}")
         return cfg
+
+    @property
+    def transfer_wait(self) -> float:
+        """``transfer_wait_s``, or its default (see the class docstring)."""
+        return self.transfer_wait_s if self.transfer_wait_s is not None else min(5.0, self.timeout_s / 2)
 
     def resolve_instance_id(self, engine_id: str | None, rank: int = 0) -> int:
         """The daemon instance id of tensor-parallel ``rank`` of this engine."""

@@ -293,7 +293,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
-        is_async, wait_ms = self._async_loads or whole + tail > 0, int(self.config.transfer_wait_s * 1000)
+        is_async, wait_ms = self._async_loads or whole + tail > 0, int(self.config.transfer_wait * 1000)
         external = min(num_external_tokens, max(0, whole - local)) if tail else num_external_tokens
         planner.on_alloc(
             req_id, request.prompt_token_ids or [], block_ids, local, external,

@@ -51,7 +51,8 @@ def test_roles_decide_the_directions_and_unknown_roles_fail_at_start() -> None:
 
 
 def test_transfer_wait_is_bounded_by_the_call_timeout() -> None:
-    assert ConnectorConfig.from_extra({}).transfer_wait_s == 5.0
+    assert ConnectorConfig.from_extra({}).transfer_wait == 5.0
+    assert ConnectorConfig.from_extra({"timeout_s": 1.0}).transfer_wait == 0.5  # a short timeout
     for bad in (0, -1, 10.0, 11):
         with pytest.raises(ValueError, match="transfer_wait_s"):
             ConnectorConfig.from_extra({"transfer_wait_s": bad, "timeout_s": 10.0})
