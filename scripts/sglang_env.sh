@@ -18,6 +18,9 @@ version="${KVCACHE_SGLANG_VERSION:-0.5.23}"
 marker="$venv/.kvcache-sglang-$version"
 py="$venv/bin/python"
 log() { echo "sglang_env: $*" >&2; }
+# shellcheck source=scripts/engine_venv.sh
+source "$repo/scripts/engine_venv.sh"
+lock_venv
 
 if [ ! -f "$marker" ]; then
   if [ ! -x "$py" ]; then
@@ -35,23 +38,12 @@ if [ ! -f "$marker" ]; then
   touch "$marker"
 fi
 
-# kvcache into the venv without its deps; install only what is missing. The native module is
-# reused from the source tree's build. Checks run from / so the current directory cannot satisfy
-# `import kvcache`.
-site="$(cd / && "$py" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')"
-if [ "$(cat "$site/kvcache-src.pth" 2>/dev/null)" != "$repo" ]; then
-  log "linking kvcache from $repo"
-  echo "$repo" > "$site/kvcache-src.pth"
-fi
-missing=()
-for mod in msgspec:msgspec zmq:pyzmq prometheus_client:prometheus-client redis:redis \
-           opentelemetry.sdk:opentelemetry-sdk; do
-  (cd / && "$py" -c "import ${mod%%:*}") >/dev/null 2>&1 || missing+=("${mod##*:}")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  log "installing missing: ${missing[*]}"
-  "$py" -m pip install --quiet -c "$repo/scripts/sglang/constraints.txt" "${missing[@]}" >&2
-fi
+# --build-only: stop here (scripts/test.sh builds in the background before kvcache's native
+# module exists; the tests' own call links and checks it).
+if [ "${1:-}" = "--build-only" ]; then exit 0; fi
+# kvcache linked into the venv; the native module is reused from the source tree's build.
+# Checks run from / so that the current directory cannot satisfy `import kvcache`.
+link_kvcache -c "$repo/scripts/sglang/constraints.txt"
 (cd / && PYTHONPATH="$repo/tests/integrations/sglang/cishim" "$py" -c \
   "import sglang.srt.mem_cache.hicache_storage, kvcache") >&2
 echo "$py"

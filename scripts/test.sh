@@ -4,6 +4,15 @@
 # Debian packages; the tests start and stop their own servers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The serving engines' own venvs (vLLM, SGLang) take minutes of downloads on a fresh machine: build
+# them in the background while setup, lint, types and the rest of the suite run. The tests that need
+# them run last (tests/conftest.py) and call the same scripts, which wait on the build's lock.
+if [ "${KVCACHE_SKIP_VLLM_E2E:-0}" != 1 ]; then
+  bash scripts/vllm_env.sh --build-only >>.engine-venvs.log 2>&1 &
+fi
+if [ "${KVCACHE_SKIP_SGLANG:-0}" != 1 ]; then
+  bash scripts/sglang_env.sh --build-only >>.engine-venvs.log 2>&1 &
+fi
 if ! command -v redis-server >/dev/null || ! command -v promtool >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive

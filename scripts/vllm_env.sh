@@ -15,6 +15,9 @@ version="${KVCACHE_VLLM_VERSION:-0.32.0}"
 marker="$venv/.kvcache-vllm-$version"
 py="$venv/bin/python"
 log() { echo "vllm_env: $*" >&2; }
+# shellcheck source=scripts/engine_venv.sh
+source "$repo/scripts/engine_venv.sh"
+lock_venv
 
 if [ ! -f "$marker" ]; then
   if [ ! -x "$py" ]; then
@@ -33,22 +36,11 @@ if [ ! -f "$marker" ]; then
   touch "$marker"
 fi
 
-# kvcache into the venv without its deps (vLLM already brought torch, numpy, msgspec, pyzmq);
-# install only what is missing. The native module is reused from the source tree's build.
+# --build-only: stop here (scripts/test.sh builds in the background before kvcache's native
+# module exists; the tests' own call links and checks it).
+if [ "${1:-}" = "--build-only" ]; then exit 0; fi
+# kvcache linked into the venv; the native module is reused from the source tree's build.
 # Checks run from / so that the current directory cannot satisfy `import kvcache`.
-site="$(cd / && "$py" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')"
-if [ "$(cat "$site/kvcache-src.pth" 2>/dev/null)" != "$repo" ]; then
-  log "linking kvcache from $repo"
-  echo "$repo" > "$site/kvcache-src.pth"
-fi
-missing=()
-for mod in msgspec:msgspec zmq:pyzmq prometheus_client:prometheus-client redis:redis \
-           opentelemetry.sdk:opentelemetry-sdk; do
-  (cd / && "$py" -c "import ${mod%%:*}") >/dev/null 2>&1 || missing+=("${mod##*:}")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  log "installing missing: ${missing[*]}"
-  "$py" -m pip install --quiet "${missing[@]}" >&2
-fi
+link_kvcache
 (cd / && "$py" -c "import vllm, kvcache") >&2
 echo "$py"

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from kvcache.observability.event import EVENT_META, Event, EventMeta, EventType
-from kvcache.server.launch import DaemonProcess
+from kvcache.server.launch import DaemonProcess, Spawn
 
 
 class RecordingSink:
@@ -55,13 +55,16 @@ def event(
     return Event(event_type, meta(event_type, **fields), session_id, timestamp)
 
 
-def daemon_starter(base_args: list[str]) -> Iterator[Callable[..., DaemonProcess]]:
+def daemon_starter(
+    base_args: list[str], spawn: Spawn | None = None
+) -> Iterator[Callable[..., DaemonProcess]]:
     """Body of a ``start_daemon`` fixture: starts ``python -m kvcache.server`` processes with
-    ``base_args`` plus the test's own, and kills them (and removes their socket directories)
-    when the test ends."""
+    ``base_args`` plus the test's own (through ``spawn``: the session's ``daemon_spawn``), and
+    kills them (and removes their socket directories) when the test ends."""
     started: list[DaemonProcess] = []
 
     def start(*args: str, **kw: Any) -> DaemonProcess:
+        kw.setdefault("spawn", spawn)
         d = DaemonProcess([*base_args, *args], **kw)
         started.append(d)
         return d

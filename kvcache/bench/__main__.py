@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "pipeline": ("kvcache.bench.pipeline", "main", "small retrieve after a large store: window 1 vs N"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
     "vllm": ("kvcache.bench.vllm", "main", "vLLM end to end: decode tokens/s and loaded-prefix TTFT"),
+    "sglang": ("kvcache.bench.sglang", "main", "SGLang HiCache pages/s: daemon vs its file backend"),
+    "disagg": ("kvcache.bench.disagg", "main", "prefill/decode split behind the proxy vs one vLLM"),
 }
 
 

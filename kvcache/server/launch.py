@@ -19,13 +19,37 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO, Protocol
 
 from kvcache.errors import DaemonStartError  # re-exported: tests and benches import it here
 
 _READY = re.compile(
     r"kvcache daemon ready: zmq (?P<zmq>\S+), ipc (?P<ipc>\S+), fds \S+, metrics (?P<metrics>[^,]+),"
 )
+
+
+class DaemonHandle(Protocol):
+    """What ``DaemonProcess`` needs of its child: a ``subprocess.Popen``, or a process started
+    another way (``kvcache.testing.daemon_zygote``) that answers the same calls."""
+
+    pid: int
+    stderr: IO[str] | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Spawn(Protocol):
+    """Starts ``python -m kvcache.server <argv>`` with exactly ``env`` and the descriptor
+    limit ``nofile``, its stderr a text pipe the caller reads."""
+
+    def __call__(
+        self, argv: Sequence[str], env: Mapping[str, str], nofile: tuple[int, int] | None
+    ) -> DaemonHandle: ...
 
 
 def _limit_descriptors(nofile: tuple[int, int]) -> None:
@@ -42,7 +66,8 @@ class DaemonProcess:
     the daemon gets a fresh private directory for its sockets (removed with the process
     object), so concurrent daemons never collide; pass the same ``runtime_dir`` to start a
     daemon again at the same ipc:// endpoint. ``nofile`` starts it under that (soft, hard)
-    descriptor limit, as a host with a low ``ulimit -n`` would.
+    descriptor limit, as a host with a low ``ulimit -n`` would. ``spawn`` starts the process
+    another way than exec (the tests' zygote, which skips the import of torch per daemon).
     """
 
     def __init__(
@@ -57,28 +82,33 @@ class DaemonProcess:
         env: dict[str, str] | None = None,
         runtime_dir: str | None = None,
         nofile: tuple[int, int] | None = None,
+        spawn: Spawn | None = None,
     ) -> None:
         self._own_dir = runtime_dir is None
         self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-") if runtime_dir is None else runtime_dir
         # The ready line is logged at INFO; its log is captured here, not shown unless ``echo``.
-        cmd = [sys.executable, "-m", "kvcache.server", "--runtime-dir", self.runtime_dir, *args,
-               "--log-level", "INFO"]  # fmt: skip
+        argv = ["--runtime-dir", self.runtime_dir, *args, "--log-level", "INFO"]
         if tcp:
-            cmd += ["--tcp", "--port", str(port)]
+            argv += ["--tcp", "--port", str(port)]
         if prometheus_port is not None:
-            cmd += ["--prometheus-port", str(prometheus_port)]
+            argv += ["--prometheus-port", str(prometheus_port)]
         self.lines: list[str] = []
         self._echo = echo
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-            preexec_fn=None if nofile is None else functools.partial(_limit_descriptors, nofile),
-        )
+        full_env = {**os.environ, **(env or {})}
+        self.proc: DaemonHandle
+        if spawn is not None:
+            self.proc = spawn(argv, full_env, nofile)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvcache.server", *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=full_env,
+                preexec_fn=None if nofile is None else functools.partial(_limit_descriptors, nofile),
+            )
         self._reader = threading.Thread(target=self._read, name="kvcache-daemon-log", daemon=True)
         self._reader.start()
         self.endpoint, self.ipc_endpoint, self.metrics_url = self._wait_ready(ready_timeout_s)
@@ -149,4 +179,4 @@ class DaemonProcess:
         self.remove_runtime_dir()
 
 
-__all__ = ["DaemonProcess", "DaemonStartError"]
+__all__ = ["DaemonHandle", "DaemonProcess", "DaemonStartError", "Spawn"]

@@ -224,15 +224,10 @@ def test_connector_time_per_step() -> None:
 
 
 @pytest.mark.slow
-def test_quick_run(tmp_path: Path) -> None:
-    """``--quick`` end to end on the toy model (about 30 s), where the vLLM venv is built."""
-    python = REPO / ".vllm-venv" / "bin" / "python"
-    if os.environ.get("KVCACHE_SKIP_VLLM_E2E") == "1":
-        pytest.skip("KVCACHE_SKIP_VLLM_E2E=1")
-    if not list((REPO / ".vllm-venv").glob(".kvcache-vllm-*")):
-        pytest.skip("no vLLM venv (.vllm-venv; scripts/vllm_env.sh makes it)")
+def test_quick_run(tmp_path: Path, vllm_python: str) -> None:
+    """``--quick`` end to end on the toy model (about 30 s)."""
     out = tmp_path / "vllm.json"
-    assert bench.main(["--quick", "--engines", "session", "--vllm-python", str(python), "--work-dir",
+    assert bench.main(["--quick", "--engines", "session", "--vllm-python", vllm_python, "--work-dir",
                        str(tmp_path), "--out", str(out)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
     decode, ttft = result["figures"]["decode"], result["figures"]["ttft"]

@@ -38,8 +38,6 @@ from kvcache.testing import make_kv_caches
 from kvcache.testing.redis_local import LocalRedis
 from tests.kv_events.router import Consumer, wait_connected
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".vllm-venv" / "bin" / "python"
 BS, CS, NB = 16, 32, 64
 BPC = CS // BS
 CHUNK_BYTES = 2 * 2 * CS * 2 * 64 * 2  # KV x layers x tokens x (heads*head) x bf16
@@ -189,9 +187,9 @@ class TreeRebuilder:
     """One ``vllm_tree.py`` process under the vLLM venv, asked once per rebuild (vLLM is
     imported once for the whole module instead of once per rebuild)."""
 
-    def __init__(self) -> None:
+    def __init__(self, python: str) -> None:
         self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_tree.py"))],
+            [python, str(Path(__file__).with_name("vllm_tree.py"))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -219,10 +217,8 @@ class TreeRebuilder:
 
 
 @pytest.fixture(scope="module")
-def rebuilt() -> Iterator[TreeRebuilder]:
-    if not VLLM_PYTHON.exists():
-        pytest.skip("no vLLM venv (.vllm-venv; scripts/vllm_env.sh makes it)")
-    r = TreeRebuilder()
+def rebuilt(vllm_python: str) -> Iterator[TreeRebuilder]:
+    r = TreeRebuilder(vllm_python)
     yield r
     r.close()
 

@@ -10,16 +10,16 @@ import zmq
 
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
-from kvcache.server.launch import DaemonProcess
+from kvcache.server.launch import DaemonProcess, Spawn
 from tests.helpers import daemon_starter
 
 BASE_ARGS = ["--chunk-size", "16", "--l1-size-gb", "0.2", "--heartbeat-timeout", "5"]
 
 
 @pytest.fixture
-def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
+def start_daemon(daemon_spawn: Spawn | None) -> Iterator[Callable[..., DaemonProcess]]:
     """Factory for daemon processes that are killed (and their socket dirs removed) at the end."""
-    yield from daemon_starter(BASE_ARGS)
+    yield from daemon_starter(BASE_ARGS, daemon_spawn)
 
 
 def raw_call(endpoint: str, body: m.RequestBody, timeout_ms: int = 5000) -> m.ReplyBody:

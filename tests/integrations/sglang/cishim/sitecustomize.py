@@ -4,7 +4,11 @@ On ``PYTHONPATH`` for the SGLang tiers only; they patch private internals of the
 
 1. torchvision: PyPI wheels are CUDA-linked, so an import-only stub (``tv_stub``).
 2. ``vllm._custom_ops.rotary_embedding``: pure-torch RoPE (SGLang's non-CUDA fallback imports it).
-3. ``SGL_CPU_HICACHE_SHIM=1``: HiCache host pools unpinned, and a torch ``transfer_kv_direct``.
+3. ``KVCACHE_SGLANG_CPU_SHIM=1``: HiCache host pools unpinned, and a torch ``transfer_kv_direct``
+   (not ``SGL_*``: SGLang claims that prefix for its own settings and warns about unknown ones).
+
+Not a shim: ``KVCACHE_SGLANG_SHARED_POOL=1`` runs ``shared_pool.install()`` in every process, as
+docs/sglang.md tells an operator to (host pools in kvcache memfds, registered in place).
 """
 
 import importlib.util
@@ -13,7 +17,7 @@ import os
 if importlib.util.find_spec("torchvision") is None:
     import tv_stub  # noqa: F401
 
-if os.environ.get("SGL_CPU_HICACHE_SHIM") == "1":
+if os.environ.get("KVCACHE_SGLANG_CPU_SHIM") == "1":
     import sglang.srt.mem_cache.pool_host.base as _b
     import sglang.srt.mem_cache.pool_host.common as _c
     import sglang.srt.mem_cache.pool_host.mha as _m
@@ -35,3 +39,8 @@ if os.environ.get("SGL_CPU_HICACHE_SHIM") == "1":
             d[di] = s[si].to(d.dtype)
 
     _m.transfer_kv_direct = transfer_kv_direct
+
+if os.environ.get("KVCACHE_SGLANG_SHARED_POOL") == "1":
+    from kvcache.integrations.sglang import shared_pool
+
+    shared_pool.install()
