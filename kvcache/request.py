@@ -94,6 +94,8 @@ class RetrieveRequest:
 
     ``block_ids`` and ``deadline`` as on ``StoreRequest``; past the deadline nothing is
     written into the blocks. No device event: the future resolves once the copy completed.
+    ``await_chunks`` (at most the full chunks of ``token_ids``): leading chunks another engine
+    is storing (a prefill/decode split), waited for until ``await_s`` before the copy.
     """
 
     direction: ClassVar[Direction] = Direction.FROM_CHUNKS
@@ -104,6 +106,8 @@ class RetrieveRequest:
     scope: KeyScope = field(default_factory=KeyScope)
     request_id: str = ""
     deadline: Deadline | None = None
+    await_chunks: int = 0
+    await_s: float = 0.0
 
     @classmethod
     def build(
@@ -118,13 +122,20 @@ class RetrieveRequest:
         request_id: str = "",
         deadline: Deadline | None = None,
         max_ids: int | None = None,
+        await_chunks: int = 0,
+        await_s: float = 0.0,
     ) -> RetrieveRequest:
         """Check and convert; raises the typed error of the first failure, nothing done."""
         tokens, blocks = _ids(bounds, token_ids, block_ids, max_ids, skip_tokens)
+        if not 0 <= await_chunks <= len(tokens) // bounds.chunk_size or not await_s >= 0:
+            raise ChunkMismatchError(
+                f"await_chunks={await_chunks} (await_s={await_s}) is outside the "
+                f"{len(tokens) // bounds.chunk_size} full chunks of {len(tokens)} tokens"
+            )
         return cls(
             instance_id=instance_id, token_ids=tokens, block_ids=blocks, skip_tokens=skip_tokens,
             scope=scope if scope is not None else KeyScope(), request_id=request_id,
-            deadline=deadline,
+            deadline=deadline, await_chunks=await_chunks, await_s=await_s,
         )  # fmt: skip
 
 

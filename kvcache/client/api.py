@@ -259,16 +259,13 @@ class KVCacheClient:
         cache_salt: str,
         request_id: str,
         key_extra: str = "",
+        awaited: tuple[int, int] = (0, 0),
     ) -> m.Retrieve:
         return m.Retrieve(
-            instance_id=self.instance_id,
-            token_ids=pack_ids(token_ids),
-            block_ids=pack_ids(block_ids),
-            skip_tokens=skip_tokens,
-            cache_salt=cache_salt,
-            request_id=request_id,
-            key_extra=key_extra,
-        )
+            instance_id=self.instance_id, token_ids=pack_ids(token_ids), block_ids=pack_ids(block_ids),
+            skip_tokens=skip_tokens, cache_salt=cache_salt, request_id=request_id, key_extra=key_extra,
+            await_chunks=awaited[0], await_ms=awaited[1],
+        )  # fmt: skip
 
     def retrieve(
         self,
@@ -327,10 +324,15 @@ class KVCacheClient:
         cache_salt: str = "",
         request_id: str = "",
         key_extra: str = "",
+        awaited: tuple[int, int] = (0, 0),
     ) -> Future[m.RetrieveResult]:
         """``retrieve_async`` with the daemon's whole reply: the prefix length and what its
-        copies moved (``num_bytes``, ``transfer_seconds``), for offload statistics."""
-        msg = self._retrieve_msg(token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra)
+        copies moved (``num_bytes``, ``transfer_seconds``), for offload statistics.
+        ``awaited``: (chunks, ms): the leading chunks another engine is storing, and how long
+        the daemon may wait for them (``m.Retrieve.await_chunks``; a prefill/decode split)."""
+        msg = self._retrieve_msg(
+            token_ids, block_ids, skip_tokens, cache_salt, request_id, key_extra, awaited
+        )
         return then(self.session.submit(msg, m.RetrieveResult), self._finish_retrieve)
 
     def _finish_retrieve(self, reply: m.RetrieveResult) -> m.RetrieveResult:

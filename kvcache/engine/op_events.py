@@ -77,6 +77,7 @@ class OpEvents:
         l2_tokens: int,
         copies: CopyTally,
         success: bool,
+        awaited: int = 0,
     ) -> None:
         meta = inst.meta(
             MpRetrieveEnd,
@@ -89,6 +90,8 @@ class OpEvents:
             num_bytes=copies.nbytes,
             transfer_seconds=copies.seconds,
             success=success,
+            awaited_tokens=awaited,
+            awaited_missing_tokens=max(0, awaited - retrieved),
         )
         self.publish(EventType.MP_RETRIEVE_END, sid, meta)
 

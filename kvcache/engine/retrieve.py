@@ -130,6 +130,8 @@ class _RetrieveOp:
     ids: Ids  # the block ids of ``keys``
     req_deadline: Deadline | None  # the request's: no byte is written into its blocks after it
     deadline: Deadline  # the end of any wait for loads (``retrieve_wait_timeout_s``, ``req_deadline``)
+    await_n: int = 0  # leading ``keys`` another engine is storing: waited for until ``deadline``
+    await_upto: int = 0  # ... as a prefix of the request's tokens
     future: Future[RetrieveResult] = field(default_factory=Future)
     pinned: list[L1Entry] = field(default_factory=list)
     claimed: bool = False  # its wait is over: one thread cuts and copies it (``claim``)
@@ -161,10 +163,15 @@ class _RetrieveOp:
             inst.meta(MpRetrieveStart, num_tokens=num_tokens, skip_tokens=skip),
         )
         first = skip_blocks // bpc  # the first chunk with a block to copy
-        deadline = Deadline.within(parts.config.retrieve_wait_timeout_s).earliest(req.deadline)
+        req_deadline = req.deadline
+        wait_s = parts.config.retrieve_wait_timeout_s
+        if req.await_chunks:  # a prefill/decode split: the caller's bound on the wait for a store
+            wait_s = min(wait_s, req.await_s)
+        deadline = Deadline.within(wait_s).earliest(req_deadline)
         local_skip = skip_blocks - first * bpc
+        awaited = max(0, req.await_chunks - first), req.await_chunks * cs
         return cls(parts, inst, sid, num_tokens, skip, local_skip, keys[first:], ids[first * bpc :],
-                   req.deadline, deadline)  # fmt: skip
+                   req_deadline, deadline, *awaited)  # fmt: skip
 
     # -- caller's thread ------------------------------------------------------------------
     def ready_now(self) -> bool:
@@ -172,7 +179,9 @@ class _RetrieveOp:
         copy need not wait: nothing pinned is still loading, and L2 could add nothing."""
         self.pinned = self.parts.pool.acquire(self.keys)
         ready, loading = _leading_ready(self.pinned)
-        if loading or (ready == len(self.pinned) < len(self.keys) and self.parts.tiers):
+        if loading or len(self.pinned) < self.await_n:
+            return False
+        if ready == len(self.pinned) < len(self.keys) and self.parts.tiers:
             return False
         self._cut(ready)
         return True
@@ -233,14 +242,34 @@ class _RetrieveOp:
 
     def settled(self) -> bool:
         """(``loads_settled`` held) Whether every pinned chunk settled, or one failed (the
-        prefix ends there): its copy need wait no longer."""
+        prefix ends there), and the awaited chunks are all pinned (or its deadline passed):
+        its copy need wait no longer. An awaited chunk is pinned once its store made it
+        READY (a chunk being written is never pinned); every store's end wakes this check."""
         entries = self.pinned
-        while self.settled_upto < len(entries):
-            entry = entries[self.settled_upto]
-            if not entry.wait(0):
-                return not entry.ok
-            self.settled_upto += 1
-        return True
+        while True:
+            while self.settled_upto < len(entries):
+                entry = entries[self.settled_upto]
+                if not entry.wait(0):
+                    return not entry.ok
+                self.settled_upto += 1
+            if len(entries) >= self.await_n or self.deadline.passed():
+                return True
+            more = self.parts.pool.acquire(self.keys[len(entries) :])
+            if not more:
+                return False
+            entries += more
+
+    def polls(self) -> bool:
+        """(``loads_settled`` held) Awaited chunks are missing and an L2 tier may bring them
+        (another daemon sharing the L2 is storing them: nothing here is told when it lands)."""
+        return bool(self.parts.tiers) and len(self.pinned) < self.await_n and not self.claimed
+
+    def poll(self) -> None:
+        """Begin loading the awaited chunks L2 holds now; ``settled`` pins them (they are in
+        L1, LOADING) and their loads' ends wake the waiting set."""
+        rest = self.keys[len(self.pinned) : self.await_n]
+        if rest and not self.parts.pool.prefix(rest[:1]):
+            prefetch(self.parts, self.inst, rest, self.deadline, room_by=Deadline.within(0.0))  # no room wait
 
     def finish_wait(self) -> None:
         """(Claimed) Copy the READY prefix of ``pinned``; the first unsettled or failed chunk
@@ -315,7 +344,7 @@ class _RetrieveOp:
         parts.stats.record_retrieve(copies.nbytes, copies.seconds, copied)
         parts.events.retrieve_end(
             inst, self.sid, self.num_tokens, self.skip, retrieved, max(0, copied - l2_tokens), l2_tokens,
-            copies, error is None,
+            copies, error is None, self.await_upto,
         )  # fmt: skip
         if error is None:
             result = RetrieveResult(retrieved, num_bytes=copies.nbytes, transfer_seconds=copies.seconds)

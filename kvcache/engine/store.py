@@ -210,6 +210,8 @@ class _StoreOp:
             tokens, hashes = self.req.token_ids.values, self.req.block_hashes
             extra = chunk_write_metadata(self.keys, indices, bpc, bs, cs, tokens, hashes)
             parts.pool.finish(new, True, extra)
+            with parts.loads_settled:  # a retrieve awaiting these chunks (``await_chunks``) looks
+                parts.loads_settled.notify_all()
             with self.lock:
                 self.stored += len(new)
             keep = any(tier.adapter.keeps_meta for tier in parts.tiers)

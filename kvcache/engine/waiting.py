@@ -13,6 +13,11 @@ from typing import Protocol
 
 from kvcache.deadline import Deadline
 
+AWAIT_POLL_S = 0.05
+"""How often a retrieve awaiting chunks another daemon is storing looks in L2 for them (no
+event says a chunk reached L2 from elsewhere): a bounded poll, at most this much latency
+added to a prefill/decode split across hosts, on top of the L2 round trip."""
+
 
 class WaitingOp(Protocol):
     """What the set needs of a waiting retrieve (``retrieve._RetrieveOp``)."""
@@ -26,6 +31,12 @@ class WaitingOp(Protocol):
 
     def finish_wait(self) -> None:
         """(claimed, no lock held) Copy what is READY; sets ``served``."""
+
+    def polls(self) -> bool:
+        """(the set's lock held) Whether it awaits chunks only L2 may bring (``poll``)."""
+
+    def poll(self) -> None:
+        """(no lock held) Begin loading what L2 now holds of its awaited chunks."""
 
 
 class WaitingRetrieves:
@@ -64,14 +75,17 @@ class WaitingRetrieves:
         soon as it is due: its chunks settled, its deadline passed, or (``own`` only)
         ``stop`` set."""
         while True:
+            polling: list[WaitingOp] = []
             with self._settled:
                 due = self._take_due(own if stop.is_set() else None)
                 if not due:
                     if own.claimed:
                         break
                     soonest = min((op.deadline for op in self._ops), default=own.deadline)
-                    self._settled.wait(soonest.left())
-                    continue
+                    polling = [op for op in self._ops if op.polls()]
+                    self._settled.wait(min(soonest.left(), AWAIT_POLL_S) if polling else soonest.left())
+            for op in polling:  # outside the lock: a poll asks L2
+                op.poll()
             for op in due:
                 op.finish_wait()
         own.served.wait()  # claimed by another thread: it is copying it now

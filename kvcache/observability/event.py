@@ -106,6 +106,8 @@ class MpRetrieveEnd(OperationMeta, frozen=True, gc=False):
     num_bytes: int
     transfer_seconds: float
     success: bool
+    awaited_tokens: int = 0
+    awaited_missing_tokens: int = 0
 
 
 class MpLookupStart(OperationMeta, frozen=True, gc=False):
@@ -314,9 +316,9 @@ class NullEventBus:
 
 
 if TYPE_CHECKING:
-    NullEventSink = NullEventBus  # deprecated: the runtime alias below warns
+    NullEventBus = NullEventBus  # deprecated: the runtime alias below warns
 else:
-    __getattr__ = renamed(__name__, {"NullEventSink": "NullEventBus"})
+    __getattr__ = renamed(__name__, {"NullEventBus": "NullEventBus"})
 
 
 __all__ = [

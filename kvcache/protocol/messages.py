@@ -155,6 +155,11 @@ class Retrieve(Request, tag="retrieve"):
     key_extra: str = ""
     """What besides the tokens decides the KV (LoRA adapter, multimodal inputs, ...), as the
     engine states it; chunks are keyed by it too. Not a tenant namespace: ``cache_salt`` is."""
+    await_chunks: NonNegInt = 0
+    """Prefill/decode split: the leading chunks of ``token_ids`` another engine is storing
+    (at most the full chunks ``token_ids`` holds). The daemon waits up to ``await_ms`` for
+    them to be stored (capped by its ``retrieve_wait_timeout_s``), then copies what is READY."""
+    await_ms: NonNegInt = 0
 
 
 class ReportBlockAllocations(Request, tag="report_block_allocations"):

@@ -272,6 +272,7 @@ class Handlers:
         request = RetrieveRequest.build(
             req.instance_id, bounds, req.token_ids, req.block_ids, req.skip_tokens, scope=scope,
             request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
+            await_chunks=req.await_chunks, await_s=req.await_ms / 1000,
         )  # fmt: skip
         return self.engine.submit_retrieve(request)
 

@@ -52,6 +52,11 @@ class ConnectorConfig:
       most ``MAX_LOOKUP_BATCH``): the first request of a step that needs a lookup takes the
       other requests vLLM added (or preempted) since with it, so a step that admits many
       requests asks the daemon once. 1: one lookup per request.
+    * ``consumer_store``: under ``kv_role=kv_consumer``, store anyway (default False: a decode
+      instance only loads). ``kv_producer`` never loads (docs/disaggregation.md).
+    * ``transfer_wait_s``: how long a decode instance's load waits at the daemon for the chunks
+      the prefill instance named in ``kv_transfer_params`` (below ``timeout_s``; default 5, or
+      half of ``timeout_s`` if that is less); what has not arrived by then is recomputed.
     """
 
     endpoint: str | None = None
@@ -68,6 +73,8 @@ class ConnectorConfig:
     async_stores: bool = True
     async_loads: bool = True
     lookup_batch: int = 32
+    consumer_store: bool = False
+    transfer_wait_s: float | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -81,11 +88,19 @@ class ConnectorConfig:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
         if not 1 <= cfg.lookup_batch <= MAX_LOOKUP_BATCH:
             raise ValueError(f"lookup_batch must be in 1..{MAX_LOOKUP_BATCH}, got {cfg.lookup_batch}")
+        if cfg.transfer_wait_s is not None and not 0 < cfg.transfer_wait_s < cfg.timeout_s:
+            wait = cfg.transfer_wait_s
+            raise ValueError(f"transfer_wait_s must be in (0, timeout_s={cfg.timeout_s}), got {wait}")
         if cfg.window < 1:
             raise ValueError(f"window must be >= 1, got {cfg.window}")
         if cfg.instance_id is not None and cfg.instance_id < 0:
             raise ValueError(f"instance_id must be >= 0, got {cfg.instance_id}")
         return cfg
+
+    @property
+    def transfer_wait(self) -> float:
+        """``transfer_wait_s``, or its default (see the class docstring)."""
+        return self.transfer_wait_s if self.transfer_wait_s is not None else min(5.0, self.timeout_s / 2)
 
     def resolve_instance_id(self, engine_id: str | None, rank: int = 0) -> int:
         """The daemon instance id of tensor-parallel ``rank`` of this engine."""
@@ -101,4 +116,18 @@ class ConnectorConfig:
         return name if world_size == 1 else f"{name}@tp{rank}of{world_size}"
 
 
-__all__ = ["ConnectorConfig"]
+def tp_rank_world() -> tuple[int, int]:
+    """This process's tensor-parallel (rank, world size); (0, 1) without vLLM's distributed
+    state (the scheduler process, a single process)."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:
+        return 0, 1
+
+
+__all__ = ["ConnectorConfig", "tp_rank_world"]

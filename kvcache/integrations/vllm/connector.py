@@ -40,7 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcache.client import KVCacheClient
-from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
+from kvcache.integrations.vllm.disagg import SplitRequests, resolve_role
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
@@ -62,30 +63,19 @@ IDLE_LOAD_WAIT_S = 0.005
 the client's thread to get the GIL, short next to a step, so an arrival waits little longer."""
 
 
-def _tp() -> tuple[int, int]:
-    try:
-        from vllm.distributed.parallel_state import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    except Exception:  # no distributed state (scheduler process, single process)
-        return 0, 1
-
-
 class KVCacheConnector(KVConnectorBase_V1):
     """See the module docstring; configuration: ``ConnectorConfig`` (docs/vllm.md)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        self.config = resolve_role(tc.kv_role, ConnectorConfig.from_extra(tc.kv_connector_extra_config))
+        self._producer = tc.kv_role == "kv_producer"  # its finished requests name what they stored
         cache = vllm_config.cache_config
         self.block_size: int = cache.block_size
         hash_bs = getattr(cache, "hash_block_size", None)
         self._pass_hashes = hash_bs in (None, self.block_size)
-        rank, world = _tp() if role == KVConnectorRole.WORKER else (0, 1)
+        rank, world = tp_rank_world() if role == KVConnectorRole.WORKER else (0, 1)
         world = vllm_config.parallel_config.tensor_parallel_size
         served = vllm_config.model_config.served_model_name
         served = served[0] if isinstance(served, list) else served
@@ -114,6 +104,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._retrieving: set[str] = set()  # asynchronous retrieves planned, not yet reported received
         self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
+        self._split = SplitRequests(self.tally)  # decode requests: what their transfer params name
         self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
         # worker half
         self._worker = ConnectorWorker(
@@ -249,7 +240,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._lookups.asked(request.request_id)  # asked about now: no batch takes it along
         planner = self._get_planner() if self.config.load else None
         prompt = request.prompt_token_ids
-        if planner is None or prompt is None or len(prompt) <= planner.chunk_size:
+        if planner is None or prompt is None:
             return 0, False
         key_extra = request_key_extra(request)
         if key_extra is None:  # cannot be keyed faithfully (prompt embeddings): not offered
@@ -259,6 +250,9 @@ class KVCacheConnector(KVConnectorBase_V1):
             # counts it among its in-flight prefills, so a second asynchronous load would reserve
             # its own blocks against it and might never be admitted (docs/vllm.md): it recomputes.
             return 0, False
+        awaited = self._split.tokens(request, len(prompt), planner.chunk_size, planner.block_size)
+        if awaited:  # a decode request: its load waits at the daemon for the prefill's store
+            return planner.external_tokens(len(prompt), num_computed_tokens, awaited), True
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
         cached = self._last_hit.get(request.request_id)
@@ -298,11 +292,15 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._requests[req_id] = request
         local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
+        is_async, wait_ms = self._async_retrieves or whole + tail > 0, int(self.config.transfer_wait * 1000)
+        external = min(num_external_tokens, max(0, whole - local)) if tail else num_external_tokens
         planner.on_alloc(
-            req_id, request.prompt_token_ids or [], block_ids, local, num_external_tokens,
-            request.cache_salt or "", key_extra, self._async_retrieves,
+            req_id, request.prompt_token_ids or [], block_ids, local, external,
+            request.cache_salt or "", key_extra, is_async, (whole, wait_ms),
         )  # fmt: skip
-        if self._async_retrieves and num_external_tokens > 0:
+        self._split.tail_load(planner, request, block_ids, local, key_extra, wait_ms)
+        if is_async and num_external_tokens > 0:
             self._retrieving.add(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -378,23 +376,25 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._last_hit.pop(req_id, None)
         self._lookups.forget(req_id)
         self._recompute.discard(req_id)
-        delay = False
+        delay, params = False, None
         # ``_retrieving`` forgets it when the workers report it received.
         if req_id not in self._retrieving and self._planner is not None and self.config.store:
             # KV is written for every computed token whose step has finished.
             written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             hashes = request.block_hashes if self._pass_hashes else []
             delay = self._planner.final_store(req_id, request.all_token_ids, block_ids, written, hashes)
-            if req_id in self._stored and not delay:
+            params, tail = self._split.finished(self._producer, self._planner, request, block_ids, written)
+            if req_id in self._stored and not (delay or tail):  # a tail store is final too
                 self._planner.release(req_id)
-                delay = True
+            delay = delay or tail or req_id in self._stored
         self._stored.discard(req_id)
+        self._split.forget(req_id)
         if self._planner is not None and self._planner.finish(req_id):
             try:
                 self.client.end_session(req_id, wait=False)
             except Exception as exc:
                 log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
-        return delay, None
+        return delay, params
 
 
 __all__ = ["KVCacheConnector", "KVCacheMetadata", "KVCacheWorkerMeta"]

@@ -41,6 +41,10 @@ class RetrieveSpec:
     is_async: bool = False
     """vLLM waits for it (``WAITING_FOR_REMOTE_KVS``) instead of computing on the blocks in the
     same step; the workers report it in ``get_finished`` whatever its outcome."""
+    awaited: tuple[int, int, int] = (0, 0, 0)
+    """(chunks, ms, tokens): the leading chunks a prefill instance is storing, how long the
+    daemon may wait for them (``disagg``; ``KVCacheClient.retrieve_reply_async``), and the
+    prompt tokens they hold (a tail chunk holds fewer than a chunk: the rest is padding)."""
 
 
 @dataclass(slots=True)
@@ -123,8 +127,10 @@ class Planner:
         cache_salt: str = "",
         key_extra: str = "",
         is_async: bool = False,
+        awaited: tuple[int, int] = (0, 0),
     ) -> None:
-        """A request got its blocks; queue its load (if any) for the next step's plan."""
+        """A request got its blocks; queue its load (if any) for the next step's plan.
+        ``awaited``: (tokens, ms) of a decode request's transfer parameters (``disagg``)."""
         state = self._reqs.get(req_id)
         if state is None or external:
             state = self._reqs[req_id] = _Request(cache_salt, key_extra)
@@ -137,7 +143,8 @@ class Planner:
         end = min(end, len(prompt))
         nblocks = -(-end // self.block_size)
         tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
-        spec = RetrieveSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async)
+        wait = (min(awaited[0], end) // self.chunk_size, awaited[1], min(awaited[0], end))
+        spec = RetrieveSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async, wait)
         self._retrieves.append(spec)
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 
@@ -236,6 +243,19 @@ class Planner:
         state = self._reqs.get(req_id)
         salt, extra = (state.cache_salt, state.key_extra) if state is not None else ("", "")
         self._final_stores.append(StoreSpec(req_id, [], [], None, salt, 0, extra, final=True))
+
+    def queue_retrieve(self, spec: RetrieveSpec) -> None:
+        """Queue a load built elsewhere (a decode request's tail chunk) for the next plan."""
+        self._retrieves.append(spec)
+
+    def queue_final_store(self, spec: StoreSpec) -> None:
+        """Queue a final store built elsewhere (a prefill request's tail chunk) for the next plan."""
+        self._final_stores.append(spec)
+
+    def stored(self, req_id: str) -> int:
+        """The request's stored watermark in tokens (chunks stored or being stored), 0 if unknown."""
+        state = self._reqs.get(req_id)
+        return state.stored_tokens if state is not None else 0
 
     def finish(self, req_id: str) -> bool:
         """Forget a finished request; True if it was known."""

@@ -24,7 +24,8 @@ COUNTERS: tuple[str, ...] = (
     "store_ops", "store_tokens", "store_bytes", "store_seconds", "store_failures",
     "stores_poisoned", "lookup_ops", "lookup_tokens", "lookup_hit_tokens_l1",
     "lookup_hit_tokens_l2", "lookup_failures", "requests_not_cached",
-    "store_jobs_issued", "store_jobs_settled",
+    "store_jobs_issued", "store_jobs_settled", "transfer_requests", "transfer_awaited_tokens",
+    "transfer_missed_tokens", "transfer_params_invalid",
 )  # fmt: skip
 """Summed across workers and intervals."""
 
@@ -64,6 +65,16 @@ PROM_SERIES: list[tuple[str, str, str, str]] = [
     ("vllm:kvcache_requests_not_cached", "counter",
      "Requests kvcache cannot key faithfully (prompt embeddings): never offered or stored.",
      "requests_not_cached"),
+    ("vllm:kvcache_transfer_requests", "counter",
+     "Decode requests that came with a prefill instance's kvcache transfer parameters.", "transfer_requests"),
+    ("vllm:kvcache_transfer_awaited_tokens", "counter",
+     "Prompt tokens those parameters named (waited for at the daemon, then loaded).",
+     "transfer_awaited_tokens"),
+    ("vllm:kvcache_transfer_missed_tokens", "counter",
+     "Named tokens that did not arrive by transfer_wait_s (recomputed).", "transfer_missed_tokens"),
+    ("vllm:kvcache_transfer_params_invalid", "counter",
+     "Decode requests whose kvcache transfer parameters were malformed (served as ordinary ones).",
+     "transfer_params_invalid"),
 ]  # fmt: skip
 HIT_SERIES = (
     "vllm:kvcache_lookup_hit_tokens",

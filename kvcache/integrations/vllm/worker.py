@@ -180,6 +180,7 @@ class ConnectorWorker:
             return self.client.retrieve_reply_async(
                 spec.token_ids, spec.block_ids, spec.skip_tokens,
                 cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
+                awaited=spec.awaited[:2],
             )  # fmt: skip
         except Exception as exc:
             failed: Future[m.RetrieveResult] = Future()
@@ -195,6 +196,8 @@ class ConnectorWorker:
         copied = max(0, got - spec.skip_tokens)
         # "load": the tally's keys are vLLM's offload metric names (vllm:kv_offload_load_*).
         self.tally.transfer("load", copied, retrieve.num_bytes, retrieve.seconds, ok=got >= want)
+        if spec.awaited[0]:  # a decode request: what the prefill instance's store did not bring
+            self.tally.count("transfer_missed_tokens", max(0, min(want, spec.awaited[2]) - got))
         if retrieve.error is not None:
             log.warning("kvcache: retrieve for %s failed: %s", spec.req_id, retrieve.error)
         if got >= want:

@@ -60,6 +60,8 @@ _RETRIEVE = (
     ("l1_tokens", "kvcache_retrieve_l1_tokens_total", "Copied tokens that were in L1."),
     ("l2_tokens", "kvcache_retrieve_l2_tokens_total", "Copied tokens brought up from L2."),
     ("missing_tokens", "kvcache_retrieve_missing_tokens_total", "Requested tokens not found."),
+    ("awaited_missing_tokens", "kvcache_retrieve_awaited_missing_tokens_total",
+     "Tokens another engine was storing that did not arrive by the retrieve's wait bound."),
 )
 _LOOKUP = (
     ("requests", "kvcache_lookup_requests_total", "Lookup operations finished."),
@@ -182,6 +184,7 @@ class EngineMetricsSubscriber(EventSubscriber):
         c["l1_tokens"].value += md.l1_tokens
         c["l2_tokens"].value += md.l2_tokens
         c["missing_tokens"].value += md.missing_tokens
+        c["awaited_missing_tokens"].value += md.awaited_missing_tokens
         self._observe_duration("retrieve", event, s)
 
     def _on_lookup_end(self, event: Event) -> None:

@@ -1,0 +1,179 @@
+"""Prefill/decode disaggregation through kvcache, end to end: two real ``vllm serve``
+processes (a ``kv_producer`` prefill instance, a ``kv_consumer`` decode instance) and one
+real daemon, driven over HTTP the way a proxy drives them (vLLM's P/D convention):
+
+1. the prefill instance gets the request with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true}`` and answers with the parameters that
+   name the prompt chunks it stored (asynchronously: they may still be in flight);
+2. the decode instance gets the original request with those parameters, waits at the daemon
+   for exactly those chunks, and generates.
+
+For prompts of odd lengths: the decode output equals that of the same decode instance, its
+prefix cache reset, serving the request without parameters (loading the prefix from kvcache
+through an ordinary lookup); the decode instance computed less than one vLLM block of the
+prompt (vLLM's ``prompt_tokens_by_source``): the prefill instance stored the prompt's whole
+blocks past its last whole chunk as a tail chunk only the parameters' holder can find, and
+the ordinary lookup indeed does not find it (it computes the whole tail); nothing the decode
+instance waited for went missing (its metrics and the daemon's).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvcache.integrations.vllm.disagg import PARAMS_KEY
+from tests.integrations.vllm.test_connector import Daemon, start_daemon
+from tests.integrations.vllm.vllm_driver import prompts
+from tests.integrations.vllm.vllm_server import (
+    BLOCK,
+    Server,
+    make_model,
+    post,
+    reset_prefix_cache,
+    scrape,
+    start_server,
+    total,
+)
+
+pytestmark = pytest.mark.slow
+CHUNK = 256
+WAIT_S = 5.0  # transfer_wait_s: what a fault costs the decode side
+LENGTHS = (300, 555, 640, 777)  # a tail of 1, 1, 4 and 0 whole blocks after the whole chunks
+
+
+@dataclass
+class Split:
+    prefill: Server
+    decode: Server
+    daemon: Daemon
+    model: str
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
+    tmp = tmp_path_factory.mktemp("disagg")
+    model = tmp / "model"
+    make_model(vllm_python, model)
+    daemon = start_daemon(tmp, None, "daemon", ["--chunk-size", str(CHUNK)])
+    extra = {"timeout_s": 30.0, "transfer_wait_s": WAIT_S}
+    run = tmp / "run"
+    prefill = start_server(vllm_python, model, run, tmp / "prefill.log", "kv_producer", extra)
+    decode = start_server(vllm_python, model, run, tmp / "decode.log", "kv_consumer", extra)
+    try:
+        started = max(prefill.wait_ready(), decode.wait_ready())
+        print(f"two vllm serve processes ready in {started:.0f} s")
+        box = Split(prefill, decode, daemon, str(model), tmp)
+        yield box
+    finally:
+        for server in (prefill, decode):
+            server.stop()
+            print(server.log.read_text()[-2000:])
+        box.daemon.stop()
+
+
+def _computed(base: str, want_prompt_tokens: float) -> dict[str, float]:
+    """The decode instance's metrics once vLLM logged ``want_prompt_tokens`` prompt tokens
+    (its logger records outputs after the response is sent: polled, it has no event)."""
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape(base + "/metrics")
+        if total(samples, "vllm:prompt_tokens_by_source_total") >= want_prompt_tokens:
+            return samples
+        assert time.monotonic() < deadline, "vLLM never counted the request's prompt tokens"
+        time.sleep(0.1)
+
+
+def _local_compute(samples: dict[str, float]) -> float:
+    return total(samples, "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+
+def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
+    decode_base = split.decode.base
+    seen = total(scrape(decode_base + "/metrics"), "vllm:prompt_tokens_by_source_total")
+    for i, length in enumerate(LENGTHS):
+        prompt = prompts(100 + i, length, 1, 0)[0]
+        assert len(prompt) == length
+        request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        # 1. prefill: one token, the parameters back.
+        asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        first = post(split.prefill.base + "/v1/completions", asked)
+        params = first["kv_transfer_params"]
+        whole = length // CHUNK * CHUNK
+        tail = (length - whole) // BLOCK * BLOCK
+        ours = params[PARAMS_KEY]
+        assert params["do_remote_prefill"] is True and (ours["v"], ours["tokens"]) == (1, whole)
+        assert ours.get("tail", 0) == tail and len(ours.get("secret", "")) == (32 if tail else 0)
+        # 2. decode, with them: right after the prefill answered (its stores may be in flight).
+        before = scrape(decode_base + "/metrics")
+        split_out = post(decode_base + "/v1/completions", {**request, "kv_transfer_params": params})
+        seen += length
+        after = _computed(decode_base, seen)
+        computed = _local_compute(after) - _local_compute(before)
+        assert computed == length - min(whole + tail, length - 1) <= BLOCK, (length, computed)
+        assert total(after, "vllm:kvcache_transfer_missed_tokens_total") == 0
+        # 3. the reference: the same instance, its own prefix cache reset, without parameters:
+        # an ordinary lookup loads the same prefix from kvcache, and never finds the tail.
+        reset_prefix_cache(decode_base)
+        reference = post(decode_base + "/v1/completions", request)
+        seen += length
+        computed = _local_compute(_computed(decode_base, seen)) - _local_compute(after)
+        assert computed == length - min(whole, length - 1), (length, computed)
+        reset_prefix_cache(decode_base)
+        assert split_out["choices"][0]["text"] == reference["choices"][0]["text"], length
+    final = scrape(decode_base + "/metrics")
+    awaited = sum(n // BLOCK * BLOCK for n in LENGTHS)
+    assert total(final, "vllm:kvcache_transfer_requests_total") == len(LENGTHS)
+    assert total(final, "vllm:kvcache_transfer_awaited_tokens_total") == awaited
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 0
+    # The prefill instance never loads and the decode instance never stores.
+    assert total(scrape(split.prefill.base + "/metrics"), "vllm:kvcache_lookup_tokens_total") == 0
+    assert total(final, "vllm:kvcache_stored_tokens_total") == 0
+
+
+def _decode_and_reference(split: Split, request: dict[str, object], params: dict[str, object]) -> None:
+    """The decode instance serves ``request`` with ``params`` and, its prefix cache reset,
+    without: the same text (nothing wrong was served, whatever the parameters named)."""
+    out = post(split.decode.base + "/v1/completions", {**request, "kv_transfer_params": params})
+    reset_prefix_cache(split.decode.base)
+    reference = post(split.decode.base + "/v1/completions", request)
+    reset_prefix_cache(split.decode.base)
+    assert out["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+def test_faults_are_recomputed_within_the_bound_and_nothing_wrong_is_served(split: Split) -> None:
+    """(1) The prefill instance is gone before its stores reached the daemon: the parameters
+    (as it would have answered) name chunks and a tail that never arrive. (2) The daemon
+    restarts between the two halves (no L2: what the prefill side stored is lost). Either way
+    the decode side waits ``transfer_wait_s``, recomputes, counts it, and serves the same
+    text as without parameters. Runs after the main test (it restarts the daemon)."""
+    decode_metrics = split.decode.base + "/metrics"
+    missed = total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total")
+    daemon_missed = split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total")
+    prompt = prompts(200, 555, 1, 0)[0]
+    request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    ours = {"v": 1, "tokens": 512, "tail": 32, "secret": secrets.token_hex(16)}
+    gone = {"do_remote_prefill": True, PARAMS_KEY: ours}
+    _decode_and_reference(split, request, gone)
+    deadline = time.monotonic() + 60
+    while total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total") < missed + 544:
+        assert time.monotonic() < deadline, "the missed tokens were never counted"
+        time.sleep(0.1)  # vLLM's logger: no event to wait on
+    assert total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total") == missed + 544
+    # The daemon counts whole chunks: the tail chunk as one (256 tokens, most of them padding).
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == daemon_missed + 768
+
+    prompt = prompts(201, 555, 1, 0)[0]
+    request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = post(split.prefill.base + "/v1/completions", asked)["kv_transfer_params"]
+    split.daemon.stop()
+    split.daemon = start_daemon(split.tmp, None, "daemon-restarted", ["--chunk-size", str(CHUNK)])
+    _decode_and_reference(split, request, params)
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 768
