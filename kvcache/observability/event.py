@@ -316,9 +316,9 @@ class NullEventBus:
 
 
 if TYPE_CHECKING:
-    NullEventBus = NullEventBus  # deprecated: the runtime alias below warns
+    NullEventSink = NullEventBus  # deprecated: the runtime alias below warns
 else:
-    __getattr__ = renamed(__name__, {"NullEventBus": "NullEventBus"})
+    __getattr__ = renamed(__name__, {"NullEventSink": "NullEventBus"})
 
 
 __all__ = [
