@@ -17,9 +17,9 @@ the client sees each token arrive. Figures, pooled over the rounds, for each tar
   kvcache per request: what the split still recomputes.
 
 Every round sends fresh prompts, the same ones to both targets, the targets' order rotating
-from round to round; both targets' outputs are compared (greedy). ``--roles both`` runs the
-two split servers in ``kv_both`` (until the connector's ``kv_producer``/``kv_consumer`` roles
-land), ``--roles split`` in those roles.
+from round to round; both targets' outputs are compared (greedy). ``--roles split`` (the
+default) runs the two split servers as ``kv_producer`` / ``kv_consumer``; ``--roles both``
+runs both in ``kv_both`` (the decode side then races the prefill side's asynchronous stores).
 
 What this measures on a 2-core machine: all four processes share two cores, so the split's
 servers take CPU from each other and a prefill never runs truly beside a decode; the figures
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--roles",
         choices=tuple(ROLES),
-        default="both",
+        default="split",
         help="the split servers' kv_role: both = kv_both, split = kv_producer / kv_consumer",
     )
     p.add_argument(

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation through kvcache, end to end: two real ``vllm serve``
-processes (a ``kv_producer`` prefill instance, a ``kv_consumer`` decode instance) and one
-real daemon, driven over HTTP the way a proxy drives them (vLLM's P/D convention):
+processes (a ``kv_producer`` prefill instance, a ``kv_consumer`` decode instance), one real
+daemon and kvcache's proxy. The first test drives the two halves itself, as the proxy does
+(vLLM's P/D convention), so that it can look between them; one test goes through the proxy:
 
 1. the prefill instance gets the request with ``max_tokens=1`` and
    ``kv_transfer_params={"do_remote_decode": true}`` and answers with the parameters that
@@ -19,6 +20,7 @@ instance waited for went missing (its metrics and the daemon's).
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -28,6 +30,8 @@ from pathlib import Path
 import pytest
 
 from kvcache.integrations.vllm.disagg import PARAMS_KEY
+from kvcache.integrations.vllm.proxy.launch import ProxyProcess
+from tests.integrations.vllm.proxy.test_proxy import events, request
 from tests.integrations.vllm.test_connector import Daemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
 from tests.integrations.vllm.vllm_server import (
@@ -52,6 +56,7 @@ class Split:
     prefill: Server
     decode: Server
     daemon: Daemon
+    proxy: ProxyProcess
     model: str
     tmp: Path
 
@@ -66,12 +71,16 @@ def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     run = tmp / "run"
     prefill = start_server(vllm_python, model, run, tmp / "prefill.log", "kv_producer", extra)
     decode = start_server(vllm_python, model, run, tmp / "decode.log", "kv_consumer", extra)
+    proxy: ProxyProcess | None = None
     try:
         started = max(prefill.wait_ready(), decode.wait_ready())
         print(f"two vllm serve processes ready in {started:.0f} s")
-        box = Split(prefill, decode, daemon, str(model), tmp)
+        proxy = ProxyProcess(vllm_python, [prefill.base], [decode.base])
+        box = Split(prefill, decode, daemon, proxy, str(model), tmp)
         yield box
     finally:
+        if proxy is not None:
+            proxy.stop()
         for server in (prefill, decode):
             server.stop()
             print(server.log.read_text()[-2000:])
@@ -135,6 +144,33 @@ def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
     # The prefill instance never loads and the decode instance never stores.
     assert total(scrape(split.prefill.base + "/metrics"), "vllm:kvcache_lookup_tokens_total") == 0
     assert total(final, "vllm:kvcache_stored_tokens_total") == 0
+
+
+def test_through_the_proxy_whole_and_streamed(split: Split) -> None:
+    """A client of the proxy gets, whole and streamed, what the decode instance answers on its
+    own, and the decode instance computed at most one block of each prompt."""
+    decode_base = split.decode.base
+    seen = total(scrape(decode_base + "/metrics"), "vllm:prompt_tokens_by_source_total")
+    for i, (length, stream) in enumerate(((555, False), (777, True))):
+        prompt = prompts(300 + i, length, 1, 0)[0]
+        body = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        before = scrape(decode_base + "/metrics")
+        resp = request(split.proxy.url, "/v1/completions", {**body, "stream": stream})
+        assert resp.status == 200
+        if stream:
+            chunks = [json.loads(e) for e in events(resp) if e != "[DONE]"]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            text = json.loads(resp.read())["choices"][0]["text"]
+        seen += length
+        computed = _local_compute(_computed(decode_base, seen)) - _local_compute(before)
+        assert computed <= BLOCK, (length, computed)
+        reset_prefix_cache(decode_base)
+        reference = post(decode_base + "/v1/completions", body)
+        seen += length
+        _computed(decode_base, seen)
+        reset_prefix_cache(decode_base)
+        assert text == reference["choices"][0]["text"], length
 
 
 def _decode_and_reference(split: Split, request: dict[str, object], params: dict[str, object]) -> None:
