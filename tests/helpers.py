@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
+import pytest
 
 from kvcache.observability.event import EVENT_META, Event, EventMeta, EventType
 from kvcache.server.launch import DaemonProcess, Spawn
@@ -53,6 +55,14 @@ def event(
 ) -> Event:
     """An ``Event`` whose metadata is ``meta(event_type, **fields)``."""
     return Event(event_type, meta(event_type, **fields), session_id, timestamp)
+
+
+bench_quick_run = pytest.mark.skipif(
+    os.environ.get("KVCACHE_BENCH_QUICK_RUNS") != "1",
+    reason="a benchmark's --quick run against real engine servers takes minutes on 2 cores; "
+    "what it drives is tested end to end in tests/integrations: KVCACHE_BENCH_QUICK_RUNS=1 runs it",
+)
+"""Marks a benchmark's ``--quick`` end-to-end run: by hand, not in CI (issue 21: the suite's time)."""
 
 
 def daemon_starter(

@@ -5,20 +5,20 @@ small HTTP server, the figures; and a ``--quick`` run end to end where a vLLM ve
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from kvcache.bench import disagg
 from kvcache.bench.disagg_client import Stream, Workload, run
+from tests.helpers import bench_quick_run
 from tests.integrations.vllm.proxy.upstream import Call, FakeVllm
 
 
 def test_quick_overrides_only_what_the_command_line_left_alone() -> None:
     a = disagg.parse_args(["--quick", "--decoders", "3"])
-    assert (a.rounds, a.decoders, a.long_prompt, a.layers, a.roles) == (1, 3, 512, 2, "both")
-    assert disagg.parse_args(["--roles", "split"]).roles == "split"
+    assert (a.rounds, a.decoders, a.long_prompt, a.layers, a.roles) == (1, 3, 512, 2, "split")
+    assert disagg.parse_args(["--roles", "both"]).roles == "both"
     with pytest.raises(SystemExit):
         disagg.parse_args(["--roles", "kv_producer"])
     with pytest.raises(SystemExit):
@@ -99,11 +99,7 @@ def test_figures_pool_the_rounds_and_compare_split_with_single() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("KVCACHE_BENCH_QUICK_RUNS") != "1",
-    reason="minutes on 2 cores (three vLLM servers); the split itself is tested end to end in "
-    "tests/integrations/vllm: set KVCACHE_BENCH_QUICK_RUNS=1 to run it",
-)
+@bench_quick_run
 def test_quick_run(tmp_path: Path, vllm_python: str) -> None:
     """``--quick`` end to end: a daemon, three vLLM servers and the proxy (minutes on 2 cores)."""
     out = tmp_path / "disagg.json"

@@ -4,12 +4,12 @@ SGLang venv already exists (``.sglang-venv``, or ``KVCACHE_SGLANG_PYTHON``; neve
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from kvcache.bench import sglang as bench
+from tests.helpers import bench_quick_run
 
 REPO = Path(__file__).resolve().parents[2]
 SHIMS = REPO / "tests" / "integrations" / "sglang" / "cishim"
@@ -43,16 +43,12 @@ def test_ratios_are_per_round_kvcache_over_the_file_backend() -> None:
 
 
 @pytest.mark.slow
-def test_quick_run(tmp_path: Path) -> None:
+@bench_quick_run
+def test_quick_run(tmp_path: Path, sglang_python: str) -> None:
     """``--quick`` end to end (about a minute): a daemon, SGLang's pools, its file backend."""
-    if os.environ.get("KVCACHE_SKIP_SGLANG") == "1":
-        pytest.skip("KVCACHE_SKIP_SGLANG=1")
-    python = os.environ.get("KVCACHE_SGLANG_PYTHON") or str(REPO / ".sglang-venv" / "bin" / "python")
-    if not Path(python).exists():
-        pytest.skip("no SGLang venv (.sglang-venv; scripts/sglang_env.sh makes it)")
     out = tmp_path / "sglang.json"
-    argv = ["--quick", "--sglang-python", python, "--sglang-path", str(SHIMS), "--file-dir", str(tmp_path),
-            "--json", str(out)]  # fmt: skip
+    argv = ["--quick", "--sglang-python", sglang_python, "--sglang-path", str(SHIMS),
+            "--file-dir", str(tmp_path), "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     for direction in ("set", "get"):

@@ -25,6 +25,7 @@ from kvcache.bench.vllm_report import (
     summarize_ttft,
     table,
 )
+from tests.helpers import bench_quick_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -224,6 +225,7 @@ def test_connector_time_per_step() -> None:
 
 
 @pytest.mark.slow
+@bench_quick_run
 def test_quick_run(tmp_path: Path, vllm_python: str) -> None:
     """``--quick`` end to end on the toy model (about 30 s)."""
     out = tmp_path / "vllm.json"
