@@ -21,7 +21,9 @@ instance waited for went missing (its metrics and the daemon's).
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -213,3 +215,28 @@ def test_faults_are_recomputed_within_the_bound_and_nothing_wrong_is_served(spli
     split.daemon = start_daemon(split.tmp, None, "daemon-restarted", ["--chunk-size", str(CHUNK)])
     _decode_and_reference(split, request, params)
     assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 768
+
+
+def test_a_prefill_instance_killed_right_after_answering(split: Split) -> None:
+    """The prefill process is SIGKILLed the moment it has answered, with whatever of its
+    asynchronous stores was still in flight: the decode side serves what arrived, recomputes
+    the rest within its bound, and answers as it does without parameters. Runs last: the
+    prefill instance stays dead."""
+    decode_metrics = split.decode.base + "/metrics"
+    missed = total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total")
+    awaited = total(scrape(decode_metrics), "vllm:kvcache_transfer_awaited_tokens_total")
+    prompt = prompts(203, 777, 1, 0)[0]
+    request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = post(split.prefill.base + "/v1/completions", asked)["kv_transfer_params"]
+    os.killpg(split.prefill.proc.pid, signal.SIGKILL)
+    split.prefill.proc.wait(30)
+    _decode_and_reference(split, request, params)
+    deadline = time.monotonic() + 60
+    name = "vllm:kvcache_transfer_awaited_tokens_total"
+    while total(after := scrape(decode_metrics), name) < awaited + 768:
+        assert time.monotonic() < deadline, "the awaited tokens were never counted"
+        time.sleep(0.1)  # vLLM's logger: no event to wait on
+    # Every awaited token either arrived or was counted missing and recomputed.
+    assert total(after, name) == awaited + 768
+    assert 0 <= total(after, "vllm:kvcache_transfer_missed_tokens_total") - missed <= 768
