@@ -24,38 +24,11 @@ import pytest
 
 from tests.integrations.vllm.test_connector import Daemon, _free_port, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
+from tests.integrations.vllm.vllm_server import post, scrape, total
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
 BLOCK = 32
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a Prometheus text page, by its full series name (labels included)."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def total(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of ``name``'s samples whose labels include ``labels``."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        v for series, v in samples.items()
-        if (series == name or series.startswith(name + "{")) and all(w in series for w in want)
-    )  # fmt: skip
-
-
-def post(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
-    data = json.dumps(body).encode() if body is not None else b""
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        raw = r.read()
-    return json.loads(raw) if raw.strip().startswith(b"{") else {}
 
 
 @pytest.fixture
