@@ -126,6 +126,10 @@ def _launch(python: str, name: str, model: Path, endpoint: str, log: Path, **env
            "--attention-backend", "torch_native", "--page-size", str(PAGE), "--skip-server-warmup",
            "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
            "--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "dynamic",
+           # wait_complete: a request waits for its storage prefetch. SGLang's default
+           # ("timeout") computes the prompt when the prefetch is late, which a loaded CI
+           # machine made happen (0 tokens from storage, nothing wrong served).
+           "--hicache-storage-prefetch-policy", "wait_complete",
            "--hicache-storage-backend-extra-config", json.dumps(extra)]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd="/", start_new_session=True,
