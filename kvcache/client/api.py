@@ -226,9 +226,7 @@ class KVCacheClient:
         key_extra: str = "",
     ) -> m.StoreResult:
         """Copy the engine blocks ``block_ids`` (holding ``token_ids`` in order) into the cache."""
-        msg, exported = self._store_msg(
-            token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra
-        )
+        msg, exported = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra)
         try:
             return self.session.call(msg, m.StoreResult)
         finally:
@@ -244,9 +242,7 @@ class KVCacheClient:
         block_hashes: Sequence[int] | None = None,
         key_extra: str = "",
     ) -> Future[m.StoreResult]:
-        msg, exported = self._store_msg(
-            token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra
-        )
+        msg, exported = self._store_msg(token_ids, block_ids, cache_salt, request_id, block_hashes, key_extra)
         future = self.session.submit(msg, m.StoreResult)
         future.add_done_callback(lambda _f: self._settled(exported))
         return future

@@ -50,6 +50,7 @@ class Call:
     body: m.RequestBody
     future: Future[m.ReplyBody]
     internal: bool = False  # a heartbeat or probe: outside the window, its reply for us only
+    awaited: bool = True  # False for a notice: ``close`` does not wait for its reply
     timeout_s: float = 0.0
     request_id: int = 0
     sent_at: float = 0.0
@@ -111,12 +112,16 @@ class Pipeline:
         self._last_send = time.monotonic()
         self._beat: Call | None = None  # the heartbeat or probe in flight
 
-    def submit(self, body: m.RequestBody) -> Future[m.ReplyBody]:
+    def submit(self, body: m.RequestBody, *, awaited: bool = True) -> Future[m.ReplyBody]:
+        """Queue a call. ``awaited=False`` marks a notice: it is still sent before ``close``
+        returns, but its reply is not waited for (a store or retrieve moves bytes, so its
+        reply is; a lifecycle report sent to a daemon that died would hold ``close`` for its
+        whole deadline)."""
         future: Future[m.ReplyBody] = Future()
         with self._lock:
             if self._closing:
                 raise RuntimeError("KVCacheClient is closed")
-            self._queue.append(Call(body, future))
+            self._queue.append(Call(body, future, awaited=awaited))
             self._start()
         self._wake()
         return future
@@ -200,7 +205,7 @@ class Pipeline:
         try:
             while True:
                 self._fill(chan)
-                if self._closing and not self._queue and not self._calls:
+                if self._closing and not self._queue and not self._awaited():
                     return
                 try:
                     replies = chan.receive(self._wait_s(), self._wake_r)
@@ -223,10 +228,15 @@ class Pipeline:
             chan.close()
             with self._lock:
                 self._thread = None
-                left = list(self._queue)
+                left = [*self._queue, *self._in_flight.values()]
                 self._queue.clear()
+                self._in_flight.clear()
             for call in left:
                 call.future.set_exception(RuntimeError("KVCacheClient is closed"))
+
+    def _awaited(self) -> bool:
+        """Whether a call ``close`` waits for is still in flight."""
+        return self._calls > 0 and any(c.awaited and not c.internal for c in self._in_flight.values())
 
     def _fill(self, chan: Channel) -> None:
         """Send queued calls, in order, while the window has room."""

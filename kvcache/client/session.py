@@ -162,14 +162,14 @@ class Session:
         if self._closed or self.breaker.open or self._pipeline.queued() >= self._MAX_QUEUED_NOTICES:
             self.dropped_notices += 1
             return
-        self._submit(body).add_done_callback(self._count_failed_notice)
+        self._submit(body, awaited=False).add_done_callback(self._count_failed_notice)
 
-    def _submit(self, body: m.RequestBody) -> Future[Any]:
+    def _submit(self, body: m.RequestBody, *, awaited: bool = True) -> Future[Any]:
         if self._closed:
             raise RuntimeError("KVCacheClient is closed")
         if self._hooks:
             return self._pipeline.submit_hooked(body, hooked(self._hooks, self._pipeline.call))
-        return self._pipeline.submit(body)
+        return self._pipeline.submit(body, awaited=awaited)
 
     def _count_failed_notice(self, future: Future[Any]) -> None:
         if future.cancelled() or future.exception() is not None:

@@ -214,6 +214,26 @@ def test_the_daemon_stopped_then_killed_mid_window() -> None:
         d.kill()
 
 
+def test_close_does_not_wait_for_a_notice_at_a_stopped_daemon() -> None:
+    """An end-of-request notice (or a block report) is fire and forget: ``close`` still sends
+    it, but does not wait out the call's deadline for its reply, as it does for a store or a
+    retrieve, which move bytes. (A daemon killed with a block report in flight held the
+    scheduler harness's close for the client's whole timeout.) The lost notice is counted."""
+    d = DaemonProcess(ARGS)
+    try:
+        with KVCacheClient(d.endpoint, 7, "notice", timeout_s=120) as c:
+            c.register_kv_caches(to_shared(_kv(7)))
+            os.kill(d.pid, signal.SIGSTOP)
+            c.end_session("r1", wait=False)
+            closer = threading.Thread(target=c.close, kwargs={"unregister": False})
+            closer.start()
+            closer.join(60)  # half the notice's deadline: close must not wait for it at all
+            assert not closer.is_alive(), "close waited for the reply to a notice"
+            assert c.session.dropped_notices == 1
+    finally:
+        d.kill()
+
+
 def test_calls_in_flight_across_a_daemon_restart_are_sent_again(tmp_path: Path) -> None:
     """A daemon restarted in the same place, 32 calls sent at once right after it is up: those
     that meet it before the heartbeat registered the instance again are refused

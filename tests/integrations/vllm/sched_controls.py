@@ -26,6 +26,7 @@ from kvcache.integrations.vllm import connector as connector_mod
 from kvcache.integrations.vllm.plan import Planner
 from kvcache.integrations.vllm.worker import ConnectorWorker
 from kvcache.protocol.breaker import CircuitBreaker
+from kvcache.testing.daemon_zygote import Zygote
 from tests.integrations.vllm import sched_world
 from tests.integrations.vllm.sched_engine import write_model_config
 from tests.integrations.vllm.sched_scenarios import SCENARIOS
@@ -206,7 +207,7 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
 
 def main(argv: list[str]) -> int:
     proven = True
-    with tempfile.TemporaryDirectory(prefix="kvc-sched-controls-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvc-sched-controls-") as tmp, Zygote() as zygote:
         workdir = Path(tmp)
         write_model_config(str(workdir / "model"))
         for name in argv or list(CONTROLS):
@@ -215,7 +216,7 @@ def main(argv: list[str]) -> int:
                 scenario, _, mode = spec.partition("/")
                 with make():
                     try:
-                        with harness(scenario, workdir, async_loads=mode != "sync_loads") as h:
+                        with harness(scenario, workdir, zygote.spawn, async_loads=mode != "sync_loads") as h:
                             SCENARIOS[scenario](h)
                         verdict, proven = "PASSED (proves nothing)", False
                     except ScenarioSkipped as exc:

@@ -29,7 +29,6 @@ from kvcache.testing.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine
 from tests.integrations.vllm.sched_world import (
     CHUNK,
-    Daemon,
     Harness,
     ScenarioSkipped,
     prompts,
@@ -58,8 +57,7 @@ def _slow_redis(h: Harness) -> SlowLink:
     h.cleanups.append(redis.close)
     link = SlowLink(redis.port).start()
     h.cleanups.insert(0, link.close)
-    h.daemon.close()
-    h.daemon = Daemon(extra=["--l2-redis-url", link.url, "--l2-redis-timeout", "30"])
+    h.replace_daemon(["--l2-redis-url", link.url, "--l2-redis-timeout", "30"])
     return link
 
 

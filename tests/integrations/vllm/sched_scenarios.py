@@ -1,9 +1,10 @@
 """Scenarios for the scheduler-level harness; run in the vLLM venv by ``test_sched_harness.py``.
 
-``python sched_scenarios.py --out result.json [--only NAME ...] [--sync-loads]`` runs each
-scenario (see ``SCENARIOS``; those of loads outliving their step are in ``sched_loads.py``)
-against real daemons and writes ``{name: {"ok", "error", "facts"}}``; ``--sync-loads`` runs
-the connector with ``async_loads: false`` (``SYNC_LOADS``). Every scenario checks, besides
+``python sched_scenarios.py --out result.json [--only NAME ...] [--modes async_loads sync_loads]``
+runs each scenario (see ``SCENARIOS``; those of loads outliving their step are in
+``sched_loads.py``) against real daemons forked from one zygote, and writes
+``{mode: {name: {"ok", "error", "facts"}}}``; mode ``sync_loads`` runs the connector with
+``async_loads: false`` (``SYNC_LOADS``). Every scenario checks, besides
 its own point:
 
 * every request's output tokens equal the oracle's (the fake model's greedy tokens);
@@ -15,6 +16,7 @@ its own point:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.integrations.vllm.connector import KVCacheMetadata
 from kvcache.protocol import messages as m
+from kvcache.server.launch import Spawn
+from kvcache.testing.daemon_zygote import Zygote
 from kvcache.testing.redis_local import LocalRedis
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
 from tests.integrations.vllm.sched_failures import ONCE
@@ -41,7 +45,6 @@ from tests.integrations.vllm.sched_failures import SCENARIOS as FAILURE_SCENARIO
 from tests.integrations.vllm.sched_loads import SCENARIOS as LOAD_SCENARIOS
 from tests.integrations.vllm.sched_world import (
     CHUNK,
-    Daemon,
     Facts,
     Harness,
     ScenarioSkipped,
@@ -366,8 +369,7 @@ def stalled(h: Harness, what: str) -> None:
             raise ScenarioSkipped("redis-server is not installed")
         redis = LocalRedis().start()
         h.cleanups.append(redis.close)
-        h.daemon.close()
-        h.daemon = Daemon(extra=["--l2-redis-url", redis.url, "--l2-redis-timeout", "30"])
+        h.replace_daemon(["--l2-redis-url", redis.url, "--l2-redis-timeout", "30"])
         assert redis._proc is not None  # NOTE: LocalRedis has no public pid; SIGSTOP needs one
         pid = redis._proc.pid
         for attempt in range(3):
@@ -538,34 +540,48 @@ SYNC_LOADS = [
 do not use the connector at all (``sched_failures.ONCE``)."""
 
 
+MODES = {"async_loads": True, "sync_loads": False}
+"""The connector's ``async_loads`` setting of each run mode."""
+
+
+def run_mode(mode: str, only: list[str] | None, workdir: Path, spawn: Spawn | None, out: Path,
+             results: dict[str, Any]) -> None:  # fmt: skip
+    """Every scenario of ``mode`` (or ``only``), each result written to ``out`` as it ends."""
+    runs = results.setdefault(mode, {})
+    for name in only or (list(SCENARIOS) if MODES[mode] else SYNC_LOADS):
+        t0 = time.perf_counter()
+        facts: Facts = {}
+        try:
+            with harness(name, workdir, spawn, async_loads=MODES[mode]) as h:
+                facts = h.facts
+                SCENARIOS[name](h)
+                h.check_all_done()
+            runs[name] = {"ok": True, "error": "", "facts": facts}
+        except ScenarioSkipped as exc:
+            runs[name] = {"ok": True, "error": "", "facts": facts, "skipped": str(exc)}
+        except Exception:
+            runs[name] = {"ok": False, "error": traceback.format_exc()[-4000:], "facts": facts}
+        runs[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(mode, name, "ok" if runs[name]["ok"] else "FAILED", runs[name]["seconds"], flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="JSON: {mode: {scenario: result}}")
     p.add_argument("--only", nargs="*", default=None)
-    p.add_argument("--sync-loads", action="store_true", help="the connector's async_loads: false")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["async_loads"],
+                   help="one process runs them in turn (vLLM's import is paid once)")  # fmt: skip
+    p.add_argument("--exec-daemons", action="store_true", help="exec each daemon, not fork a zygote")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="kvc-sched-") as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvc-sched-")))
+        spawn = None if args.exec_daemons else stack.enter_context(Zygote()).spawn
         write_model_config(str(workdir / "model"))
-        default = SYNC_LOADS if args.sync_loads else list(SCENARIOS)
-        for name in args.only or default:
-            t0 = time.perf_counter()
-            facts: Facts = {}
-            try:
-                with harness(name, workdir, async_loads=not args.sync_loads) as h:
-                    facts = h.facts
-                    SCENARIOS[name](h)
-                    h.check_all_done()
-                results[name] = {"ok": True, "error": "", "facts": facts}
-            except ScenarioSkipped as exc:
-                results[name] = {"ok": True, "error": "", "facts": facts, "skipped": str(exc)}
-            except Exception:
-                results[name] = {"ok": False, "error": traceback.format_exc()[-4000:], "facts": facts}
-            results[name]["seconds"] = round(time.perf_counter() - t0, 1)
-            print(name, "ok" if results[name]["ok"] else "FAILED", results[name]["seconds"], flush=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
+        for mode in args.modes:
+            run_mode(mode, args.only, workdir, spawn, Path(args.out), results)
     return 0
 
 

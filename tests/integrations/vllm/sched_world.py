@@ -25,7 +25,7 @@ import torch
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.protocol import messages as m
-from kvcache.server.launch import DaemonProcess
+from kvcache.server.launch import DaemonProcess, Spawn
 from kvcache.transport.memfd import empty_shared
 from tests.integrations.vllm.sched_engine import (
     BLOCK,
@@ -57,15 +57,16 @@ class Daemon:
     """A daemon in a fixed runtime directory (so at a fixed ipc:// endpoint), so that it can
     be killed and started again in place."""
 
-    def __init__(self, extra: Sequence[str] = ()) -> None:
+    def __init__(self, spawn: Spawn | None, extra: Sequence[str] = ()) -> None:
         self.args = ["--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--disable-metrics", *extra]
+        self.spawn = spawn
         self.runtime_dir = tempfile.mkdtemp(prefix="kvcache-sched-")
         self.proc = self.start()
         self.endpoint = self.proc.endpoint
 
     def start(self) -> DaemonProcess:
         """A fresh daemon process at this daemon's endpoint."""
-        return DaemonProcess(self.args, runtime_dir=self.runtime_dir, prometheus_port=0)
+        return DaemonProcess(self.args, runtime_dir=self.runtime_dir, prometheus_port=0, spawn=self.spawn)
 
     def kill(self) -> None:
         self.proc.stop(signal.SIGKILL)
@@ -129,8 +130,9 @@ class Reader:
 class Harness:
     """One scenario's world: the model directory, daemons, engines and the checks."""
 
-    def __init__(self, name: str, workdir: Path, daemon: Daemon, *, async_loads: bool = True) -> None:
-        self.name, self.workdir, self.daemon = name, workdir, daemon
+    def __init__(self, name: str, workdir: Path, spawn: Spawn | None, *, async_loads: bool = True) -> None:
+        self.name, self.workdir, self.spawn = name, workdir, spawn
+        self.daemon = Daemon(spawn)
         self.async_loads = async_loads
         """The connector's ``async_loads`` for this run's engines (async scheduling forces it)."""
         self.model = f"harness-{name}"
@@ -138,6 +140,12 @@ class Harness:
         self.facts: Facts = {}
         self.cleanups: list[Callable[[], None]] = []
         self._reader: Reader | None = None
+
+    def replace_daemon(self, extra: Sequence[str]) -> Daemon:
+        """The harness's daemon closed and replaced by one started with ``extra`` flags."""
+        self.daemon.close()
+        self.daemon = Daemon(self.spawn, extra)
+        return self.daemon
 
     def engine(
         self,
@@ -278,8 +286,10 @@ def check_outputs(eng: Engine) -> None:
 
 
 @contextmanager
-def harness(name: str, workdir: Path, *, async_loads: bool = True) -> Iterator[Harness]:
-    h = Harness(name, workdir, Daemon(), async_loads=async_loads)
+def harness(name: str, workdir: Path, spawn: Spawn | None, *, async_loads: bool = True) -> Iterator[Harness]:
+    """A scenario's world; its daemons start through ``spawn`` (the zygote: no torch import per
+    daemon), or by exec when None."""
+    h = Harness(name, workdir, spawn, async_loads=async_loads)
     try:
         yield h
     finally:

@@ -10,11 +10,12 @@ after every step, that no request is in limbo, and that every run ends within a 
 bound (``sched_invariants.py``). What each scenario proves is in its docstring in
 ``sched_scenarios.py``, ``sched_loads.py`` and ``sched_failures.py``.
 
-The scenarios run in one process per connector mode (vLLM's import dominates): the fixture
-runs them all once with asynchronous loads (the default) and once with ``async_loads: false``
-(``SYNC_LOADS``: all but those that need a load to outlive its step, and the one that runs
-vLLM alone), and each test reads
-its scenario's result. Skipped with ``KVCACHE_SKIP_VLLM_E2E=1``.
+The scenarios run in one process (vLLM's import dominates a process's start), each with
+fresh daemons forked from one zygote (``kvcache.testing.daemon_zygote``: no torch import per
+daemon): the fixture runs them all once with asynchronous loads (the default) and once with
+``async_loads: false`` (``SYNC_LOADS``: all but those that need a load to outlive its step,
+and the one that runs vLLM alone), and each test reads its scenario's result. Skipped with
+``KVCACHE_SKIP_VLLM_E2E=1``.
 ``sched_controls.py`` (by hand, not here) switches each safeguard off in turn and checks that
 its scenarios then fail.
 """
@@ -71,12 +72,17 @@ SYNC_LOADS = [n for n in SCENARIOS if n not in NEED_ASYNC_LOADS]
 pytestmark = pytest.mark.slow
 
 
-def _run(python: str, out: Path, *flags: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def runs(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both modes in one process (vLLM's import and the daemon zygote's start paid once):
+    ``async_loads`` (the default) runs every scenario, ``sync_loads`` runs ``SYNC_LOADS``."""
+    out = tmp_path_factory.mktemp("sched") / "results.json"
+    modes = ["--modes", "async_loads", "sync_loads"]
     proc = subprocess.run(
-        [python, str(HERE / "sched_scenarios.py"), "--out", str(out), *flags],
+        [vllm_python, str(HERE / "sched_scenarios.py"), "--out", str(out), *modes],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         cwd="/",
         env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
@@ -86,15 +92,15 @@ def _run(python: str, out: Path, *flags: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def results(runs: dict[str, Any]) -> dict[str, Any]:
     """Every scenario, with the connector's default asynchronous loads."""
-    return _run(vllm_python, tmp_path_factory.mktemp("sched") / "results.json")
+    return runs.get("async_loads", {})
 
 
 @pytest.fixture(scope="module")
-def sync_loads_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def sync_loads_results(runs: dict[str, Any]) -> dict[str, Any]:
     """``SYNC_LOADS``, with ``async_loads: false``."""
-    return _run(vllm_python, tmp_path_factory.mktemp("sched") / "sync_loads.json", "--sync-loads")
+    return runs.get("sync_loads", {})
 
 
 def test_every_scenario_ran(results: dict[str, Any], sync_loads_results: dict[str, Any]) -> None:
