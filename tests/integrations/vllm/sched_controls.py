@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from kvcache.client import KVCacheClient
+from kvcache.client.session import Session
 from kvcache.integrations.vllm import connector as connector_mod
 from kvcache.integrations.vllm.plan import Planner
 from kvcache.integrations.vllm.worker import ConnectorWorker
@@ -171,7 +171,7 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_lookup_cache": (no_lookup_cache, ["preemption"]),
     "no_breaker": (lambda: patched(CircuitBreaker, "refuse", lambda self: False), ["daemon_killed"]),
     "no_deadline": (
-        lambda: patched(KVCacheClient, "_stamped", KVCacheClient._with_token),
+        lambda: patched(Session, "_stamped", Session._with_token),
         ["stalled_daemon", "stalled_redis_l2"],
     ),
     # Blocks released with their stores in flight: vLLM hands them to the next request.
