@@ -12,6 +12,7 @@ import pytest
 
 from kvcache.observability.event import EVENT_META, Event, EventMeta, EventType
 from kvcache.server.launch import DaemonProcess, Spawn
+from kvcache.testing.redis_cluster_local import LocalRedisCluster
 
 
 class RecordingSink:
@@ -89,3 +90,17 @@ def counts(result: Any) -> tuple[int, int, int, int]:
     """A store result's chunk and token counts (stored, skipped, failed, stored tokens),
     without its measured bytes and seconds, for exact comparisons."""
     return (result.stored_chunks, result.skipped_chunks, result.failed_chunks, result.stored_tokens)
+
+
+def start_cluster() -> LocalRedisCluster:
+    """A started 3 + 3 Redis Cluster, or a skip naming what is missing (CI installs
+    redis-server, which brings redis-cli)."""
+    try:
+        cluster = LocalRedisCluster(masters=3, replicas=1, node_timeout_ms=1000)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    try:
+        return cluster.start()
+    except BaseException:
+        cluster.close()
+        raise

@@ -9,26 +9,13 @@ import pytest
 
 from kvcache.testing.redis_cluster_local import LocalRedisCluster
 from kvcache.testing.redis_local import LocalRedis
+from tests.helpers import start_cluster
 
 
 @pytest.fixture()
 def redis_server() -> Iterator[LocalRedis]:
     with LocalRedis() as server:
         yield server
-
-
-def start_cluster() -> LocalRedisCluster:
-    """A started 3 + 3 cluster, or a skip naming what is missing (CI installs redis-server,
-    which brings redis-cli)."""
-    try:
-        cluster = LocalRedisCluster(masters=3, replicas=1, node_timeout_ms=1000)
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    try:
-        return cluster.start()
-    except BaseException:
-        cluster.close()
-        raise
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,10 @@
-"""Prefill/decode disaggregation through kvcache, end to end: two real ``vllm serve``
-processes (a ``kv_producer`` prefill instance, a ``kv_consumer`` decode instance), one real
-daemon and kvcache's proxy. The first test drives the two halves itself, as the proxy does
-(vLLM's P/D convention), so that it can look between them; one test goes through the proxy:
+"""Prefill/decode disaggregation through kvcache, end to end: real ``vllm serve`` processes
+(a ``kv_producer`` prefill instance, a ``kv_consumer`` decode instance on the same daemon, and
+a second ``kv_consumer`` on another daemon, as on another host), two real daemons sharing a
+real 3 + 3 Redis Cluster L2, and kvcache's proxy. The first test drives the two halves
+itself, as the proxy does (vLLM's P/D convention), so that it can look between them; one
+test goes through the proxy; one splits across the two daemons, where the decode side's wait
+covers the prefill daemon's write-through reaching the cluster:
 
 1. the prefill instance gets the request with ``max_tokens=1`` and
    ``kv_transfer_params={"do_remote_decode": true}`` and answers with the parameters that
@@ -33,6 +36,7 @@ import pytest
 
 from kvcache.integrations.vllm.disagg import PARAMS_KEY
 from kvcache.integrations.vllm.proxy.launch import ProxyProcess
+from tests.helpers import start_cluster
 from tests.integrations.vllm.proxy.test_proxy import events, request
 from tests.integrations.vllm.test_connector import Daemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
@@ -58,9 +62,13 @@ class Split:
     prefill: Server
     decode: Server
     daemon: Daemon
+    remote_decode: Server
+    """A ``kv_consumer`` on ``remote_daemon``: the split across hosts."""
+    remote_daemon: Daemon
     proxy: ProxyProcess
     model: str
     tmp: Path
+    daemon_args: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +76,38 @@ def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tmp = tmp_path_factory.mktemp("disagg")
     model = tmp / "model"
     make_model(vllm_python, model)
-    daemon = start_daemon(tmp, None, "daemon", ["--chunk-size", str(CHUNK)])
-    extra = {"timeout_s": 30.0, "transfer_wait_s": WAIT_S}
-    run = tmp / "run"
-    prefill = start_server(vllm_python, model, run, tmp / "prefill.log", "kv_producer", extra)
-    decode = start_server(vllm_python, model, run, tmp / "decode.log", "kv_consumer", extra)
+    cluster = start_cluster()
+    remote = tmp / "remote"
+    remote.mkdir()
+    args = ["--chunk-size", str(CHUNK), "--l2-redis-url", cluster.url]
+    daemons: list[Daemon] = []
+    servers: list[Server] = []
     proxy: ProxyProcess | None = None
     try:
-        started = max(prefill.wait_ready(), decode.wait_ready())
-        print(f"two vllm serve processes ready in {started:.0f} s")
+        daemons.append(start_daemon(tmp, None, "daemon", args))
+        daemons.append(start_daemon(remote, None, "remote-daemon", args))
+        extra = {"timeout_s": 30.0, "transfer_wait_s": WAIT_S}
+        roles = [("prefill", "kv_producer", tmp), ("decode", "kv_consumer", tmp),
+                 ("remote-decode", "kv_consumer", remote)]  # fmt: skip
+        for name, role, host in roles:
+            run = host / "run"
+            servers.append(start_server(vllm_python, model, run, tmp / f"{name}.log", role, extra))
+        started = max(server.wait_ready() for server in servers)
+        print(f"three vllm serve processes ready in {started:.0f} s")
+        prefill, decode, remote_decode = servers
         proxy = ProxyProcess(vllm_python, [prefill.base], [decode.base])
-        box = Split(prefill, decode, daemon, proxy, str(model), tmp)
+        box = Split(prefill, decode, daemons[0], remote_decode, daemons[1], proxy, str(model), tmp, args)
         yield box
+        daemons = [box.daemon, box.remote_daemon]  # the first may have been restarted
     finally:
         if proxy is not None:
             proxy.stop()
-        for server in (prefill, decode):
+        for server in servers:
             server.stop()
             print(server.log.read_text()[-2000:])
-        box.daemon.stop()
+        for daemon in daemons:
+            daemon.stop()
+        cluster.close()
 
 
 def _computed(base: str, want_prompt_tokens: float) -> dict[str, float]:
@@ -175,6 +196,42 @@ def test_through_the_proxy_whole_and_streamed(split: Split) -> None:
         assert text == reference["choices"][0]["text"], length
 
 
+def test_split_across_two_daemons_sharing_a_redis_cluster(split: Split) -> None:
+    """Across hosts: the prefill instance stores through its daemon; a decode instance on
+    another daemon (they share only the Redis Cluster) gets the parameters the moment the
+    prefill answered, waits at its own daemon until the prefill daemon's write-through has
+    reached the cluster (a waiting retrieve polls L2), and computes at most one block. Its
+    text equals its own without parameters (an ordinary lookup, served from L2 too)."""
+    remote = split.remote_decode.base
+    seen = total(scrape(remote + "/metrics"), "vllm:prompt_tokens_by_source_total")
+    from_l2 = split.remote_daemon.metric("kvcache_retrieve_l2_tokens_total")
+    awaited = 0
+    for i, length in enumerate((555, 777)):
+        prompt = prompts(400 + i, length, 1, 0)[0]
+        request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        params = post(split.prefill.base + "/v1/completions", asked)["kv_transfer_params"]
+        whole = length // CHUNK * CHUNK
+        tail = (length - whole) // BLOCK * BLOCK
+        awaited += whole + tail
+        before = scrape(remote + "/metrics")
+        out = post(remote + "/v1/completions", {**request, "kv_transfer_params": params})
+        seen += length
+        computed = _local_compute(_computed(remote, seen)) - _local_compute(before)
+        assert computed == length - min(whole + tail, length - 1) <= BLOCK, (length, computed)
+        reset_prefix_cache(remote)
+        reference = post(remote + "/v1/completions", request)
+        seen += length
+        _computed(remote, seen)
+        reset_prefix_cache(remote)
+        assert out["choices"][0]["text"] == reference["choices"][0]["text"], length
+    final = scrape(remote + "/metrics")
+    assert total(final, "vllm:kvcache_transfer_missed_tokens_total") == 0
+    assert split.remote_daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 0
+    # What the decode side copied came up from L2: its daemon never saw the prefill's stores.
+    assert split.remote_daemon.metric("kvcache_retrieve_l2_tokens_total") - from_l2 >= awaited
+
+
 def _decode_and_reference(split: Split, request: dict[str, object], params: dict[str, object]) -> None:
     """The decode instance serves ``request`` with ``params`` and, its prefix cache reset,
     without: the same text (nothing wrong was served, whatever the parameters named)."""
@@ -187,10 +244,12 @@ def _decode_and_reference(split: Split, request: dict[str, object], params: dict
 
 def test_faults_are_recomputed_within_the_bound_and_nothing_wrong_is_served(split: Split) -> None:
     """(1) The prefill instance is gone before its stores reached the daemon: the parameters
-    (as it would have answered) name chunks and a tail that never arrive. (2) The daemon
-    restarts between the two halves (no L2: what the prefill side stored is lost). Either way
-    the decode side waits ``transfer_wait_s``, recomputes, counts it, and serves the same
-    text as without parameters. Runs after the main test (it restarts the daemon)."""
+    (as it would have answered) name chunks and a tail that never arrive: the decode side
+    waits ``transfer_wait_s``, recomputes, counts it, and serves the same text as without
+    parameters. (2) The daemon restarts between the two halves, once what the prefill side
+    stored was written through: the restarted daemon (empty L1) serves all of it from the
+    Redis Cluster, and the decode side computes at most one block. Runs after the main test
+    (it restarts the daemon)."""
     decode_metrics = split.decode.base + "/metrics"
     missed = total(scrape(decode_metrics), "vllm:kvcache_transfer_missed_tokens_total")
     daemon_missed = split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total")
@@ -210,11 +269,20 @@ def test_faults_are_recomputed_within_the_bound_and_nothing_wrong_is_served(spli
     prompt = prompts(201, 555, 1, 0)[0]
     request = {"model": split.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
     asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    written = split.daemon.metric("kvcache_l2_store_chunks_total")
     params = post(split.prefill.base + "/v1/completions", asked)["kv_transfer_params"]
+    deadline = time.monotonic() + 60
+    while split.daemon.metric("kvcache_l2_store_chunks_total") < written + 3:  # 2 chunks, 1 tail
+        assert time.monotonic() < deadline, "the prefill's chunks never reached L2"
+        time.sleep(0.05)  # the daemon's counter: polled, as a router would
     split.daemon.stop()
-    split.daemon = start_daemon(split.tmp, None, "daemon-restarted", ["--chunk-size", str(CHUNK)])
+    split.daemon = start_daemon(split.tmp, None, "daemon-restarted", split.daemon_args)
+    before = scrape(decode_metrics)
+    seen = total(before, "vllm:prompt_tokens_by_source_total")
     _decode_and_reference(split, request, params)
-    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 768
+    computed = _local_compute(_computed(split.decode.base, seen + 2 * 555)) - _local_compute(before)
+    assert computed == (555 - 544) + (555 - 512), computed  # with the parameters, then without
+    assert split.daemon.metric("kvcache_retrieve_awaited_missing_tokens_total") == 0
 
 
 def test_a_prefill_instance_killed_right_after_answering(split: Split) -> None:

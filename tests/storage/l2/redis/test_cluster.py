@@ -21,9 +21,7 @@ from kvcache.storage.l2.redis.cluster import RedisClusterL2Adapter, ShardHealth
 from kvcache.storage.l2.redis.single import chunk_name
 from kvcache.testing import random_fill
 from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
-from tests.helpers import RecordingSink
-
-from ...conftest import start_cluster
+from tests.helpers import RecordingSink, start_cluster
 
 
 def chunk(seed: int) -> torch.Tensor:

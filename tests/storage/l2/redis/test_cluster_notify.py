@@ -19,10 +19,9 @@ from kvcache.storage.l2.redis.cluster import RedisClusterL2Adapter
 from kvcache.storage.l2.redis.notify import covers
 from kvcache.storage.l2.redis.single import chunk_name
 from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
+from tests.helpers import start_cluster
 from tests.kv_events.test_subscriber import ListPublisher
 from tests.storage.l2.redis.test_notify import WaitingSink
-
-from ...conftest import start_cluster
 
 
 def chunk(seed: int) -> torch.Tensor:
