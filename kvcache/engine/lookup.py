@@ -8,7 +8,7 @@ retrieve that follows waits for those loads (``retrieve``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvcache.deadline import Deadline
@@ -33,54 +33,93 @@ def lookup(
     parts: EngineParts, inst: InstanceState, token_ids: RawIds, *, key_scope: KeyScope, request_id: str
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
-    return _lookup_keys(parts, inst, len(token_ids), lambda: inst.keys(token_ids, key_scope), request_id)
+    sid = parts.events.session(inst.instance_id, request_id)
+    parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=len(token_ids)))
+    keys = inst.keys(token_ids, key_scope)
+    (resident,) = parts.pool.resident_many((keys,))
+    l1, l2 = _walk(parts, inst, keys, resident, None)
+    return _answer(parts, inst, sid, len(token_ids), l1, l2)
 
 
 def lookup_many(
     parts: EngineParts, inst: InstanceState, queries: Sequence[tuple[RawIds, KeyScope, str]]
 ) -> list[LookupHit]:
     """``lookup`` of each (token ids, key scope, request id) in order, as one scheduler step
-    asks them: prompts of one scope that share their head with the one before hash it once."""
+    asks them, at a fraction of the cost per prompt: prompts of one scope that share their
+    head with the one before hash it once, L1 is walked for all under one hold of its lock,
+    and the statistics are recorded once. Only a prompt not wholly in L1 walks again on its
+    own (L2, loads begun by others). Each prompt's ``MP_LOOKUP_START`` is published before the
+    batch is served and its ``MP_LOOKUP_END`` after: the requester waited for the batch."""
+    events = parts.events
+    sids = [events.session(inst.instance_id, request_id) for _, _, request_id in queries]
+    for sid, (token_ids, _, _) in zip(sids, queries, strict=True):
+        events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=len(token_ids)))
     prior: dict[KeyScope, Hashed | None] = {}
-    hits = []
-    for token_ids, key_scope, request_id in queries:
+    keyed = []
+    for token_ids, key_scope, _ in queries:
+        keys, prior[key_scope] = inst.hasher(key_scope).keys_after(token_ids, prior.get(key_scope))
+        keyed.append(keys)
+    room_by: list[Deadline] = []  # one bound for the batch, made by the first prompt that needs it
+    tiers = [
+        _walk(parts, inst, keys, resident, room_by)
+        for keys, resident in zip(keyed, parts.pool.resident_many(keyed), strict=True)
+    ]
+    cs = inst.ctx.chunk_size
+    sizes = [len(token_ids) for token_ids, _, _ in queries]
+    parts.stats.record_lookups((n, (l1 + l2) * cs) for n, (l1, l2) in zip(sizes, tiers, strict=True))
+    return [
+        _answer(parts, inst, sid, n, l1, l2, recorded=True)
+        for sid, n, (l1, l2) in zip(sids, sizes, tiers, strict=True)
+    ]
 
-        def keys(token_ids: RawIds = token_ids, key_scope: KeyScope = key_scope) -> list[ChunkKey]:
-            keys, prior[key_scope] = inst.hasher(key_scope).keys_after(token_ids, prior.get(key_scope))
-            return keys
 
-        hits.append(_lookup_keys(parts, inst, len(token_ids), keys, request_id))
-    return hits
-
-
-def _lookup_keys(
+def _walk(
     parts: EngineParts,
     inst: InstanceState,
-    num_tokens: int,
-    make_keys: Callable[[], list[ChunkKey]],
-    request_id: str,
-) -> LookupHit:
-    sid = parts.events.session(inst.instance_id, request_id)
-    parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
-    keys = make_keys()
-    l1 = l2 = 0
-    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
-    while True:  # runs in L1 and runs loaded from L2 may alternate (a tail outlived its head)
-        run, joined = parts.pool.resident(keys[l1 + l2 :])  # joined: loads others began
-        l1 += run - joined
-        l2 += joined
+    keys: list[ChunkKey],
+    resident: tuple[int, int],
+    room_by: list[Deadline] | None,
+) -> tuple[int, int]:
+    """The prefix of ``keys`` cached, in chunks: (in L1, in or loading from L2), given the
+    first walk of L1 (``resident``). What L2 holds past L1 starts loading now (``prefetch``,
+    within ``lookup_wait_timeout_s``; ``room_by`` shares one bound across a batch)."""
+    run, joined = resident  # joined: loads others began
+    l1, l2 = run - joined, joined
+    while l1 + l2 < len(keys):  # runs in L1 and runs loaded from L2 may alternate
+        if room_by is None or not room_by:
+            bound = Deadline.within(parts.config.lookup_wait_timeout_s)
+            if room_by is not None:
+                room_by.append(bound)
+        else:
+            bound = room_by[0]
         rest = keys[l1 + l2 :]
-        if not rest:
-            break
-        loaded = prefetch(parts, inst, rest, room_by=room_by)
+        loaded = prefetch(parts, inst, rest, room_by=bound)
         l2 += loaded
         # Nothing begun: a miss, unless another request began loading that chunk since we
         # looked (its load is joined on the next pass, never read a second time).
         if not loaded and not parts.pool.resident(rest[:1])[0]:
             break
+        run, joined = parts.pool.resident(keys[l1 + l2 :])
+        l1 += run - joined
+        l2 += joined
+    return l1, l2
+
+
+def _answer(
+    parts: EngineParts,
+    inst: InstanceState,
+    sid: str,
+    num_tokens: int,
+    l1: int,
+    l2: int,
+    *,
+    recorded: bool = False,
+) -> LookupHit:
+    """Record the statistics (unless the batch did), publish ``MP_LOOKUP_END``, answer."""
     cs = inst.ctx.chunk_size
     hit = (l1 + l2) * cs
-    parts.stats.record_lookup(num_tokens, hit)
+    if not recorded:
+        parts.stats.record_lookup(num_tokens, hit)
     meta = inst.meta(
         MpLookupEnd, num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs
     )

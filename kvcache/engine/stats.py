@@ -187,10 +187,16 @@ class OffloadStatsCollector:
                 self._cur.retrieve.record(nbytes, seconds, tokens)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.record_lookups(((query_tokens, hit_tokens),))
+
+    def record_lookups(self, lookups: Iterable[tuple[int, int]]) -> None:
+        """Each ``(query_tokens, hit_tokens)``, under one hold of the lock."""
         with self._lock:
-            self._cur.lookups += 1
-            self._cur.lookup_query_tokens += query_tokens
-            self._cur.lookup_hit_tokens += hit_tokens
+            cur = self._cur
+            for query_tokens, hit_tokens in lookups:
+                cur.lookups += 1
+                cur.lookup_query_tokens += query_tokens
+                cur.lookup_hit_tokens += hit_tokens
 
     def snapshot(self) -> OffloadStats:
         with self._lock:

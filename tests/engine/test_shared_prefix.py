@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -182,3 +183,51 @@ def test_a_steps_lookups_in_one_call_answer_as_single_lookups_and_read_once(
         again = [e.lookup_tiers(2, t, cache_salt=s, request_id=r) for t, s, r in queries]
         assert [h.hit_tokens for h in again] == [h.hit_tokens for h in hits]
         assert reads(e) == CHUNKS
+
+
+def test_a_batch_reports_each_lookup_as_single_lookups_do(
+    tmp_path: Path, on_disk: list[torch.Tensor]
+) -> None:
+    """The batch walks L1 once and records the statistics once, but what it reports is what
+    the same lookups asked one by one report: an ``MP_LOOKUP_START`` and an ``MP_LOOKUP_END``
+    per prompt under its request id, with the same metadata, and the same lookup statistics.
+    The prompts need the L2 walk (the first reads the prefix from disk, the rest join its
+    loads or find it in L1 by then: how a hit splits between L1 and L2 depends on how far
+    those loads got, in either form, so only their sum is compared)."""
+    queries = [
+        (TOKENS, "", "a"),
+        (TOKENS[: 5 * CS] + list(range(7, 7 + 3 * CS)), "", "b"),
+        (TOKENS, "other", "c"),
+        (TOKENS[: CS - 1], "", "d"),
+        (TOKENS, "", "e"),
+    ]
+
+    def reported(batch: bool) -> tuple[list[tuple[str, str, dict[str, Any]]], tuple[int, int, int]]:
+        sink = RecordingSink()
+        with reader(tmp_path, sink) as e:  # a fresh engine each: an empty L1, the disk tier
+            e.register(2, "m", caches(seed=2))
+            asked = [(np.asarray(t, dtype=np.uint32), KeyScope(s), r) for t, s, r in queries]
+            if batch:
+                e.lookup_many(2, asked)
+            else:
+                for t, scope, r in asked:
+                    e.lookup_tiers(2, t, cache_salt=scope.salt, request_id=r)
+            stats = e.stats_snapshot()
+            types = (EventType.MP_LOOKUP_START, EventType.MP_LOOKUP_END)
+            events = []
+            for ev in sink.events:
+                if ev.event_type in types:
+                    fields = msgspec.structs.asdict(ev.metadata)
+                    if ev.event_type is EventType.MP_LOOKUP_END:
+                        assert (
+                            fields.pop("l1_hit_tokens") + fields.pop("l2_hit_tokens") == fields["hit_tokens"]
+                        )
+                    events.append((ev.session_id, ev.event_type.name, fields))
+            events.sort(key=lambda e: (e[0], e[1]))
+        return events, (stats.lookups, stats.lookup_query_tokens, stats.lookup_hit_tokens)
+
+    batch_events, batch_stats = reported(True)
+    single_events, single_stats = reported(False)
+    assert len(batch_events) == 2 * len(queries)
+    assert batch_events == single_events
+    assert batch_stats == single_stats == (5, sum(len(t) for t, _, _ in queries), 2 * ALL + 5 * CS)

@@ -247,17 +247,25 @@ class L1Pool(SlotTable):
     def resident(self, keys: Sequence[ChunkKey]) -> tuple[int, int]:
         """``prefix``, and how many of those leading keys are still LOADING from L2 (a load
         another request began: a lookup joins it instead of reading the chunk again)."""
-        n = loading = 0
+        return self.resident_many((keys,))[0]
+
+    def resident_many(self, key_lists: Iterable[Sequence[ChunkKey]]) -> list[tuple[int, int]]:
+        """``resident`` of each list, under one hold of the lock (a scheduler step's lookups)."""
+        out = []
+        entries, policy = self._entries, self._policy
         with self._lock:
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or entry.state is EntryState.WRITING:
-                    break
-                n += 1
-                loading += entry.state is EntryState.LOADING
-            for key in reversed(keys[:n]):  # head of the prefix = most recently used
-                self._policy.touch(key)
-        return n, loading
+            for keys in key_lists:
+                n = loading = 0
+                for key in keys:
+                    entry = entries.get(key)
+                    if entry is None or entry.state is EntryState.WRITING:
+                        break
+                    n += 1
+                    loading += entry.state is EntryState.LOADING
+                for key in reversed(keys[:n]):  # head of the prefix = most recently used
+                    policy.touch(key)
+                out.append((n, loading))
+        return out
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
         """Pin the leading resident (READY or LOADING) entries of ``keys``."""
