@@ -231,8 +231,9 @@ class Pipeline:
                 left = [*self._queue, *self._in_flight.values()]
                 self._queue.clear()
                 self._in_flight.clear()
-            for call in left:
-                call.future.set_exception(RuntimeError("KVCacheClient is closed"))
+            for call in left:  # a queued call's caller may have cancelled it
+                if not call.future.done():
+                    call.future.set_exception(RuntimeError("KVCacheClient is closed"))
 
     def _awaited(self) -> bool:
         """Whether a call ``close`` waits for is still in flight."""
