@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,8 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.vllm_engines import EngineProcess, engines, find_vllm_python
+from kvcache.bench.args import add_model_args, model_spec, parse_quick
+from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
 from kvcache.bench.vllm_messages import (
     Command,
     Decode,
@@ -80,6 +80,7 @@ MODES: dict[str, Mode] = {
     "connector": Mode({}, "connector, defaults"),
     "sync-stores": Mode({"async_stores": False}, "connector, async_stores=false"),
     "sync-loads": Mode({"async_loads": False}, "connector, async_loads=false"),
+    "window-1": Mode({"window": 1}, "connector, one call at a time (window 1)"),
     # diagnostics: what of the connector's cost is there without any load or store
     "no-traffic": Mode({"load": False, "store": False}, "connector, load and store off"),
     "no-shm": Mode({"shared_memory": False, "load": False, "store": False},
@@ -103,11 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a short smoke run: toy model, 2 pairs, small sizes")
     p.add_argument("--pairs", type=int, default=7, help="decode pairs and TTFT rounds (>= 5 for a figure)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per engine before the timed ones")
-    g = p.add_argument_group("model (a seeded random LLaMA, built locally)")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--hidden", type=int, default=512)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=4)
+    add_model_args(p)
     g = p.add_argument_group("decode")
     g.add_argument("--decode-modes", default="none,connector", help=f"first = the base; of {','.join(MODES)}")
     g.add_argument("--decode-requests", type=int, default=4)
@@ -151,12 +148,7 @@ QUICK = {"pairs": 2, "warmup": 0, "layers": 2, "hidden": 128, "heads": 4, "kv_he
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
-    a = parser.parse_args(argv)
-    if a.quick:  # only what the command line left at its default
-        defaults = parser.parse_args([])
-        for key, value in QUICK.items():
-            if getattr(a, key) == getattr(defaults, key):
-                setattr(a, key, value)
+    a = parse_quick(parser, argv, QUICK)
     a.decode_modes = [m for m in a.decode_modes.split(",") if m]
     a.ttft_modes = [m for m in a.ttft_modes.split(",") if m]
     for m in a.decode_modes + a.ttft_modes:
@@ -176,13 +168,9 @@ def l1_gb(a: argparse.Namespace, model: ModelSpec) -> float:
 
 def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     """Build the model, start the daemon, run every round; the raw replies, by round."""
-    model = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
-    model_dir = work / f"model-{a.layers}x{a.hidden}-{a.heads}h{a.kv_heads}kv"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS=str(a.torch_threads))  # fmt: skip
-    subprocess.run([python, "-m", "kvcache.bench.vllm_driver", "make-model", "--dir", str(model_dir),
-                    "--spec", msgspec.json.encode(model).decode()], check=True, env=env, cwd="/",
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
+    model = model_spec(a)
+    env = engine_env(a.torch_threads)
+    model_dir = make_model(python, model, work, env)
     flags = ["--chunk-size", str(a.chunk_size), "--l1-size-gb", f"{a.l1_gb or l1_gb(a, model):.3f}"]
     raw: dict[str, Any] = {"model": model.label(), "ready": [], "zeroed": [], "decode": [], "ttft": [],
                            "daemon_cpu_s": {"decode": [], "ttft": []}}  # fmt: skip
