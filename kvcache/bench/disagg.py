@@ -35,14 +35,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from kvcache.bench.args import add_model_args, model_spec, parse_quick
+from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
 from kvcache.bench.disagg_client import Stream, Workload
 from kvcache.bench.disagg_client import run as run_workload
 from kvcache.bench.disagg_report import TARGETS, summarize, table
@@ -91,12 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--long-tokens", type=int, default=16, help="tokens each long prompt generates")
     g.add_argument("--gap", type=float, default=0.5, help="seconds between two long prompts' arrivals")
     add_model_args(p)
-    g = p.add_argument_group("engines, daemon")
-    g.add_argument("--block-size", type=int, default=32)
-    g.add_argument("--chunk-size", type=int, default=256, help="the daemon's chunk (tokens)")
-    g.add_argument("--kv-cache-mb", type=int, default=256, help="vLLM's KV cache per server")
+    g = add_engine_args(p, "engines (servers), daemon", 256, "vLLM's KV cache per server")
     g.add_argument("--l1-gb", type=float, default=1.0)
-    g.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the servers")
     g.add_argument(
         "--bind",
         action=argparse.BooleanOptionalAction,
@@ -106,9 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM's default binds every server to every core, and their OpenMP threads "
         "then fight for them",
     )
-    g.add_argument("--vllm-python", help="the vLLM venv's python (default: from scripts/vllm_env.sh)")
-    g.add_argument("--work-dir", help="keep the model and logs here (default: a temporary directory)")
-    g.add_argument("--timeout", type=float, default=600, help="seconds a server start or a request may take")
     p.add_argument("--out", metavar="PATH", help="also write raw streams and figures as JSON")
     return p
 
@@ -286,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     python = a.vllm_python or find_vllm_python()
     load0, t0 = os.getloadavg(), time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-disagg-") as tmp:
-        work = Path(a.work_dir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(a, "kvcache-bench-disagg-") as work:
         raw = run(a, python, work)
     fig = summarize(raw)
     load1 = os.getloadavg()

@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.args import add_model_args, model_spec, parse_quick
+from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
 from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
 from kvcache.bench.vllm_messages import (
     Command,
@@ -119,23 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ttft-busy", type=int, default=0,
                    help="requests decoding when B arrives (0: B alone); the longest step while B "
                         "waits is what each of their tokens waited")  # fmt: skip
-    g = p.add_argument_group("engine and daemon")
-    g.add_argument("--block-size", type=int, default=32)
-    g.add_argument("--chunk-size", type=int, default=256, help="the daemon's chunk (tokens)")
-    g.add_argument("--kv-cache-mb", type=int, default=256, help="vLLM's KV cache per engine")
+    g = add_engine_args(p, "engines and daemon", 256, "vLLM's KV cache per engine")
     g.add_argument("--l1-gb", type=float, default=0, help="the daemon's L1 (default: all a run stores)")
-    g.add_argument("--torch-threads", type=int, default=1,
-                   help="OMP_NUM_THREADS of the engines (see the module docstring)")
     g.add_argument("--pause", type=float, default=0.2, help="seconds between two runs")
-    g.add_argument("--vllm-python", help="the vLLM venv's python (default: from scripts/vllm_env.sh)")
-    g.add_argument("--work-dir", help="keep the model and logs here (default: a temporary directory)")
     g.add_argument("--zero-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="zero every engine's KV cache before its warm-up, as vLLM's own allocation "
                         "does (ZeroKV in vllm_messages.py; --no-zero-kv measures the connector's "
                         "KV pages faulted in during the timed runs)")  # fmt: skip
     g.add_argument("--engines", choices=("round", "session"), default="round",
                    help="fresh engines every round, or one per mode for the session (module docstring)")
-    g.add_argument("--timeout", type=float, default=600, help="seconds one command may take")
     p.add_argument("--out", metavar="PATH", help="also write raw runs and figures as JSON")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile every command into DIR (<mode>-<n>.prof): to find where time goes; "
@@ -292,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--profile: every run is slowed by cProfile; its figures are not comparable", file=sys.stderr)
     load0 = os.getloadavg()
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-vllm-") as tmp:
-        work = Path(a.work_dir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(a, "kvcache-bench-vllm-") as work:
         raw = run(a, python, work)
     figures = summarize(a, raw)
     labels = {m: f"{m}: {MODES[m].label}" for m in MODES}

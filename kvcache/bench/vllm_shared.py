@@ -30,14 +30,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from kvcache.bench.args import add_model_args, model_spec, parse_quick
+from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
 from kvcache.bench.vllm import MODES, _rotated, unavailable
 from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
 from kvcache.bench.vllm_messages import EngineSpec, ModelSpec, SharedPrefix, SharedResult, ZeroKV
@@ -57,19 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", type=int, default=4096, help="the shared prefix, tokens")
     p.add_argument("--tail", type=int, default=32, help="each request's own tokens after the prefix")
     add_model_args(p)
-    g = p.add_argument_group("engine and daemon")
-    g.add_argument("--block-size", type=int, default=32)
-    g.add_argument("--chunk-size", type=int, default=256, help="the daemon's chunk (tokens)")
-    g.add_argument("--kv-cache-mb", type=int, default=0, help="vLLM's KV cache per engine (default: "
-                   "the group's prompts, each in blocks of its own, with slack)")  # fmt: skip
+    g = add_engine_args(p, "engines and daemon", 0, "vLLM's KV cache per engine (default: the group's "
+                        "prompts, each in blocks of its own, with slack)")  # fmt: skip
     g.add_argument("--heartbeat-timeout", type=float, default=6.0,
                    help="the daemon's; an engine notices a restart within a third of it")  # fmt: skip
-    g.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the engines")
     g.add_argument("--pause", type=float, default=0.2, help="seconds between two timed runs")
-    g.add_argument("--vllm-python", help="the vLLM venv's python (default: KVCACHE_VLLM_PYTHON, "
-                   "else scripts/vllm_env.sh)")  # fmt: skip
-    g.add_argument("--work-dir", help="keep the model, the disk tier and logs here (default: a temp dir)")
-    g.add_argument("--timeout", type=float, default=600, help="seconds one command may take")
     p.add_argument("--out", metavar="PATH", help="also write raw runs and figures as JSON")
     return p
 
@@ -216,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     python = a.vllm_python or find_vllm_python()
     load0, t0 = os.getloadavg(), time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-vllm-shared-") as tmp:
-        work = Path(a.work_dir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(a, "kvcache-bench-vllm-shared-") as work:
         raw = run(a, python, work)
     figures = summarize(raw["rounds"], a.requests, a.prefix, a.chunk_size,
                         {m for m in a.modes if MODES[m].extra is not None})
