@@ -19,7 +19,8 @@ the vLLM venv, all on one daemon with a disk L2):
 Modes (``--modes``, of ``kvcache.bench.vllm.MODES``): ``none`` is vLLM with its own prefix
 cache only (the group's first request computes the prefix, the others find it in vLLM's
 prefix cache once it is computed); ``connector`` the connector with its defaults (the
-pipelined client, ``window`` 32); ``window-1`` the connector with one call at a time. Figures
+pipelined client, ``window`` 32); ``window-1`` the connector with one call at a time;
+``connector-b`` a second engine with the defaults (an A/A control: the noise floor). Figures
 are ratios within one round: each mode's group p50 over its own lone request (target <= 1.3
 for ``connector``), and the modes' group p50s over each other.
 """
