@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "pipeline": ("kvcache.bench.pipeline", "main", "small retrieve after a large store: window 1 vs N"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
     "vllm": ("kvcache.bench.vllm", "main", "vLLM end to end: decode tokens/s and loaded-prefix TTFT"),
+    "vllm-shared": ("kvcache.bench.vllm_shared", "main", "vLLM: 8 requests sharing a disk-only prefix, TTFT"),
     "sglang": ("kvcache.bench.sglang", "main", "SGLang HiCache pages/s: daemon vs its file backend"),
     "disagg": ("kvcache.bench.disagg", "main", "prefill/decode split behind the proxy vs one vLLM"),
 }
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help") or args[0] not in BENCHMARKS:
         print("usage: python -m kvcache.bench {" + ",".join(BENCHMARKS) + "} [options]\n")
         for name, (_, _, text) in BENCHMARKS.items():
-            print(f"  {name:<9} {text}")
+            print(f"  {name:<11} {text}")
         return 0 if args and args[0] in ("-h", "--help") else 2
     module, func, _ = BENCHMARKS[args[0]]
     entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)

@@ -35,19 +35,18 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
 from kvcache.bench.disagg_client import Stream, Workload
 from kvcache.bench.disagg_client import run as run_workload
 from kvcache.bench.disagg_report import TARGETS, summarize, table
 from kvcache.bench.disagg_servers import VllmServer, connector_config, total
 from kvcache.bench.vllm_engines import find_vllm_python
-from kvcache.bench.vllm_messages import ModelSpec
 from kvcache.integrations.vllm.proxy.launch import ProxyProcess
 from kvcache.server.launch import DaemonProcess
 
@@ -90,16 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--long-prompt", type=int, default=2048, help="tokens of each long prompt (+13 each)")
     g.add_argument("--long-tokens", type=int, default=16, help="tokens each long prompt generates")
     g.add_argument("--gap", type=float, default=0.5, help="seconds between two long prompts' arrivals")
-    g = p.add_argument_group("model (a seeded random LLaMA, built locally), engines, daemon")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--hidden", type=int, default=512)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=4)
-    g.add_argument("--block-size", type=int, default=32)
-    g.add_argument("--chunk-size", type=int, default=256, help="the daemon's chunk (tokens)")
-    g.add_argument("--kv-cache-mb", type=int, default=256, help="vLLM's KV cache per server")
+    add_model_args(p)
+    g = add_engine_args(p, "engines (servers), daemon", 256, "vLLM's KV cache per server")
     g.add_argument("--l1-gb", type=float, default=1.0)
-    g.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the servers")
     g.add_argument(
         "--bind",
         action=argparse.BooleanOptionalAction,
@@ -109,9 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM's default binds every server to every core, and their OpenMP threads "
         "then fight for them",
     )
-    g.add_argument("--vllm-python", help="the vLLM venv's python (default: from scripts/vllm_env.sh)")
-    g.add_argument("--work-dir", help="keep the model and logs here (default: a temporary directory)")
-    g.add_argument("--timeout", type=float, default=600, help="seconds a server start or a request may take")
     p.add_argument("--out", metavar="PATH", help="also write raw streams and figures as JSON")
     return p
 
@@ -135,12 +124,7 @@ QUICK = {
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
-    a = parser.parse_args(argv)
-    if a.quick:  # only what the command line left at its default
-        defaults = parser.parse_args([])
-        for key, value in QUICK.items():
-            if getattr(a, key) == getattr(defaults, key):
-                setattr(a, key, value)
+    a = parse_quick(parser, argv, QUICK)
     if a.rounds < 1 or a.decoders < 0 or a.long_prompts < 1:
         parser.error("--rounds and --long-prompts must be >= 1, --decoders >= 0")
     return a
@@ -183,7 +167,7 @@ def seeds(a: argparse.Namespace) -> tuple[list[int], list[int]]:
 
 def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     """Start the daemon, the three servers and the proxy; run the rounds; the raw records."""
-    model = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
+    model = model_spec(a)
     model_dir = work / f"model-{a.layers}x{a.hidden}-{a.heads}h{a.kv_heads}kv"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(a.torch_threads))
     subprocess.run(
@@ -294,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     python = a.vllm_python or find_vllm_python()
     load0, t0 = os.getloadavg(), time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-disagg-") as tmp:
-        work = Path(a.work_dir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(a, "kvcache-bench-disagg-") as work:
         raw = run(a, python, work)
     fig = summarize(raw)
     load1 = os.getloadavg()

@@ -40,9 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +49,8 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.vllm_engines import EngineProcess, engines, find_vllm_python
+from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
+from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
 from kvcache.bench.vllm_messages import (
     Command,
     Decode,
@@ -80,6 +79,8 @@ MODES: dict[str, Mode] = {
     "connector": Mode({}, "connector, defaults"),
     "sync-stores": Mode({"async_stores": False}, "connector, async_stores=false"),
     "sync-loads": Mode({"async_loads": False}, "connector, async_loads=false"),
+    "window-1": Mode({"window": 1}, "connector, one call at a time (window 1)"),
+    "connector-b": Mode({}, "connector, defaults, a second engine (A/A control)"),
     # diagnostics: what of the connector's cost is there without any load or store
     "no-traffic": Mode({"load": False, "store": False}, "connector, load and store off"),
     "no-shm": Mode({"shared_memory": False, "load": False, "store": False},
@@ -103,11 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a short smoke run: toy model, 2 pairs, small sizes")
     p.add_argument("--pairs", type=int, default=7, help="decode pairs and TTFT rounds (>= 5 for a figure)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per engine before the timed ones")
-    g = p.add_argument_group("model (a seeded random LLaMA, built locally)")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--hidden", type=int, default=512)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=4)
+    add_model_args(p)
     g = p.add_argument_group("decode")
     g.add_argument("--decode-modes", default="none,connector", help=f"first = the base; of {','.join(MODES)}")
     g.add_argument("--decode-requests", type=int, default=4)
@@ -121,23 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ttft-busy", type=int, default=0,
                    help="requests decoding when B arrives (0: B alone); the longest step while B "
                         "waits is what each of their tokens waited")  # fmt: skip
-    g = p.add_argument_group("engine and daemon")
-    g.add_argument("--block-size", type=int, default=32)
-    g.add_argument("--chunk-size", type=int, default=256, help="the daemon's chunk (tokens)")
-    g.add_argument("--kv-cache-mb", type=int, default=256, help="vLLM's KV cache per engine")
+    g = add_engine_args(p, "engines and daemon", 256, "vLLM's KV cache per engine")
     g.add_argument("--l1-gb", type=float, default=0, help="the daemon's L1 (default: all a run stores)")
-    g.add_argument("--torch-threads", type=int, default=1,
-                   help="OMP_NUM_THREADS of the engines (see the module docstring)")
     g.add_argument("--pause", type=float, default=0.2, help="seconds between two runs")
-    g.add_argument("--vllm-python", help="the vLLM venv's python (default: from scripts/vllm_env.sh)")
-    g.add_argument("--work-dir", help="keep the model and logs here (default: a temporary directory)")
     g.add_argument("--zero-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="zero every engine's KV cache before its warm-up, as vLLM's own allocation "
                         "does (ZeroKV in vllm_messages.py; --no-zero-kv measures the connector's "
                         "KV pages faulted in during the timed runs)")  # fmt: skip
     g.add_argument("--engines", choices=("round", "session"), default="round",
                    help="fresh engines every round, or one per mode for the session (module docstring)")
-    g.add_argument("--timeout", type=float, default=600, help="seconds one command may take")
     p.add_argument("--out", metavar="PATH", help="also write raw runs and figures as JSON")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile every command into DIR (<mode>-<n>.prof): to find where time goes; "
@@ -151,12 +140,7 @@ QUICK = {"pairs": 2, "warmup": 0, "layers": 2, "hidden": 128, "heads": 4, "kv_he
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
-    a = parser.parse_args(argv)
-    if a.quick:  # only what the command line left at its default
-        defaults = parser.parse_args([])
-        for key, value in QUICK.items():
-            if getattr(a, key) == getattr(defaults, key):
-                setattr(a, key, value)
+    a = parse_quick(parser, argv, QUICK)
     a.decode_modes = [m for m in a.decode_modes.split(",") if m]
     a.ttft_modes = [m for m in a.ttft_modes.split(",") if m]
     for m in a.decode_modes + a.ttft_modes:
@@ -176,13 +160,9 @@ def l1_gb(a: argparse.Namespace, model: ModelSpec) -> float:
 
 def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     """Build the model, start the daemon, run every round; the raw replies, by round."""
-    model = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
-    model_dir = work / f"model-{a.layers}x{a.hidden}-{a.heads}h{a.kv_heads}kv"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS=str(a.torch_threads))  # fmt: skip
-    subprocess.run([python, "-m", "kvcache.bench.vllm_driver", "make-model", "--dir", str(model_dir),
-                    "--spec", msgspec.json.encode(model).decode()], check=True, env=env, cwd="/",
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
+    model = model_spec(a)
+    env = engine_env(a.torch_threads)
+    model_dir = make_model(python, model, work, env)
     flags = ["--chunk-size", str(a.chunk_size), "--l1-size-gb", f"{a.l1_gb or l1_gb(a, model):.3f}"]
     raw: dict[str, Any] = {"model": model.label(), "ready": [], "zeroed": [], "decode": [], "ttft": [],
                            "daemon_cpu_s": {"decode": [], "ttft": []}}  # fmt: skip
@@ -303,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--profile: every run is slowed by cProfile; its figures are not comparable", file=sys.stderr)
     load0 = os.getloadavg()
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-vllm-") as tmp:
-        work = Path(a.work_dir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(a, "kvcache-bench-vllm-") as work:
         raw = run(a, python, work)
     figures = summarize(a, raw)
     labels = {m: f"{m}: {MODES[m].label}" for m in MODES}

