@@ -52,6 +52,9 @@ class ConnectorConfig:
       most ``MAX_LOOKUP_BATCH``): the first request of a step that needs a lookup takes the
       other requests vLLM added (or preempted) since with it, so a step that admits many
       requests asks the daemon once. 1: one lookup per request.
+    * ``shared_loads``: a request whose prefix another admitted request is loading now
+      (asynchronously) waits for that load and then finds the prefix in vLLM's own prefix
+      cache, instead of copying the same chunks again (default True; ``shared_loads.py``).
     * ``consumer_store``: under ``kv_role=kv_consumer``, store anyway (default False: a decode
       instance only loads). ``kv_producer`` never loads (docs/disaggregation.md).
     * ``transfer_wait_s``: how long a decode instance's load waits at the daemon for the chunks
@@ -73,6 +76,7 @@ class ConnectorConfig:
     async_stores: bool = True
     async_loads: bool = True
     lookup_batch: int = 32
+    shared_loads: bool = True
     consumer_store: bool = False
     transfer_wait_s: float | None = None
 

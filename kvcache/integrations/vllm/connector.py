@@ -7,14 +7,11 @@ connector metadata vLLM ships each step (a ``StepPlan``) and the daemon.
 * Scheduler half: asks the daemon how much of a prompt it holds beyond vLLM's own prefix hit
   (``get_num_new_matched_tokens``), plans loads and chunk-aligned stores (``plan.Planner``),
   reports block allocations and finished requests to the daemon (its L0 lifecycle metrics).
-  Loads are reported asynchronous by default (``async_loads``): a loading request waits in
-  ``WAITING_FOR_REMOTE_KVS`` until the workers report its copy settled, and the other
-  requests' steps go on meanwhile. Under async scheduling they are asynchronous whatever the
-  setting: the step after a failed load is planned before vLLM hears of it, and vLLM's
-  recovery from a failed synchronous load is not exact. An aborted loading request needs
-  nothing from the connector: vLLM 0.32 (``Scheduler.finish_requests``) keeps the blocks of a
-  request in ``WAITING_FOR_REMOTE_KVS`` until the workers report it received, so the
-  connector must not delay their release a second time (``request_finished``).
+  Loads are asynchronous by default (``async_loads``; always under async scheduling, whose
+  recovery from a failed synchronous load is not exact): a loading request waits in
+  ``WAITING_FOR_REMOTE_KVS`` while the other requests' steps go on, and a request needing
+  the prefix it loads waits for it (``shared_loads.py``). vLLM 0.32 keeps an aborted loading
+  request's blocks until its load is reported (``request_finished`` holds them no longer).
 * Worker half: allocates the CPU KV cache in sealed memfds (``get_mem_pool_context``), registers
   it with the daemon, loads (synchronous ones before the forward; asynchronous ones are only
   issued) and stores after the forward (``worker.ConnectorWorker``).
@@ -47,6 +44,7 @@ from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMet
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.integrations.vllm.plan import Planner, StepPlan
 from kvcache.integrations.vllm.request_keys import request_key_extra
+from kvcache.integrations.vllm.shared_loads import SharedLoads
 from kvcache.integrations.vllm.shm import SharedKVAllocation
 from kvcache.integrations.vllm.stats import ConnectorTally, merge
 from kvcache.integrations.vllm.worker import ConnectorWorker
@@ -103,6 +101,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._steps = 0  # plans built
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._retrieving: set[str] = set()  # asynchronous retrieves planned, not yet reported received
+        self._loads = SharedLoads()  # those loads' prefixes: requests needing the same one wait
         self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
         self._split = SplitRequests(self.tally)  # decode requests: what their transfer params name
         self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
@@ -236,7 +235,7 @@ class KVCacheConnector(KVConnectorBase_V1):
                 log.warning("kvcache: daemon at %s not usable yet: %s", self.config.endpoint, exc)
         return self._planner
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._lookups.asked(request.request_id)  # asked about now: no batch takes it along
         planner = self._get_planner() if self.config.load else None
         prompt = request.prompt_token_ids
@@ -272,6 +271,9 @@ class KVCacheConnector(KVConnectorBase_V1):
                     return 0, False
             self._last_hit[request.request_id] = (num_computed_tokens, hit)
         external = planner.external_tokens(len(prompt), num_computed_tokens, hit)
+        shared = external and self._async_retrieves and self.config.shared_loads
+        if shared and self._loads.behind(request, num_computed_tokens, planner.chunk_size, key_extra):
+            return None, False  # not yet: vLLM caches that load's blocks, then asks again
         return external, self._async_retrieves and external > 0
 
     def on_new_request(self, request: Any) -> None:
@@ -302,9 +304,11 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._split.tail_load(planner, request, block_ids, local, key_extra, wait_ms)
         if is_async and num_external_tokens > 0:
             self._retrieving.add(req_id)
+            self._loads.started(request, local + num_external_tokens, key_extra)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._retrieving.difference_update(getattr(connector_output, "finished_recving", None) or ())
+        self._loads.ended(received := getattr(connector_output, "finished_recving", None) or ())
+        self._retrieving.difference_update(received)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVCacheWorkerMeta):
             self._recompute.update(r for r in meta.failed_async if r in self._requests)
@@ -357,25 +361,20 @@ class KVCacheConnector(KVConnectorBase_V1):
         return KVCacheMetadata(plan)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; if its last chunks are not stored yet (under async scheduling,
-        the one its last step completed), store them in the next step and keep its blocks
-        until the workers report that store done (``get_finished``). With asynchronous stores,
-        a request that had any store planned keeps its blocks the same way: the next plan
-        tells the workers to report it once its stores in flight are settled.
-
-        NOTE: that holds the blocks for at least one more step even when its stores finished
-        long ago (the scheduler half does not hear of each store's completion).
-
-        A request whose asynchronous load is unreported (aborted while loading) is not held:
-        vLLM holds its blocks itself until the workers report it received, then frees them
-        (``Scheduler.finish_requests``, ``_update_from_kv_xfer_finished``), and a second hold
-        would free them twice. It has nothing to store, and no store in flight (those planned
-        before a preemption were waited for when it was preempted)."""
+        """Forget the request. If its last chunks are not stored yet (under async scheduling,
+        the one its last step completed), or it had any store planned with asynchronous
+        stores, keep its blocks until the workers report those stores settled (``get_finished``;
+        NOTE: at least one more step, even for stores long done). A request aborted while
+        loading is not held: vLLM holds its blocks until its load is reported
+        (``Scheduler.finish_requests``), and a second hold would free them twice; it has
+        nothing to store, and no store in flight (those planned before a preemption were
+        waited for then)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._last_hit.pop(req_id, None)
         self._lookups.forget(req_id)
         self._recompute.discard(req_id)
+        self._loads.ended((req_id,))
         delay, params = False, None
         # ``_retrieving`` forgets it when the workers report it received.
         if req_id not in self._retrieving and self._planner is not None and self.config.store:

@@ -83,7 +83,6 @@ HIT_SERIES = (
 """The per-tier hit counter (extra label ``tier``: ``L1`` or ``L2``)."""
 
 
-
 class ConnectorTally:
     """Counts one connector half's work; ``take`` returns the delta and resets, ``totals``
     keeps the counters since start (for logs and tests; the size samples only go to ``take``).

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from kvcache.client.session import Session
 from kvcache.integrations.vllm import connector as connector_mod
 from kvcache.integrations.vllm.plan import Planner
+from kvcache.integrations.vllm.shared_loads import SharedLoads
 from kvcache.integrations.vllm.worker import ConnectorWorker
 from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.testing.daemon_zygote import Zygote
@@ -169,6 +170,8 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "sync_loads_under_async": (sync_loads_under_async, ["failed_load_async"]),
     "no_report_restart": (lambda: patched(Planner, "preempted", lambda self, r: None), ["preemption"]),
     "no_lookup_cache": (no_lookup_cache, ["preemption"]),
+    # Requests sharing a prefix another one is loading each copy it again.
+    "no_shared_loads": (lambda: patched(SharedLoads, "behind", lambda self, *a: None), ["shared_load"]),
     "no_breaker": (lambda: patched(CircuitBreaker, "refuse", lambda self: False), ["daemon_killed"]),
     "no_deadline": (
         lambda: patched(Session, "_stamped", Session._with_token),

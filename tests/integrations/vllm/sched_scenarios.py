@@ -302,6 +302,28 @@ def batched_lookups(h: Harness) -> None:
     assert h.facts["loaded_tokens"] >= 192, "the shared prefix was not loaded"
 
 
+def shared_load(h: Harness) -> None:
+    """Four requests sharing a 192-token prefix the daemon holds arrive together, a budget
+    big enough to admit them in one step: the prefix is copied once, not four times. With
+    asynchronous loads the first one admitted loads it and the others wait (the scheduler
+    half answers None) until its load is reported and vLLM cached its blocks; then they find
+    it in vLLM's own cache (``shared_loads.py``; without it: 4 copies, ``sched_controls``'
+    ``no_shared_loads``). With synchronous loads vLLM itself schedules the others on the
+    first one's blocks."""
+    warm = h.engine()
+    shared = prompts(13, 200, [0])[0][:192]
+    warm.add("warm", [*shared, 5, 5, 5], 3)
+    warm.run()
+    h.check(warm)
+    eng = h.engine(max_batched=1024)
+    for i in range(4):
+        eng.add(f"s{i}", [*shared, *range(400 + 10 * i, 410 + 10 * i)], 4)
+    eng.run()
+    h.check(eng)
+    h.facts.update(loaded_tokens=eng.tally().get("load_tokens", 0))
+    assert h.facts["loaded_tokens"] == 192, h.facts
+
+
 def daemon_killed(h: Harness) -> None:
     """SIGKILL of the daemon mid-run, while requests still have chunks to store and new ones
     arrive to be looked up: each client waits out at most one timeout, then fails fast (no
@@ -523,6 +545,7 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "prompt_embeds": prompt_embeds,
     "preemption": preemption,
     "batched_lookups": batched_lookups,
+    "shared_load": shared_load,
     "daemon_killed": daemon_killed,
     "stalled_daemon": lambda h: stalled(h, "daemon"),
     "stalled_redis_l2": lambda h: stalled(h, "redis"),

@@ -41,6 +41,7 @@ SCENARIOS = [
     "prompt_embeds",
     "preemption",
     "batched_lookups",
+    "shared_load",
     "daemon_killed",
     "stalled_daemon",
     "stalled_redis_l2",
