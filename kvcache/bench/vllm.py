@@ -81,6 +81,7 @@ MODES: dict[str, Mode] = {
     "sync-loads": Mode({"async_loads": False}, "connector, async_loads=false"),
     "window-1": Mode({"window": 1}, "connector, one call at a time (window 1)"),
     "connector-b": Mode({}, "connector, defaults, a second engine (A/A control)"),
+    "no-shared-loads": Mode({"shared_loads": False}, "connector, each request loads its own copy"),
     # diagnostics: what of the connector's cost is there without any load or store
     "no-traffic": Mode({"load": False, "store": False}, "connector, load and store off"),
     "no-shm": Mode({"shared_memory": False, "load": False, "store": False},
