@@ -36,8 +36,9 @@ def lookup(
     sid = parts.events.session(inst.instance_id, request_id)
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=len(token_ids)))
     keys = inst.keys(token_ids, key_scope)
-    (resident,) = parts.pool.resident_many((keys,))
-    l1, l2 = _walk(parts, inst, keys, resident, None)
+    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
+    l1, l2 = _walk(parts, inst, keys, parts.pool.resident(keys), room_by)
+    parts.stats.record_lookup(len(token_ids), (l1 + l2) * inst.ctx.chunk_size)
     return _answer(parts, inst, sid, len(token_ids), l1, l2)
 
 
@@ -59,7 +60,7 @@ def lookup_many(
     for token_ids, key_scope, _ in queries:
         keys, prior[key_scope] = inst.hasher(key_scope).keys_after(token_ids, prior.get(key_scope))
         keyed.append(keys)
-    room_by: list[Deadline] = []  # one bound for the batch, made by the first prompt that needs it
+    room_by = Deadline.within(parts.config.lookup_wait_timeout_s)  # one bound for the batch
     tiers = [
         _walk(parts, inst, keys, resident, room_by)
         for keys, resident in zip(keyed, parts.pool.resident_many(keyed), strict=True)
@@ -67,10 +68,7 @@ def lookup_many(
     cs = inst.ctx.chunk_size
     sizes = [len(token_ids) for token_ids, _, _ in queries]
     parts.stats.record_lookups((n, (l1 + l2) * cs) for n, (l1, l2) in zip(sizes, tiers, strict=True))
-    return [
-        _answer(parts, inst, sid, n, l1, l2, recorded=True)
-        for sid, n, (l1, l2) in zip(sids, sizes, tiers, strict=True)
-    ]
+    return [_answer(parts, inst, sid, n, l1, l2) for sid, n, (l1, l2) in zip(sids, sizes, tiers, strict=True)]
 
 
 def _walk(
@@ -78,22 +76,16 @@ def _walk(
     inst: InstanceState,
     keys: list[ChunkKey],
     resident: tuple[int, int],
-    room_by: list[Deadline] | None,
+    room_by: Deadline,
 ) -> tuple[int, int]:
     """The prefix of ``keys`` cached, in chunks: (in L1, in or loading from L2), given the
     first walk of L1 (``resident``). What L2 holds past L1 starts loading now (``prefetch``,
-    within ``lookup_wait_timeout_s``; ``room_by`` shares one bound across a batch)."""
+    waiting for L1 room until ``room_by``)."""
     run, joined = resident  # joined: loads others began
     l1, l2 = run - joined, joined
     while l1 + l2 < len(keys):  # runs in L1 and runs loaded from L2 may alternate
-        if room_by is None or not room_by:
-            bound = Deadline.within(parts.config.lookup_wait_timeout_s)
-            if room_by is not None:
-                room_by.append(bound)
-        else:
-            bound = room_by[0]
         rest = keys[l1 + l2 :]
-        loaded = prefetch(parts, inst, rest, room_by=bound)
+        loaded = prefetch(parts, inst, rest, room_by=room_by)
         l2 += loaded
         # Nothing begun: a miss, unless another request began loading that chunk since we
         # looked (its load is joined on the next pass, never read a second time).
@@ -106,20 +98,11 @@ def _walk(
 
 
 def _answer(
-    parts: EngineParts,
-    inst: InstanceState,
-    sid: str,
-    num_tokens: int,
-    l1: int,
-    l2: int,
-    *,
-    recorded: bool = False,
+    parts: EngineParts, inst: InstanceState, sid: str, num_tokens: int, l1: int, l2: int
 ) -> LookupHit:
-    """Record the statistics (unless the batch did), publish ``MP_LOOKUP_END``, answer."""
+    """Publish ``MP_LOOKUP_END`` (the caller recorded the statistics) and answer."""
     cs = inst.ctx.chunk_size
     hit = (l1 + l2) * cs
-    if not recorded:
-        parts.stats.record_lookup(num_tokens, hit)
     meta = inst.meta(
         MpLookupEnd, num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs
     )

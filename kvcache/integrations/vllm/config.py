@@ -87,6 +87,11 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        # A switch given as "false" (a string) would be on: only true or false are taken.
+        wrong = {f.name: extra[f.name] for f in fields(cls) if f.type == "bool" and f.name in extra}
+        wrong = {k: v for k, v in wrong.items() if not isinstance(v, bool)}
+        if wrong:
+            raise ValueError(f"kv_connector_extra_config switches take true or false, got {wrong}")
         cfg = cls(**extra)
         if cfg.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")

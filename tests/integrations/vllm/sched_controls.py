@@ -171,7 +171,10 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_report_restart": (lambda: patched(Planner, "preempted", lambda self, r: None), ["preemption"]),
     "no_lookup_cache": (no_lookup_cache, ["preemption"]),
     # Requests sharing a prefix another one is loading each copy it again.
-    "no_shared_loads": (lambda: patched(SharedLoads, "behind", lambda self, *a: None), ["shared_load"]),
+    "no_shared_loads": (
+        lambda: patched(SharedLoads, "behind", lambda self, *a: None),
+        ["shared_load", "shared_load_async", "shared_load_async/sync_loads"],
+    ),
     "no_breaker": (lambda: patched(CircuitBreaker, "refuse", lambda self: False), ["daemon_killed"]),
     "no_deadline": (
         lambda: patched(Session, "_stamped", Session._with_token),

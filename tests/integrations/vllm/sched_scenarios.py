@@ -302,20 +302,20 @@ def batched_lookups(h: Harness) -> None:
     assert h.facts["loaded_tokens"] >= 192, "the shared prefix was not loaded"
 
 
-def shared_load(h: Harness) -> None:
+def shared_load(h: Harness, async_scheduling: bool) -> None:
     """Four requests sharing a 192-token prefix the daemon holds arrive together, a budget
     big enough to admit them in one step: the prefix is copied once, not four times. With
     asynchronous loads the first one admitted loads it and the others wait (the scheduler
     half answers None) until its load is reported and vLLM cached its blocks; then they find
     it in vLLM's own cache (``shared_loads.py``; without it: 4 copies, ``sched_controls``'
     ``no_shared_loads``). With synchronous loads vLLM itself schedules the others on the
-    first one's blocks."""
+    first one's blocks. Under async scheduling loads are asynchronous in both modes."""
     warm = h.engine()
     shared = prompts(13, 200, [0])[0][:192]
     warm.add("warm", [*shared, 5, 5, 5], 3)
     warm.run()
     h.check(warm)
-    eng = h.engine(max_batched=1024)
+    eng = h.engine(max_batched=1024, async_scheduling=async_scheduling)
     for i in range(4):
         eng.add(f"s{i}", [*shared, *range(400 + 10 * i, 410 + 10 * i)], 4)
     eng.run()
@@ -545,7 +545,8 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "prompt_embeds": prompt_embeds,
     "preemption": preemption,
     "batched_lookups": batched_lookups,
-    "shared_load": shared_load,
+    "shared_load": lambda h: shared_load(h, False),
+    "shared_load_async": lambda h: shared_load(h, True),
     "daemon_killed": daemon_killed,
     "stalled_daemon": lambda h: stalled(h, "daemon"),
     "stalled_redis_l2": lambda h: stalled(h, "redis"),

@@ -45,3 +45,11 @@ def test_lookup_batch_is_bounded_by_what_one_message_carries() -> None:
     for bad in (0, MAX_LOOKUP_BATCH + 1):
         with pytest.raises(ValueError, match="lookup_batch"):
             ConnectorConfig.from_extra({"lookup_batch": bad})
+
+
+def test_switches_take_only_booleans() -> None:
+    """``"false"`` as a string would be truthy: it switches nothing on, it is refused."""
+    for key in ("shared_loads", "async_loads", "store"):
+        with pytest.raises(ValueError, match="switches take true or false"):
+            ConnectorConfig.from_extra({key: "false"})
+        assert getattr(ConnectorConfig.from_extra({key: False}), key) is False

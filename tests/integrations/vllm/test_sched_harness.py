@@ -42,6 +42,7 @@ SCENARIOS = [
     "preemption",
     "batched_lookups",
     "shared_load",
+    "shared_load_async",
     "daemon_killed",
     "stalled_daemon",
     "stalled_redis_l2",
