@@ -5,6 +5,9 @@ function of a request Struct, and so that the loop knows nothing about caching. 
 on worker threads; the engine is thread-safe, the registry is locked. Store and retrieve
 also come as ``*_async``: they check the request and submit the copies, and their reply is
 a future the engine's completion thread resolves (``submit``), so no worker waits on a copy.
+The request is built from the wire message and the instance's registration record alone
+(``RegistrationRecord.geometry``), then goes down once into the engine; the wire's deadline
+becomes a ``Deadline`` here (``accept_deadline``), for the page handlers too.
 What a registration must satisfy before anything is mapped, and the ``Limits`` behind it,
 are in ``registration`` (``Limits`` is re-exported here).
 """
