@@ -2,16 +2,16 @@
 
 Separate so that the engine, the daemon and an in-process caller hand each other one frozen
 value instead of re-spelling a dozen arguments at every layer. A request is built at the edge:
-the daemon builds it from the wire message and the caller's registration
-(``server.handlers``), an in-process caller directly, against the instance's geometry
-(``CacheEngine.geometry``). Building it does every check a request needs before anything is
-reserved or copied, once: the id counts (``max_ids``), that the block ids cover the tokens,
-the token ids' type, and the range of the block ids of the full chunks. Past it, no Python
-layer converts or re-checks ids: the engine only counts them against its own geometry
-(``engine.instance.InstanceState.request_keys``), and the native copy re-checks them as defence in
-depth. The engine takes the request (``CacheEngine.submit_store`` / ``submit_retrieve``) and
-returns a future of one result record (``records.StoreResult`` / ``RetrieveResult``), which is
-also the daemon's reply.
+the daemon builds it from the wire message and the caller's registration record alone
+(``server.handlers``; the record carries the instance's geometry), an in-process caller
+directly, against the instance's geometry (``CacheEngine.geometry``). Building it does every
+check a request needs before anything is reserved or copied, once: the id counts (``max_ids``),
+that the block ids cover the tokens, the token ids' type, and the range of the block ids of the
+full chunks. Past it, no Python layer converts or re-checks ids: the engine only counts them
+against its own geometry (``engine.instance.InstanceState.request_keys``), and the native copy
+re-checks them as defence in depth. The engine takes the request (``CacheEngine.submit_store``
+/ ``submit_retrieve``) and returns a future of one result record (``records.StoreResult`` /
+``RetrieveResult``), which is also the daemon's reply.
 """
 
 from __future__ import annotations

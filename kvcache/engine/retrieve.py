@@ -27,6 +27,7 @@ from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
 from kvcache.errors import DeadlineExceededError
+from kvcache.futures import failed
 from kvcache.ids import Ids
 from kvcache.observability.event import EventType, MpRetrieveStart
 from kvcache.records import ChunkKey, RetrieveResult
@@ -92,13 +93,11 @@ def retrieve_async(parts: EngineParts, inst: InstanceState, req: RetrieveRequest
     waits for it (``_RetrieveOp.wait_pass``) and submits the copy. Its completion on the
     instance's completer thread releases the chunks, publishes the end event and resolves.
     """
-    future: Future[RetrieveResult] = Future()
     try:
         op = _RetrieveOp.begin(parts, inst, req)
     except Exception as err:  # a bad request: nothing was pinned or published
-        future.set_exception(err)
-        return future
-    op.future = future
+        return failed(err)
+    future = op.future
     try:
         if op.ready_now():
             op.copy()

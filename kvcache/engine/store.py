@@ -26,6 +26,7 @@ from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
 from kvcache.errors import DeadlineExceededError
+from kvcache.futures import failed
 from kvcache.observability.event import EventType, MpStoreStart
 from kvcache.records import ChunkKey, StoreResult
 from kvcache.request import StoreRequest
@@ -42,13 +43,10 @@ def store_async(parts: EngineParts, inst: InstanceState, req: StoreRequest) -> F
     holding nothing it has not handed on. Without an L2 tier there is nothing to write
     through: it waits holding what it reserved, and the first shortage after the wait ends it.
     """
-    future: Future[StoreResult] = Future()
     try:
         op = _StoreOp.begin(parts, inst, req)
     except Exception as err:  # a bad request: nothing was reserved or published
-        future.set_exception(err)
-        return future
-    op.future = future
+        return failed(err)
     op.run()
     return op.future
 

@@ -5,6 +5,9 @@ function of a request Struct, and so that the loop knows nothing about caching. 
 on worker threads; the engine is thread-safe, the registry is locked. Store and retrieve
 also come as ``*_async``: they check the request and submit the copies, and their reply is
 a future the engine's completion thread resolves (``submit``), so no worker waits on a copy.
+The request is built from the wire message and the instance's registration record alone
+(``RegistrationRecord.geometry``), then goes down once into the engine; the wire's deadline
+becomes a ``Deadline`` here (``accept_deadline``), for the page handlers too.
 What a registration must satisfy before anything is mapped, and the ``Limits`` behind it,
 are in ``registration`` (``Limits`` is re-exported here).
 """
@@ -22,9 +25,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
-from kvcache.errors import AccessDeniedError, LimitExceededError
+from kvcache.deadline import Deadline
+from kvcache.errors import AccessDeniedError, DeadlineExceededError, LimitExceededError
 from kvcache.futures import resolved, then
 from kvcache.ids import check_count, unpacked
 from kvcache.keys import KeyScope
@@ -32,7 +35,6 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import InstanceRegistry, RegistrationRecord
@@ -43,6 +45,10 @@ if TYPE_CHECKING:
     from kvcache.server.fdinbox import FdInbox
 
 log = logging.getLogger("kvcache.server")
+
+DEADLINE_MARGIN_S = 0.05
+"""A request is refused this long before its client's deadline: the copy itself takes time,
+and it must be over before the client gives up on it and reuses the blocks."""
 
 
 class Handlers:
@@ -128,15 +134,14 @@ class Handlers:
                 block_size=req.block_size,
                 chunk_size=req.chunk_size,
             )
-            device = str(imported[0].tensor.device)
             instance = RegistrationRecord(
-                req.instance_id, req.model_name, device, imported, principal, req.client_nonce
+                req.instance_id, req.model_name, ctx.geometry, imported, principal, req.client_nonce
             )
             self.registry.add(instance)
         log.info(
             "registered instance %d (%s) for %s: %s, %d layers x %d blocks of %d tokens on %s",
             req.instance_id, req.model_name, principal.name, ctx.format.name, ctx.num_layers,
-            ctx.num_blocks, ctx.block_size, device,
+            ctx.num_blocks, ctx.block_size, ctx.device,
         )  # fmt: skip
         return m.Registered(
             instance_id=req.instance_id,
@@ -211,6 +216,26 @@ class Handlers:
             principal.check_salt(salt)
         return instance
 
+    def accept_deadline(self, deadline_ms: int, op: str) -> Deadline | None:
+        """The request's ``Deadline``, the one place the wire's ``deadline_ms`` (the client's
+        wall clock) becomes one: the client's, less ``DEADLINE_MARGIN_S``, on the monotonic
+        clock (the engine's waits end there and no copy of the client's blocks starts after
+        it); None when the client set none. Every request that moves bytes passes here, a
+        chunk's or a page's (``pages``), answered at once or when its copies complete.
+
+        Refuses (``DeadlineExceededError``) a request whose client has stopped, or is about to
+        stop, waiting for it: one that sat in a queue, or in the socket of a stalled daemon.
+        Same-host clients share the wall clock; a remote one's skew eats into the margin."""
+        if not deadline_ms:
+            return None
+        left = deadline_ms / 1000 - DEADLINE_MARGIN_S - time.time()
+        if left < 0:
+            raise DeadlineExceededError(
+                f"{op} arrived after its client's deadline; no byte was moved (the engine may "
+                "have reused the blocks by now)"
+            )
+        return Deadline.within(left)
+
     def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
         instance = self._instance(req, principal, token_required=False)
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
@@ -238,21 +263,21 @@ class Handlers:
         return self.store_async(req, principal).result()
 
     def store_async(self, req: m.Store, principal: Principal) -> Future[m.StoreResult]:
-        """Build the engine's request (every check: token, deadline, limits, ids; they raise
-        here, before anything is submitted) and submit it; the engine's errors (a failed copy,
-        the deadline passed) arrive on the future, whose result is the reply. Nothing here
-        waits: not for L1 room (the engine's waiter does), nor for the engine's GPU work named
-        by ``cuda_event`` (the copies wait for it on the device)."""
+        """Build the engine's request from the message and the instance's registration
+        (every check: token, deadline, limits, ids; they raise here, before anything is
+        submitted) and submit it; the engine's errors (a failed copy, the deadline passed)
+        arrive on the future, whose result is the reply. Nothing here waits: not for L1 room
+        (the engine's waiter does), nor for the engine's GPU work named by ``cuda_event``
+        (the copies wait for it on the device)."""
         instance = self._instance(req, principal, token_required=True)
-        deadline = accept_deadline(req.deadline_ms, "store")
+        deadline = self.accept_deadline(req.deadline_ms, "store")
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
         after = None
         if req.cuda_event is not None:  # CUDA_UNAVAILABLE here on a daemon without a GPU
-            after = open_ipc_event(req.cuda_event, torch.device(instance.device))
-        bounds = self.engine.geometry(req.instance_id)
+            after = open_ipc_event(req.cuda_event, instance.geometry.device)
         request = StoreRequest.build(
-            req.instance_id, bounds, req.token_ids, req.block_ids, scope=scope,
-            request_id=req.request_id, deadline=deadline, after=after,
+            req.instance_id, instance.geometry, req.token_ids, req.block_ids,
+            scope=scope, request_id=req.request_id, deadline=deadline, after=after,
             block_hashes=req.block_hashes, max_ids=self.limits.max_ids,
         )  # fmt: skip
         return self.engine.submit_store(request)
@@ -266,12 +291,11 @@ class Handlers:
         the engine may use the blocks on the reply; no event is exported (it would have to
         outlive the client's wait on it, which the daemon cannot know)."""
         instance = self._instance(req, principal, token_required=True)
-        deadline = accept_deadline(req.deadline_ms, "retrieve")
+        deadline = self.accept_deadline(req.deadline_ms, "retrieve")
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
-        bounds = self.engine.geometry(req.instance_id)
         request = RetrieveRequest.build(
-            req.instance_id, bounds, req.token_ids, req.block_ids, req.skip_tokens, scope=scope,
-            request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
+            req.instance_id, instance.geometry, req.token_ids, req.block_ids, req.skip_tokens,
+            scope=scope, request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
             await_chunks=req.await_chunks, await_s=req.await_ms / 1000,
         )  # fmt: skip
         return self.engine.submit_retrieve(request)
@@ -326,4 +350,4 @@ def _error_reply(exc: BaseException, body: m.RequestBody) -> m.Error:
     return error
 
 
-__all__ = ["Handlers", "Limits"]
+__all__ = ["DEADLINE_MARGIN_S", "Handlers", "Limits"]

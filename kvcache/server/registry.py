@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvcache.errors import AccessDeniedError, UnknownInstanceError
+from kvcache.geometry import Geometry
 from kvcache.server.auth import Principal
 from kvcache.transport.tensors import ImportedTensor
 
@@ -22,6 +23,10 @@ class RegistrationRecord:
     """The daemon's record of one registration; ``tensors`` keep its mapped KV memory alive.
     (The engine's own state of the instance is ``engine.instance.InstanceState``.)
 
+    It holds what the daemon checks a request against, fixed at registration, so a request
+    is built from its wire message and this record alone, without asking the engine:
+    ``geometry`` (the engine context's, with ``device``, where the mapped tensors live and a
+    store's CUDA event is opened) and ``door`` (whose chunks its requests name).
     ``token`` is the secret the registration returned; ``client_nonce`` identifies the client
     object that registered (so it alone may replace the registration); ``principal`` is the
     peer that registered (a ``Principal.name``) and ``cache_salts`` what that peer may use.
@@ -29,7 +34,7 @@ class RegistrationRecord:
 
     instance_id: int
     model_name: str
-    device: str
+    geometry: Geometry
     tensors: list[ImportedTensor]
     principal: Principal = field(default_factory=lambda: Principal("loopback"))
     client_nonce: bytes = b""

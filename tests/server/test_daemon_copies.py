@@ -214,7 +214,7 @@ def test_submit_maps_the_futures_error_to_the_same_reply_as_handle(gate: CopyGat
         kv = make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
                             block_size=4, head_size=8, dtype=torch.float16)  # fmt: skip
         engine.register(1, "m", kv)
-        handlers.registry.add(RegistrationRecord(1, "m", "cpu", [], token=b"t" * 16))
+        handlers.registry.add(RegistrationRecord(1, "m", engine.geometry(1), [], token=b"t" * 16))
         bad = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(tokens(0)),
                       block_ids=pack_ids([99] * 16))  # fmt: skip
         gate.allow(1000)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvcache.errors import UnknownInstanceError
+from kvcache.geometry import Geometry
 from kvcache.server.auth import Principal
 from kvcache.server.registry import InstanceRegistry, RegistrationRecord
 
 OWNER, STRANGER = Principal("uid:1000"), Principal("loopback", shared=True)
+CPU = Geometry(num_layers=1, num_blocks=4, block_size=4, num_heads=1, head_size=8, kv_count=2,
+               dtype=torch.float16, device=torch.device("cpu"), chunk_size=4)  # fmt: skip
 
 
 def _inst(i: int, t: float = 0.0) -> RegistrationRecord:
-    return RegistrationRecord(instance_id=i, model_name="m", device="cpu", tensors=[], last_seen=t,
+    return RegistrationRecord(instance_id=i, model_name="m", geometry=CPU, tensors=[], last_seen=t,
                     principal=OWNER)  # fmt: skip
 
 
@@ -50,7 +54,7 @@ def test_registering_again_replaces_and_keeps_in_flight() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
     assert reg.begin(1, OWNER, now=0.0)
-    old = reg.add(RegistrationRecord(1, "other", "cpu", []))
+    old = reg.add(RegistrationRecord(1, "other", CPU, []))
     assert old is not None and old.model_name == "m"
     assert reg.get(1).model_name == "other" and reg.get(1).in_flight == 1
     assert 1 in reg and 2 not in reg

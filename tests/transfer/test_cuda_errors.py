@@ -8,6 +8,8 @@ RuntimeError or AssertionError.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,7 +97,8 @@ def test_a_store_naming_a_cuda_event_on_a_daemon_without_a_gpu_is_a_typed_reply(
     handlers = Handlers(engine, InstanceRegistry(), 30.0)
     try:
         engine.register(1, "m", make_context().tensors, block_size=16)
-        handlers.registry.add(RegistrationRecord(1, "m", "cuda:0", [], token=b"t" * 16))
+        on_gpu = dataclasses.replace(engine.geometry(1), device=torch.device("cuda:0"))
+        handlers.registry.add(RegistrationRecord(1, "m", on_gpu, [], token=b"t" * 16))
         store = m.Store(instance_id=1, token=b"t" * 16, token_ids=pack_ids(range(64)),
                         block_ids=pack_ids(range(4)), cuda_event=b"\0" * 64)  # fmt: skip
         reply = handlers.submit(store).result(timeout=10)
