@@ -2,9 +2,8 @@
 
 A leaf of its own because every layer a request crosses bounds its waits by the same moment:
 the daemon converts the wire's ``deadline_ms`` (the client's wall clock) into one at its edge
-(``server.handlers.Handlers.accept_deadline``), the engine ends its waits for L1 room and L2
-loads there, and the transfer job refuses to start after it. One type, so no layer re-derives
-it from another clock.
+(``server.deadlines``), the engine ends its waits for L1 room and L2 loads there, and the
+transfer job refuses to start after it. One type, so no layer re-derives it from another clock.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ have settled; every round uses fresh prompts; the daemon's L1 holds all that is 
 
 Each decode run also says where its steps went: the connector's methods timed one by one, the
 stepping thread's CPU time and time off CPU, the engine's other threads, page faults, the
-daemon's CPU. The diagnostic modes ``no-traffic`` (connector present, loads and stores off)
-and ``no-shm`` (the same on vLLM's own KV allocation) separate the connector's presence from
-its stores; ``--profile`` writes a cProfile of every command.
+daemon's CPU. The diagnostic modes ``noop`` (a connector whose methods do nothing:
+vLLM's own plumbing), ``no-traffic`` (ours present, loads and stores off) and ``no-shm`` (the
+same on vLLM's own KV allocation) separate vLLM's cost of any connector, ours, and our
+stores; ``--profile`` writes a cProfile of every command.
 
 Threads: the engines run with ``OMP_NUM_THREADS=1`` by default (``--torch-threads``), what vLLM
 serves CPU models with on this machine (its CPU executor reserves a core for the rest); the
@@ -52,6 +53,7 @@ import msgspec
 from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
 from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
 from kvcache.bench.vllm_messages import (
+    OUR_CONNECTOR,
     Command,
     Decode,
     DecodeResult,
@@ -71,6 +73,7 @@ class Mode:
     extra: dict[str, Any] | None
     """``kv_connector_extra_config`` keys; None: vLLM without the connector."""
     label: str
+    connector_class: str = OUR_CONNECTOR
 
 
 MODES: dict[str, Mode] = {
@@ -86,6 +89,8 @@ MODES: dict[str, Mode] = {
     "no-traffic": Mode({"load": False, "store": False}, "connector, load and store off"),
     "no-shm": Mode({"shared_memory": False, "load": False, "store": False},
                    "connector, off, vLLM's own KV allocation"),
+    "noop": Mode({}, "a connector whose methods do nothing (vLLM's plumbing alone)",
+                 "kvcache.bench.vllm_noop:NoopConnector"),
 }
 
 
@@ -173,7 +178,8 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
         extra = MODES[name].extra
         if extra is not None:  # a key scope per mode: no mode loads what another stored
             extra = {**extra, "instance_id": next(instance), "model_name": f"kvcache-bench-{name}"}
-        return EngineSpec(model_dir=str(model_dir), model=model, connector=extra, block_size=a.block_size,
+        return EngineSpec(model_dir=str(model_dir), model=model, connector=extra,
+                          connector_class=MODES[name].connector_class, block_size=a.block_size,
                           max_model_len=max(4096, a.ttft_prefix + a.ttft_tail + 64),
                           kv_cache_mb=a.kv_cache_mb, name=name, profile_dir=a.profile)  # fmt: skip
 
@@ -255,8 +261,12 @@ def _rotated(modes: list[str], r: int) -> list[str]:
 def summarize(a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     decode = [{m: msgspec.convert(r, DecodeResult) for m, r in rnd.items()} for rnd in raw["decode"]]
     ttft = [{m: msgspec.convert(r, TtftResult) for m, r in rnd.items()} for rnd in raw["ttft"]]
+
     def doing(direction: str) -> set[str]:
-        return {m for m, mode in MODES.items() if mode.extra is not None and mode.extra.get(direction, True)}
+        """The modes whose connector stores (loads): ours, with that direction on."""
+        return {m for m, mode in MODES.items()
+                if mode.connector_class == OUR_CONNECTOR and mode.extra is not None
+                and mode.extra.get(direction, True)}  # fmt: skip
 
     out: dict[str, Any] = {}
     if decode:

@@ -93,11 +93,14 @@ class ConnectorTimer:
         self._calls: dict[str, list[float]] = {}
         self._stats: dict[str, float] = {}
 
-    def install(self) -> None:
-        from kvcache.integrations.vllm.connector import KVCacheConnector
+    def install(self, connector_class: str) -> None:
+        """Wrap the methods of ``connector_class`` (``module:Class``)."""
+        import importlib
 
-        for name in TIMED:
-            setattr(KVCacheConnector, name, self._wrap(name, getattr(KVCacheConnector, name)))
+        module, name = connector_class.split(":")
+        cls = getattr(importlib.import_module(module), name)
+        for method in TIMED:
+            setattr(cls, method, self._wrap(method, getattr(cls, method)))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         acc = self._calls.setdefault(name, [0, 0.0])
@@ -159,9 +162,10 @@ class Engine:
         self.timer = ConnectorTimer()
         kw: dict[str, Any] = {}
         if spec.connector is not None:
-            self.timer.install()
+            self.timer.install(spec.connector_class)
+            module, name = spec.connector_class.split(":")
             kw["kv_transfer_config"] = {
-                "kv_connector": "KVCacheConnector", "kv_connector_module_path": "kvcache.integrations.vllm",
+                "kv_connector": name, "kv_connector_module_path": module,
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": spec.connector,
             }  # fmt: skip

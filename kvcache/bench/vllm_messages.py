@@ -41,12 +41,18 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+OUR_CONNECTOR = "kvcache.integrations.vllm:KVCacheConnector"
+"""``EngineSpec.connector_class`` of every mode but ``noop``."""
+
+
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One warm engine: ``connector`` is ``kv_connector_extra_config``, None for vLLM alone."""
 
     model_dir: str
     model: ModelSpec
     connector: dict[str, Any] | None
+    connector_class: str = OUR_CONNECTOR
+    """``module:Class`` of the connector vLLM loads (``vllm_noop`` for the plumbing's floor)."""
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_mb: int = 256

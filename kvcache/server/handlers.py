@@ -6,8 +6,7 @@ on worker threads; the engine is thread-safe, the registry is locked. Store and 
 also come as ``*_async``: they check the request and submit the copies, and their reply is
 a future the engine's completion thread resolves (``submit``), so no worker waits on a copy.
 The request is built from the wire message and the instance's registration record alone
-(``RegistrationRecord.geometry``), then goes down once into the engine; the wire's deadline
-becomes a ``Deadline`` here (``accept_deadline``), for the page handlers too.
+(``RegistrationRecord.geometry``), then goes down once into the engine.
 What a registration must satisfy before anything is mapped, and the ``Limits`` behind it,
 are in ``registration`` (``Limits`` is re-exported here).
 """
@@ -26,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvcache.deadline import Deadline
-from kvcache.errors import AccessDeniedError, DeadlineExceededError, LimitExceededError
+from kvcache.errors import AccessDeniedError, LimitExceededError
 from kvcache.futures import resolved, then
 from kvcache.ids import check_count, unpacked
 from kvcache.keys import KeyScope
@@ -35,6 +33,7 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
+from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import InstanceRegistry, RegistrationRecord
@@ -45,11 +44,6 @@ if TYPE_CHECKING:
     from kvcache.server.fdinbox import FdInbox
 
 log = logging.getLogger("kvcache.server")
-
-DEADLINE_MARGIN_S = 0.05
-"""A request is refused this long before its client's deadline: the copy itself takes time,
-and it must be over before the client gives up on it and reuses the blocks."""
-
 
 class Handlers:
     """Serves decoded requests; ``handle`` never raises (errors become ``Error`` replies).
@@ -216,26 +210,6 @@ class Handlers:
             principal.check_salt(salt)
         return instance
 
-    def accept_deadline(self, deadline_ms: int, op: str) -> Deadline | None:
-        """The request's ``Deadline``, the one place the wire's ``deadline_ms`` (the client's
-        wall clock) becomes one: the client's, less ``DEADLINE_MARGIN_S``, on the monotonic
-        clock (the engine's waits end there and no copy of the client's blocks starts after
-        it); None when the client set none. Every request that moves bytes passes here, a
-        chunk's or a page's (``pages``), answered at once or when its copies complete.
-
-        Refuses (``DeadlineExceededError``) a request whose client has stopped, or is about to
-        stop, waiting for it: one that sat in a queue, or in the socket of a stalled daemon.
-        Same-host clients share the wall clock; a remote one's skew eats into the margin."""
-        if not deadline_ms:
-            return None
-        left = deadline_ms / 1000 - DEADLINE_MARGIN_S - time.time()
-        if left < 0:
-            raise DeadlineExceededError(
-                f"{op} arrived after its client's deadline; no byte was moved (the engine may "
-                "have reused the blocks by now)"
-            )
-        return Deadline.within(left)
-
     def lookup(self, req: m.Lookup, principal: Principal) -> m.ReplyBody:
         instance = self._instance(req, principal, token_required=False)
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
@@ -270,7 +244,7 @@ class Handlers:
         (the engine's waiter does), nor for the engine's GPU work named by ``cuda_event``
         (the copies wait for it on the device)."""
         instance = self._instance(req, principal, token_required=True)
-        deadline = self.accept_deadline(req.deadline_ms, "store")
+        deadline = accept_deadline(req.deadline_ms, "store")
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
         after = None
         if req.cuda_event is not None:  # CUDA_UNAVAILABLE here on a daemon without a GPU
@@ -291,7 +265,7 @@ class Handlers:
         the engine may use the blocks on the reply; no event is exported (it would have to
         outlive the client's wait on it, which the daemon cannot know)."""
         instance = self._instance(req, principal, token_required=True)
-        deadline = self.accept_deadline(req.deadline_ms, "retrieve")
+        deadline = accept_deadline(req.deadline_ms, "retrieve")
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
         request = RetrieveRequest.build(
             req.instance_id, instance.geometry, req.token_ids, req.block_ids, req.skip_tokens,
@@ -350,4 +324,4 @@ def _error_reply(exc: BaseException, body: m.RequestBody) -> m.Error:
     return error
 
 
-__all__ = ["DEADLINE_MARGIN_S", "Handlers", "Limits"]
+__all__ = ["Handlers", "Limits"]

@@ -20,9 +20,9 @@ from kvcache.ids import RawIds, check_count, unpacked
 from kvcache.keys import KeyScope
 from kvcache.protocol import messages as m
 from kvcache.server.auth import Principal
+from kvcache.server.deadlines import accept_deadline
 
 if TYPE_CHECKING:
-    from kvcache.deadline import Deadline
     from kvcache.engine.engine import CacheEngine
     from kvcache.server.registration import Limits
     from kvcache.server.registry import RegistrationRecord
@@ -36,7 +36,6 @@ class Checks(Protocol):
     limits: Limits
 
     def _instance(self, req: Any, principal: Principal, *, token_required: bool) -> RegistrationRecord: ...
-    def accept_deadline(self, deadline_ms: int, op: str) -> Deadline | None: ...
 
 
 class PageHandlers:
@@ -87,7 +86,7 @@ class PageHandlers:
     def set_async(self, req: m.PageSet, principal: Principal) -> Future[m.StoreResult]:
         """The engine's result is the reply (one record, engine and wire)."""
         _, salt = self._checked(req, principal)
-        deadline = self._h.accept_deadline(req.deadline_ms, "page set")
+        deadline = accept_deadline(req.deadline_ms, "page set")
         return self._h.engine.pages.store_async(
             req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
             deadline=deadline,
@@ -95,7 +94,7 @@ class PageHandlers:
 
     def get_async(self, req: m.PageGet, principal: Principal) -> Future[m.RetrieveResult]:
         _, salt = self._checked(req, principal)
-        deadline = self._h.accept_deadline(req.deadline_ms, "page get")
+        deadline = accept_deadline(req.deadline_ms, "page get")
         return self._h.engine.pages.retrieve_async(
             req.instance_id, req.keys, self._ids(req.block_ids), cache_salt=salt,
             deadline=deadline,

@@ -169,6 +169,22 @@ def test_decode_runs_that_did_not_do_the_work_are_flagged() -> None:
     assert not summarize_decode(plumbing, "none")["valid"]
 
 
+def test_the_noop_connector_mode_loads_another_class_and_is_not_expected_to_store() -> None:
+    """``noop`` (vLLM's connector plumbing alone) names its own class, and a run of it that
+    stored nothing is no problem: only our connector's modes must store."""
+    noop = bench.MODES["noop"]
+    assert noop.connector_class == "kvcache.bench.vllm_noop:NoopConnector"
+    assert bench.MODES["connector"].connector_class == "kvcache.integrations.vllm:KVCacheConnector"
+    a = bench.parse_args(["--decode-modes", "none,noop,connector", "--ttft-modes", ""])
+    rnd = {"none": _decode(100, 5.0), "noop": _decode(99, 5.0, calls=True, stats={}),
+           "connector": _decode(98, 5.0, calls=True)}  # fmt: skip
+    raw = {"decode": [msgspec.to_builtins(rnd)], "ttft": [], "daemon_cpu_s": {"decode": [], "ttft": []}}
+    assert bench.summarize(a, raw)["decode"]["problems"] == []
+    rnd["connector"] = _decode(98, 5.0, calls=True, stats={})  # ours stored nothing: flagged
+    raw["decode"] = [msgspec.to_builtins(rnd)]
+    assert bench.summarize(a, raw)["decode"]["problems"] == ["connector: nothing was stored"]
+
+
 def _ttft(ms: float, cached: int, first: int = 5, calls: bool = True) -> TtftResult:
     steps = [0.008, ms / 1e3 - 0.008] if calls else [ms / 1e3]  # two steps with a connector
     timed = {"start_load_kv": (1, 0.004)} if calls else {}

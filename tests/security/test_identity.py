@@ -124,7 +124,7 @@ def test_another_client_can_neither_keep_an_instance_alive_nor_list_it(
 ) -> None:
     """A dead engine's instance is reaped even while a stranger pings it and sends requests
     naming it; the daemon's status lists only the caller's own instances."""
-    d = start_daemon("--heartbeat-timeout", "1.5", tcp=True)
+    d = start_daemon("--heartbeat-timeout", "3", tcp=True)
     fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS.name
     dead = engine("kill_mid_store", d.ipc_endpoint, 21, "victim", fmt, seed=1)
     dead.wait(timeout=60)

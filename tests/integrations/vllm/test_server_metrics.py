@@ -11,77 +11,32 @@ KV size per token.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.test_connector import Daemon, _free_port, start_daemon
+from tests.integrations.vllm.test_connector import Daemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
-from tests.integrations.vllm.vllm_server import post, scrape, total
+from tests.integrations.vllm.vllm_server import make_model, post, scrape, start_server, total
 
-HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
-BLOCK = 32
 
 
 @pytest.fixture
 def server(vllm_python: str, tmp_path: Path) -> Iterator[tuple[str, Daemon]]:
-    model = tmp_path / "model"
-    subprocess.run(
-        [vllm_python, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; "
-                            f"from vllm_driver import make_model; make_model(Path({str(model)!r}))"],
-        check=True, capture_output=True, timeout=300, cwd="/",
-    )  # fmt: skip
+    make_model(vllm_python, tmp_path / "model")
     daemon = start_daemon(tmp_path, tmp_path / "l2", "daemon", ["--metrics-sample-rate", "1"])
-    port = _free_port()
-    connector = {
-        "kv_connector": "KVCacheConnector",
-        "kv_connector_module_path": "kvcache.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"timeout_s": 30.0},
-    }
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--tokenizer", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
-           "--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--seed", "0",
-           "--kv-cache-memory-bytes", str(64 << 20), "--enable-prefix-caching",
-           "--kv-transfer-config", json.dumps(connector)]  # fmt: skip
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1",
-               KVCACHE_RUNTIME_DIR=str(tmp_path / "run"))  # fmt: skip
-    log = tmp_path / "vllm-server.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd="/",
-                                start_new_session=True)  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    vllm = start_server(vllm_python, tmp_path / "model", tmp_path / "run", tmp_path / "vllm-server.log",
+                        "kv_both", {"timeout_s": 30.0})  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-6000:]
-            assert time.monotonic() < deadline, "vLLM server did not start:\n" + log.read_text()[-6000:]
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)  # polling a server that offers no readiness event
-        yield base, daemon
+        vllm.wait_ready(300)
+        yield vllm.base, daemon
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        vllm.stop()
         daemon.stop()
-        print(log.read_text()[-3000:])
+        print(vllm.log.read_text()[-3000:])
 
 
 def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, Daemon], tmp_path: Path) -> None:
