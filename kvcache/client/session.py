@@ -203,6 +203,8 @@ class Session:
         self._refuse_if_open()
         sent_at = time.monotonic()
         try:
+            if not self._hooks:
+                return self._call_once(chan, body)
             return hooked(self._hooks, lambda b: self._call_once(chan, b))(body)
         except DaemonUnavailableError:
             if self.breaker.silent_since(sent_at):
@@ -216,12 +218,15 @@ class Session:
             self._pipeline.ensure_running()  # the background thread probes
 
     def _call_once(self, chan: Channel, body: m.RequestBody) -> m.ReplyBody:
-        call = Call(body, Future())
-        while True:
+        generation = self._reg_generation
+        reply = chan.call(self._stamped(body), self.timeout_s)
+        if not isinstance(reply, m.Error):  # the usual case: no retry to keep track of
+            return reply
+        call = Call(body, Future(), generation=generation)
+        while self._resend(call, reply, chan):
             call.generation = self._reg_generation
             reply = chan.call(self._stamped(body), self.timeout_s)
-            if not self._resend(call, reply, chan):
-                return reply
+        return reply
 
     def resend(self, call: Call, reply: m.ReplyBody) -> bool:
         """For the pipeline: as ``_resend``, re-registering on a channel of its own."""

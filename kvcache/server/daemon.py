@@ -47,6 +47,7 @@ import zmq
 from kvcache.errors import AccessDeniedError
 from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
+from kvcache.protocol.channel import NOBLOCK, readable
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
 from kvcache.server.connections import ConnectionGuard, descriptor_limit
@@ -265,18 +266,18 @@ class Daemon:
         finally:
             self._shutdown_threads(deadline)
 
-    # NOTE: the loops below ask ZMQ_EVENTS whether a message is waiting rather than reading
+    # NOTE: the loops below ask ZMQEVENTS whether a message is waiting rather than reading
     # until zmq.Again: an exception per wake-up costs more than the check, on every request.
     def _forward_replies(self) -> None:
-        while int(self._replies.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frames = self._replies.recv_multipart(zmq.NOBLOCK, copy=False)
+        while readable(self._replies):
+            frames = self._replies.recv_multipart(NOBLOCK, copy=False)
             self._in_flight -= 1
             self._router.send_multipart(frames, copy=False)
 
     def _accept(self, draining: bool) -> None:
-        while int(self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while readable(self._router):
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
-            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self._router.recv_multipart(NOBLOCK, copy=False)
             identity = frames[0].bytes
             if len(frames) != 2:
                 error = m.Error(
