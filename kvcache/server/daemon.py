@@ -266,7 +266,7 @@ class Daemon:
         finally:
             self._shutdown_threads(deadline)
 
-    # NOTE: the loops below ask ZMQEVENTS whether a message is waiting rather than reading
+    # NOTE: the loops below ask ZMQ_EVENTS whether a message is waiting rather than reading
     # until zmq.Again: an exception per wake-up costs more than the check, on every request.
     def _forward_replies(self) -> None:
         while readable(self._replies):

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcache.server")
 
+
 class Handlers:
     """Serves decoded requests; ``handle`` never raises (errors become ``Error`` replies).
 
