@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import torch
@@ -37,7 +37,7 @@ from kvcache.futures import then
 from kvcache.protocol import messages as m
 from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.protocol.channel import Channel
-from kvcache.protocol.errors import exception_from_error
+from kvcache.protocol.errors import R, unwrap
 from kvcache.protocol.peer_check import DaemonTrust, expected_daemon_uid
 from kvcache.transport.curve import curve_sockopts
 from kvcache.transport.endpoints import default_endpoint
@@ -46,16 +46,6 @@ from kvcache.transport.tensors import export_tensors
 
 log = logging.getLogger("kvcache.client")
 
-R = TypeVar("R", bound=m.Reply)
-
-
-def unwrap(reply: m.Reply, expected: type[R]) -> R:
-    """``reply`` if it is an ``expected``; an ``Error`` reply raised as its exception."""
-    if isinstance(reply, expected):
-        return reply
-    if isinstance(reply, m.Error):
-        raise exception_from_error(reply)
-    raise DaemonUnavailableError(f"unexpected reply {type(reply).__name__}")
 
 
 @dataclass(frozen=True, slots=True)

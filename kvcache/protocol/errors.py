@@ -12,6 +12,8 @@ given a code at one edge, ``_foreign_code``.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import kvcache.errors
 from kvcache.errors import (
     DaemonUnavailableError,
@@ -20,7 +22,9 @@ from kvcache.errors import (
     RemoteError,
     ShuttingDownError,
 )
-from kvcache.protocol.messages import Error
+from kvcache.protocol.messages import Error, Reply
+
+R = TypeVar("R", bound=Reply)
 
 GENERIC_CODES = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.INTERNAL})
 """Codes that unrelated errors share (any ``ValueError`` is a ``BAD_REQUEST``), so they name no
@@ -70,10 +74,20 @@ def exception_from_error(err: Error) -> Exception:
     return cls(err.message)
 
 
+def unwrap(reply: Reply, expected: type[R]) -> R:
+    """``reply`` if it is an ``expected``; an ``Error`` reply raised as its exception."""
+    if isinstance(reply, expected):
+        return reply
+    if isinstance(reply, Error):
+        raise exception_from_error(reply)
+    raise DaemonUnavailableError(f"unexpected reply {type(reply).__name__}")
+
+
 __all__ = [
     "DaemonUnavailableError",
     "RemoteError",
     "ShuttingDownError",
     "error_from_exception",
     "exception_from_error",
+    "unwrap",
 ]
