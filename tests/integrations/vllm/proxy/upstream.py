@@ -103,6 +103,12 @@ def _handler(fake: FakeVllm) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            try:
+                self._stream(script)
+            except (BrokenPipeError, ConnectionResetError):  # the proxy cut the stream off
+                return
+
+        def _stream(self, script: Script) -> None:
             for i in range(script.events):
                 if i in script.gates:
                     script.gates[i].wait(60)
