@@ -179,7 +179,6 @@ class ChunkHasher:
             out.append(int.from_bytes(prev, "little"))
         return out
 
-
     def keys_after(
         self, token_ids: Sequence[int] | Any, prior: Hashed | None
     ) -> tuple[list[ChunkKey], Hashed | None]:
@@ -198,22 +197,16 @@ class ChunkHasher:
                 return self.keys(token_ids), prior
             buf = view.tobytes()
         step = self.chunk_size * 4
-        same = 0
-        if prior is not None:
-            limit = min(n, len(prior.keys))
-            while same < limit and buf[same * step : (same + 1) * step] == prior.buf[
-                same * step : (same + 1) * step
-            ]:
-                same += 1
+        same = _shared_chunks(buf, prior, n, step) if prior is not None else 0
         out = prior.keys[:same] if prior is not None else []
         prev = out[-1].to_bytes(KEY_BYTES, "little") if same else self._root
-        blake2b = hashlib.blake2b
+        view, blake2b, from_bytes = memoryview(buf), hashlib.blake2b, int.from_bytes
         for i in range(same, n):
             h = blake2b(prev, digest_size=KEY_BYTES, person=PERSON)
             h.update(tag)
-            h.update(buf[i * step : (i + 1) * step])
+            h.update(view[i * step : (i + 1) * step])
             prev = h.digest()
-            out.append(int.from_bytes(prev, "little"))
+            out.append(from_bytes(prev, "little"))
         return out, Hashed(buf, out)
 
 
@@ -222,6 +215,24 @@ class Hashed(NamedTuple):
 
     buf: bytes
     keys: list[ChunkKey]
+
+
+def _shared_chunks(buf: bytes, prior: Hashed, n: int, step: int) -> int:
+    """How many leading whole chunks (``step`` bytes each, at most ``n``) ``buf`` shares with
+    ``prior``: a bisection over prefix compares, each one ``memcmp`` without a copy (a
+    scheduler step's prompts often share all but their tail)."""
+    limit = min(n, len(prior.keys))
+    shared = memoryview(prior.buf)
+    if buf.startswith(shared[: limit * step]):
+        return limit
+    lo, hi = 0, limit  # the first lo chunks are shared, the first hi are not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if buf.startswith(shared[: mid * step]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def chunk_keys(

@@ -156,6 +156,23 @@ def test_keys_after_equals_keys_whatever_the_earlier_prompt_shares() -> None:
         _, prior = h.keys_after(np.asarray(p, dtype=np.int64), prior)
 
 
+def test_keys_after_finds_where_two_long_prompts_part_at_every_chunk() -> None:
+    """The shared head is found by bisection over whole chunks: for prompts of 11 chunks that
+    part in each chunk (and at each end of it), the keys are those ``keys`` gives alone, and
+    the head reused is exactly the chunks before the parting one."""
+    h = ChunkHasher("m", 16)
+    base = np.arange(11 * 16, dtype=np.uint32)
+    _, prior = h.keys_after(base, None)
+    assert prior is not None
+    for at in range(11 * 16 + 1):
+        other = base.copy()
+        other[at:] += 10_000  # the same tokens before ``at``, others from it on
+        keys, _ = h.keys_after(other, prior)
+        assert keys == h.keys(other.tolist()), at
+        assert keys[: at // 16] == prior.keys[: at // 16]
+        assert at // 16 == 11 or keys[at // 16] != prior.keys[at // 16]
+
+
 def test_uint32_ids_skip_the_range_scan_and_keep_their_keys() -> None:
     ids = np.arange(64, dtype=np.uint32)
     assert chunk_keys(ids, "m", chunk_size=16) == chunk_keys(list(range(64)), "m", chunk_size=16)

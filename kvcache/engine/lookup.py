@@ -16,7 +16,7 @@ from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.retrieve import prefetch
 from kvcache.ids import RawIds
-from kvcache.keys import Hashed, KeyScope
+from kvcache.keys import ChunkHasher, Hashed, KeyScope
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart
 from kvcache.records import ChunkKey
 
@@ -34,7 +34,9 @@ def lookup(
 ) -> LookupHit:
     """See ``CacheEngine.lookup``."""
     sid = parts.events.session(inst.instance_id, request_id)
-    parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=len(token_ids)))
+    if parts.events.on:
+        meta = inst.meta(MpLookupStart, num_tokens=len(token_ids))
+        parts.events.publish(EventType.MP_LOOKUP_START, sid, meta)
     keys = inst.keys(token_ids, key_scope)
     room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
     l1, l2 = _walk(parts, inst, keys, parts.pool.resident(keys), room_by)
@@ -50,25 +52,44 @@ def lookup_many(
     head with the one before hash it once, L1 is walked for all under one hold of its lock,
     and the statistics are recorded once. Only a prompt not wholly in L1 walks again on its
     own (L2, loads begun by others). Each prompt's ``MP_LOOKUP_START`` is published before the
-    batch is served and its ``MP_LOOKUP_END`` after: the requester waited for the batch."""
+    batch is served and its ``MP_LOOKUP_END`` after (the requester waited for the batch); on
+    a bus that is off, nothing is built to describe them."""
     events = parts.events
     sids = [events.session(inst.instance_id, request_id) for _, _, request_id in queries]
-    for sid, (token_ids, _, _) in zip(sids, queries, strict=True):
-        events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=len(token_ids)))
-    prior: dict[KeyScope, Hashed | None] = {}
-    keyed = []
-    for token_ids, key_scope, _ in queries:
-        keys, prior[key_scope] = inst.hasher(key_scope).keys_after(token_ids, prior.get(key_scope))
-        keyed.append(keys)
+    if events.on:
+        for sid, (token_ids, _, _) in zip(sids, queries, strict=True):
+            meta = inst.meta(MpLookupStart, num_tokens=len(token_ids))
+            events.publish(EventType.MP_LOOKUP_START, sid, meta)
+    keyed = _keys(inst, queries)
     room_by = Deadline.within(parts.config.lookup_wait_timeout_s)  # one bound for the batch
     tiers = [
-        _walk(parts, inst, keys, resident, room_by)
-        for keys, resident in zip(keyed, parts.pool.resident_many(keyed), strict=True)
-    ]
+        (run - joined, joined) if run == len(keys) else _walk(parts, inst, keys, (run, joined), room_by)
+        for keys, (run, joined) in zip(keyed, parts.pool.resident_many(keyed), strict=True)
+    ]  # a prompt wholly resident (in L1, or joining loads begun from L2) walks no further
     cs = inst.ctx.chunk_size
     sizes = [len(token_ids) for token_ids, _, _ in queries]
     parts.stats.record_lookups((n, (l1 + l2) * cs) for n, (l1, l2) in zip(sizes, tiers, strict=True))
     return [_answer(parts, inst, sid, n, l1, l2) for sid, n, (l1, l2) in zip(sids, sizes, tiers, strict=True)]
+
+
+def _keys(inst: InstanceState, queries: Sequence[tuple[RawIds, KeyScope, str]]) -> list[list[ChunkKey]]:
+    """Each prompt's chunk keys; a prompt of the same scope as the one before reuses the keys
+    of the head they share (``ChunkHasher.keys_after``). A step's prompts come with one scope
+    object (the daemon builds one per salt and key extra), so the scope is compared by
+    identity first."""
+    keyed = []
+    priors: dict[KeyScope, Hashed | None] = {}  # per scope: the last prompt hashed in it
+    scope: KeyScope | None = None
+    hasher: ChunkHasher | None = None
+    prior: Hashed | None = None
+    for token_ids, key_scope, _ in queries:
+        if key_scope is not scope or hasher is None:
+            if scope is not None:
+                priors[scope] = prior
+            scope, hasher, prior = key_scope, inst.hasher(key_scope), priors.get(key_scope)
+        keys, prior = hasher.keys_after(token_ids, prior)
+        keyed.append(keys)
+    return keyed
 
 
 def _walk(
@@ -103,6 +124,8 @@ def _answer(
     """Publish ``MP_LOOKUP_END`` (the caller recorded the statistics) and answer."""
     cs = inst.ctx.chunk_size
     hit = (l1 + l2) * cs
+    if not parts.events.on:
+        return LookupHit(hit, l2 * cs)
     meta = inst.meta(
         MpLookupEnd, num_tokens=num_tokens, hit_tokens=hit, l1_hit_tokens=l1 * cs, l2_hit_tokens=l2 * cs
     )

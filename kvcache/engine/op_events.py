@@ -32,6 +32,9 @@ class OpEvents:
 
     def __init__(self, bus: EventSink) -> None:
         self.bus = bus
+        #: False for the null bus: a path that builds an event's metadata only to publish
+        #: it may skip both (a lookup batch builds two per prompt).
+        self.on: bool = getattr(bus, "enabled", True)
         self._ops = itertools.count()
 
     def session(self, instance_id: int, request_id: str) -> str:

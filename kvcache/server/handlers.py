@@ -225,11 +225,16 @@ class Handlers:
         salt) before the first is served, so a refused batch looked up and prefetched
         nothing. The decoder already bounded the item count (``MAX_LOOKUP_BATCH``)."""
         instance = self._instance(req, principal, token_required=False)
+        scopes: dict[tuple[str, str], KeyScope] = {}  # a step's requests mostly share one
         checked = []
         for item in req.items:
-            principal.check_salt(item.cache_salt)
+            scope = scopes.get((item.cache_salt, item.key_extra))
+            if scope is None:
+                principal.check_salt(item.cache_salt)
+                scope = scopes[item.cache_salt, item.key_extra] = KeyScope(
+                    item.cache_salt, item.key_extra, instance.door
+                )
             check_count(item.token_ids, self.limits.max_ids)
-            scope = KeyScope(item.cache_salt, item.key_extra, instance.door)
             checked.append((unpacked(item.token_ids), scope, item.request_id))
         hits = self.engine.lookup_many(req.instance_id, checked)
         return m.LookupBatchResult(hits=[m.LookupHit(h.hit_tokens, h.l2_tokens) for h in hits])
