@@ -82,6 +82,7 @@ MODES: dict[str, Mode] = {
     "connector": Mode({}, "connector, defaults"),
     "sync-stores": Mode({"async_stores": False}, "connector, async_stores=false"),
     "sync-loads": Mode({"async_loads": False}, "connector, async_loads=false"),
+    "async-loads": Mode({"sync_lone_loads": False}, "connector, sync_lone_loads=false (all async)"),
     "window-1": Mode({"window": 1}, "connector, one call at a time (window 1)"),
     "connector-b": Mode({}, "connector, defaults, a second engine (A/A control)"),
     "no-shared-loads": Mode({"shared_loads": False}, "connector, each request loads its own copy"),

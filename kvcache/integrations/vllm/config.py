@@ -46,6 +46,12 @@ class ConnectorConfig:
       computes on it. Under async scheduling loads are asynchronous whatever this says: the
       next step is planned before vLLM hears that a synchronous load failed, and vLLM 0.32's
       recovery from that keeps a token sampled from the unfilled blocks.
+    * ``sync_lone_loads``: with ``async_loads``, a request whose cached prefix is wholly in
+      the daemon's L1 loads synchronously when nothing else runs in its step (no request
+      scheduled in the last step and unfinished, none admitted before it, no asynchronous load
+      in flight) (default True): an asynchronous load is reported one step later than a
+      synchronous one, which costs a lone request that step and spares no one anything
+      (``load_timing.py``). False: every load is asynchronous under ``async_loads``.
     * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
     * ``lookup_batch``: how many requests one lookup round trip may ask about (default 32, at
@@ -75,6 +81,7 @@ class ConnectorConfig:
     shared_memory: bool = True
     async_stores: bool = True
     async_loads: bool = True
+    sync_lone_loads: bool = True
     lookup_batch: int = 32
     shared_loads: bool = True
     consumer_store: bool = False

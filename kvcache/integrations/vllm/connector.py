@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
 from kvcache.integrations.vllm.disagg import SplitRequests, resolve_role
+from kvcache.integrations.vllm.load_timing import LoadTiming
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
@@ -92,10 +93,10 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
         async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self._async_retrieves = self.config.async_loads or async_scheduling
+        self._timing = LoadTiming(self._async_retrieves, self.config.sync_lone_loads and not async_scheduling)
         # scheduler half
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}
-        self._last_hit: dict[str, tuple[int, int]] = {}  # req_id -> (local, daemon hit)
         self.tally = ConnectorTally()
         """The scheduler half's statistics (lookups, requests not cached) for vLLM's metrics."""
         self._steps = 0  # plans built
@@ -254,27 +255,19 @@ class KVCacheConnector(KVConnectorBase_V1):
             return planner.external_tokens(len(prompt), num_computed_tokens, awaited), True
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
-        cached = self._last_hit.get(request.request_id)
-        if cached is not None and cached[0] == num_computed_tokens:
-            # Asked again while the request waits for memory: one lookup per admission.
-            hit = cached[1]
-        else:
-            answered = self._lookups.answered(request.request_id)
-            if answered is not None:  # asked in an earlier request's batch of this admission
-                hit = answered
-            else:
-                try:
-                    hit = self._lookups.lookup(request, prompt, key_extra, planner.chunk_size)
-                except Exception as exc:  # a miss, not an error, for the engine
-                    log.warning("kvcache: lookup failed: %s", exc)
-                    self.tally.count("lookup_failures")
-                    return 0, False
-            self._last_hit[request.request_id] = (num_computed_tokens, hit)
-        external = planner.external_tokens(len(prompt), num_computed_tokens, hit)
+        try:
+            found = self._lookups.hit(request, prompt, key_extra, planner.chunk_size, num_computed_tokens)
+        except Exception as exc:  # a miss, not an error, for the engine
+            log.warning("kvcache: lookup failed: %s", exc)
+            self.tally.count("lookup_failures")
+            return 0, False
+        external = planner.external_tokens(len(prompt), num_computed_tokens, found.hit_tokens)
         shared = external and self._async_retrieves and self.config.shared_loads
         if shared and self._loads.behind(request, num_computed_tokens, planner.chunk_size, key_extra):
             return None, False  # not yet: vLLM caches that load's blocks, then asks again
-        return external, self._async_retrieves and external > 0
+        if not external:
+            return 0, False
+        return external, self._timing.choose(request.request_id, found.l2_hit_tokens, bool(self._retrieving))
 
     def on_new_request(self, request: Any) -> None:
         """vLLM 0.32 calls this for every request it adds (``Scheduler.add_request``): the
@@ -292,10 +285,11 @@ class KVCacheConnector(KVConnectorBase_V1):
             self.tally.count("requests_not_cached")
             return
         self._requests[req_id] = request
-        local, _ = self._last_hit.pop(req_id, (request.num_computed_tokens, 0))
+        local = self._lookups.admitted(req_id, request.num_computed_tokens)
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
-        is_async, wait_ms = self._async_retrieves or whole + tail > 0, int(self.config.transfer_wait * 1000)
+        is_async = self._timing.admit(req_id) or whole + tail > 0
+        wait_ms = int(self.config.transfer_wait * 1000)
         external = min(num_external_tokens, max(0, whole - local)) if tail else num_external_tokens
         planner.on_alloc(
             req_id, request.prompt_token_ids or [], block_ids, local, external,
@@ -331,6 +325,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             if request is not None:
                 self._lookups.waiting(request)  # waits again: its next admission asks again
         state = getattr(scheduler_output, "kv_connector_block_state", None)
+        self._timing.planned(scheduler_output.num_scheduled_tokens)
         rows = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
@@ -371,8 +366,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         waited for then)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
-        self._last_hit.pop(req_id, None)
         self._lookups.forget(req_id)
+        self._timing.finished(req_id)
         self._recompute.discard(req_id)
         self._loads.ended((req_id,))
         delay, params = False, None

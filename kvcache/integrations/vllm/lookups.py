@@ -31,7 +31,8 @@ class StepLookups:
     ) -> None:
         self.client, self.tally, self.config, self._recompute = client, tally, config, recompute
         self._unasked: dict[str, Any] = {}  # added or preempted, not looked up since (arrival order)
-        self._answered: dict[str, int] = {}  # looked up in another request's batch: daemon hit
+        self._answered: dict[str, m.LookupHit] = {}  # looked up in another request's batch
+        self._last: dict[str, tuple[int, m.LookupHit]] = {}  # this admission's: (local hit, daemon's)
         self._batching = config.lookup_batch > 1
 
     def waiting(self, request: Any) -> None:
@@ -42,15 +43,36 @@ class StepLookups:
     def asked(self, req_id: str) -> None:
         self._unasked.pop(req_id, None)
 
-    def answered(self, req_id: str) -> int | None:
+    def answered(self, req_id: str) -> m.LookupHit | None:
         """The daemon's hit for ``req_id`` if an earlier request's batch asked it."""
         return self._answered.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._unasked.pop(req_id, None)
         self._answered.pop(req_id, None)
+        self._last.pop(req_id, None)
 
-    def lookup(self, request: Any, prompt: Any, key_extra: str, chunk_size: int) -> int:
+    def hit(self, request: Any, prompt: Any, key_extra: str, chunk_size: int, local: int) -> m.LookupHit:
+        """The daemon's hit for ``request`` beyond ``local`` tokens of vLLM's own: asked once
+        per admission (vLLM asks again while the request waits for memory), from an earlier
+        request's batch if one took it along, else now (``lookup``)."""
+        req_id = request.request_id
+        last = self._last.get(req_id)
+        if last is not None and last[0] == local:
+            return last[1]
+        found = self.answered(req_id)
+        if found is None:
+            found = self.lookup(request, prompt, key_extra, chunk_size)
+        self._last[req_id] = (local, found)
+        return found
+
+    def admitted(self, req_id: str, local: int) -> int:
+        """vLLM admitted ``req_id``: its local hit when it was asked (``local`` if never), and
+        its next admission asks again."""
+        last = self._last.pop(req_id, None)
+        return last[0] if last is not None else local
+
+    def lookup(self, request: Any, prompt: Any, key_extra: str, chunk_size: int) -> m.LookupHit:
         """The daemon's hit for ``request``, asked in one round trip together with requests
         added (or preempted) since and not asked about yet, up to ``lookup_batch``; their
         answers wait in ``_answered`` for vLLM to ask about them (once per admission).
@@ -66,7 +88,7 @@ class StepLookups:
             found = self.client.lookup_tiers(prompt, cache_salt=salt, request_id=request.request_id,
                                              key_extra=key_extra)  # fmt: skip
             self.tally.lookup(len(prompt), found.hit_tokens, found.l2_hit_tokens)
-            return found.hit_tokens
+            return m.LookupHit(found.hit_tokens, found.l2_hit_tokens)
         batch = [(request, prompt, salt, key_extra)]
         for req_id, other in list(self._unasked.items()):
             if len(batch) >= self.config.lookup_batch:
@@ -95,8 +117,8 @@ class StepLookups:
         for (r, t, *_), hit in zip(batch, hits, strict=True):
             self.tally.lookup(len(t), hit.hit_tokens, hit.l2_hit_tokens)
             if r is not request:
-                self._answered[r.request_id] = hit.hit_tokens
-        return hits[0].hit_tokens
+                self._answered[r.request_id] = hit
+        return hits[0]
 
 
 __all__ = ["StepLookups"]

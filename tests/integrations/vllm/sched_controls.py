@@ -91,7 +91,7 @@ def no_lookup_cache() -> Iterator[None]:
     lookup = cls.get_num_new_matched_tokens
 
     def every_step(self: Any, request: Any, num_computed_tokens: int) -> Any:
-        self._last_hit.clear()
+        self._lookups._last.clear()
         return lookup(self, request, num_computed_tokens)
 
     with patched(cls, "get_num_new_matched_tokens", every_step):

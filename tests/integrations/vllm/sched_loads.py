@@ -310,6 +310,49 @@ def preempted_store(h: Harness) -> None:
     h.check(eng)
 
 
+def lone_loads(h: Harness) -> None:
+    """The default ``sync_lone_loads``. ``a`` arrives alone with its prefix in the daemon's L1:
+    its load is synchronous, planned in the step that computes ``a``, never reported received
+    (a step sooner than an asynchronous load, which is scheduled only after the step that
+    reports it). ``b`` arrives while ``d`` decodes: its load is asynchronous, ``d``'s steps go
+    on, and ``b`` computes only after the step that reports its load received. ``c`` arrives
+    alone with its prefix only on disk (L2, after a restart emptied L1): asynchronous too, as
+    a read from a tier could hold the engine's loop for as long as the tier takes."""
+    h.replace_daemon(["--l2-disk-path", str(h.workdir / f"l2-{h.name}")])
+    pa, pb, pc = (prompts(seed, 4 * CHUNK, [5])[0] for seed in (80, 81, 82))
+    _warm(h, ("wa", pa), ("wb", pb), ("wc", pc))
+    eng = h.engine(sync_lone_loads=True)
+    planned: dict[str, tuple[int, bool]] = {}
+
+    def record(step: int, out: Any) -> None:
+        for load in out.kv_connector_metadata.plan.retrieves:
+            planned[load.req_id] = (step, load.is_async)
+
+    eng.between_schedule_and_load = record
+    eng.add("a", pa, 3)
+    eng.run()
+    start = len(eng.steps)
+    eng.before_schedule = lambda step: eng.add("b", pb, 3) if step == start + 3 else None
+    eng.add("d", prompts(83, 40, [0])[0], 12)
+    eng.run()
+    h.daemon.restart(graceful=True)  # L1 empty; the disk tier keeps c's prefix
+    eng.worker.client.lookup([1] * CHUNK)  # the worker re-registers now, not at its next beat
+    eng.before_schedule = None
+    eng.add("c", pc, 3)
+    eng.run()
+    computed = {r: first_step(eng, lambda s, r=r: r in s.blocks) for r in "abc"}
+    reported = {r: first_step(eng, lambda s, r=r: r in s.recving) for r in "abc"}
+    h.facts.update(planned=planned, computed=computed, reported=reported)
+    assert set(planned) == set("abc"), planned  # d had nothing to load
+    assert planned["a"] == (computed["a"], False) and reported["a"] == -1, h.facts
+    for r in "bc":
+        step, is_async = planned[r]
+        assert is_async and step <= reported[r] < computed[r], (r, h.facts)
+    assert "d" in eng.steps[planned["b"][0]].blocks, "d's step waited for b's copy"
+    assert eng.tally().get("load_tokens", 0) == 3 * 4 * CHUNK, eng.tally()
+    h.check(eng)
+
+
 SCENARIOS = {
     "late_loads_sync": lambda h: late_loads(h, False),
     "late_loads_async": lambda h: late_loads(h, True),
@@ -318,6 +361,7 @@ SCENARIOS = {
     "abort_resumed_while_loading": abort_resumed_while_loading,
     "loading_through_preemptions": loading_through_preemptions,
     "preempted_store": preempted_store,
+    "lone_loads": lone_loads,
 }
 """Scenarios that need asynchronous loads skip themselves in a synchronous-loads run."""
 

@@ -134,7 +134,10 @@ class Harness:
         self.name, self.workdir, self.spawn = name, workdir, spawn
         self.daemon = Daemon(spawn)
         self.async_loads = async_loads
-        """The connector's ``async_loads`` for this run's engines (async scheduling forces it)."""
+        """The connector's ``async_loads`` for this run's engines (async scheduling forces it).
+        Every load of an asynchronous run is asynchronous (``sync_lone_loads: false``) unless a
+        scenario asks for the default (``engine(sync_lone_loads=True)``), so the scenarios of
+        loads that outlive their step still have them when a request loads alone."""
         self.model = f"harness-{name}"
         self.engines: list[Engine] = []
         self.facts: Facts = {}
@@ -155,6 +158,7 @@ class Harness:
         timeout_s: float = 10.0,
         max_batched: int = 96,
         async_stores: bool = True,
+        sync_lone_loads: bool = False,
     ) -> Engine:
         extra = {
             "endpoint": self.daemon.endpoint,
@@ -162,6 +166,7 @@ class Harness:
             "timeout_s": timeout_s,
             "async_stores": async_stores,
             "async_loads": self.async_loads,
+            "sync_lone_loads": sync_lone_loads,
         }
         config = vllm_config(
             str(self.workdir / "model"), extra, async_scheduling=async_scheduling, max_batched=max_batched

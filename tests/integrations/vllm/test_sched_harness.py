@@ -60,6 +60,7 @@ SCENARIOS = [
     "partial_batch_failure",
     "preempted_resume_fails",
     "vllm_failed_load_fact",
+    "lone_loads",
 ]
 NEED_ASYNC_LOADS = {  # and those run once
     "late_loads_sync",
@@ -69,6 +70,7 @@ NEED_ASYNC_LOADS = {  # and those run once
     "abort_resumed_while_loading",
     "loading_through_preemptions",
     "vllm_failed_load_fact",  # vLLM alone: once
+    "lone_loads",  # the default's choice between the two
 }
 SYNC_LOADS = [n for n in SCENARIOS if n not in NEED_ASYNC_LOADS]
 pytestmark = pytest.mark.slow
