@@ -51,7 +51,7 @@ class ConnectorConfig:
       scheduled in the last step and unfinished, none admitted before it, no asynchronous load
       in flight) (default True): an asynchronous load is reported one step later than a
       synchronous one, which costs a lone request that step and spares no one anything
-      (``load_timing.py``). False: every load is asynchronous under ``async_loads``.
+      (``retrieve_timing.py``). False: every load is asynchronous under ``async_loads``.
     * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
     * ``lookup_batch``: how many requests one lookup round trip may ask about (default 32, at

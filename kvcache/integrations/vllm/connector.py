@@ -39,12 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
 from kvcache.integrations.vllm.disagg import SplitRequests, resolve_role
-from kvcache.integrations.vllm.load_timing import LoadTiming
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.integrations.vllm.plan import Planner, StepPlan
 from kvcache.integrations.vllm.request_keys import request_key_extra
+from kvcache.integrations.vllm.retrieve_timing import RetrieveTiming
 from kvcache.integrations.vllm.shared_loads import SharedLoads
 from kvcache.integrations.vllm.shm import SharedKVAllocation
 from kvcache.integrations.vllm.stats import ConnectorTally, merge
@@ -93,7 +93,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._is_cpu = vllm_config.device_config.device_type == "cpu"
         async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self._async_retrieves = self.config.async_loads or async_scheduling
-        self._timing = LoadTiming(self._async_retrieves, self.config.sync_lone_loads and not async_scheduling)
+        sync_lone = self.config.sync_lone_loads and not async_scheduling
+        self._timing = RetrieveTiming(self._async_retrieves, sync_lone)
         # scheduler half
         self._planner: Planner | None = None
         self._requests: dict[str, Any] = {}

@@ -315,12 +315,16 @@ def lone_loads(h: Harness) -> None:
     its load is synchronous, planned in the step that computes ``a``, never reported received
     (a step sooner than an asynchronous load, which is scheduled only after the step that
     reports it). ``b`` arrives while ``d`` decodes: its load is asynchronous, ``d``'s steps go
-    on, and ``b`` computes only after the step that reports its load received. ``c`` arrives
-    alone with its prefix only on disk (L2, after a restart emptied L1): asynchronous too, as
-    a read from a tier could hold the engine's loop for as long as the tier takes."""
+    on, and ``b`` computes only after the step that reports its load received. ``e0``-``e3``
+    arrive together, sharing a prefix in L1: ``e0`` loads it synchronously, which lets vLLM
+    cache its blocks at once, so the other three find it in vLLM's own prefix cache in the same
+    step (no load of their own) and all four compute in that step. ``c`` arrives alone with
+    its prefix only on disk (L2, after a restart emptied L1): asynchronous too, as a read from
+    a tier could hold the engine's loop for as long as the tier takes."""
     h.replace_daemon(["--l2-disk-path", str(h.workdir / f"l2-{h.name}")])
     pa, pb, pc = (prompts(seed, 4 * CHUNK, [5])[0] for seed in (80, 81, 82))
-    _warm(h, ("wa", pa), ("wb", pb), ("wc", pc))
+    pe = prompts(84, 4 * CHUNK, [5, 6, 7, 8])
+    _warm(h, ("wa", pa), ("wb", pb), ("wc", pc), ("we", pe[0]))
     eng = h.engine(sync_lone_loads=True)
     planned: dict[str, tuple[int, bool]] = {}
 
@@ -335,23 +339,28 @@ def lone_loads(h: Harness) -> None:
     eng.before_schedule = lambda step: eng.add("b", pb, 3) if step == start + 3 else None
     eng.add("d", prompts(83, 40, [0])[0], 12)
     eng.run()
+    eng.before_schedule = None
+    for i, prompt in enumerate(pe):
+        eng.add(f"e{i}", prompt, 3)
+    eng.run()
     h.daemon.restart(graceful=True)  # L1 empty; the disk tier keeps c's prefix
     eng.worker.client.lookup([1] * CHUNK)  # the worker re-registers now, not at its next beat
-    eng.before_schedule = None
     eng.add("c", pc, 3)
     eng.run()
-    computed = {r: first_step(eng, lambda s, r=r: r in s.blocks) for r in "abc"}
-    reported = {r: first_step(eng, lambda s, r=r: r in s.recving) for r in "abc"}
+    names = ["a", "b", "c", "e0", "e1", "e2", "e3"]
+    computed = {r: first_step(eng, lambda s, r=r: r in s.blocks) for r in names}
+    reported = {r: first_step(eng, lambda s, r=r: r in s.recving) for r in names}
     h.facts.update(planned=planned, computed=computed, reported=reported)
-    assert set(planned) == set("abc"), planned  # d had nothing to load
-    assert planned["a"] == (computed["a"], False) and reported["a"] == -1, h.facts
+    assert set(planned) == {"a", "b", "c", "e0"}, planned  # d had nothing to load; e1-e3 shared e0's
+    for r in ("a", "e0"):
+        assert planned[r] == (computed[r], False) and reported[r] == -1, (r, h.facts)
+    assert {computed[f"e{i}"] for i in range(4)} == {computed["e0"]}, h.facts
     for r in "bc":
         step, is_async = planned[r]
         assert is_async and step <= reported[r] < computed[r], (r, h.facts)
     assert "d" in eng.steps[planned["b"][0]].blocks, "d's step waited for b's copy"
-    assert eng.tally().get("load_tokens", 0) == 3 * 4 * CHUNK, eng.tally()
+    assert eng.tally().get("load_tokens", 0) == 4 * 4 * CHUNK, eng.tally()
     h.check(eng)
-
 
 SCENARIOS = {
     "late_loads_sync": lambda h: late_loads(h, False),

@@ -1,4 +1,4 @@
-"""Which loads the scheduler half makes synchronous (``load_timing.LoadTiming``).
+"""Which loads the scheduler half makes synchronous (``retrieve_timing.RetrieveTiming``).
 
 The scheduler harness runs the rule under vLLM's scheduler (``sched_loads.lone_loads``); these
 tests pin each condition on its own, in the order vLLM calls the connector within a step:
@@ -7,20 +7,20 @@ tests pin each condition on its own, in the order vLLM calls the connector withi
 
 from __future__ import annotations
 
-from kvcache.integrations.vllm.load_timing import LoadTiming
+from kvcache.integrations.vllm.retrieve_timing import RetrieveTiming
 
 
 def test_a_lone_request_with_its_prefix_in_l1_loads_synchronously() -> None:
-    t = LoadTiming(async_loads=True, sync_lone=True)
-    assert t.choose("a", l2_tokens=0, loads_in_flight=False) is False
+    t = RetrieveTiming(async_loads=True, sync_lone=True)
+    assert t.choose("a", l2_tokens=0, retrieves_in_flight=False) is False
     assert t.admit("a") is False
     t.planned(["a"])  # it runs; once finished, the engine is idle again
     t.finished("a")
-    assert t.choose("b", l2_tokens=0, loads_in_flight=False) is False
+    assert t.choose("b", l2_tokens=0, retrieves_in_flight=False) is False
 
 
 def test_a_load_is_asynchronous_when_anything_else_runs_or_loads() -> None:
-    t = LoadTiming(async_loads=True, sync_lone=True)
+    t = RetrieveTiming(async_loads=True, sync_lone=True)
     t.planned(["d"])  # d decodes
     assert t.choose("a", 0, False) is True and t.admit("a") is True
     t.finished("d")
@@ -32,15 +32,15 @@ def test_a_load_is_asynchronous_when_anything_else_runs_or_loads() -> None:
 
 
 def test_a_load_reading_from_l2_stays_asynchronous_even_alone() -> None:
-    t = LoadTiming(async_loads=True, sync_lone=True)
-    assert t.choose("a", l2_tokens=256, loads_in_flight=False) is True
+    t = RetrieveTiming(async_loads=True, sync_lone=True)
+    assert t.choose("a", l2_tokens=256, retrieves_in_flight=False) is True
     assert t.admit("a") is True
 
 
 def test_the_choice_is_the_last_ask_of_this_admission() -> None:
     """vLLM asks again while a request waits for memory; the admission follows the last
     answer, and a step planned without admitting it forgets the choice."""
-    t = LoadTiming(async_loads=True, sync_lone=True)
+    t = RetrieveTiming(async_loads=True, sync_lone=True)
     assert t.choose("a", 0, False) is False
     t.planned(["d"])  # a was not admitted; d ran instead
     assert t.choose("a", 0, False) is True and t.admit("a") is True
@@ -49,8 +49,8 @@ def test_the_choice_is_the_last_ask_of_this_admission() -> None:
 
 
 def test_the_switches() -> None:
-    off = LoadTiming(async_loads=True, sync_lone=False)
+    off = RetrieveTiming(async_loads=True, sync_lone=False)
     assert off.choose("a", 0, False) is True and off.admit("a") is True
-    sync = LoadTiming(async_loads=False, sync_lone=True)
+    sync = RetrieveTiming(async_loads=False, sync_lone=True)
     sync.planned(["d"])
     assert sync.choose("a", 256, True) is False and sync.admit("a") is False
