@@ -49,7 +49,7 @@ def test_lookup_batch_is_bounded_by_what_one_message_carries() -> None:
 
 def test_switches_take_only_booleans() -> None:
     """``"false"`` as a string would be truthy: it switches nothing on, it is refused."""
-    for key in ("shared_loads", "async_loads", "store"):
+    for key in ("shared_loads", "async_loads", "sync_lone_loads", "store"):
         with pytest.raises(ValueError, match="switches take true or false"):
             ConnectorConfig.from_extra({key: "false"})
         assert getattr(ConnectorConfig.from_extra({key: False}), key) is False
