@@ -47,11 +47,12 @@ class ConnectorConfig:
       next step is planned before vLLM hears that a synchronous load failed, and vLLM 0.32's
       recovery from that keeps a token sampled from the unfilled blocks.
     * ``sync_lone_loads``: with ``async_loads``, a request whose cached prefix is wholly in
-      the daemon's L1 loads synchronously when nothing else runs in its step (no request
-      scheduled in the last step and unfinished, none admitted before it, no asynchronous load
-      in flight) (default True): an asynchronous load is reported one step later than a
-      synchronous one, which costs a lone request that step and spares no one anything
+      the daemon's L1 (by a lookup made in this step) loads synchronously when nothing else
+      runs (no other request admitted and unfinished, no asynchronous load in flight)
+      (default True): an asynchronous load is reported one step later than a synchronous
+      one, which costs a lone request that step and spares no one anything
       (``retrieve_timing.py``). False: every load is asynchronous under ``async_loads``.
+      Async scheduling makes every load asynchronous, whatever this says.
     * ``shared_memory``: on CPU, allocate vLLM's KV cache in sealed memfds so the daemon can map it
       (default True; without it the CPU worker cannot register).
     * ``lookup_batch``: how many requests one lookup round trip may ask about (default 32, at

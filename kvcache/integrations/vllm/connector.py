@@ -253,11 +253,13 @@ class KVCacheConnector(KVConnectorBase_V1):
             return 0, False
         awaited = self._split.tokens(request, len(prompt), planner.chunk_size, planner.block_size)
         if awaited:  # a decode request: its load waits at the daemon for the prefill's store
-            return planner.external_tokens(len(prompt), num_computed_tokens, awaited), True
+            external = planner.external_tokens(len(prompt), num_computed_tokens, awaited)
+            return external, external > 0  # 0 (its own prefix cache holds it all): no load
         if num_computed_tokens >= (len(prompt) - 1) // planner.chunk_size * planner.chunk_size:
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
         try:
-            found = self._lookups.hit(request, prompt, key_extra, planner.chunk_size, num_computed_tokens)
+            found, fresh = self._lookups.hit(request, prompt, key_extra, planner.chunk_size,
+                                             num_computed_tokens)  # fmt: skip
         except Exception as exc:  # a miss, not an error, for the engine
             log.warning("kvcache: lookup failed: %s", exc)
             self.tally.count("lookup_failures")
@@ -268,7 +270,8 @@ class KVCacheConnector(KVConnectorBase_V1):
             return None, False  # not yet: vLLM caches that load's blocks, then asks again
         if not external:
             return 0, False
-        return external, self._timing.choose(request.request_id, found.l2_hit_tokens, bool(self._retrieving))
+        l2 = found.l2_hit_tokens if fresh else None  # older: its chunks may be in L2 by now
+        return external, self._timing.choose(request.request_id, l2, bool(self._retrieving))
 
     def on_new_request(self, request: Any) -> None:
         """vLLM 0.32 calls this for every request it adds (``Scheduler.add_request``): the
@@ -276,10 +279,11 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._lookups.waiting(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        is_async = self._timing.admit(req_id)  # every admission counts, keyed by us or not
         planner = self._get_planner()
         if planner is None:
             return
-        req_id = request.request_id
         self._recompute.discard(req_id)  # admitted: a later admission (a preemption) may load
         key_extra = request_key_extra(request)
         if key_extra is None:  # never stored either
@@ -289,7 +293,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         local = self._lookups.admitted(req_id, request.num_computed_tokens)
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
-        is_async = self._timing.admit(req_id) or whole + tail > 0
+        is_async = is_async or whole + tail > 0
         wait_ms = int(self.config.transfer_wait * 1000)
         external = min(num_external_tokens, max(0, whole - local)) if tail else num_external_tokens
         planner.on_alloc(
@@ -326,7 +330,8 @@ class KVCacheConnector(KVConnectorBase_V1):
             if request is not None:
                 self._lookups.waiting(request)  # waits again: its next admission asks again
         state = getattr(scheduler_output, "kv_connector_block_state", None)
-        self._timing.planned(scheduler_output.num_scheduled_tokens)
+        self._timing.planned()
+        self._lookups.next_step()
         rows = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)

@@ -31,9 +31,14 @@ class StepLookups:
     ) -> None:
         self.client, self.tally, self.config, self._recompute = client, tally, config, recompute
         self._unasked: dict[str, Any] = {}  # added or preempted, not looked up since (arrival order)
-        self._answered: dict[str, m.LookupHit] = {}  # looked up in another request's batch
-        self._last: dict[str, tuple[int, m.LookupHit]] = {}  # this admission's: (local hit, daemon's)
+        self._answered: dict[str, tuple[int, m.LookupHit]] = {}  # in another's batch: (step, hit)
+        self._last: dict[str, tuple[int, int, m.LookupHit]] = {}  # this admission's: (local, step, hit)
         self._batching = config.lookup_batch > 1
+        self._step = 0  # scheduler steps planned: which answers are this step's
+
+    def next_step(self) -> None:
+        """The step is planned: answers given so far are older than the next step's asks."""
+        self._step += 1
 
     def waiting(self, request: Any) -> None:
         """A request vLLM added or preempted: its lookup may travel with the next one asked."""
@@ -43,28 +48,27 @@ class StepLookups:
     def asked(self, req_id: str) -> None:
         self._unasked.pop(req_id, None)
 
-    def answered(self, req_id: str) -> m.LookupHit | None:
-        """The daemon's hit for ``req_id`` if an earlier request's batch asked it."""
-        return self._answered.pop(req_id, None)
-
     def forget(self, req_id: str) -> None:
         self._unasked.pop(req_id, None)
         self._answered.pop(req_id, None)
         self._last.pop(req_id, None)
 
-    def hit(self, request: Any, prompt: Any, key_extra: str, chunk_size: int, local: int) -> m.LookupHit:
-        """The daemon's hit for ``request`` beyond ``local`` tokens of vLLM's own: asked once
-        per admission (vLLM asks again while the request waits for memory), from an earlier
-        request's batch if one took it along, else now (``lookup``)."""
+    def hit(
+        self, request: Any, prompt: Any, key_extra: str, chunk_size: int, local: int
+    ) -> tuple[m.LookupHit, bool]:
+        """The daemon's hit for ``request`` beyond ``local`` tokens of vLLM's own, and whether
+        it was asked in this step (an older answer's split between L1 and L2 may have
+        changed since). Asked once per admission (vLLM asks again while the request waits
+        for memory): from an earlier request's batch if one took it along, else now."""
         req_id = request.request_id
         last = self._last.get(req_id)
         if last is not None and last[0] == local:
-            return last[1]
-        found = self.answered(req_id)
+            return last[2], last[1] == self._step
+        step, found = self._answered.pop(req_id, None) or (self._step, None)
         if found is None:
             found = self.lookup(request, prompt, key_extra, chunk_size)
-        self._last[req_id] = (local, found)
-        return found
+        self._last[req_id] = (local, step, found)
+        return found, step == self._step
 
     def admitted(self, req_id: str, local: int) -> int:
         """vLLM admitted ``req_id``: its local hit when it was asked (``local`` if never), and
@@ -117,7 +121,7 @@ class StepLookups:
         for (r, t, *_), hit in zip(batch, hits, strict=True):
             self.tally.lookup(len(t), hit.hit_tokens, hit.l2_hit_tokens)
             if r is not request:
-                self._answered[r.request_id] = hit
+                self._answered[r.request_id] = (self._step, hit)
         return hits[0]
 
 

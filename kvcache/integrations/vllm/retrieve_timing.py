@@ -7,10 +7,10 @@ the request only in the step after that one, so it costs the request one step mo
 synchronous retrieve, which runs before the forward of the step that computes the request.
 That step buys something only when there is something else to run in it: other requests'
 decode or prefill, which a synchronous retrieve would hold back for its copy. So with
-``sync_lone_loads`` (the default) a retrieve is synchronous when nothing else runs: no request
-was scheduled in the last step and is still unfinished, none was admitted before it in this
-step, no asynchronous retrieve is in flight; and when it is a bounded copy from the daemon's
-L1, not a read from L2, which could hold the engine's loop (and every request arriving
+``sync_lone_loads`` (the default) a retrieve is synchronous when nothing else runs (no other
+request admitted and unfinished: running, loading or preempted; no asynchronous retrieve in
+flight) and when it is a bounded copy from the daemon's L1, by a lookup made in this step,
+not a read from L2, which could hold the engine's loop (and every request arriving
 meanwhile) for as long as the tier takes. Otherwise it stays asynchronous. A synchronous
 retrieve also lets vLLM cache its blocks at once, so requests admitted after it in the same
 step that share the prefix find it in vLLM's own prefix cache.
@@ -22,8 +22,6 @@ copy, as it would with ``async_loads: false``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 
 class RetrieveTiming:
@@ -37,15 +35,16 @@ class RetrieveTiming:
     def __init__(self, async_loads: bool, sync_lone: bool) -> None:
         self.async_loads = async_loads
         self.sync_lone = async_loads and sync_lone
-        self._running: set[str] = set()  # scheduled in the last step, not finished since
-        self._admitted: set[str] = set()  # admitted in the step being scheduled
-        self._sync: set[str] = set()  # chose a synchronous retrieve at the last ask
+        self._live: set[str] = set()  # admitted and not finished: running, loading, preempted
+        self._sync: set[str] = set()  # chose a synchronous retrieve at its ask in this step
 
-    def choose(self, req_id: str, l2_tokens: int, retrieves_in_flight: bool) -> bool:
-        """True if ``req_id``'s retrieve (of which ``l2_tokens`` come from L2) is asynchronous;
-        remembered for its admission (``admit``). ``retrieves_in_flight``: asynchronous
+    def choose(self, req_id: str, l2_tokens: int | None, retrieves_in_flight: bool) -> bool:
+        """True if ``req_id``'s retrieve is asynchronous; remembered for its admission
+        (``admit``). ``l2_tokens``: how much of the hit the daemon holds only in L2, by a
+        lookup made in this step; None when the answer is older (chunks may have gone to L2
+        since), which counts as a read from L2. ``retrieves_in_flight``: asynchronous
         retrieves issued and not reported received yet."""
-        lone = not (self._running - {req_id} or self._admitted - {req_id} or retrieves_in_flight)
+        lone = not (self._live - {req_id} or retrieves_in_flight)
         sync = not self.async_loads or (self.sync_lone and lone and l2_tokens == 0)
         if sync:
             self._sync.add(req_id)
@@ -54,20 +53,19 @@ class RetrieveTiming:
         return not sync
 
     def admit(self, req_id: str) -> bool:
-        """vLLM admitted ``req_id`` in this step (with or without a retrieve): True if its
-        retrieve, if any, is asynchronous, as ``choose`` said at its last ask."""
-        self._admitted.add(req_id)
+        """vLLM admitted ``req_id`` in this step (with or without a retrieve, whether the
+        connector keys it or not): True if its retrieve, if any, is asynchronous, as
+        ``choose`` said at its ask."""
+        self._live.add(req_id)
         return self.async_loads and req_id not in self._sync
 
-    def planned(self, scheduled: Iterable[str]) -> None:
-        """The step is planned: ``scheduled`` run in it; the next step's admissions begin."""
-        self._running = set(scheduled)
-        self._admitted.clear()
+    def planned(self) -> None:
+        """The step is planned: the next step's asks begin (a request asked but not admitted
+        is asked again)."""
         self._sync.clear()
 
     def finished(self, req_id: str) -> None:
-        self._running.discard(req_id)
-        self._admitted.discard(req_id)
+        self._live.discard(req_id)
         self._sync.discard(req_id)
 
 

@@ -169,6 +169,24 @@ def test_decode_generates_from_what_prefill_stored(split: Split) -> None:
     assert total(final, "vllm:kvcache_stored_tokens_total") == 0
 
 
+def test_a_decode_request_its_own_prefix_cache_already_covers(split: Split) -> None:
+    """The same request with the same transfer parameters, twice on the decode instance: the
+    second time vLLM's own prefix cache holds every token the parameters name (777 tokens:
+    the three whole chunks, 768, which vLLM's own hit covers), so there is nothing to wait
+    for at the daemon. It is served from vLLM's cache like any request,
+    with the first one's output. (Before: the connector still answered vLLM "0 tokens, loaded
+    asynchronously", which vLLM 0.32 asserts against, and the decode engine died.)"""
+    decode_base = split.decode.base
+    prompt = prompts(150, 777, 1, 0)[0]
+    request = {"model": split.model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+    asked = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = post(split.prefill.base + "/v1/completions", asked)["kv_transfer_params"]
+    first = post(decode_base + "/v1/completions", {**request, "kv_transfer_params": params})
+    again = post(decode_base + "/v1/completions", {**request, "kv_transfer_params": params})
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    reset_prefix_cache(decode_base)
+
+
 def test_through_the_proxy_whole_and_streamed(split: Split) -> None:
     """A client of the proxy gets, whole and streamed, what the decode instance answers on its
     own, and the decode instance computed at most one block of each prompt."""
