@@ -23,6 +23,7 @@ from kvcache.observability.event import (
     L1WriteFinished,
     MpRetrieveEnd,
     MpStoreEnd,
+    NullEventBus,
 )
 from kvcache.records import ChunkIdentity, ChunkKey, StoreResult
 
@@ -33,8 +34,8 @@ class OpEvents:
     def __init__(self, bus: EventSink) -> None:
         self.bus = bus
         #: False for the null bus: a path that builds an event's metadata only to publish
-        #: it may skip both (a lookup batch builds two per prompt).
-        self.on: bool = getattr(bus, "enabled", True)
+        #: it may skip both (a lookup batch builds two per prompt), as the L2 tiers do.
+        self.on = not isinstance(bus, NullEventBus)
         self._ops = itertools.count()
 
     def session(self, instance_id: int, request_id: str) -> str:

@@ -259,7 +259,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             return 0, False  # vLLM's own hit covers every chunk the daemon could add
         try:
             found, fresh = self._lookups.hit(request, prompt, key_extra, planner.chunk_size,
-                                             num_computed_tokens)  # fmt: skip
+                                             num_computed_tokens, self._steps)  # fmt: skip
         except Exception as exc:  # a miss, not an error, for the engine
             log.warning("kvcache: lookup failed: %s", exc)
             self.tally.count("lookup_failures")
@@ -331,7 +331,6 @@ class KVCacheConnector(KVConnectorBase_V1):
                 self._lookups.waiting(request)  # waits again: its next admission asks again
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         self._timing.planned()
-        self._lookups.next_step()
         rows = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)

@@ -34,11 +34,6 @@ class StepLookups:
         self._answered: dict[str, tuple[int, m.LookupHit]] = {}  # in another's batch: (step, hit)
         self._last: dict[str, tuple[int, int, m.LookupHit]] = {}  # this admission's: (local, step, hit)
         self._batching = config.lookup_batch > 1
-        self._step = 0  # scheduler steps planned: which answers are this step's
-
-    def next_step(self) -> None:
-        """The step is planned: answers given so far are older than the next step's asks."""
-        self._step += 1
 
     def waiting(self, request: Any) -> None:
         """A request vLLM added or preempted: its lookup may travel with the next one asked."""
@@ -54,21 +49,22 @@ class StepLookups:
         self._last.pop(req_id, None)
 
     def hit(
-        self, request: Any, prompt: Any, key_extra: str, chunk_size: int, local: int
+        self, request: Any, prompt: Any, key_extra: str, chunk_size: int, local: int, step: int
     ) -> tuple[m.LookupHit, bool]:
         """The daemon's hit for ``request`` beyond ``local`` tokens of vLLM's own, and whether
-        it was asked in this step (an older answer's split between L1 and L2 may have
-        changed since). Asked once per admission (vLLM asks again while the request waits
-        for memory): from an earlier request's batch if one took it along, else now."""
+        it was asked in this scheduler step (``step``: the connector's count of plans built;
+        an older answer's split between L1 and L2 may have changed since). Asked once per
+        admission (vLLM asks again while the request waits for memory): from an earlier
+        request's batch if one took it along, else now."""
         req_id = request.request_id
         last = self._last.get(req_id)
         if last is not None and last[0] == local:
-            return last[2], last[1] == self._step
-        step, found = self._answered.pop(req_id, None) or (self._step, None)
+            return last[2], last[1] == step
+        asked, found = self._answered.pop(req_id, None) or (step, None)
         if found is None:
-            found = self.lookup(request, prompt, key_extra, chunk_size)
-        self._last[req_id] = (local, step, found)
-        return found, step == self._step
+            found = self.lookup(request, prompt, key_extra, chunk_size, step)
+        self._last[req_id] = (local, asked, found)
+        return found, asked == step
 
     def admitted(self, req_id: str, local: int) -> int:
         """vLLM admitted ``req_id``: its local hit when it was asked (``local`` if never), and
@@ -76,10 +72,11 @@ class StepLookups:
         last = self._last.pop(req_id, None)
         return last[0] if last is not None else local
 
-    def lookup(self, request: Any, prompt: Any, key_extra: str, chunk_size: int) -> m.LookupHit:
+    def lookup(self, request: Any, prompt: Any, key_extra: str, chunk_size: int, step: int) -> m.LookupHit:
         """The daemon's hit for ``request``, asked in one round trip together with requests
         added (or preempted) since and not asked about yet, up to ``lookup_batch``; their
-        answers wait in ``_answered`` for vLLM to ask about them (once per admission).
+        answers wait in ``_answered``, stamped with ``step``, for vLLM to ask about them (once
+        per admission).
 
         NOTE: vLLM 0.32 asks per request (``get_num_new_matched_tokens``), in queue order, and
         only for the requests it tries to admit in this step; it has no hook before that loop.
@@ -113,7 +110,7 @@ class StepLookups:
             log.info("kvcache: the daemon does not take batched lookups (%s); asking one at a time", exc)
             self._batching = False
             self._unasked.clear()
-            return self.lookup(request, prompt, key_extra, chunk_size)
+            return self.lookup(request, prompt, key_extra, chunk_size, step)
         except Exception:
             for r, *_ in batch[1:]:  # asked again with a later request
                 self._unasked[r.request_id] = r
@@ -121,7 +118,7 @@ class StepLookups:
         for (r, t, *_), hit in zip(batch, hits, strict=True):
             self.tally.lookup(len(t), hit.hit_tokens, hit.l2_hit_tokens)
             if r is not request:
-                self._answered[r.request_id] = (self._step, hit)
+                self._answered[r.request_id] = (step, hit)
         return hits[0]
 
 
