@@ -97,11 +97,25 @@ def is_packed(raw: object) -> TypeGuard[Packed]:
     return known
 
 
+def id_count(raw: RawIds | Packed) -> int:
+    """How many ids ``raw`` holds, packed or not."""
+    return len(raw.data) // raw.width if is_packed(raw) else len(cast(RawIds, raw))
+
+
 def check_count(raw: RawIds | Packed, max_ids: int | None) -> None:
     """Refuse more ids than ``max_ids`` (the daemon's ``--max-ids``) before converting any."""
-    count = len(raw.data) // raw.width if is_packed(raw) else len(cast(RawIds, raw))
+    count = id_count(raw)
     if max_ids is not None and count > max_ids:
         raise LimitExceededError(f"{count} ids in one request; the limit is {max_ids} (--max-ids)")
+
+
+def checked_packed(raw: Packed, max_ids: int | None) -> Packed:
+    """``raw`` after ``check_count`` and the check ``unpacked`` makes (``ValueError`` on a
+    ragged buffer), left packed: a batched lookup hashes uint32 ids as they came."""
+    check_count(raw, max_ids)
+    if len(raw.data) % raw.width:
+        raise ValueError(f"{len(raw.data)} bytes are not a whole number of {raw.width}-byte ids")
+    return raw
 
 
 def unpacked(raw: RawIds | Packed) -> RawIds:

@@ -184,37 +184,59 @@ class ChunkHasher:
     ) -> tuple[list[ChunkKey], Hashed | None]:
         """``keys``, reusing ``prior``'s keys for the leading whole chunks whose tokens equal
         that earlier prompt's (hashed by this hasher): the prompts of one batch that share a
-        head (a system prompt) hash it once. Also returns what the next prompt may reuse."""
+        head (a system prompt) hash it once. Also returns what the next prompt may reuse
+        (None after a prompt without a whole uint32 chunk)."""
         n = len(token_ids) // self.chunk_size
         if n == 0:
-            return [], prior
+            return [], None
         head = token_ids[: n * self.chunk_size]
         if isinstance(head, np.ndarray) and head.dtype == _U32LE and head.ndim == 1:
-            buf, tag = head.tobytes(), _TAG_U32  # ids off the wire: already the bytes hashed
-        else:
-            tag, view, _ = pack_tokens(head)
-            if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
-                return self.keys(token_ids), prior
-            buf = view.tobytes()
+            return self.keys_after_u32(head.tobytes(), prior)  # ids off the wire: the bytes hashed
+        tag, view, _ = pack_tokens(head)
+        if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
+            return self.keys(token_ids), None
+        return self.keys_after_u32(view.tobytes(), prior)
+
+    def keys_after_u32(self, buf: bytes, prior: Hashed | None) -> tuple[list[ChunkKey], Hashed | None]:
+        """``keys_after`` of token ids packed as little-endian uint32 (``buf``, as the wire
+        carries them): the daemon's batched lookup hashes its items' bytes as they came.
+        Written for that loop (once per prompt of a step): the chain is carried as digests,
+        never re-encoded from the integer keys."""
         step = self.chunk_size * 4
-        same = _shared_chunks(buf, prior, n, step) if prior is not None else 0
-        out = prior.keys[:same] if prior is not None else []
-        prev = out[-1].to_bytes(KEY_BYTES, "little") if same else self._root
-        view, blake2b, from_bytes = memoryview(buf), hashlib.blake2b, int.from_bytes
-        for i in range(same, n):
-            h = blake2b(prev, digest_size=KEY_BYTES, person=PERSON)
-            h.update(tag)
-            h.update(view[i * step : (i + 1) * step])
-            prev = h.digest()
-            out.append(from_bytes(prev, "little"))
-        return out, Hashed(buf, out)
+        n = len(buf) // step
+        if n == 0:
+            return [], None
+        if len(buf) != n * step:
+            buf = buf[: n * step]
+        if prior is None:
+            keys: list[ChunkKey] = []
+            digests: list[bytes] = []
+            prev = self._root
+            same = 0
+        else:
+            same = _shared_chunks(buf, prior, n, step)
+            keys, digests = prior.keys[:same], prior.digests[:same]
+            prev = digests[-1] if same else self._root
+        if same < n:
+            view, blake2b, from_bytes = memoryview(buf), hashlib.blake2b, int.from_bytes
+            for i in range(same * step, n * step, step):
+                h = blake2b(prev, digest_size=KEY_BYTES, person=PERSON)
+                h.update(_TAG_U32)
+                h.update(view[i : i + step])
+                prev = h.digest()
+                digests.append(prev)
+                keys.append(from_bytes(prev, "little"))
+        return keys, Hashed(buf, keys, digests, same)
 
 
 class Hashed(NamedTuple):
-    """A prompt's packed uint32 tokens and its chunk keys (``ChunkHasher.keys_after``)."""
+    """A prompt's packed uint32 tokens, its chunk keys and their digests, and how many of
+    its leading keys it took from the prompt before (``ChunkHasher.keys_after``)."""
 
     buf: bytes
     keys: list[ChunkKey]
+    digests: list[bytes]
+    shared: int
 
 
 def _shared_chunks(buf: bytes, prior: Hashed, n: int, step: int) -> int:

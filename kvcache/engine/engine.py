@@ -61,7 +61,7 @@ from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
 from kvcache.geometry import Geometry
-from kvcache.ids import RawIds
+from kvcache.ids import Packed, RawIds
 from kvcache.keys import KeyScope
 from kvcache.layouts import KVCaches, KVFormat
 from kvcache.observability.event import Event, EventSink, EventType, InstanceUnregistered, NullEventBus
@@ -199,10 +199,11 @@ class CacheEngine:
         return lookup_path.lookup(self._parts, inst, token_ids, key_scope=scope, request_id=request_id)
 
     def lookup_many(
-        self, instance_id: int, queries: Sequence[tuple[RawIds, KeyScope, str]]
+        self, instance_id: int, queries: Sequence[tuple[RawIds | Packed, KeyScope, str]]
     ) -> list[LookupHit]:
         """``lookup_tiers`` of each ``(token_ids, key_scope, request_id)``, in order (one
-        scheduler step's requests); prompts sharing a head with the one before hash it once."""
+        scheduler step's requests); prompts sharing a head with the one before hash it once.
+        Ids may stay packed (``ids.Packed``, checked by ``ids.checked_packed``)."""
         return lookup_path.lookup_many(self._parts, self._instance(instance_id), queries)
 
     def submit_store(self, req: StoreRequest) -> Future[StoreResult]:
@@ -393,7 +394,6 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
 
 
 __all__ = ["CacheEngine", "LookupHit", "RetrieveResult", "StoreResult"]

@@ -15,7 +15,7 @@ from kvcache.deadline import Deadline
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.retrieve import prefetch
-from kvcache.ids import RawIds
+from kvcache.ids import Packed, RawIds, id_count, is_packed, unpacked
 from kvcache.keys import ChunkHasher, Hashed, KeyScope
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart
 from kvcache.records import ChunkKey
@@ -45,7 +45,7 @@ def lookup(
 
 
 def lookup_many(
-    parts: EngineParts, inst: InstanceState, queries: Sequence[tuple[RawIds, KeyScope, str]]
+    parts: EngineParts, inst: InstanceState, queries: Sequence[tuple[RawIds | Packed, KeyScope, str]]
 ) -> list[LookupHit]:
     """``lookup`` of each (token ids, key scope, request id) in order, as one scheduler step
     asks them, at a fraction of the cost per prompt: prompts of one scope that share their
@@ -56,40 +56,53 @@ def lookup_many(
     a bus that is off, nothing is built to describe them."""
     events = parts.events
     sids = [events.session(inst.instance_id, request_id) for _, _, request_id in queries]
+    sizes = [id_count(token_ids) for token_ids, _, _ in queries]
     if events.on:
-        for sid, (token_ids, _, _) in zip(sids, queries, strict=True):
-            meta = inst.meta(MpLookupStart, num_tokens=len(token_ids))
-            events.publish(EventType.MP_LOOKUP_START, sid, meta)
-    keyed = _keys(inst, queries)
+        for sid, size in zip(sids, sizes, strict=True):
+            events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=size))
+    keyed, shared = _keys(inst, queries)
     room_by = Deadline.within(parts.config.lookup_wait_timeout_s)  # one bound for the batch
     tiers = [
         (run - joined, joined) if run == len(keys) else _walk(parts, inst, keys, (run, joined), room_by)
-        for keys, (run, joined) in zip(keyed, parts.pool.resident_many(keyed), strict=True)
+        for keys, (run, joined) in zip(keyed, parts.pool.resident_many(keyed, shared), strict=True)
     ]  # a prompt wholly resident (in L1, or joining loads begun from L2) walks no further
     cs = inst.ctx.chunk_size
-    sizes = [len(token_ids) for token_ids, _, _ in queries]
     parts.stats.record_lookups((n, (l1 + l2) * cs) for n, (l1, l2) in zip(sizes, tiers, strict=True))
     return [_answer(parts, inst, sid, n, l1, l2) for sid, n, (l1, l2) in zip(sids, sizes, tiers, strict=True)]
 
 
-def _keys(inst: InstanceState, queries: Sequence[tuple[RawIds, KeyScope, str]]) -> list[list[ChunkKey]]:
-    """Each prompt's chunk keys; a prompt of the same scope as the one before reuses the keys
-    of the head they share (``ChunkHasher.keys_after``). A step's prompts come with one scope
-    object (the daemon builds one per salt and key extra), so the scope is compared by
-    identity first."""
-    keyed = []
+def _keys(
+    inst: InstanceState, queries: Sequence[tuple[RawIds | Packed, KeyScope, str]]
+) -> tuple[list[list[ChunkKey]], list[int]]:
+    """Each prompt's chunk keys, and how many leading keys it shares with the prompt just
+    before it (``L1Pool.resident_many`` walks that head once). A prompt of the same scope as
+    the one before reuses the keys of the head they share (``ChunkHasher.keys_after``). A
+    step's prompts come with one scope object (the daemon builds one per salt and key
+    extra), so the scope is compared by identity first; ids packed as uint32 (the daemon's,
+    off the wire) are hashed as they came."""
+    keyed: list[list[ChunkKey]] = []
+    shared: list[int] = []
     priors: dict[KeyScope, Hashed | None] = {}  # per scope: the last prompt hashed in it
     scope: KeyScope | None = None
     hasher: ChunkHasher | None = None
     prior: Hashed | None = None
     for token_ids, key_scope, _ in queries:
-        if key_scope is not scope or hasher is None:
+        follows = key_scope is scope and hasher is not None  # the prior is the prompt before
+        if not follows:
             if scope is not None:
                 priors[scope] = prior
             scope, hasher, prior = key_scope, inst.hasher(key_scope), priors.get(key_scope)
-        keys, prior = hasher.keys_after(token_ids, prior)
+        assert hasher is not None
+        if is_packed(token_ids):
+            if token_ids.width == 4:
+                keys, prior = hasher.keys_after_u32(token_ids.data, prior)
+            else:
+                keys, prior = hasher.keys_after(unpacked(token_ids), prior)
+        else:
+            keys, prior = hasher.keys_after(token_ids, prior)
         keyed.append(keys)
-    return keyed
+        shared.append(prior.shared if follows and prior is not None else 0)
+    return keyed, shared
 
 
 def _walk(

@@ -27,7 +27,7 @@ import msgspec
 
 from kvcache.errors import AccessDeniedError, LimitExceededError
 from kvcache.futures import resolved, then
-from kvcache.ids import check_count, unpacked
+from kvcache.ids import Packed, check_count, checked_packed, unpacked
 from kvcache.keys import KeyScope
 from kvcache.protocol import messages as m
 from kvcache.protocol.errors import error_from_exception
@@ -226,7 +226,8 @@ class Handlers:
         nothing. The decoder already bounded the item count (``MAX_LOOKUP_BATCH``)."""
         instance = self._instance(req, principal, token_required=False)
         scopes: dict[tuple[str, str], KeyScope] = {}  # a step's requests mostly share one
-        checked = []
+        checked: list[tuple[Packed, KeyScope, str]] = []
+        max_ids = self.limits.max_ids
         for item in req.items:
             scope = scopes.get((item.cache_salt, item.key_extra))
             if scope is None:
@@ -234,8 +235,7 @@ class Handlers:
                 scope = scopes[item.cache_salt, item.key_extra] = KeyScope(
                     item.cache_salt, item.key_extra, instance.door
                 )
-            check_count(item.token_ids, self.limits.max_ids)
-            checked.append((unpacked(item.token_ids), scope, item.request_id))
+            checked.append((checked_packed(item.token_ids, max_ids), scope, item.request_id))
         hits = self.engine.lookup_many(req.instance_id, checked)
         return m.LookupBatchResult(hits=[m.LookupHit(h.hit_tokens, h.l2_tokens) for h in hits])
 

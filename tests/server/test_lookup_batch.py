@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
@@ -48,6 +49,14 @@ def test_a_batch_answers_each_item_as_a_single_lookup_would(
             (r.hit_tokens, r.l2_hit_tokens) for r in single
         ]
         assert [h.hit_tokens for h in hits] == [64, 0, 48, 32, 0]
+        # 64-bit ids (the daemon hashes 32-bit ones as they came): in range, they name the
+        # same chunks; past 2**32, a chunk of them is another chunk.
+        wide = [
+            m.LookupItem(token_ids=m.IdArray(np.asarray(TOKENS, "<i8").tobytes(), 8), cache_salt="x"),
+            m.LookupItem(token_ids=pack_ids(TOKENS[:16] + [2**40] * 16 + TOKENS[32:]), cache_salt="x"),
+            items[0],
+        ]
+        assert [h.hit_tokens for h in c.lookup_batch(wide)] == [64, 16, 64]
         # More items than one message carries: split, and still in order.
         many = items * (m.MAX_LOOKUP_BATCH // len(items) + 2)
         assert [h.hit_tokens for h in c.lookup_batch(many)] == [64, 0, 48, 32, 0] * (len(many) // 5)

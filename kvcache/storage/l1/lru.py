@@ -6,6 +6,7 @@ Its own module so that other policies (ARC, LFU) can sit beside it and be picked
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from kvcache.records import ChunkKey
 from kvcache.storage.l2.base import EvictionPolicy
@@ -24,6 +25,13 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, key: ChunkKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[ChunkKey]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def discard(self, key: ChunkKey) -> None:
         self._order.pop(key, None)

@@ -249,22 +249,37 @@ class L1Pool(SlotTable):
         another request began: a lookup joins it instead of reading the chunk again)."""
         return self.resident_many((keys,))[0]
 
-    def resident_many(self, key_lists: Iterable[Sequence[ChunkKey]]) -> list[tuple[int, int]]:
-        """``resident`` of each list, under one hold of the lock (a scheduler step's lookups)."""
-        out = []
-        entries, policy = self._entries, self._policy
+    def resident_many(
+        self, key_lists: Sequence[Sequence[ChunkKey]], shared: Sequence[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """``resident`` of each list, under one hold of the lock (a scheduler step's lookups).
+
+        ``shared[i]``: how many leading keys list ``i`` has in common with list ``i - 1`` (a
+        step's prompts that share a system prompt): that head is walked once. The LRU order
+        left is the one ``resident`` of each list in turn would leave, but each key is
+        touched once."""
+        out: list[tuple[int, int]] = []
+        entries = self._entries
+        writing, loading_state = EntryState.WRITING, EntryState.LOADING
         with self._lock:
-            for keys in key_lists:
-                n = loading = 0
-                for key in keys:
+            n = loading = 0
+            for i, keys in enumerate(key_lists):
+                start = shared[i] if shared is not None and i else 0
+                if start and n < start:  # the head both share ends the previous prefix too
+                    out.append((n, loading))
+                    continue
+                if not start or (n > start and loading):  # rare: count the head's loads again
+                    loading = sum(entries[key].state is loading_state for key in keys[:start])
+                n = start
+                for key in keys[start:] if start else keys:
                     entry = entries.get(key)
-                    if entry is None or entry.state is EntryState.WRITING:
+                    if entry is None or entry.state is writing:
                         break
                     n += 1
-                    loading += entry.state is EntryState.LOADING
-                for key in reversed(keys[:n]):  # head of the prefix = most recently used
-                    policy.touch(key)
+                    if entry.state is loading_state:
+                        loading += 1
                 out.append((n, loading))
+            self._policy.touch_many(_touch_order(key_lists, [run for run, _ in out], shared))
         return out
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
@@ -359,5 +374,27 @@ if TYPE_CHECKING:
     SlotGeometry = SlotShape  # deprecated: the runtime alias below warns
 else:
     __getattr__ = renamed(__name__, {"SlotGeometry": "SlotShape"})
+
+
+def _touch_order(
+    key_lists: Sequence[Sequence[ChunkKey]], runs: Sequence[int], shared: Sequence[int] | None
+) -> list[ChunkKey]:
+    """The keys ``resident`` of each list in turn touches (each list's prefix of ``runs``
+    keys, its head last), each once, oldest first: the order that leaves the LRU state those
+    touches would. A head a list shares with the next one (``shared``) is touched again by
+    that one, later, so only the next one's touch counts."""
+    seen: set[ChunkKey] = set()
+    newest_first: list[ChunkKey] = []
+    later = 0  # leading keys of this list that the next one touched after it
+    for i in range(len(key_lists) - 1, -1, -1):
+        keys, run = key_lists[i], runs[i]
+        for key in keys[later:run]:  # a list touches its prefix tail first: its head is newest
+            if key not in seen:
+                seen.add(key)
+                newest_first.append(key)
+        later = min(shared[i], run) if shared is not None and i else 0
+    newest_first.reverse()
+    return newest_first
+
 
 __all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotShape", "WriteReservation"]

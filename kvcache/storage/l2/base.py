@@ -24,7 +24,7 @@ dead shard and serve the rest; such failures are tagged ``scope="shard"`` and do
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -161,6 +161,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, key: ChunkKey) -> None:
         """``key`` was used (a lookup hit); no-op when it is not tracked."""
+
+    def touch_many(self, keys: Iterable[ChunkKey]) -> None:
+        """``touch`` each key in order (a scheduler step's lookups, under one hold of the
+        pool's lock); a policy may do it in one pass."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def discard(self, key: ChunkKey) -> None:

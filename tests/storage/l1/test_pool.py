@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from kvcache.observability.event import EventType, L1Cleared, L1ReadFinished
+from kvcache.storage.l1.lru import LRUPolicy
 from kvcache.storage.l1.pool import EntryState, L1Pool, SlotShape, WriteReservation
 from tests.helpers import RecordingSink as Sink
 
@@ -232,3 +234,39 @@ def test_failed_write_frees_slots(n: int) -> None:
     res = p.begin_write(G, list(range(n)))
     p.finish([e for _, e in res.new], False)
     assert len(p) == 0 and p.used_bytes == 0
+
+
+def _drained(policy: LRUPolicy) -> list[int]:
+    """The policy's keys, oldest first (emptying it)."""
+    out = []
+    while (key := policy.victim()) is not None:
+        out.append(key)
+        policy.discard(key)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_batch_walk_answers_and_orders_the_lru_as_walks_one_by_one(seed: int) -> None:
+    """``resident_many`` walks a head the lists share once and touches each key once; its
+    answers, and the LRU order it leaves, are those of ``resident`` of each list in turn,
+    whatever is ready, loading or being written, and whatever ``shared`` says the lists share."""
+    rng = random.Random(seed)
+    policies = LRUPolicy(), LRUPolicy()
+    pools = [L1Pool(64 * G.stride, extent_bytes=2 * G.stride, policy=p) for p in policies]
+    ready = rng.sample(range(1, 40), 24)
+    loading, writing = rng.sample([k for k in range(1, 40) if k not in ready], 2)
+    for p in pools:
+        write(p, ready)
+        p.begin_load(G, [loading])
+        p.begin_write(G, [writing])
+    lists: list[list[int]] = []
+    shared = []
+    for _ in range(rng.randrange(1, 9)):
+        same = rng.randrange(0, len(lists[-1]) + 1) if lists else 0
+        head = lists[-1][:same] if lists else []
+        tail = [rng.choice(ready) if rng.random() < 0.7 else rng.randrange(1, 40) for _ in range(6)]
+        lists.append(head + tail)
+        shared.append(same)
+    one_by_one = [pools[0].resident(keys) for keys in lists]
+    assert pools[1].resident_many(lists, shared) == one_by_one
+    assert _drained(policies[1]) == _drained(policies[0])
