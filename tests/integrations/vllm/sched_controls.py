@@ -159,6 +159,15 @@ def _release_at_once(self: ConnectorWorker) -> set[str]:
     return done
 
 
+@contextmanager
+def no_dropped_load_marks() -> Iterator[None]:
+    with (
+        patched(ConnectorWorker, "take_failed_async", lambda self: frozenset()),
+        patched(connector_mod.KVCacheConnector, "_note_dropped_load", lambda self, r: None),
+    ):
+        yield
+
+
 CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_key_extra": (no_key_extra, ["lora", "multimodal"]),
     "embeds_keyed_by_tokens": (embeds_keyed_by_tokens, ["prompt_embeds"]),
@@ -194,14 +203,23 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "no_loading_guard": (loading_released_too, ["abort_resumed_while_loading"]),
     # Issue 26: a request whose asynchronous load failed outright offered a load again at its
     # next admission; vLLM 0.32 reserves its own blocks against it, and it waits forever.
+    # (Two signals mark it: the workers' report of the failure, and vLLM asking again about a
+    # request admitted with an asynchronous load that never ran; either alone suffices.)
     "no_failed_load_recompute": (
-        lambda: patched(ConnectorWorker, "take_failed_async", lambda self: frozenset()),
+        no_dropped_load_marks,
         [
             "slow_l2",
             "daemon_lost_while_loading",
             "partial_batch_failure",
             "preempted_resume_fails",
+            "shared_blocks_of_a_failed_load",
         ],
+    ),
+    # A request whose own load succeeded, truncated by vLLM for a block it shares with
+    # another request's failed load: only vLLM asking again tells; the workers report nothing.
+    "no_reask_mark": (
+        lambda: patched(connector_mod.KVCacheConnector, "_note_dropped_load", lambda self, r: None),
+        ["shared_blocks_of_a_failed_load"],
     ),
     # A preempted request's stores waited for only in start_load_kv, after the forward.
     "no_preemption_hook": (

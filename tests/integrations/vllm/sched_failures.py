@@ -7,7 +7,7 @@ a slow Redis L2 behind a lagging link (``slow_link.SlowLink``), a daemon killed 
 with loads in flight, a daemon restarted between the plan and the load. The KV caches are
 small on purpose: vLLM 0.32 leaves a request whose asynchronous load failed outright in its
 set of in-flight prefills, so it reserves the request's own blocks against its next
-admission (docs/vllm.md, "A failed asynchronous load is not loaded again"); only a request
+admission (docs/vllm.md, "A dropped asynchronous load is not loaded again"); only a request
 that needs more than half the free blocks then waits forever, which a large cache hides.
 
 Every scenario also asks the daemon again for the failed prefix before the request is
@@ -31,6 +31,7 @@ from tests.integrations.vllm.sched_world import (
     CHUNK,
     Harness,
     ScenarioSkipped,
+    fail_sync_loads,
     prompts,
     wait_closed,
 )
@@ -304,11 +305,44 @@ def vllm_failed_load_fact(h: Harness) -> None:
     assert large["finished"] and large["loads_reported"] == 2, large
 
 
+def shared_blocks_of_a_failed_load(h: Harness) -> None:
+    """A request whose own asynchronous load succeeds loses it all the same, to blocks it
+    shares with another request's failed load, and must not be offered a load again. With the
+    default ``sync_lone_loads``, ``e0`` (4 chunks + 5 tokens) arrives alone with its prefix in
+    the daemon's L1: its load is synchronous, and vLLM caches its blocks at once. ``e1`` (8
+    chunks of that prefix + 5 tokens), admitted after it in the same step, finds ``e0``'s 8
+    blocks in vLLM's own prefix cache and loads its other 4 chunks asynchronously (``e0`` is
+    live now). ``e0``'s load times out and fills nothing; ``e1``'s succeeds. vLLM truncates both
+    to 0 computed tokens (``e1`` shares ``e0``'s first block), frees ``e1``'s blocks when its
+    load is reported and asks about ``e1`` again; ``e1`` needs more than half of the small
+    cache, so a second asynchronous load would wait forever (the module docstring)."""
+    p = prompts(100, 8 * CHUNK, [0])[0]
+    warm = h.engine()
+    warm.add("w", [*p, 3], 2)
+    warm.run()
+    h.check(warm)
+    eng = h.engine(num_blocks=SMALL_CACHE, sync_lone_loads=True)
+    failed = fail_sync_loads(eng.worker.client, {"e0"})
+    state: dict[str, Any] = {}
+    eng.between_schedule_and_load = _record_loads(state)
+    eng.add("e0", [*p[: 4 * CHUNK], 5, 6, 7, 8, 9], 30)  # still running when e1 is asked again
+    eng.add("e1", [*p, 11, 12, 13, 14, 15], 4)
+    try:
+        eng.run()
+    finally:
+        h.facts.update(state, failed=failed, tally=eng.tally())
+    assert failed == ["e0"], f"e0's load was not synchronous: {state}"
+    if h.async_loads:  # (synchronous loads: e1 computes on e0's blocks in that step, and is told)
+        assert not [w for w in eng.wrong_reads() if w.req_id == "e1"], eng.wrong_reads()
+    h.check(eng, all_stored=False)
+
+
 SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "slow_l2": slow_l2,
     "daemon_lost_while_loading": daemon_lost,
     "partial_batch_failure": partial_batch,
     "preempted_resume_fails": preempted_resume,
+    "shared_blocks_of_a_failed_load": shared_blocks_of_a_failed_load,
     "vllm_failed_load_fact": vllm_failed_load_fact,
 }
 ONCE = {"vllm_failed_load_fact"}

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvcache.client import KVCacheClient
+from kvcache.errors import DeadlineExceededError
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.protocol import messages as m
 from kvcache.server.launch import DaemonProcess, Spawn
@@ -252,6 +253,24 @@ def hold_loads(client: KVCacheClient, req_ids: set[str], within_s: float = 60.0)
 
     client.retrieve_reply_async = held  # type: ignore[method-assign]
     return gate
+
+
+def fail_sync_loads(client: KVCacheClient, req_ids: set[str]) -> list[str]:
+    """``client``'s first synchronous load of each of ``req_ids`` times out before it reaches
+    the daemon, as a daemon that does not answer within ``timeout_s`` would: nothing is
+    copied. Returns the list those failures are appended to."""
+    failed: list[str] = []
+    retrieve_reply = client.retrieve_reply
+
+    def timing_out(*args: Any, **kw: Any) -> m.RetrieveResult:
+        req_id = kw.get("request_id")
+        if req_id in req_ids and req_id not in failed:
+            failed.append(req_id)
+            raise DeadlineExceededError("injected: the load timed out")
+        return retrieve_reply(*args, **kw)
+
+    client.retrieve_reply = timing_out  # type: ignore[method-assign]
+    return failed
 
 
 def first_step(eng: Engine, pick: Callable[[StepLog], bool]) -> int:

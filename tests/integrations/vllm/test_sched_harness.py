@@ -61,6 +61,7 @@ SCENARIOS = [
     "preempted_resume_fails",
     "vllm_failed_load_fact",
     "lone_loads",
+    "shared_blocks_of_a_failed_load",
 ]
 NEED_ASYNC_LOADS = {  # and those run once
     "late_loads_sync",
