@@ -21,6 +21,13 @@ ChunkKey = int
 """A chunk key: an unsigned 128-bit int (``kvcache.keys``)."""
 
 
+MAX_NAME = 1024
+"""Longest request id, cache salt or model name a message may carry: the daemon keeps such
+names (per-request lifecycle state, per-salt key hashers), so a client may not make them
+megabytes long. vLLM's request ids are tens of characters."""
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+
+
 class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):
     """Blocks a serving engine allocated to one request in one scheduler step.
 
@@ -28,7 +35,7 @@ class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):
     subscriber compares them with a block's previous tokens to tell reuse from eviction.
     """
 
-    req_id: str
+    req_id: Name
     new_block_ids: list[int]
     new_token_ids: list[int]
 
@@ -103,9 +110,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = [
+    "MAX_NAME",
     "BlockAllocationRecord",
     "ChunkIdentity",
     "ChunkKey",
+    "Name",
     "Reply",
     "RetrieveResult",
     "StoreResult",

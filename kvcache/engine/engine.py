@@ -27,10 +27,9 @@ Policies, stated once:
 * **Statistics** (bytes, seconds, sizes of copies) come from the copies' ``TransferResult``
   records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
-This module is the facade (registration, lifecycle, introspection); the store path lives in
-``store``, lookup/prefetch/retrieve in ``retrieve`` (their waits in ``waiter``),
-completion of copies in ``completion``, report checks in ``reports``, copy tallies in
-``records`` and the MP_* event metadata in ``op_events``.
+This module is the facade (registration, lifecycle, introspection); the paths live in
+``store``, ``lookup`` and ``retrieve`` (their waits in ``waiter``), completion of copies in
+``completion``, report checks in ``reports`` and the MP_* event metadata in ``op_events``.
 """
 
 from __future__ import annotations
@@ -127,17 +126,22 @@ class CacheEngine:
         fmt: KVFormat | None = None,
         block_size: int | None = None,
         chunk_size: int | None = None,
+        replace: bool = False,
     ) -> CacheContext:
         """Register an engine's KV tensors; the chunk size comes from the config unless
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
-        (``pages``) keep one page per chunk."""
+        (``pages``) keep one page per chunk. ``replace``: an instance of that id is
+        unregistered first, once the new registration passed every check (a refused one
+        changes nothing)."""
         if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
             raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         cs = chunk_size or self.config.chunk_size
+        ctx = CacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
+        if replace and instance_id in self._instances:
+            self.unregister(instance_id)
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
-            ctx = CacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
             self._instances[instance_id] = InstanceState(instance_id, model_name, ctx)
         return ctx
 
@@ -343,8 +347,7 @@ class CacheEngine:
 
     # -- engine bookkeeping events ----------------------------------------------------------
     def report_block_allocations(self, instance_id: int, records: list[BlockAllocationRecord]) -> None:
-        """Publish the engine's block allocations for lifecycle tracking, checked whole first
-        (``reports.publish_allocations``)."""
+        """Publish block allocations for lifecycle tracking, checked whole first (``reports``)."""
         inst = self._instance(instance_id)
         publish_allocations(self._bus, inst, self.config.max_report_records, records)
 
@@ -358,12 +361,8 @@ class CacheEngine:
 
     def status(self) -> dict[str, Any]:
         instances = [inst.info() for inst in list(self._instances.values())]
-        return {
-            "chunk_size": self.config.chunk_size,
-            "instances": instances,
-            "l1": self._pool.info(),
-            "l2": [tier.info() for tier in self._tiers],
-        }
+        l1, l2 = self._pool.info(), [tier.info() for tier in self._tiers]
+        return {"chunk_size": self.config.chunk_size, "instances": instances, "l1": l1, "l2": l2}
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued L2 writes and loads; False on timeout."""

@@ -25,6 +25,10 @@ from kvcache.storage.l1.slab import SlotShape
 OpMetaT = TypeVar("OpMetaT", bound=OperationMeta)
 
 _MAX_HASHERS = 4096  # distinct key scopes remembered per instance
+_CACHED_SCOPE_CHARS = 1024
+"""A scope longer than this (say, the key extra of a request with many images, seen once) is
+hashed afresh each time instead of remembered: the cache holds at most 4 MiB of client
+strings per instance."""
 _NO_SCOPE = KeyScope()
 
 
@@ -80,9 +84,10 @@ class InstanceState:
         """The key hasher of ``key_scope`` (kept per scope: a digest each to build)."""
         hasher = self._hashers.get(key_scope)
         if hasher is None:
-            hasher = ChunkHasher(
-                self.model_name, self.ctx.chunk_size, cache_salt=key_scope.salt_field(), scope=self.scope
-            )
+            salt = key_scope.salt_field()
+            hasher = ChunkHasher(self.model_name, self.ctx.chunk_size, cache_salt=salt, scope=self.scope)
+            if len(salt) > _CACHED_SCOPE_CHARS:  # kept, it would keep the client's string
+                return hasher
             with self._lock:
                 if len(self._hashers) >= _MAX_HASHERS:
                     self._hashers.clear()

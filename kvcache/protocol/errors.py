@@ -59,11 +59,25 @@ def _foreign_code(exc: BaseException) -> ErrorCode:
 
 
 def error_from_exception(exc: BaseException) -> Error:
-    """The reply for an exception a handler raised; unknown kinds become ``INTERNAL``."""
+    """The reply for an exception a handler raised; unknown kinds become ``INTERNAL``. The
+    message is for people and says nothing of the daemon's process: a native library's
+    backtrace (torch appends one, with addresses in the daemon's mappings) is cut off."""
     code = type(exc).wire_code if isinstance(exc, KvcacheError) else _foreign_code(exc)
+    text = _for_people(str(exc))
     if code is ErrorCode.INTERNAL:
-        return Error(code=code, message=f"{type(exc).__name__}: {exc}")
-    return Error(code=code, message=str(exc) or type(exc).__name__)
+        return Error(code=code, message=f"{type(exc).__name__}: {text}")
+    return Error(code=code, message=text or type(exc).__name__)
+
+
+_BACKTRACE_MARKS = ("\nException raised from ", "\nframe #", "Exception raised from ")
+_MAX_MESSAGE = 2000
+
+
+def _for_people(text: str) -> str:
+    """``text`` before any native backtrace, at most ``_MAX_MESSAGE`` characters."""
+    for mark in _BACKTRACE_MARKS:
+        text = text.split(mark, 1)[0]
+    return text.strip()[:_MAX_MESSAGE]
 
 
 def exception_from_error(err: Error) -> Exception:

@@ -24,6 +24,7 @@ from kvcache.protocol.wire import CudaIpcTensor, FdTensor, IdArray, NonNegInt, T
 from kvcache.protocol.wire import Wire as _Wire
 from kvcache.records import (  # the replies the engine's futures resolve with, re-exported
     BlockAllocationRecord,
+    Name,
     Reply,
     RetrieveResult,
     StoreResult,
@@ -45,6 +46,17 @@ MAX_LOOKUP_BATCH = 256
 before a handler sees it. A scheduler step rarely admits more requests than this; a client
 with more sends several batches."""
 
+MAX_REGISTER_TENSORS = 16384
+"""Most tensor descriptors (and groups) one ``Register`` carries: the ceiling of the daemon's
+``--max-tensors``. Lists of structs cost the decoder microseconds an item, and it runs on
+the daemon's I/O thread before anyone checks the sender: unbounded, one frame within the
+message cap would hold every client's replies for seconds."""
+
+MAX_REPORT_RECORDS = 16384
+"""Most records one ``ReportBlockAllocations`` carries (decoded as ``MAX_REGISTER_TENSORS``
+says); a step reports one per request given blocks, and the engine's ``max_report_records``
+may lower it."""
+
 TensorNesting = Literal["tensor", "list", "nested"]
 """How the engine's ``kv_caches`` object nests its tensors: one tensor, a list, or a list of lists."""
 
@@ -64,10 +76,10 @@ class Register(Request, tag="register"):
     """
 
     instance_id: NonNegInt
-    model_name: str
-    tensors: list[TensorDesc]
+    model_name: Name
+    tensors: Annotated[list[TensorDesc], msgspec.Meta(max_length=MAX_REGISTER_TENSORS)]
     nesting: TensorNesting = "list"
-    group_sizes: list[NonNegInt] = []
+    group_sizes: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_REGISTER_TENSORS)] = []
     engine: str = "vllm"
     fmt: str | None = None
     block_size: int | None = None
@@ -89,8 +101,8 @@ class Unregister(Request, tag="unregister"):
 class Lookup(Request, tag="lookup"):
     instance_id: NonNegInt
     token_ids: IdArray
-    cache_salt: str = ""
-    request_id: str = ""
+    cache_salt: Name = ""
+    request_id: Name = ""
     token: bytes = b""
     key_extra: str = ""
     """What besides the tokens decides the KV (LoRA adapter, multimodal inputs, ...), as the
@@ -102,8 +114,8 @@ class LookupItem(_Wire):
     the request, not to the instance."""
 
     token_ids: IdArray
-    cache_salt: str = ""
-    request_id: str = ""
+    cache_salt: Name = ""
+    request_id: Name = ""
     key_extra: str = ""
 
 
@@ -128,8 +140,8 @@ class Store(Request, tag="store"):
     instance_id: NonNegInt
     token_ids: IdArray
     block_ids: IdArray
-    cache_salt: str = ""
-    request_id: str = ""
+    cache_salt: Name = ""
+    request_id: Name = ""
     block_hashes: list[int] | None = None
     cuda_event: bytes | None = None
     token: bytes = b""
@@ -146,8 +158,8 @@ class Retrieve(Request, tag="retrieve"):
     token_ids: IdArray
     block_ids: IdArray
     skip_tokens: NonNegInt = 0
-    cache_salt: str = ""
-    request_id: str = ""
+    cache_salt: Name = ""
+    request_id: Name = ""
     token: bytes = b""
     deadline_ms: NonNegInt = 0
     """Unix time (ms) at which the client stops waiting; 0 = none. The daemon moves no byte
@@ -164,13 +176,13 @@ class Retrieve(Request, tag="retrieve"):
 
 class ReportBlockAllocations(Request, tag="report_block_allocations"):
     instance_id: NonNegInt
-    records: list[BlockAllocationRecord]
+    records: Annotated[list[BlockAllocationRecord], msgspec.Meta(max_length=MAX_REPORT_RECORDS)]
     token: bytes = b""
 
 
 class EndSession(Request, tag="end_session"):
     instance_id: NonNegInt
-    request_id: str
+    request_id: Name
     token: bytes = b""
 
 
@@ -198,7 +210,7 @@ class PageExists(Request, tag="page_exists"):
 
     instance_id: NonNegInt
     keys: bytes
-    cache_salt: str = ""
+    cache_salt: Name = ""
     token: bytes = b""
 
 
@@ -208,7 +220,7 @@ class PageSet(Request, tag="page_set"):
     instance_id: NonNegInt
     keys: bytes
     block_ids: IdArray
-    cache_salt: str = ""
+    cache_salt: Name = ""
     token: bytes = b""
     deadline_ms: NonNegInt = 0
     """As on ``Store``."""
@@ -220,7 +232,7 @@ class PageGet(Request, tag="page_get"):
     instance_id: NonNegInt
     keys: bytes
     block_ids: IdArray
-    cache_salt: str = ""
+    cache_salt: Name = ""
     token: bytes = b""
     deadline_ms: NonNegInt = 0
     """As on ``Retrieve``."""
@@ -339,6 +351,8 @@ class ReplyEnvelope(_Wire):
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_LOOKUP_BATCH",
+    "MAX_REGISTER_TENSORS",
+    "MAX_REPORT_RECORDS",
     "PAGE_KEY_BYTES",
     "PROTOCOL_VERSION",
     "CudaIpcTensor",

@@ -12,6 +12,9 @@ from typing import Annotated, Literal
 import msgspec
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+MAX_DIMS = 16
+"""Most dimensions a tensor descriptor names (every KV layout has at most six)."""
+Dims = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_DIMS)]
 class Wire(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=False):
     """Common options: defaults stay off the wire, no GC tracking, unknown fields ignored."""
 
@@ -31,8 +34,8 @@ class FdTensor(Wire, tag="fd", tag_field="via"):
 
     fd_index: NonNegInt
     offset: NonNegInt
-    shape: list[NonNegInt]
-    stride: list[NonNegInt]
+    shape: Dims
+    stride: Dims
     dtype: str
 
 
@@ -53,8 +56,8 @@ class CudaIpcTensor(Wire, tag="cuda_ipc", tag_field="via"):
     event_handle: bytes
     event_sync_required: bool
     storage_offset: NonNegInt
-    shape: list[NonNegInt]
-    stride: list[NonNegInt]
+    shape: Dims
+    stride: Dims
     dtype: str
 
 
@@ -74,4 +77,4 @@ class IdArray(Wire, array_like=True):
     width: Literal[4, 8] = 4
 
 
-__all__ = ["CudaIpcTensor", "FdTensor", "IdArray", "NonNegInt", "TensorDesc", "Wire"]
+__all__ = ["MAX_DIMS", "CudaIpcTensor", "Dims", "FdTensor", "IdArray", "NonNegInt", "TensorDesc", "Wire"]

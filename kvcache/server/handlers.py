@@ -119,7 +119,7 @@ class Handlers:
         kv_caches = rebuild_kv_caches(req, [t.tensor for t in imported])
         fmt = format_from_name(req.fmt)
         with self._register_lock:
-            self._make_room_for(req, principal)
+            replacing = self._room_for(req, principal)
             ctx = self.engine.register(
                 req.instance_id,
                 req.model_name,
@@ -128,10 +128,14 @@ class Handlers:
                 fmt=fmt,
                 block_size=req.block_size,
                 chunk_size=req.chunk_size,
+                replace=replacing,  # only once the new registration passed the engine's checks
             )
             instance = RegistrationRecord(
                 req.instance_id, req.model_name, ctx.geometry, imported, principal, req.client_nonce
             )
+            if replacing:
+                log.info("instance %d registered again by the same client; replaced", req.instance_id)
+                self.registry.remove(req.instance_id)
             self.registry.add(instance)
         log.info(
             "registered instance %d (%s) for %s: %s, %d layers x %d blocks of %d tokens on %s",
@@ -149,9 +153,11 @@ class Handlers:
             token=instance.token,
         )
 
-    def _make_room_for(self, req: m.Register, principal: Principal) -> None:
-        """Refuse a live instance id held by another client; release it if the same client
-        registers again (say, after its previous reply was lost). Caller holds the lock."""
+    def _room_for(self, req: m.Register, principal: Principal) -> bool:
+        """Refuse a registration over the limits or naming a live instance id another client
+        holds; True when the same client registers that id again (say, after its previous
+        reply was lost): the new registration replaces it once checked. Changes nothing.
+        Caller holds the lock."""
         existing = self.registry.find(req.instance_id)
         if existing is None:
             if len(self.registry) >= self.limits.max_instances:
@@ -165,7 +171,7 @@ class Handlers:
                     f"{principal.name} holds {share} registered instances, its share "
                     "(--max-instances-per-client, and never every --max-instances slot)"
                 )
-            return
+            return False
         same = (
             bool(req.client_nonce)
             and secrets.compare_digest(existing.client_nonce, req.client_nonce)
@@ -176,8 +182,7 @@ class Handlers:
                 f"instance id {req.instance_id} is registered by another live client; pick "
                 "another instance_id (KVCacheClient picks a unique one when none is given)"
             )
-        log.info("instance %d registered again by the same client; replacing it", req.instance_id)
-        self._release(req.instance_id)
+        return True
 
     def unregister(self, req: m.Unregister, principal: Principal) -> m.ReplyBody:
         self.registry.authorize(req.instance_id, req.token, principal, token_required=True)

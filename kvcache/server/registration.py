@@ -46,6 +46,8 @@ class Limits:
                      "max_registration_bytes", "max_ids"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tensors > m.MAX_REGISTER_TENSORS:  # the wire refuses more before we see them
+            raise ValueError(f"max_tensors must be <= {m.MAX_REGISTER_TENSORS}, got {self.max_tensors}")
 
 
 def map_tensors(

@@ -8,6 +8,7 @@ descriptor the same way before mapping anything, and the daemon bounds a registr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,10 @@ import torch
 from kvcache.errors import LayoutError
 from kvcache.protocol.messages import TensorDesc
 from kvcache.records import dtype_name
+
+_INT64_MAX = (1 << 63) - 1
+"""Every size and stride of a view, and its element count times the widest dtype, must fit
+torch's int64 (or ``as_strided`` fails with a native error instead of a ``LayoutError``)."""
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -49,6 +54,8 @@ def span_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
     """Elements from a view's first to its last, inclusive (0 for an empty view)."""
     if len(shape) != len(stride):
         raise LayoutError(f"shape {list(shape)} and stride {list(stride)} differ in rank")
+    if any(not 0 <= v <= _INT64_MAX for v in (*shape, *stride)) or math.prod(shape) > _INT64_MAX // 16:
+        raise LayoutError(f"shape {list(shape)} or stride {list(stride)} does not fit a tensor (int64)")
     if any(d == 0 for d in shape):
         return 0
     return sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1

@@ -99,3 +99,19 @@ def test_every_error_lives_in_the_one_tree() -> None:
     assert DaemonStartError in _errors_in_the_tree()
     assert issubclass(DaemonStartError, RuntimeError)
     assert issubclass(ConfigError, ValueError) and issubclass(RedisURLError, ConfigError)
+
+
+@pytest.mark.parametrize("exc_type", [TypeError, RuntimeError, kvcache.errors.LayoutError])
+def test_a_native_backtrace_never_reaches_the_client(exc_type: type[Exception]) -> None:
+    """torch appends its C++ backtrace, with addresses in the daemon's own mappings, to some
+    errors: the reply keeps the sentence for people and drops the rest (and stays short)."""
+    text = (
+        "as_strided(): argument 'stride' failed to unpack the object at pos 1\n"
+        "Exception raised from unpack at ../torch/csrc/utils/python_arg_parser.cpp:1"
+        " (most recent call first):\n"
+        "frame #0: c10::Error::Error(...) + 0x9b (0x7fa95cb79b8d in /usr/lib/libc10.so)\n"
+    )
+    err = error_from_exception(exc_type(text))
+    assert err.message.endswith("failed to unpack the object at pos 1"), err.message
+    assert "frame #" not in err.message and "0x7f" not in err.message
+    assert len(error_from_exception(ValueError("x" * 10_000)).message) <= 2000

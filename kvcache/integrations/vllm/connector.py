@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
 from kvcache.integrations.vllm.disagg import SplitRequests, resolve_role
+from kvcache.integrations.vllm.dropped_loads import DroppedLoads
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
@@ -104,10 +105,9 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._failures_seen = -1  # the last step whose load failures vLLM has processed
         self._retrieving: set[str] = set()  # asynchronous retrieves planned, not yet reported received
         self._loads = SharedLoads()  # those loads' prefixes: requests needing the same one wait
-        self._recompute: set[str] = set()  # asynchronous load failed: its next admission computes
-        self._unrun: set[str] = set()  # admitted with an asynchronous load, not scheduled since
+        self._dropped = DroppedLoads()  # their next admission computes (a load would hang)
         self._split = SplitRequests(self.tally)  # decode requests: what their transfer params name
-        self._lookups = StepLookups(self.client, self.tally, self.config, self._recompute)
+        self._lookups = StepLookups(self.client, self.tally, self.config, self._dropped)
         # worker half
         self._worker = ConnectorWorker(
             self.client, self.block_size, self.config.kv_format, async_stores=self.config.async_stores
@@ -247,12 +247,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         key_extra = request_key_extra(request)
         if key_extra is None:  # cannot be keyed faithfully (prompt embeddings): not offered
             return 0, False
-        self._note_dropped_load(request.request_id)
-        if request.request_id in self._recompute:
-            # Its asynchronous load was dropped and vLLM freed its blocks. vLLM 0.32 still counts
-            # it among its in-flight prefills, so a second asynchronous load would reserve its
-            # own blocks against it and might never be admitted (docs/vllm.md): it recomputes.
-            return 0, False
+        if self._dropped.asked(request.request_id):
+            return 0, False  # vLLM dropped its asynchronous load: it computes (``dropped_loads``)
         awaited = self._split.tokens(request, len(prompt), planner.chunk_size, planner.block_size)
         if awaited:  # a decode request: its load waits at the daemon for the prefill's store
             external = planner.external_tokens(len(prompt), num_computed_tokens, awaited)
@@ -275,16 +271,6 @@ class KVCacheConnector(KVConnectorBase_V1):
         l2 = found.l2_hit_tokens if fresh else None  # older: its chunks may be in L2 by now
         return external, self._timing.choose(request.request_id, l2, bool(self._retrieving))
 
-    def _note_dropped_load(self, req_id: str) -> None:
-        """Mark ``req_id`` to recompute if vLLM dropped its asynchronous load. vLLM asks again
-        about a request admitted with one, before it ever ran, only when it dropped that load
-        and freed its blocks: the load failed (the workers also report that, a step earlier:
-        ``update_connector_output``), or a block it shares through vLLM's prefix cache was left
-        unfilled by another request's failed load (vLLM truncates every request holding it)."""
-        if req_id in self._unrun:
-            self._unrun.discard(req_id)
-            self._recompute.add(req_id)
-
     def on_new_request(self, request: Any) -> None:
         """vLLM 0.32 calls this for every request it adds (``Scheduler.add_request``): the
         request's lookup can travel with the next one asked (``_lookup``)."""
@@ -296,7 +282,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         planner = self._get_planner()
         if planner is None:
             return
-        self._recompute.discard(req_id)  # admitted: a later admission (a preemption) may load
+        self._dropped.admitted(req_id)  # a later admission (a preemption) may load
         key_extra = request_key_extra(request)
         if key_extra is None:  # never stored either
             self.tally.count("requests_not_cached")
@@ -315,7 +301,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._split.tail_load(planner, request, block_ids, local, key_extra, wait_ms)
         if is_async and num_external_tokens > 0:
             self._retrieving.add(req_id)
-            self._unrun.add(req_id)
+            self._dropped.loading(req_id)
             self._loads.started(request, local + num_external_tokens, key_extra)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -323,7 +309,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._retrieving.difference_update(received)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVCacheWorkerMeta):
-            self._recompute.update(r for r in meta.failed_async if r in self._requests)
+            self._dropped.failed(r for r in meta.failed_async if r in self._requests)
         if isinstance(meta, KVCacheWorkerMeta) and self._planner is not None:
             for req_id, upto in meta.not_stored.items():
                 self._planner.not_stored(req_id, upto)
@@ -345,7 +331,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         self._timing.planned()
         rows = []
-        self._unrun.difference_update(scheduler_output.num_scheduled_tokens)  # they run now
+        self._dropped.ran(scheduler_output.num_scheduled_tokens)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -387,8 +373,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._lookups.forget(req_id)
         self._timing.finished(req_id)
-        self._recompute.discard(req_id)
-        self._unrun.discard(req_id)
+        self._dropped.forget(req_id)
         self._loads.ended((req_id,))
         delay, params = False, None
         # ``_retrieving`` forgets it when the workers report it received.

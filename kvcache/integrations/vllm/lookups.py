@@ -9,6 +9,7 @@ their answers wait here until vLLM asks about each.
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from typing import Any
 
 from kvcache.client import KVCacheClient
@@ -23,11 +24,11 @@ log = logging.getLogger("kvcache.integrations.vllm")
 
 
 class StepLookups:
-    """Lookups of one scheduler half; ``recompute``: the connector's set of requests whose
-    asynchronous load failed (never looked up again before their next admission)."""
+    """Lookups of one scheduler half; ``recompute``: the connector's requests whose
+    asynchronous load vLLM dropped (``dropped_loads``: not looked up before their next admission)."""
 
     def __init__(
-        self, client: KVCacheClient, tally: ConnectorTally, config: ConnectorConfig, recompute: set[str]
+        self, client: KVCacheClient, tally: ConnectorTally, config: ConnectorConfig, recompute: Container[str]
     ) -> None:
         self.client, self.tally, self.config, self._recompute = client, tally, config, recompute
         self._unasked: dict[str, Any] = {}  # added or preempted, not looked up since (arrival order)

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcache.records import MAX_NAME
+
 
 def request_key_extra(request: Any) -> str | None:
     """The ``key_extra`` for ``request``; "" for a plain token prompt; None when the request
-    cannot be keyed faithfully (prompt embeddings: the KV depends on vectors, not tokens)."""
+    cannot be keyed faithfully (prompt embeddings: the KV depends on vectors, not tokens), or
+    named to the daemon (an id or a cache salt longer than it takes)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return None
+    if len(request.request_id) > MAX_NAME or len(getattr(request, "cache_salt", None) or "") > MAX_NAME:
+        return None  # the daemon refuses such a name (``records.MAX_NAME``)
     parts: list[str] = []
     lora = getattr(request, "lora_request", None)
     if lora:

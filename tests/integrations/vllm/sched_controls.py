@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.client.session import Session
 from kvcache.integrations.vllm import connector as connector_mod
+from kvcache.integrations.vllm.dropped_loads import DroppedLoads
 from kvcache.integrations.vllm.plan import Planner
 from kvcache.integrations.vllm.shared_loads import SharedLoads
 from kvcache.integrations.vllm.worker import ConnectorWorker
@@ -163,7 +164,7 @@ def _release_at_once(self: ConnectorWorker) -> set[str]:
 def no_dropped_load_marks() -> Iterator[None]:
     with (
         patched(ConnectorWorker, "take_failed_async", lambda self: frozenset()),
-        patched(connector_mod.KVCacheConnector, "_note_dropped_load", lambda self, r: None),
+        patched(DroppedLoads, "note_dropped", lambda self, r: None),
     ):
         yield
 
@@ -218,7 +219,7 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
     # A request whose own load succeeded, truncated by vLLM for a block it shares with
     # another request's failed load: only vLLM asking again tells; the workers report nothing.
     "no_reask_mark": (
-        lambda: patched(connector_mod.KVCacheConnector, "_note_dropped_load", lambda self, r: None),
+        lambda: patched(DroppedLoads, "note_dropped", lambda self, r: None),
         ["shared_blocks_of_a_failed_load"],
     ),
     # A preempted request's stores waited for only in start_load_kv, after the forward.

@@ -17,12 +17,14 @@ from kvcache.client import KVCacheClient, to_shared
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.layouts import KVFormat
 from kvcache.protocol.errors import RemoteError
+from kvcache.records import MAX_NAME
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
 
 
 def _req(**kw: object) -> NS:
-    base: dict[str, object] = {"prompt_embeds": None, "lora_request": None, "mm_features": None}
+    base: dict[str, object] = {"request_id": "r", "cache_salt": None, "prompt_embeds": None,
+                               "lora_request": None, "mm_features": None}  # fmt: skip
     return NS(**{**base, **kw})
 
 
@@ -43,6 +45,14 @@ def test_lora_images_and_embeddings() -> None:
     assert request_key_extra(_req(mm_features=[_image("cat", 6)])) != cat  # other position
     assert request_key_extra(_req(prompt_embeds=torch.zeros(4, 8))) is None  # not cacheable
     assert request_key_extra(_req(mm_features=[_image("", 5)])) is None  # no hash: not guessed
+
+
+def test_a_request_the_daemon_would_not_take_by_its_names_is_not_cached() -> None:
+    """The daemon refuses a request id or cache salt past ``MAX_NAME`` (it keeps such names):
+    such a request is neither looked up nor stored, and never refuses a batch it rode in."""
+    assert request_key_extra(_req(request_id="r" * MAX_NAME, cache_salt="s" * MAX_NAME)) == ""
+    assert request_key_extra(_req(request_id="r" * (MAX_NAME + 1))) is None
+    assert request_key_extra(_req(cache_salt="s" * (MAX_NAME + 1))) is None
 
 
 @pytest.fixture(scope="module")

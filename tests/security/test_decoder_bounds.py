@@ -1,0 +1,74 @@
+"""One frame within the message cap must not stall every other client.
+
+Found by a hostile-client pass: the I/O thread decodes every frame itself, and the schema
+bounded neither ``ReportBlockAllocations.records`` nor ``Register.tensors`` (their limits,
+``max_report_records`` and ``--max-tensors``, are checked by the handler, after decoding). A
+frame of about 55 MB holding a million empty records (or descriptors) took the decoder
+seconds and hundreds of MB of Python objects, before anyone checked who sent it: a local user
+over plain loopback TCP, with no instance and no token, froze the daemon for every engine
+(pings, lookups, the replies of stores and retrieves) for as long as it kept sending. Now those
+lists are bounded in the schema (``MAX_REGISTER_TENSORS``, ``MAX_REPORT_RECORDS``), as
+``LookupBatch.items`` was, and the decoder refuses them in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import encode_request
+from kvcache.server.launch import DaemonProcess
+
+from .conftest import raw_call
+
+COUNT = 1_000_000
+
+
+def _report() -> m.RequestBody:
+    record = m.BlockAllocationRecord(req_id="", new_block_ids=[], new_token_ids=[])
+    return m.ReportBlockAllocations(instance_id=1, records=[record] * COUNT)
+
+
+def _register() -> m.RequestBody:
+    desc = m.FdTensor(fd_index=0, offset=0, shape=[], stride=[], dtype="")
+    return m.Register(instance_id=1, model_name="m", tensors=[desc] * COUNT)
+
+
+FRAMES = {"block_report": _report, "register": _register}
+
+
+@pytest.mark.parametrize("make", list(FRAMES.values()), ids=list(FRAMES))
+def test_a_loopback_strangers_frame_does_not_freeze_the_daemon_for_everyone(
+    start_daemon: Callable[..., DaemonProcess], make: Callable[[], m.RequestBody]
+) -> None:
+    d = start_daemon(tcp=True)
+    assert d.ipc_endpoint != "off"
+    frame = encode_request(7, make())
+    assert len(frame) < m.DEFAULT_MAX_MESSAGE_BYTES  # within the daemon's message cap
+    # The operator's engine is served normally before.
+    t0 = time.monotonic()
+    assert isinstance(raw_call(d.ipc_endpoint, m.Ping()), m.Pong)
+    baseline = time.monotonic() - t0
+
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(d.endpoint)  # plain loopback TCP: any local user
+    try:
+        for _ in range(2):
+            stranger.send(frame)
+        time.sleep(0.5)  # the frames are in; the I/O thread is decoding the first
+        t0 = time.monotonic()
+        pong = raw_call(d.ipc_endpoint, m.Ping(), timeout_ms=30_000)
+        latency = time.monotonic() - t0
+    finally:
+        stranger.close()
+    assert isinstance(pong, m.Pong)
+    assert d.proc.poll() is None
+    assert latency < 0.5, (
+        f"a ping of the operator's engine took {latency:.2f} s (before: {baseline * 1000:.1f} ms) "
+        "while the I/O thread decoded a stranger's frame"
+    )
