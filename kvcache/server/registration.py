@@ -89,7 +89,7 @@ def check_registration_size(req: m.Register, lim: Limits) -> None:
             f"the registration maps {total} bytes; the limit is {lim.max_registration_bytes} "
             "(--max-registration-gb)"
         )
-    # Each mapped CPU tensor keeps a descriptor open for the registration's life.
+    # Each mapped CPU tensor keeps a descriptor open, and a memory map, for the registration's life.
     mapped = sum(isinstance(desc, m.FdTensor) for desc in req.tensors)
     free = free_descriptors()
     if mapped and free is not None and free - mapped < DESCRIPTOR_HEADROOM:
@@ -98,6 +98,28 @@ def check_registration_size(req: m.Register, lim: Limits) -> None:
             f"({free} free, {DESCRIPTOR_HEADROOM} kept for connections): register fewer, "
             "larger tensors, or raise the daemon's `ulimit -n`"
         )
+    maps = free_memory_maps()
+    if mapped and maps is not None and maps - mapped < MAP_HEADROOM:
+        raise LimitExceededError(
+            f"mapping {mapped} CPU tensors would leave the daemon short of memory maps ({maps} "
+            f"free of vm.max_map_count, {MAP_HEADROOM} kept for its own memory): register fewer, "
+            "larger tensors, or raise vm.max_map_count"
+        )
+
+
+MAP_HEADROOM = 8192
+"""Memory maps kept for the daemon's own memory (L1 extents, libraries, thread stacks, the
+allocator) when mapping tensors: past ``vm.max_map_count`` every ``mmap`` fails, its own
+allocations included, and registered tensors are what a client can multiply (one map each)."""
+
+
+def free_memory_maps() -> int | None:
+    """Memory maps this process may still make (None where /proc cannot tell)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit, open("/proc/self/maps", "rb") as maps:
+            return int(limit.read()) - sum(1 for _ in maps)
+    except (OSError, ValueError):
+        return None
 
 
 def rebuild_kv_caches(req: m.Register, tensors: list[torch.Tensor]) -> Any:
