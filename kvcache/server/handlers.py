@@ -133,9 +133,8 @@ class Handlers:
             instance = RegistrationRecord(
                 req.instance_id, req.model_name, ctx.geometry, imported, principal, req.client_nonce
             )
-            if replacing:
+            if replacing:  # ``add`` swaps the record, its requests in flight still counted
                 log.info("instance %d registered again by the same client; replaced", req.instance_id)
-                self.registry.remove(req.instance_id)
             self.registry.add(instance)
         log.info(
             "registered instance %d (%s) for %s: %s, %d layers x %d blocks of %d tokens on %s",
