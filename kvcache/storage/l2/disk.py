@@ -54,7 +54,7 @@ _SUFFIX = ".kvc"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_EVERY = 64
 _WHAT = "disk tier (--l2-disk-path)"
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO planted there never blocks
 log = logging.getLogger(__name__)
 
 
@@ -136,7 +136,12 @@ class DiskL2Adapter(L2Adapter):
         try:
             self._subdir(final[:2])
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600, dir_fd=self._root)
+            try:
+                fd = os.open(tmp, flags, 0o600, dir_fd=self._root)
+            except FileNotFoundError:  # its subdirectory was removed behind our back: again
+                self._subdirs.discard(final[:2])
+                self._subdir(final[:2])
+                fd = os.open(tmp, flags, 0o600, dir_fd=self._root)
             with open(fd, "wb", buffering=0) as f:  # the slow part, outside the lock
                 f.write(header)
                 view = payload
@@ -201,6 +206,10 @@ class DiskL2Adapter(L2Adapter):
                 if header.header_len > len(head):  # a long meta: the payload starts further on
                     f.seek(header.header_len)
                 got = head[header.header_len :]
+                if len(got) > header.nbytes:  # a short payload with bytes after it
+                    raise CorruptChunkError(
+                        f"file holds {len(got)}+ payload bytes, header says {header.nbytes}"
+                    )
                 buf[: len(got)] = got
                 filled = len(got)
                 while filled < header.nbytes:
@@ -263,13 +272,17 @@ class DiskL2Adapter(L2Adapter):
             self._subdirs.add(name)
 
     def _open(self, key: ChunkKey) -> io.FileIO:
-        """The chunk's file for reading; a symlink there (``O_NOFOLLOW``: ELOOP) is corrupt."""
+        """The chunk's file for reading; a symlink there (``O_NOFOLLOW``: ELOOP), or anything
+        but a regular file (a FIFO would block its reader for good), is corrupt."""
         try:
             fd = os.open(self._rel(key), _READ, dir_fd=self._root)
         except OSError as err:
             if err.errno != errno.ELOOP:
                 raise
             raise CorruptChunkError(f"{self._file(key)} is a symlink, not a chunk file") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptChunkError(f"{self._file(key)} is not a regular file")
         return open(fd, "rb", buffering=0)
 
     def _scan(self) -> None:
