@@ -19,6 +19,7 @@ set together, at zero, the first time they see that label set (see METRICS.md).
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client.core import (
@@ -248,9 +249,36 @@ LIFETIME_SECONDS = (
 )
 LAG_SECONDS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
+
+MAX_INSTANCE_LABEL_SETS = 1024
+"""(instance_id, model_name) label sets a per-instance subscriber exposes at once: a set
+reported by an instance that left stays (its last figures reach the next scrape) until this
+many newer ones push it out, least recently reported first, so engines that come and go
+(restarts, new instance ids) never grow the exposition, or the daemon, without bound. A
+daemon holds at most 256 live instances (``--max-instances``)."""
+
+
+class LabelSetCap:
+    """The label sets in use, least recently reported first; ``touch`` says which one to
+    drop (its series removed from every family) once more than ``cap`` are in use."""
+
+    def __init__(self, cap: int = MAX_INSTANCE_LABEL_SETS) -> None:
+        self.cap = cap
+        self._order: OrderedDict[tuple[object, object], None] = OrderedDict()
+
+    def touch(self, key: tuple[object, object]) -> tuple[object, object] | None:
+        """``key`` was reported now; the label set to drop, if one must go."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+        if len(self._order) <= self.cap:
+            return None
+        oldest, _ = self._order.popitem(last=False)
+        return oldest
+
 __all__ = [
     "LAG_SECONDS",
     "LIFETIME_SECONDS",
+    "MAX_INSTANCE_LABEL_SETS",
     "OPERATION_SECONDS",
     "THROUGHPUT_BYTES_PER_SECOND",
     "TRANSFER_BYTES",
@@ -258,5 +286,6 @@ __all__ = [
     "Family",
     "Gauge",
     "Histogram",
+    "LabelSetCap",
     "MetricSet",
 ]

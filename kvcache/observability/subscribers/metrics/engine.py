@@ -29,10 +29,12 @@ from kvcache.observability.event import (
     OperationMeta,
 )
 from kvcache.observability.instruments import (
+    MAX_INSTANCE_LABEL_SETS,
     OPERATION_SECONDS,
     Counter,
     Family,
     Histogram,
+    LabelSetCap,
     MetricSet,
 )
 
@@ -86,7 +88,10 @@ class EngineMetricsSubscriber(EventSubscriber):
         self,
         registry: CollectorRegistry | None,
         instances: Iterable[tuple[int, str]] = (),
+        max_label_sets: int = MAX_INSTANCE_LABEL_SETS,
     ) -> None:
+        """``max_label_sets``: (instance_id, model_name) pairs exposed at once
+        (``instruments.LabelSetCap``)."""
         self.metrics = MetricSet()
         self._counter_families: dict[str, dict[str, Family]] = {}
         self._duration_families: dict[str, Family] = {}
@@ -100,6 +105,7 @@ class EngineMetricsSubscriber(EventSubscriber):
                 "histogram", LABELS, OPERATION_SECONDS,
             )
         self._series: dict[tuple[str, object, object], _OperationSeries] = {}
+        self._label_sets = LabelSetCap(max_label_sets)
         self._open: dict[tuple[str, object, str, str], float] = {}
         for instance_id, model_name in instances:
             self._ensure_instance(instance_id, model_name)
@@ -118,6 +124,12 @@ class EngineMetricsSubscriber(EventSubscriber):
 
     def _ensure_instance(self, instance_id: object, model_name: object) -> None:
         values = (str(instance_id), str(model_name))
+        dropped = self._label_sets.touch((instance_id, model_name))
+        if dropped is not None:  # more label sets than the cap: the least recently reported goes
+            for op in _OPERATIONS:
+                del self._series[(op, dropped[0], dropped[1])]
+                for family in (*self._counter_families[op].values(), self._duration_families[op]):
+                    family.remove(*map(str, dropped))
         for op in _OPERATIONS:
             self._series[(op, instance_id, model_name)] = _OperationSeries(
                 {a: f.counter(*values) for a, f in self._counter_families[op].items()},
@@ -130,6 +142,8 @@ class EngineMetricsSubscriber(EventSubscriber):
         if series is None:
             self._ensure_instance(key[1], key[2])
             series = self._series[key]
+        else:
+            self._label_sets.touch((key[1], key[2]))
         return series
 
     @staticmethod

@@ -24,11 +24,13 @@ from prometheus_client.registry import CollectorRegistry
 from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import Event, EventType, MpRetrieveEnd, MpStoreEnd
 from kvcache.observability.instruments import (
+    MAX_INSTANCE_LABEL_SETS,
     THROUGHPUT_BYTES_PER_SECOND,
     TRANSFER_BYTES,
     Counter,
     Family,
     Histogram,
+    LabelSetCap,
     MetricSet,
 )
 
@@ -50,7 +52,10 @@ class OffloadMetricsSubscriber(EventSubscriber):
         self,
         registry: CollectorRegistry | None,
         instances: Iterable[tuple[int, str]] = (),
+        max_label_sets: int = MAX_INSTANCE_LABEL_SETS,
     ) -> None:
+        """``max_label_sets``: (instance_id, model_name) pairs exposed at once
+        (``instruments.LabelSetCap``)."""
         self.metrics = MetricSet()
         self._families: dict[str, tuple[Family, Family, Family, Family]] = {}
         for direction, what in (("store", "engine to cache"), ("load", "cache to engine")):
@@ -72,6 +77,7 @@ class OffloadMetricsSubscriber(EventSubscriber):
                 ),
             )
         self._series: dict[tuple[str, object, object], _DirectionSeries] = {}
+        self._label_sets = LabelSetCap(max_label_sets)
         for instance_id, model_name in instances:
             self._ensure_instance(instance_id, model_name)
         if registry is not None:
@@ -85,6 +91,12 @@ class OffloadMetricsSubscriber(EventSubscriber):
 
     def _ensure_instance(self, instance_id: object, model_name: object) -> None:
         values = (str(instance_id), str(model_name))
+        dropped = self._label_sets.touch((instance_id, model_name))
+        if dropped is not None:  # more label sets than the cap: the least recently reported goes
+            for direction, families in self._families.items():
+                del self._series[(direction, dropped[0], dropped[1])]
+                for family in families:
+                    family.remove(*map(str, dropped))
         for direction, (nbytes, seconds, size, throughput) in self._families.items():
             self._series[(direction, instance_id, model_name)] = _DirectionSeries(
                 nbytes.counter(*values), seconds.counter(*values),
@@ -98,6 +110,8 @@ class OffloadMetricsSubscriber(EventSubscriber):
         if s is None:
             self._ensure_instance(key[1], key[2])
             s = self._series[key]
+        else:
+            self._label_sets.touch((key[1], key[2]))
         nbytes = md.num_bytes
         seconds = md.transfer_seconds
         s.nbytes.value += nbytes

@@ -91,3 +91,22 @@ def test_all_series_of_an_instance_exist_at_zero(registry: CollectorRegistry) ->
     for name in ("kvcache_store_requests_total", "kvcache_retrieve_missing_tokens_total",
                  "kvcache_lookup_hit_tokens_total", "kvcache_lookup_duration_seconds_count"):
         assert registry.get_sample_value(name, I1) == 0
+
+
+def test_label_sets_past_the_cap_leave_least_recently_reported_first(
+    bus: EventBus, registry: CollectorRegistry
+) -> None:
+    """Engines come and go (restarts, new instance ids): the series of one that left stay
+    (its last figures reach the next scrape) until the cap pushes them out, least recently
+    reported first, so the scrape and the daemon never grow without bound."""
+    bus.register_subscriber(EngineMetricsSubscriber(registry, [(1, "llama"), (2, "qwen")], max_label_sets=2))
+    bus.publish(event(EventType.MP_LOOKUP_START, md(num_tokens=16), "op1", 1.0))
+    bus.publish(event(EventType.MP_LOOKUP_END, md(num_tokens=16, hit_tokens=0), "op1", 1.1))  # 1 newer
+    bus.publish(event(EventType.MP_LOOKUP_END, md(3, "phi", num_tokens=16, hit_tokens=0), "op2", 2.0))
+    # 3 is new and the cap is 2: 2, the least recently reported, goes
+    assert bus.flush(5)
+    v = registry.get_sample_value
+    for name in ("kvcache_store_requests_total", "kvcache_lookup_duration_seconds_count"):
+        assert v(name, I2) is None, name
+        assert v(name, {"instance_id": "3", "model_name": "phi"}) == 0, name
+    assert v("kvcache_lookup_requests_total", I1) == 1

@@ -45,3 +45,20 @@ def test_series_exist_at_zero(registry: CollectorRegistry) -> None:
     OffloadMetricsSubscriber(registry, instances=[(1, "m")])
     assert registry.get_sample_value("kvcache_offload_load_bytes_total", L) == 0
     assert registry.get_sample_value("kvcache_offload_store_size_bytes_count", L) == 0
+
+
+def test_label_sets_past_the_cap_leave_least_recently_reported_first(
+    bus: EventBus, registry: CollectorRegistry
+) -> None:
+    """As the engine metrics: past the cap, the least recently reported instance's series go."""
+    bus.register_subscriber(OffloadMetricsSubscriber(registry, [(1, "m"), (2, "old")], max_label_sets=2))
+    bus.publish(end(EventType.MP_STORE_END, 1 << 20, 0.001))  # instance 1 reported: 2 is older
+    md = {"instance_id": 3, "model_name": "new", "device": "cpu", "num_bytes": 8,
+          "transfer_seconds": 0.1, "success": True}  # fmt: skip
+    bus.publish(event(EventType.MP_STORE_END, md, "s", 2.0))
+    assert bus.flush(5)
+    v = registry.get_sample_value
+    for name in ("kvcache_offload_store_bytes_total", "kvcache_offload_load_size_bytes_count"):
+        assert v(name, {"instance_id": "2", "model_name": "old"}) is None, name
+    assert v("kvcache_offload_store_bytes_total", L) == 1 << 20
+    assert v("kvcache_offload_store_bytes_total", {"instance_id": "3", "model_name": "new"}) == 8
