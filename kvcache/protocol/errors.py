@@ -69,7 +69,7 @@ def error_from_exception(exc: BaseException) -> Error:
     return Error(code=code, message=text or type(exc).__name__)
 
 
-_BACKTRACE_MARKS = ("\nException raised from ", "\nframe #", "Exception raised from ")
+_BACKTRACE_MARKS = ("Exception raised from ", "\nframe #")
 _MAX_MESSAGE = 2000
 
 

@@ -91,21 +91,17 @@ def check_registration_size(req: m.Register, lim: Limits) -> None:
         )
     # Each mapped CPU tensor keeps a descriptor open, and a memory map, for the registration's life.
     mapped = sum(isinstance(desc, m.FdTensor) for desc in req.tensors)
-    free = free_descriptors()
-    if mapped and free is not None and free - mapped < DESCRIPTOR_HEADROOM:
-        raise LimitExceededError(
-            f"mapping {mapped} CPU tensors would leave the daemon short of descriptors "
-            f"({free} free, {DESCRIPTOR_HEADROOM} kept for connections): register fewer, "
-            "larger tensors, or raise the daemon's `ulimit -n`"
-        )
-    maps = free_memory_maps()
-    if mapped and maps is not None and maps - mapped < MAP_HEADROOM:
-        raise LimitExceededError(
-            f"mapping {mapped} CPU tensors would leave the daemon short of memory maps ({maps} "
-            f"free of vm.max_map_count, {MAP_HEADROOM} kept for its own memory): register fewer, "
-            "larger tensors, or raise vm.max_map_count"
-        )
-
+    if not mapped:
+        return
+    for what, free, headroom, remedy in (
+        ("descriptors", free_descriptors(), DESCRIPTOR_HEADROOM, "the daemon's `ulimit -n`"),
+        ("memory maps", free_memory_maps(), MAP_HEADROOM, "vm.max_map_count"),
+    ):
+        if free is not None and free - mapped < headroom:
+            raise LimitExceededError(
+                f"mapping {mapped} CPU tensors would leave the daemon short of {what} ({free} free, "
+                f"{headroom} kept for its own use): register fewer, larger tensors, or raise {remedy}"
+            )
 
 MAP_HEADROOM = 8192
 """Memory maps kept for the daemon's own memory (L1 extents, libraries, thread stacks, the

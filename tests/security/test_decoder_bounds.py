@@ -17,11 +17,16 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 import zmq
 
+from kvcache.client import KVCacheClient, to_shared
+from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import encode_request
+from kvcache.protocol.codec import encode_request, pack_ids
+from kvcache.records import MAX_NAME
 from kvcache.server.launch import DaemonProcess
+from kvcache.testing import make_kv_caches
 
 from .conftest import raw_call
 
@@ -72,3 +77,37 @@ def test_a_loopback_strangers_frame_does_not_freeze_the_daemon_for_everyone(
         f"a ping of the operator's engine took {latency:.2f} s (before: {baseline * 1000:.1f} ms) "
         "while the I/O thread decoded a stranger's frame"
     )
+
+
+assert MAX_NAME == 1024  # the figures below are one past it
+
+NAMES = {
+    "lookup_request_id": lambda: m.Lookup(instance_id=1, token_ids=pack_ids([1]), request_id="r" * 1025),
+    "lookup_cache_salt": lambda: m.Lookup(instance_id=1, token_ids=pack_ids([1]), cache_salt="s" * 1025),
+    "end_session": lambda: m.EndSession(instance_id=1, request_id="r" * (MAX_NAME + 1)),
+    "register_model_name": lambda: m.Register(instance_id=9, model_name="m" * (MAX_NAME + 1), tensors=[]),
+    "report_req_id": lambda: m.ReportBlockAllocations(
+        instance_id=1, records=[m.BlockAllocationRecord("r" * (MAX_NAME + 1), [0], [1])]
+    ),
+}
+
+
+@pytest.mark.parametrize("make", list(NAMES.values()), ids=list(NAMES))
+def test_a_name_past_the_bound_is_refused_and_the_engine_beside_it_is_served(
+    start_daemon: Callable[..., DaemonProcess], make: Callable[[], m.RequestBody]
+) -> None:
+    """Request ids, salts and model names the daemon would keep (lifecycle state, hashers)
+    are at most ``MAX_NAME`` characters: a longer one is ``BAD_MESSAGE`` from the decoder,
+    nothing is registered, looked up or reported, and a registered engine is served on."""
+    d = start_daemon()
+    kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+                                  block_size=4, num_heads=2, head_size=8, dtype=torch.float16))  # fmt: skip
+    with KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=5) as c:
+        c.register_kv_caches(kv)
+        c.store(list(range(64)), list(range(16)))
+        reply = raw_call(d.ipc_endpoint, make())
+        assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.BAD_MESSAGE, reply
+        status = raw_call(d.ipc_endpoint, m.Status())
+        assert isinstance(status, m.StatusResult) and status.instances == [1]
+        assert c.lookup(list(range(64))) == 64
+        assert d.proc.poll() is None
