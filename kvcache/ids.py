@@ -113,6 +113,11 @@ def checked_packed(raw: Packed, max_ids: int | None) -> Packed:
     """``raw`` after ``check_count`` and the check ``unpacked`` makes (``ValueError`` on a
     ragged buffer), left packed: a batched lookup hashes uint32 ids as they came."""
     check_count(raw, max_ids)
+    return _whole(raw)
+
+
+def _whole(raw: Packed) -> Packed:
+    """``raw``, or ``ValueError`` for a buffer that is not a whole number of ids."""
     if len(raw.data) % raw.width:
         raise ValueError(f"{len(raw.data)} bytes are not a whole number of {raw.width}-byte ids")
     return raw
@@ -123,8 +128,7 @@ def unpacked(raw: RawIds | Packed) -> RawIds:
     anything else as it is."""
     if not is_packed(raw):
         return cast(RawIds, raw)
-    if len(raw.data) % raw.width:
-        raise ValueError(f"{len(raw.data)} bytes are not a whole number of {raw.width}-byte ids")
+    _whole(raw)
     return np.frombuffer(raw.data, dtype="<u4" if raw.width == 4 else "<i8")
 
 
