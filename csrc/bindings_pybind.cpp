@@ -4,8 +4,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <memory>
+#include <string>
+
 #include "kvc.h"
 #include "kvc_cuda.h"
+#include "kvc_keys.h"
 
 namespace py = pybind11;
 
@@ -27,6 +32,72 @@ kvc::TransferSpec make_spec(const IdArray& block_ids, const std::vector<uint64_t
   spec.skip_blocks = skip_blocks;
   spec.to_chunks = to_chunks;
   return spec;
+}
+
+
+// A bytes-like object's buffer, held (and released) for the length of one call.
+class HeldBuffer {
+ public:
+  explicit HeldBuffer(PyObject* obj) {
+    if (PyObject_GetBuffer(obj, &view_, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  }
+  ~HeldBuffer() { PyBuffer_Release(&view_); }
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+  kvc::PackedIds ids() const {
+    return {static_cast<const uint8_t*>(view_.buf), static_cast<size_t>(view_.len)};
+  }
+
+ private:
+  Py_buffer view_{};
+};
+
+std::vector<uint8_t> exact_bytes(const py::bytes& b, size_t n, const char* what) {
+  std::string s = b;
+  if (s.size() != n) throw std::invalid_argument(std::string(what) + " must be " + std::to_string(n) + " bytes");
+  return {s.begin(), s.end()};
+}
+
+py::object key_int(const kvc::Digest& d) {
+  PyObject* v = _PyLong_FromByteArray(d.b, kvc::kKeyBytes, /*little_endian=*/1, /*is_signed=*/0);
+  if (v == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+// kvcache.keys.ChunkHasher.keys_of_u32_run: each prompt's chunk keys (ints, as
+// int.from_bytes(digest, "little")) and how many leading chunks it shares with the one before.
+py::tuple chain_keys_u32(const py::bytes& root, const py::bytes& person, size_t chunk_tokens,
+                         const py::sequence& prompts) {
+  kvc::Digest r;
+  std::vector<uint8_t> rb = exact_bytes(root, kvc::kKeyBytes, "root");
+  std::memcpy(r.b, rb.data(), kvc::kKeyBytes);
+  std::vector<uint8_t> pb = exact_bytes(person, 16, "person");
+  if (chunk_tokens == 0) throw std::invalid_argument("chunk_tokens must be positive");
+  std::vector<std::unique_ptr<HeldBuffer>> held;
+  std::vector<kvc::PackedIds> ids;
+  const size_t n = py::len(prompts);
+  held.reserve(n);
+  ids.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    held.push_back(std::make_unique<HeldBuffer>(prompts[i].ptr()));
+    ids.push_back(held.back()->ids());
+  }
+  std::vector<std::vector<kvc::Digest>> digests;
+  std::vector<size_t> shared;
+  kvc::chain_keys_u32(r, pb.data(), ids, chunk_tokens * 4, digests, shared);
+  py::list keys(n);
+  py::list same(n);
+  py::list before;
+  for (size_t i = 0; i < n; ++i) {
+    py::list row(digests[i].size());
+    for (size_t c = 0; c < digests[i].size(); ++c) {
+      row[c] = c < shared[i] ? py::object(before[c]) : key_int(digests[i][c]);
+    }
+    keys[i] = row;
+    same[i] = py::int_(shared[i]);
+    before = row;
+  }
+  return py::make_tuple(keys, same);
 }
 
 }  // namespace
@@ -148,6 +219,19 @@ PYBIND11_MODULE(_native, m) {
   m.def("copy_unit_bytes", [](const kvc::PageTable& t, const std::vector<uint64_t>& chunks) {
     return kvc::copy_unit_bytes(t, chunks.data(), static_cast<int64_t>(chunks.size()));
   });
+  m.def("chain_keys_u32", &chain_keys_u32, py::arg("root"), py::arg("person"),
+        py::arg("chunk_tokens"), py::arg("prompts"),
+        "Chunk keys of prompts of one key scope (uint32 ids, packed), hashed in one call.");
+  m.def(
+      "blake2b_16",
+      [](const py::bytes& person, const py::bytes& data) {
+        std::vector<uint8_t> pb = exact_bytes(person, 16, "person");
+        std::string s = data;
+        kvc::Digest d = kvc::blake2b_16(
+            pb.data(), {{reinterpret_cast<const uint8_t*>(s.data()), s.size()}});
+        return py::bytes(reinterpret_cast<const char*>(d.b), kvc::kKeyBytes);
+      },
+      py::arg("person"), py::arg("data"), "BLAKE2b, 16-byte digest, personalised (tests).");
   m.def("cuda_compiled", &kvc::cuda_compiled, "True when the CUDA kernels were built.");
   m.def("cuda_device_count", &kvc::cuda_device_count,
         "Visible CUDA devices; 0 without a driver. Never raises.");

@@ -26,6 +26,10 @@ Why these choices:
   3x faster than numpy. Token ids outside [0, 2^32) (negative sentinels, synthetic ids) fall back
   to little-endian int64 with a different tag (``b"\\x08"``), chunk by chunk (a chunk without such
   ids keeps its uint32 key), so the two encodings never collide.
+* **The daemon's batched lookup hashes in native code** (``ChunkHasher.keys_of_run`` →
+  ``csrc/kvc_keys.cpp``, BLAKE2b written from RFC 7693): the same chain, byte for byte (the
+  tests hold it to ``hashlib`` and to ``keys``), with a step's independent chunks hashed four at
+  a time in AVX2 lanes. Everything else hashes here, with ``hashlib``.
 * **Scope** (model name, cache salt, and an opaque ``scope`` bytes the engine fills with the chunk
   geometry) enters only the root: different salts never share a key (tenant isolation), and
   caches of a different dtype or layer count can never be handed each other's bytes.
@@ -44,7 +48,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -179,82 +183,24 @@ class ChunkHasher:
             out.append(int.from_bytes(prev, "little"))
         return out
 
-    def keys_after(
-        self, token_ids: Sequence[int] | Any, prior: Hashed | None
-    ) -> tuple[list[ChunkKey], Hashed | None]:
-        """``keys``, reusing ``prior``'s keys for the leading whole chunks whose tokens equal
-        that earlier prompt's (hashed by this hasher): the prompts of one batch that share a
-        head (a system prompt) hash it once. Also returns what the next prompt may reuse
-        (None after a prompt without a whole uint32 chunk)."""
-        n = len(token_ids) // self.chunk_size
-        if n == 0:
-            return [], None
-        head = token_ids[: n * self.chunk_size]
-        if isinstance(head, np.ndarray) and head.dtype == _U32LE and head.ndim == 1:
-            return self.keys_after_u32(head.tobytes(), prior)  # ids off the wire: the bytes hashed
-        tag, view, _ = pack_tokens(head)
-        if tag != _TAG_U32:  # rare: hashed as ``keys`` does, chunk by chunk
-            return self.keys(token_ids), None
-        return self.keys_after_u32(view.tobytes(), prior)
+    def keys_of_run(self, prompts: Sequence[bytes | memoryview]) -> tuple[list[list[ChunkKey]], list[int]]:
+        """``keys`` of each of ``prompts`` (token ids packed as little-endian uint32, as the
+        wire carries them and ``u32_bytes`` gives them), in order, as one scheduler step asks
+        them: one native call (``_native.chain_keys_u32``, the chain defined above) that hashes
+        a head a prompt shares with the prompt before once, and the chunks that follow it four
+        at a time. Also returns how many leading keys each prompt shares with the one before
+        (its keys are those same objects: ``L1Pool.resident_many`` walks them once)."""
+        from kvcache import _native  # the daemon's path; importing keys needs no native build
 
-    def keys_after_u32(self, buf: bytes, prior: Hashed | None) -> tuple[list[ChunkKey], Hashed | None]:
-        """``keys_after`` of token ids packed as little-endian uint32 (``buf``, as the wire
-        carries them): the daemon's batched lookup hashes its items' bytes as they came.
-        Written for that loop (once per prompt of a step): the chain is carried as digests,
-        never re-encoded from the integer keys."""
-        step = self.chunk_size * 4
-        n = len(buf) // step
-        if n == 0:
-            return [], None
-        if len(buf) != n * step:
-            buf = buf[: n * step]
-        if prior is None:
-            keys: list[ChunkKey] = []
-            digests: list[bytes] = []
-            prev = self._root
-            same = 0
-        else:
-            same = _shared_chunks(buf, prior, n, step)
-            keys, digests = prior.keys[:same], prior.digests[:same]
-            prev = digests[-1] if same else self._root
-        if same < n:
-            view, blake2b, from_bytes = memoryview(buf), hashlib.blake2b, int.from_bytes
-            for i in range(same * step, n * step, step):
-                h = blake2b(prev, digest_size=KEY_BYTES, person=PERSON)
-                h.update(_TAG_U32)
-                h.update(view[i : i + step])
-                prev = h.digest()
-                digests.append(prev)
-                keys.append(from_bytes(prev, "little"))
-        return keys, Hashed(buf, keys, digests, same)
+        keys, shared = _native.chain_keys_u32(self._root, PERSON, self.chunk_size, prompts)
+        return keys, shared
 
 
-class Hashed(NamedTuple):
-    """A prompt's packed uint32 tokens, its chunk keys and their digests, and how many of
-    its leading keys it took from the prompt before (``ChunkHasher.keys_after``)."""
-
-    buf: bytes
-    keys: list[ChunkKey]
-    digests: list[bytes]
-    shared: int
-
-
-def _shared_chunks(buf: bytes, prior: Hashed, n: int, step: int) -> int:
-    """How many leading whole chunks (``step`` bytes each, at most ``n``) ``buf`` shares with
-    ``prior``: a bisection over prefix compares, each one ``memcmp`` without a copy (a
-    scheduler step's prompts often share all but their tail)."""
-    limit = min(n, len(prior.keys))
-    shared = memoryview(prior.buf)
-    if buf.startswith(shared[: limit * step]):
-        return limit
-    lo, hi = 0, limit  # the first lo chunks are shared, the first hi are not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if buf.startswith(shared[: mid * step]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def u32_bytes(token_ids: Sequence[int] | Any) -> memoryview | None:
+    """``token_ids`` as the chain hashes them when every id fits in uint32 (little-endian
+    uint32 bytes, ``ChunkHasher.keys_of_run``'s input), else None (hashed by ``keys``)."""
+    tag, view, _ = pack_tokens(token_ids)
+    return view if tag == _TAG_U32 else None
 
 
 def chunk_keys(
@@ -279,9 +225,9 @@ __all__ = [
     "PERSON",
     "SEED",
     "ChunkHasher",
-    "Hashed",
     "KeyScope",
     "chunk_keys",
     "fold64",
     "root_key_bytes",
+    "u32_bytes",
 ]

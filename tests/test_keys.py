@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import subprocess
 import sys
 
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.keys import ChunkHasher, chunk_keys, fold64
+from kvcache import _native
+from kvcache.keys import PERSON, ChunkHasher, chunk_keys, fold64, u32_bytes
 
 TOKENS = [(i * 7919) % 50000 for i in range(1000)]
 
@@ -131,9 +134,25 @@ def test_fold64() -> None:
     assert fold64((5 << 64) | 3) == 6
 
 
-def test_keys_after_equals_keys_whatever_the_earlier_prompt_shares() -> None:
-    """A batch's prompts are hashed against the one before (a shared head once); each
-    must get exactly the keys ``keys`` gives it alone, in every representation."""
+def _run(h: ChunkHasher, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    bufs = [u32_bytes(p) for p in prompts]
+    assert all(b is not None for b in bufs)
+    return h.keys_of_run([b for b in bufs if b is not None])
+
+
+def test_the_native_blake2b_is_hashlibs() -> None:
+    """The daemon's batched lookup hashes in native code: BLAKE2b written from RFC 7693 must
+    give hashlib's digest for every length around the 128-byte block edges."""
+    rng = random.Random(7)
+    for n in [0, 1, 15, 16, 17, 127, 128, 129, 255, 256, 257, 1041, 4113, 5000]:
+        data = rng.randbytes(n)
+        want = hashlib.blake2b(data, digest_size=16, person=PERSON).digest()
+        assert _native.blake2b_16(PERSON, data) == want, n
+
+
+def test_keys_of_run_equals_keys_whatever_the_earlier_prompt_shares() -> None:
+    """A run's prompts are hashed against the one before (a shared head once, the rest four
+    at a time); each must get exactly the keys ``keys`` gives it alone."""
     h = ChunkHasher("m", 16)
     head = list(range(48))
     prompts = [
@@ -143,34 +162,61 @@ def test_keys_after_equals_keys_whatever_the_earlier_prompt_shares() -> None:
         list(range(999, 1063)),  # none
         head[:40],  # a prefix of an earlier prompt, ending mid-chunk
         head[:8],  # no full chunk
-        [*head[:16], -1, *range(15)],  # a chunk outside uint32: hashed as keys does
         head + list(range(200, 232)),
+        head + list(range(200, 232)),  # the same prompt twice
     ]
-    prior = None
-    for p in prompts:
-        for form in (p, np.asarray(p, dtype=np.int64), np.asarray(p, dtype=np.int64).astype(np.uint32)):
-            if form is not p and min(p, default=0) < 0:
-                continue
-            keys, _ = h.keys_after(form, prior)
-            assert keys == h.keys(p), p
-        _, prior = h.keys_after(np.asarray(p, dtype=np.int64), prior)
+    keys, shared = _run(h, prompts)
+    assert keys == [h.keys(p) for p in prompts]
+    assert shared == [0, 3, 1, 0, 0, 0, 0, 5]
+    assert keys[1][:3] == keys[0][:3] and all(a is b for a, b in zip(keys[1][:3], keys[0][:3], strict=True))
 
 
-def test_keys_after_finds_where_two_long_prompts_part_at_every_chunk() -> None:
-    """The shared head is found by bisection over whole chunks: for prompts of 11 chunks that
-    part in each chunk (and at each end of it), the keys are those ``keys`` gives alone, and
-    the head reused is exactly the chunks before the parting one."""
+def test_keys_of_run_on_random_runs() -> None:
+    """Random runs (chunk sizes 1 to 31, prompts that share any head with the one before or
+    with an earlier one, repeats, tails): the keys are those ``keys`` gives alone, and the
+    shared count is the longest common run of whole chunks with the prompt before."""
+    rng = random.Random(3)
+    for chunk in (1, 2, 16, 31):
+        h = ChunkHasher("m", chunk)
+        for _ in range(120):
+            base = [rng.randrange(2**32) for _ in range(chunk * 7)]
+            prompts: list[list[int]] = []
+            for _ in range(rng.randrange(1, 12)):
+                if prompts and rng.random() < 0.3:
+                    prompts.append(list(prompts[-1]))
+                    continue
+                cut = rng.randrange(len(base) + 1)
+                prompts.append(base[:cut] + [rng.randrange(2**32) for _ in range(rng.randrange(3 * chunk))])
+            keys, shared = _run(h, prompts)
+            assert keys == [h.keys(p) for p in prompts]
+            for i in range(1, len(prompts)):
+                a, b = prompts[i], prompts[i - 1]
+                whole = min(len(a), len(b)) // chunk
+                cuts = [(c * chunk, (c + 1) * chunk) for c in range(whole)]
+                parts = (c for c, (lo, hi) in enumerate(cuts) if a[lo:hi] != b[lo:hi])
+                same = next(parts, whole)
+                assert shared[i] == same
+
+
+def test_keys_of_run_finds_where_two_long_prompts_part_at_every_chunk() -> None:
+    """For prompts of 11 chunks that part in each chunk (and at each end of it), the keys are
+    those ``keys`` gives alone, and the head reused is exactly the chunks before the parting one."""
     h = ChunkHasher("m", 16)
     base = np.arange(11 * 16, dtype=np.uint32)
-    _, prior = h.keys_after(base, None)
-    assert prior is not None
     for at in range(11 * 16 + 1):
         other = base.copy()
         other[at:] += 10_000  # the same tokens before ``at``, others from it on
-        keys, _ = h.keys_after(other, prior)
+        (first, keys), shared = h.keys_of_run([base.tobytes(), other.tobytes()])
         assert keys == h.keys(other.tolist()), at
-        assert keys[: at // 16] == prior.keys[: at // 16]
-        assert at // 16 == 11 or keys[at // 16] != prior.keys[at // 16]
+        assert shared[1] == at // 16
+        assert keys[: at // 16] == first[: at // 16]
+        assert at // 16 == 11 or keys[at // 16] != first[at // 16]
+
+
+def test_u32_bytes_is_none_past_uint32() -> None:
+    assert u32_bytes([1, 2**32 - 1]) is not None
+    assert u32_bytes([1, 2**32]) is None
+    assert u32_bytes([-1]) is None
 
 
 def test_uint32_ids_skip_the_range_scan_and_keep_their_keys() -> None:

@@ -16,7 +16,7 @@ from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.retrieve import prefetch
 from kvcache.ids import Packed, RawIds, id_count, is_packed, unpacked
-from kvcache.keys import ChunkHasher, Hashed, KeyScope
+from kvcache.keys import KeyScope, u32_bytes
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart
 from kvcache.records import ChunkKey
 
@@ -55,9 +55,10 @@ def lookup_many(
     batch is served and its ``MP_LOOKUP_END`` after (the requester waited for the batch); on
     a bus that is off, nothing is built to describe them."""
     events = parts.events
-    sids = [events.session(inst.instance_id, request_id) for _, _, request_id in queries]
     sizes = [id_count(token_ids) for token_ids, _, _ in queries]
+    sids: list[str] = []
     if events.on:
+        sids = [events.session(inst.instance_id, request_id) for _, _, request_id in queries]
         for sid, size in zip(sids, sizes, strict=True):
             events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=size))
     keyed, shared = _keys(inst, queries)
@@ -67,7 +68,9 @@ def lookup_many(
         for keys, (run, joined) in zip(keyed, parts.pool.resident_many(keyed, shared), strict=True)
     ]  # a prompt wholly resident (in L1, or joining loads begun from L2) walks no further
     cs = inst.ctx.chunk_size
-    parts.stats.record_lookups((n, (l1 + l2) * cs) for n, (l1, l2) in zip(sizes, tiers, strict=True))
+    parts.stats.record_lookups(len(tiers), sum(sizes), sum(l1 + l2 for l1, l2 in tiers) * cs)
+    if not events.on:
+        return [LookupHit((l1 + l2) * cs, l2 * cs) for l1, l2 in tiers]
     return [_answer(parts, inst, sid, n, l1, l2) for sid, n, (l1, l2) in zip(sids, sizes, tiers, strict=True)]
 
 
@@ -75,34 +78,61 @@ def _keys(
     inst: InstanceState, queries: Sequence[tuple[RawIds | Packed, KeyScope, str]]
 ) -> tuple[list[list[ChunkKey]], list[int]]:
     """Each prompt's chunk keys, and how many leading keys it shares with the prompt just
-    before it (``L1Pool.resident_many`` walks that head once). A prompt of the same scope as
-    the one before reuses the keys of the head they share (``ChunkHasher.keys_after``). A
-    step's prompts come with one scope object (the daemon builds one per salt and key
-    extra), so the scope is compared by identity first; ids packed as uint32 (the daemon's,
-    off the wire) are hashed as they came."""
+    before it (``L1Pool.resident_many`` walks that head once). Consecutive prompts of one
+    scope are hashed in one call (``ChunkHasher.keys_of_run``); ids packed as uint32 (the
+    daemon's, off the wire) are hashed as they came. A prompt with an id past uint32 is
+    hashed alone and shares nothing."""
+    wire = _one_wire_run(queries)
+    if wire is not None:  # the daemon's batch of one scope: hashed in one call, as it came
+        return inst.hasher(queries[0][1]).keys_of_run(wire)
     keyed: list[list[ChunkKey]] = []
     shared: list[int] = []
-    priors: dict[KeyScope, Hashed | None] = {}  # per scope: the last prompt hashed in it
+    run: list[bytes | memoryview] = []
     scope: KeyScope | None = None
-    hasher: ChunkHasher | None = None
-    prior: Hashed | None = None
+
+    def hash_run() -> None:
+        if run and scope is not None:
+            keys, same = inst.hasher(scope).keys_of_run(run)  # the first shares nothing
+            keyed.extend(keys)
+            shared.extend(same)
+            run.clear()
+
     for token_ids, key_scope, _ in queries:
-        follows = key_scope is scope and hasher is not None  # the prior is the prompt before
-        if not follows:
-            if scope is not None:
-                priors[scope] = prior
-            scope, hasher, prior = key_scope, inst.hasher(key_scope), priors.get(key_scope)
-        assert hasher is not None
-        if is_packed(token_ids):
-            if token_ids.width == 4:
-                keys, prior = hasher.keys_after_u32(token_ids.data, prior)
-            else:
-                keys, prior = hasher.keys_after(unpacked(token_ids), prior)
+        buf = _u32(token_ids)
+        if key_scope != scope or buf is None:
+            hash_run()
+            scope = key_scope
+        if buf is None:
+            ids = unpacked(token_ids) if is_packed(token_ids) else token_ids
+            keyed.append(inst.hasher(key_scope).keys(ids))
+            shared.append(0)
         else:
-            keys, prior = hasher.keys_after(token_ids, prior)
-        keyed.append(keys)
-        shared.append(prior.shared if follows and prior is not None else 0)
+            run.append(buf)
+    hash_run()
     return keyed, shared
+
+
+def _one_wire_run(queries: Sequence[tuple[RawIds | Packed, KeyScope, str]]) -> list[bytes] | None:
+    """Every prompt's uint32 bytes when all are packed so (off the wire) under one scope
+    object (the daemon builds one per salt and key extra), else None."""
+    if not queries:
+        return None
+    first = queries[0][1]
+    out: list[bytes] = []
+    for token_ids, key_scope, _ in queries:
+        if key_scope is not first or not is_packed(token_ids) or token_ids.width != 4:
+            return None
+        out.append(token_ids.data)
+    return out
+
+
+def _u32(token_ids: RawIds | Packed) -> bytes | memoryview | None:
+    """The ids as little-endian uint32 bytes, or None when one is past uint32."""
+    if is_packed(token_ids):
+        if token_ids.width == 4:
+            return token_ids.data
+        token_ids = unpacked(token_ids)
+    return u32_bytes(token_ids)
 
 
 def _walk(

@@ -187,16 +187,16 @@ class OffloadStatsCollector:
                 self._cur.retrieve.record(nbytes, seconds, tokens)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
-        self.record_lookups(((query_tokens, hit_tokens),))
+        self.record_lookups(1, query_tokens, hit_tokens)
 
-    def record_lookups(self, lookups: Iterable[tuple[int, int]]) -> None:
-        """Each ``(query_tokens, hit_tokens)``, under one hold of the lock."""
+    def record_lookups(self, count: int, query_tokens: int, hit_tokens: int) -> None:
+        """``count`` lookups asking ``query_tokens`` and finding ``hit_tokens`` in all (a
+        scheduler step's batch: one hold of the lock, the sums taken by the caller)."""
         with self._lock:
             cur = self._cur
-            for query_tokens, hit_tokens in lookups:
-                cur.lookups += 1
-                cur.lookup_query_tokens += query_tokens
-                cur.lookup_hit_tokens += hit_tokens
+            cur.lookups += count
+            cur.lookup_query_tokens += query_tokens
+            cur.lookup_hit_tokens += hit_tokens
 
     def snapshot(self) -> OffloadStats:
         with self._lock:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from kvcache.errors import LimitExceededError
 from kvcache.ids import unpacked
 from kvcache.protocol.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -22,6 +23,7 @@ from kvcache.protocol.messages import (
     Error,
     ErrorCode,
     IdArray,
+    LookupItem,
     ReplyBody,
     ReplyEnvelope,
     RequestBody,
@@ -109,6 +111,67 @@ def pack_ids(ids: Sequence[int] | Any) -> IdArray:
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         packed.byteswap()
     return IdArray(packed.tobytes(), width)
+
+
+def with_heads(items: Sequence[LookupItem], chunk_tokens: int) -> list[LookupItem]:
+    """``items`` with the leading whole chunks (of ``chunk_tokens`` ids) each shares with the
+    item before left out and counted in ``head``: the daemon adds them back, so a step's
+    prompts that share a system prompt carry it once. Only 32-bit ids (a vocabulary's) are
+    compared; an item that already has a head is kept as it is, and the next one gets none."""
+    out: list[LookupItem] = []
+    step = 4 * chunk_tokens
+    prior = b""  # the item before's ids, whole
+    for item in items:
+        ids = item.token_ids
+        whole = min(len(ids.data), len(prior)) // step if step and ids.width == 4 else 0
+        lo, hi = 0, whole + 1  # the first lo chunks are shared, the first hi are not
+        view = memoryview(prior)
+        while hi - lo > 1:  # a bisection of prefix compares, each one memcmp without a copy
+            mid = (lo + hi) // 2
+            if ids.data.startswith(view[: mid * step]):
+                lo = mid
+            else:
+                hi = mid
+        head = lo * step
+        if head and not item.head:
+            out.append(msgspec.structs.replace(item, token_ids=IdArray(ids.data[head:], 4), head=head // 4))
+        else:
+            out.append(item)
+        prior = ids.data if ids.width == 4 and not item.head else b""
+    return out
+
+
+def whole_ids(items: Sequence[LookupItem], max_added: int | None) -> list[IdArray]:
+    """Each item's ids with its head added back (``with_heads`` undone), every check first:
+    ``ValueError`` for a head the batch does not back (on the first item, past the ids of the
+    item before, or of another width) and ``LimitExceededError`` when the heads would add back
+    more than ``max_added`` ids in all (the daemon's ``--max-ids``): a few bytes of heads may
+    not make the daemon build and hash more than one longest request beyond what was sent."""
+    added = count = width = 0  # count, width: the item before's, whole
+    for i, item in enumerate(items):
+        ids = item.token_ids
+        if item.head:
+            if i == 0:
+                raise ValueError(f"the first item of a batch has a head ({item.head} ids) but no item before")
+            if ids.width != width:
+                raise ValueError(f"item {i} has a head of {ids.width}-byte ids after {width}-byte ids")
+            if item.head > count:
+                raise ValueError(f"item {i} has a head of {item.head} ids; the item before holds {count}")
+            added += item.head
+        count, width = item.head + len(ids.data) // ids.width, ids.width
+    if max_added is not None and added > max_added:
+        raise LimitExceededError(
+            f"the heads of one batch add back {added} ids; the limit is {max_added} (--max-ids)"
+        )
+    out: list[IdArray] = []
+    before = b""
+    for item in items:
+        ids = item.token_ids
+        if item.head:
+            ids = IdArray(before[: item.head * ids.width] + ids.data, ids.width)
+        out.append(ids)
+        before = ids.data
+    return out
 
 
 def unpack_ids(ids: IdArray) -> np.ndarray:

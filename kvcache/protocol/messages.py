@@ -30,11 +30,12 @@ from kvcache.records import (  # the replies the engine's futures resolve with, 
     StoreResult,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped only on a change an older peer would misread; a mismatch is a ``VERSION_MISMATCH`` reply.
 
 2: registration tokens on every instance request; CPU tensors travel as sealed memfds
-(``FdTensor``) instead of /dev/shm paths."""
+(``FdTensor``) instead of /dev/shm paths.
+3: ``LookupItem.head`` (an older daemon would ignore it and look up only the tail)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 """The default request cap (token lists of ~10M ids fit). The daemon closes a connection whose
@@ -117,6 +118,11 @@ class LookupItem(_Wire):
     cache_salt: Name = ""
     request_id: Name = ""
     key_extra: str = ""
+    head: NonNegInt = 0
+    """Leading ids this item has in common with the item before it (as the daemon rebuilds
+    that one), left out of ``token_ids``: a step's prompts that share a system prompt send it
+    once (``codec.with_heads``). The item before must hold that many ids, of the same width;
+    the ids heads add back to a batch count against ``--max-ids`` together."""
 
 
 class LookupBatch(Request, tag="lookup_batch"):

@@ -364,7 +364,7 @@ longer ones go to the fast lane, so one huge prompt never stalls every other cli
 
 def _small_lookup(body: m.RequestBody) -> bool:
     if isinstance(body, m.LookupBatch):  # the whole batch is one hand-off, or none
-        tokens = sum(len(item.token_ids.data) // item.token_ids.width for item in body.items)
+        tokens = sum(item.head + len(item.token_ids.data) // item.token_ids.width for item in body.items)
         return tokens <= INLINE_LOOKUP_MAX_TOKENS
     if not isinstance(body, m.Lookup):
         return False

@@ -30,6 +30,7 @@ from kvcache.futures import resolved, then
 from kvcache.ids import Packed, check_count, checked_packed, unpacked
 from kvcache.keys import KeyScope
 from kvcache.protocol import messages as m
+from kvcache.protocol.codec import whole_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
@@ -232,14 +233,14 @@ class Handlers:
         scopes: dict[tuple[str, str], KeyScope] = {}  # a step's requests mostly share one
         checked: list[tuple[Packed, KeyScope, str]] = []
         max_ids = self.limits.max_ids
-        for item in req.items:
+        for item, ids in zip(req.items, whole_ids(req.items, max_ids), strict=True):
             scope = scopes.get((item.cache_salt, item.key_extra))
             if scope is None:
                 principal.check_salt(item.cache_salt)
                 scope = scopes[item.cache_salt, item.key_extra] = KeyScope(
                     item.cache_salt, item.key_extra, instance.door
                 )
-            checked.append((checked_packed(item.token_ids, max_ids), scope, item.request_id))
+            checked.append((checked_packed(ids, max_ids), scope, item.request_id))
         hits = self.engine.lookup_many(req.instance_id, checked)
         return m.LookupBatchResult(hits=[m.LookupHit(h.hit_tokens, h.l2_tokens) for h in hits])
 

@@ -193,3 +193,45 @@ def test_a_tenant_cannot_batch_a_lookup_in_another_tenants_salt(
         assert [h.hit_tokens for h in hits] == [64, 32]
         _counted(d, before + 2)  # only the two lookups of the allowed batch
         assert d.proc.poll() is None
+
+
+def _headed(tokens: list[int], head: int, width: int = 4) -> m.LookupItem:
+    """An item whose first ``head`` ids are the item before's, sent without them."""
+    tail = tokens[head:]
+    data = b"".join(t.to_bytes(width, "little") for t in tail)
+    return m.LookupItem(token_ids=m.IdArray(data, width), head=head)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        pytest.param([_headed(TOKENS, 16)], id="head_on_the_first_item"),
+        pytest.param([_item(TOKENS[:32]), _headed(TOKENS, 33)], id="head_past_the_item_before"),
+        pytest.param([_item(), _headed(TOKENS, 16, width=8)], id="head_of_another_width"),
+    ],
+)
+def test_a_head_that_names_ids_the_batch_never_sent_refuses_it(
+    daemon: DaemonProcess, client: KVCacheClient, items: list[m.LookupItem]
+) -> None:
+    before = _lookups(daemon)
+    reply = raw_call(daemon.ipc_endpoint, m.LookupBatch(instance_id=1, items=items))
+    assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.BAD_REQUEST, reply
+    assert "head" in reply.message
+    _still_serves_and_looked_up_nothing(daemon, client, before)
+
+
+def test_heads_cannot_make_a_small_batch_hold_more_ids_than_max_ids(
+    daemon: DaemonProcess, client: KVCacheClient
+) -> None:
+    """256 items that each repeat the whole item before (a few bytes each on the wire) would
+    have the daemon build and hash 256 x MAX_IDS ids: refused before any is built, as an item
+    over ``--max-ids`` is."""
+    before = _lookups(daemon)
+    full = list(range(MAX_IDS))
+    items = [_item(full)] + [_headed(full, MAX_IDS)] * (m.MAX_LOOKUP_BATCH - 1)
+    with pytest.raises(LimitExceededError, match="--max-ids"):
+        client.lookup_batch(items)
+    longer = [_item(full), m.LookupItem(token_ids=pack_ids([1]), head=MAX_IDS)]  # one item past it
+    with pytest.raises(LimitExceededError, match="--max-ids"):
+        client.lookup_batch(longer)
+    _still_serves_and_looked_up_nothing(daemon, client, before)

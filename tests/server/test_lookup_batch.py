@@ -11,7 +11,7 @@ import torch
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import pack_ids
+from kvcache.protocol.codec import pack_ids, with_heads
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
 
@@ -61,3 +61,32 @@ def test_a_batch_answers_each_item_as_a_single_lookup_would(
         many = items * (m.MAX_LOOKUP_BATCH // len(items) + 2)
         assert [h.hit_tokens for h in c.lookup_batch(many)] == [64, 0, 48, 32, 0] * (len(many) // 5)
         assert c.lookup_batch([]) == []
+
+
+def test_items_that_send_a_shared_head_once_get_the_answers_of_whole_items(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """``with_heads`` leaves out of each item the whole chunks it shares with the item
+    before (a system prompt goes on the wire once); the daemon adds them back, so every
+    answer is the one the whole item gets, salts and misses included."""
+    d = start_daemon()
+    with KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=5) as c:
+        c.register_kv_caches(_cache())
+        c.store(TOKENS, BLOCKS, cache_salt="x")
+        c.store(TOKENS[:48] + [7] * 16, BLOCKS, cache_salt="x")
+        asks = [
+            (TOKENS, "x"),
+            (TOKENS[:48] + [7] * 16, "x"),  # shares three chunks with the one before
+            (TOKENS[:48] + [8] * 16, "x"),  # three, then a miss
+            (TOKENS[:48] + [7] * 16, ""),  # the same ids in another salt: a miss
+            (TOKENS[:20], "x"),  # one chunk, and part of the next
+            (TOKENS, "x"),
+        ]
+        whole = [m.LookupItem(token_ids=pack_ids(t), cache_salt=s) for t, s in asks]
+        headed = with_heads(whole, chunk_tokens=16)
+        assert [i.head for i in headed] == [0, 48, 48, 48, 16, 16]
+        assert sum(len(i.token_ids.data) for i in headed) < sum(len(i.token_ids.data) for i in whole) / 2
+        assert [(h.hit_tokens, h.l2_hit_tokens) for h in c.lookup_batch(headed)] == [
+            (h.hit_tokens, h.l2_hit_tokens) for h in c.lookup_batch(whole)
+        ]
+        assert [h.hit_tokens for h in c.lookup_batch(headed)] == [64, 64, 48, 0, 16, 64]

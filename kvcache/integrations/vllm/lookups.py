@@ -18,7 +18,7 @@ from kvcache.integrations.vllm.config import ConnectorConfig
 from kvcache.integrations.vllm.request_keys import request_key_extra
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.protocol import messages as m
-from kvcache.protocol.codec import pack_ids
+from kvcache.protocol.codec import pack_ids, with_heads
 
 log = logging.getLogger("kvcache.integrations.vllm")
 
@@ -101,10 +101,13 @@ class StepLookups:
             if tokens is None or len(tokens) <= chunk_size or extra is None or req_id in self._recompute:
                 continue  # never looked up (see get_num_new_matched_tokens)
             batch.append((other, tokens, other.cache_salt or "", extra))
-        items = [
-            m.LookupItem(token_ids=pack_ids(t), cache_salt=s, request_id=r.request_id, key_extra=k)
-            for r, t, s, k in batch
-        ]
+        items = with_heads(  # a system prompt the step's requests share travels once
+            [
+                m.LookupItem(token_ids=pack_ids(t), cache_salt=s, request_id=r.request_id, key_extra=k)
+                for r, t, s, k in batch
+            ],
+            chunk_size,
+        )
         try:
             hits = self.client.lookup_batch(items)
         except ProtocolError as exc:  # a daemon from before LookupBatch: one lookup per request
