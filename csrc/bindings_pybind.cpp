@@ -64,7 +64,7 @@ py::object key_int(const kvc::Digest& d) {
   return py::reinterpret_steal<py::object>(v);
 }
 
-// kvcache.keys.ChunkHasher.keys_of_u32_run: each prompt's chunk keys (ints, as
+// kvcache.keys.ChunkHasher.keys_of_run: each prompt's chunk keys (ints, as
 // int.from_bytes(digest, "little")) and how many leading chunks it shares with the one before.
 py::tuple chain_keys_u32(const py::bytes& root, const py::bytes& person, size_t chunk_tokens,
                          const py::sequence& prompts) {
