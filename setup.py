@@ -120,7 +120,10 @@ class BuildNative(build_ext):
 ext_modules = [
     Pybind11Extension(
         "kvcache._native",
-        sources=[str(p.relative_to(ROOT)) for p in (CSRC / "kvc_cpu.cpp", CSRC / "kvc_keys.cpp", CSRC / "bindings_pybind.cpp")],
+        sources=[
+            str(p.relative_to(ROOT))
+            for p in (CSRC / "kvc_cpu.cpp", CSRC / "kvc_keys.cpp", CSRC / "bindings_pybind.cpp")
+        ],
         include_dirs=[str(CSRC)],
         # headers and the layout table: an edit to them must rebuild the module
         depends=[str(p.relative_to(ROOT)) for p in [*sorted(CSRC.glob("*.h")), CSRC / "layouts.def"]],
