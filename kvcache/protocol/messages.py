@@ -119,10 +119,8 @@ class LookupItem(_Wire):
     request_id: Name = ""
     key_extra: str = ""
     head: NonNegInt = 0
-    """Leading ids this item has in common with the item before it (as the daemon rebuilds
-    that one), left out of ``token_ids``: a step's prompts that share a system prompt send it
-    once (``codec.with_heads``). The item before must hold that many ids, of the same width;
-    the ids heads add back to a batch count against ``--max-ids`` together."""
+    """Leading ids shared with the item before, left out of ``token_ids`` (``codec.with_heads``;
+    ``codec.whole_ids`` adds them back and says what a head may be)."""
 
 
 class LookupBatch(Request, tag="lookup_batch"):
