@@ -35,6 +35,8 @@ DEFAULT_BATCH_WINDOW_S = 0.010
 10 ms is within a serving engine's scheduler step, the granularity vLLM publishes at."""
 DEFAULT_MAX_MERGE = 1024  # accepted batches per wire batch at most (bounds message size)
 _IDLE_POLL_S = 0.005  # replay requests wait at most this long while no batch arrives
+_REPLAYS_PER_TURN = 4  # replay requests answered between two sends at most
+_REPLAY_FRAME_MAX = 4096  # bytes in a frame of a replay request (8 used; ZMTP commands too)
 _COPY_BELOW = 65_536  # ZMQ: copying a small frame is cheaper than tracking a zero-copy one
 
 
@@ -124,6 +126,7 @@ class ZmqEventPublisher(EventPublisher):
         self._failed = 0
         self._done_cond = threading.Condition()
         self._published = 0
+        self._replays = 0  # replay requests taken (malformed ones too)
         self._flush_upto = 0  # a flush waits for the batches accepted up to here: no window
         self._skip = False  # a batch was dropped since the last send: consume a seq for it
         self._closed = False
@@ -152,6 +155,7 @@ class ZmqEventPublisher(EventPublisher):
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, _REPLAY_FRAME_MAX)  # a reader's bytes
                 if wants_ipv6(replay_endpoint):
                     self._replay.setsockopt(zmq.IPV6, 1)
                 self._guard(self._replay, replay_endpoint)
@@ -231,6 +235,10 @@ class ZmqEventPublisher(EventPublisher):
         return self._refused + self._failed
 
     @property
+    def replay_requests_served(self) -> int:
+        return self._replays
+
+    @property
     def queue_depth(self) -> int:
         return len(self._pending)
 
@@ -248,11 +256,12 @@ class ZmqEventPublisher(EventPublisher):
         last_send = 0.0
         try:
             while True:
-                if self._replay is not None:
-                    self._serve_replay()
+                more = self._replay is not None and self._serve_replay()
                 if not pending:
                     if self._closed:
                         break
+                    if more:  # requests wait and no batch does: serve on
+                        continue
                     self._idle = True
                     if pending or self._closed:  # raced with publish/shutdown
                         self._idle = False
@@ -304,10 +313,16 @@ class ZmqEventPublisher(EventPublisher):
             self._done += len(batches)
             self._done_cond.notify_all()
 
-    def _serve_replay(self) -> None:
+    def _serve_replay(self) -> bool:
+        """Answer up to ``_REPLAYS_PER_TURN`` replay requests; True when more are waiting. A
+        few a turn, between sends: a reader that floods requests (each answered with up to
+        the whole buffer) must not hold back the live batches every router follows."""
         assert self._replay is not None
-        while self._replay.poll(0):
+        for _ in range(_REPLAYS_PER_TURN):
+            if not self._replay.poll(0):
+                return False
             frames = self._replay.recv_multipart()
+            self._replays += 1
             if len(frames) == 2:
                 ident, envelope, start = frames[0], [], frames[1]
             elif len(frames) == 3 and frames[1] == b"":
@@ -324,6 +339,7 @@ class ZmqEventPublisher(EventPublisher):
                 if seq >= first:
                     self._replay.send_multipart([ident, *envelope, self._topic, seq_bytes(seq), payload])
             self._replay.send_multipart([ident, *envelope, b"", END_SEQ, b""])
+        return bool(self._replay.poll(0))
 
     def _close_sockets(self, linger_ms: int) -> None:
         self._pub.close(linger=linger_ms)

@@ -263,3 +263,50 @@ def test_ipv6_loopback_binds_and_delivers() -> None:
     finally:
         c.close()
         p.shutdown()
+
+
+def test_a_reader_flooding_replay_requests_never_holds_back_live_batches() -> None:
+    """Replay requests are a reader's bytes: one that sends hundreds (and reads none of the
+    replies) must not keep the publisher thread replaying while live batches wait. Requests
+    are served a few at a time between sends, so the live batch published once the flood is
+    being served goes out long before the flood is done; an oversized request frame is
+    refused by the socket (``ZMQ_MAXMSGSIZE``), and the socket keeps serving."""
+    p = ZmqEventPublisher(LOCAL, LOCAL, topic="kv", max_merge=1, buffer_steps=500)
+    live = Consumer(p.endpoint, None, topic="kv")
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.connect(p.replay_endpoint or "")
+    try:
+        wait_connected(lambda: p.publish(EventBatch(ts=0.0, events=[])), live)
+        for i in range(500):
+            p.publish(batch("map", i))
+        assert p.flush(10)
+        big_ctx = zmq.Context()  # past the frame bound: this connection is dropped
+        big = big_ctx.socket(zmq.DEALER)
+        big.connect(p.replay_endpoint or "")
+        big.send(b"x" * 100_000)
+        big.close(linger=5000)
+        big_ctx.term()  # returns once the frame is on its way
+        requests = 200
+        for _ in range(requests):
+            flood.send((0).to_bytes(8, "big"))
+        deadline = time.monotonic() + 30
+        while p.replay_requests_served == 0:
+            assert time.monotonic() < deadline, "the flood was never served"
+            time.sleep(0.001)
+        p.publish(batch("map", 777))
+        while True:
+            assert live.sub.poll(30_000), "the live batch never came"
+            _, _, payload = live.sub.recv_multipart()
+            if msgspec.msgpack.decode(payload)[1][0]["block_hashes"] == [777]:
+                break
+        assert p.replay_requests_served < requests / 2, p.replay_requests_served
+        while p.replay_requests_served < requests:  # the rest of the flood is served after
+            assert time.monotonic() < deadline, p.replay_requests_served
+            time.sleep(0.005)
+        assert p.replay_requests_served == requests  # the oversized frame never reached it
+    finally:
+        flood.close(0)
+        ctx.term()
+        live.close()
+        p.shutdown()
