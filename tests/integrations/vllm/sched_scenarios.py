@@ -39,6 +39,7 @@ from kvcache.protocol import messages as m
 from kvcache.server.launch import Spawn
 from kvcache.testing.daemon_zygote import Zygote
 from kvcache.testing.redis_local import LocalRedis
+from tests.integrations.vllm.redis_gate import RedisReadGate
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
 from tests.integrations.vllm.sched_failures import ONCE
 from tests.integrations.vllm.sched_failures import SCENARIOS as FAILURE_SCENARIOS
@@ -383,53 +384,59 @@ def stalled(h: Harness, what: str) -> None:
     its blocks go to another request, which computes its prompt in them; only then does the
     stopped process run again. The load is past its deadline and must move no byte: written
     late, it would overwrite the other request's KV (its next steps would read a wrong
-    context). Redis: the daemon waits for L2 no longer than the client's deadline. The
-    lookup already starts an L2 -> L1 prefetch, which may win the race with the SIGSTOP (the
-    load then needs no Redis): up to three tries."""
+    context). Redis: the daemon waits for L2 no longer than the client's deadline. Its reads
+    are held at a proxy (``RedisReadGate``) rather than the server stopped: the lookup's
+    ``EXISTS`` passes, and the L2 -> L1 prefetch it starts stalls every time."""
     if what == "redis":
         if shutil.which("redis-server") is None:
             raise ScenarioSkipped("redis-server is not installed")
         redis = LocalRedis().start()
         h.cleanups.append(redis.close)
-        h.replace_daemon(["--l2-redis-url", redis.url, "--l2-redis-timeout", "30"])
-        assert redis._proc is not None  # NOTE: LocalRedis has no public pid; SIGSTOP needs one
-        pid = redis._proc.pid
-        for attempt in range(3):
-            if _stall_once(h, what, pid, attempt):
-                h.facts["attempts"] = attempt + 1
-                return
-        raise ScenarioSkipped("the L2 -> L1 prefetch beat the SIGSTOP three times")
-    assert _stall_once(h, what, h.daemon.proc.pid, 0), "the stalled load did not fail"
+        gate = RedisReadGate(redis)
+        h.cleanups.append(gate.close)
+        h.replace_daemon(["--l2-redis-url", gate.url, "--l2-redis-timeout", "30"])
+        assert _stall_once(h, what, gate.hold, gate.release), "the stalled load did not fail"
+        return
+    pids: list[int] = []
+
+    def stop() -> None:
+        pids.append(h.daemon.proc.pid)
+        os.kill(pids[0], signal.SIGSTOP)
+
+    assert _stall_once(h, what, stop, lambda: pids and os.kill(pids[0], signal.SIGCONT)), (
+        "the stalled load did not fail"
+    )
 
 
-def _stall_once(h: Harness, what: str, pid: int, attempt: int) -> bool:
-    """One try of ``stalled``; True if the load did wait for the stopped process."""
-    prefix = prompts(10 + attempt, 256, [0])[0]
+def _stall_once(h: Harness, what: str, halt: Callable[[], None], resume: Callable[[], object]) -> bool:
+    """``stalled``; True if the load did wait for the stopped process (``halt``: at the
+    step that plans the load for the daemon, before the request arrives for Redis)."""
+    prefix = prompts(10, 256, [0])[0]
     warm = h.engine()
-    warm.add(f"warm{attempt}", [*prefix, 3], 2)
+    warm.add("warm", [*prefix, 3], 2)
     warm.run()
     h.check(warm)
     if what == "redis":
         h.daemon.restart(graceful=True)  # L1 empty: the prefix comes from Redis
-    else:
-        pid = h.daemon.proc.pid
+        halt()  # its reads wait at the gate; the lookup's EXISTS passes
     eng = h.engine(timeout_s=1.0, num_blocks=26)
-    a, b = f"a{attempt}", f"b{attempt}"
+    a, b = "a", "b"
     state: dict[str, int] = {}
     targets: set[int] = set()  # the blocks the stalled load would write
 
     def stop(step: int, out: Any) -> None:
         if "stopped" not in state and out.kv_connector_metadata.plan.retrieves:
-            os.kill(pid, signal.SIGSTOP)
+            if what != "redis":
+                halt()
             state["stopped"] = step
             targets.update(out.kv_connector_metadata.plan.retrieves[0].block_ids)
 
     def reuse_then_resume(step: int) -> None:
         if "stopped" in state and a not in eng.aborted:
             eng.abort(a)  # its blocks go back to vLLM's pool
-            eng.add(b, prompts(20 + attempt, 700, [0])[0], 4)  # 22 of the 25 blocks: a's too
+            eng.add(b, prompts(20, 700, [0])[0], 4)  # 22 of the 25 blocks: a's too
         elif "resumed" not in state and b in eng.requests and eng.requests[b].num_computed_tokens >= 600:
-            os.kill(pid, signal.SIGCONT)
+            resume()
             state["resumed"] = step
             (held,) = eng.scheduler.kv_cache_manager.get_block_ids(b)
             state["reused_blocks"] = len(targets & set(held))
@@ -442,7 +449,7 @@ def _stall_once(h: Harness, what: str, pid: int, attempt: int) -> bool:
     try:
         eng.run()
     finally:
-        os.kill(pid, signal.SIGCONT)
+        resume()
     h.facts.update(state)
     assert "resumed" in state and state["reused_blocks"] >= 4, state
     for client in (eng.sched_connector.client, eng.worker.client):
