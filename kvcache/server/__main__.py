@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcache.config import EngineConfig, GiB
 from kvcache.protocol.messages import PROTOCOL_VERSION
-from kvcache.server.connections import raise_descriptor_limit
+from kvcache.server.fd_budget import raise_descriptor_limit
 from kvcache.server.settings import parse_settings
 from kvcache.transport.endpoints import default_runtime_dir
 from kvcache.trusted_dir import ensure_private_dir

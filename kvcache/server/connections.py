@@ -13,15 +13,21 @@ What ``ConnectionLimits`` sets, and how the daemon enforces it:
   the descriptor reserve, so the network can never lock the daemon's own user out of its
   Unix socket) and ``max_connections_per_client``: a socket monitor on the
   ROUTER reports every accepted connection with its descriptor (``EVENT_ACCEPTED``) and
-  every closed one (``EVENT_DISCONNECTED``). ``ConnectionGuard`` counts them on its own thread
-  and, when a new one is over a cap, shuts that connection down (``shutdown(2)`` on its
-  descriptor; libzmq then sees the peer gone and closes it through its own bookkeeping). So
-  the newest connection is the one refused: established engines are never dropped for a
-  newcomer. While a new TCP connection would be refused anyway, the TCP listener is also
-  shut at the kernel (``tcpgate``), so a flood stops before libzmq instead of outrunning
-  this thread. The client is named from the transport, before any handshake: ``uid:N`` on the
-  Unix socket (``SO_PEERCRED``, the same principal the ZAP handler names), ``loopback`` on
-  plain loopback TCP, and the peer's address (``ip:ADDR``) on CURVE TCP, whose key is known
+  every closed one (``EVENT_DISCONNECTED``). ``ConnectionGuard`` counts them on the daemon's
+  I/O thread and, when a new one is over a cap, shuts that connection down (``shutdown(2)``
+  on its descriptor; libzmq then sees the peer gone and closes it through its own
+  bookkeeping). So the newest connection is the one refused: established engines are never
+  dropped for a newcomer. The I/O loop asks the guard about each request's connection (the
+  frame's ``ZMQ_SRCFD``) before it reads the request, and the guard first reads every event
+  libzmq has queued, so a refused connection never has a request served, however fast it
+  speaks: libzmq queues a connection's ACCEPTED before its engine reads a byte (the daemon
+  runs one libzmq I/O thread). A guard on a thread of its own, as before, let a peer's first
+  requests through while that thread waited for the interpreter lock on a busy daemon.
+  While a new TCP connection would be refused anyway, the TCP listener is also shut at the
+  kernel (``tcpgate``), so a flood stops before libzmq instead of outrunning the guard. The
+  client is named from the transport, before any handshake: ``uid:N`` on the Unix socket
+  (``SO_PEERCRED``, the same principal the ZAP handler names), ``loopback`` on plain
+  loopback TCP, and the peer's address (``ip:ADDR``) on CURVE TCP, whose key is known
   only after the handshake;
 * the descriptor soft limit is raised to the hard one at start (``raise_descriptor_limit``),
   the total cap is clamped to half of what the limit leaves after ``DESCRIPTOR_HEADROOM``, and
@@ -42,28 +48,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import resource
 import socket
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from kvcache.protocol.channel import readable
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM, descriptor_limit, free_descriptors
 from kvcache.server.tcpgate import TcpGate, find_listener
 
 log = logging.getLogger("kvcache.server")
 
-DESCRIPTOR_HEADROOM = 256
-"""Descriptors kept free for everything but connections (ZMQ's own, files, the fd socket,
-L2 tiers, the metrics endpoint): a new connection is refused when fewer are free."""
-
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _LOG_EVERY_S = 10.0
+_GATE_EVERY_S = 1.0  # how often an idle guard looks again at the descriptors left
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,35 +120,6 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def raise_descriptor_limit() -> int:
-    """Raise this process's descriptor soft limit to its hard limit; returns the soft limit.
-
-    Many systems start processes at a soft limit of 1024 while allowing far more; a daemon
-    serving many engines should not be held to it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError) as exc:
-            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
-    return soft
-
-
-def descriptor_limit() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return soft if soft != resource.RLIM_INFINITY else 1 << 20
-
-
-def free_descriptors() -> int | None:
-    """Descriptors this process may still open (None where /proc cannot tell)."""
-    try:
-        used = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return None
-    return descriptor_limit() - used
-
-
 @dataclass(slots=True)
 class _Conn:
     client: str
@@ -157,36 +130,41 @@ class _Conn:
 class ConnectionGuard:
     """Counts the ROUTER's connections from its monitor and refuses those over a cap.
 
-    Runs its own thread; the I/O loop never waits on it. ``attach`` before the ROUTER binds,
-    so that no connection goes uncounted; ``close`` before the ROUTER closes."""
+    Lives on the daemon's I/O thread, which owns the ROUTER: the loop polls ``monitor_socket`` and
+    calls ``pump`` when it is readable, ``tick`` on every turn, and ``admits`` for each
+    request before reading it. ``attach`` before the ROUTER binds, so that no connection goes
+    uncounted; ``close`` before the ROUTER closes."""
 
     def __init__(self, limits: ConnectionLimits, curve_tcp: bool) -> None:
         self.limits = limits
         self._curve_tcp = curve_tcp
         self._conns: dict[int, _Conn] = {}
+        self._refused: set[int] = set()  # descriptors whose last connection was refused
         self._per_client: dict[str, int] = {}
         self._admitted = 0
-        self._lock = threading.Lock()
         self._monitor: zmq.Socket[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self._last_log = 0.0
         self._unlogged = 0
         self._gate: TcpGate | None = None
+        self._last_gate = 0.0
+
+    @property
+    def monitor_socket(self) -> zmq.Socket[Any]:
+        """The monitor socket, for the I/O loop's poller (after ``attach``)."""
+        assert self._monitor is not None, "attach first"
+        return self._monitor
 
     def attach(self, ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> None:
         address = f"inproc://kvcache-connections-{id(self)}"
         router.monitor(address, _EVENTS)
         monitor = ctx.socket(zmq.PAIR)
         # Unbounded: a lost DISCONNECTED would leak a slot for good (the events are tiny,
-        # and as many as the connections libzmq accepts faster than this thread reads).
+        # and as many as the connections libzmq accepts faster than the I/O loop reads).
         monitor.setsockopt(zmq.RCVHWM, 0)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(address)
         self._router, self._monitor = router, monitor
-        self._thread = threading.Thread(target=self._run, name="kvcache-connections", daemon=True)
-        self._thread.start()
 
     def gate(self, tcp_endpoint: str) -> None:
         """Shut the TCP listener of ``tcp_endpoint`` at the kernel whenever the daemon is
@@ -199,90 +177,111 @@ class ConnectionGuard:
         self._gate = TcpGate(fd)
 
     def close(self) -> None:
-        """Stop watching and end the thread (before the ROUTER closes)."""
+        """Stop watching (before the ROUTER closes)."""
         if self._router is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._router.disable_monitor()
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
         if self._monitor is not None:
             self._monitor.close(linger=0)
         if self._gate is not None:
             self._gate.close()
 
-    # -- the thread --------------------------------------------------------------------
+    # -- on the I/O thread -------------------------------------------------------------
 
-    def _run(self) -> None:
+    def admits(self, frame: zmq.Frame) -> bool:
+        """Whether the request in ``frame`` came on a connection the caps admitted.
+
+        A descriptor not seen yet is a connection whose ACCEPTED is still queued (libzmq
+        queues it before the connection's engine reads a byte): read the queue first. One
+        still unknown then closed before its ACCEPTED was read; its request is served unless
+        the last connection on that descriptor was refused."""
+        fd = frame.get(zmq.SRCFD)
+        conn = self._conns.get(fd)
+        if conn is None:
+            self.pump()
+            conn = self._conns.get(fd)
+            if conn is None:
+                return fd not in self._refused
+        return conn.admitted
+
+    def pump(self) -> None:
+        """Act on every event queued on the monitor, then set the TCP gate."""
         assert self._monitor is not None
-        while not self._stop.is_set():
-            if not self._monitor.poll(1000):  # MONITOR_STOPPED ends it; this is a fallback
-                self._set_gate()  # descriptors may have been freed elsewhere
-                continue
-            # Read everything there is before acting: a descriptor whose DISCONNECTED is
-            # already queued may have been reused by a newer connection.
-            batch = [self._monitor.recv_multipart()]
-            while self._monitor.poll(0):
-                batch.append(self._monitor.recv_multipart())
-            events = [_parse(frames) for frames in batch]
-            for kind, fd, endpoint, closed in _with_fates(events):
-                if kind == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                if kind == zmq.EVENT_ACCEPTED:
-                    self._accepted(fd, endpoint, closed)
-                elif kind == zmq.EVENT_DISCONNECTED:
-                    self._disconnected(fd)
+        # Read everything there is before acting: a descriptor whose DISCONNECTED is
+        # already queued may have been reused by a newer connection.
+        batch = []
+        while readable(self._monitor):
+            batch.append(self._monitor.recv_multipart(zmq.NOBLOCK))
+        events = [_parse(frames) for frames in batch]
+        for kind, fd, endpoint, closed in _with_fates(events):
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepted(fd, endpoint, closed)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._disconnected(fd)
+        if batch:
+            self._set_gate()
+
+    def tick(self) -> None:
+        """On every turn of the I/O loop: once a second, set the TCP gate again
+        (descriptors may have been freed elsewhere)."""
+        now = time.monotonic()
+        if now - self._last_gate >= _GATE_EVERY_S:
             self._set_gate()
 
     def _set_gate(self) -> None:
         """Shut the TCP gate while a new TCP connection would be refused anyway: every
         slot taken, plain loopback TCP at its cap, or descriptors running short."""
+        self._last_gate = time.monotonic()
         if self._gate is None or not (self._gate.shut or self._conns):
             return
         limits = self.limits
-        with self._lock:
-            full = self._admitted >= limits.max_connections or (
-                not self._curve_tcp
-                and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
-            )
+        full = self._admitted >= limits.max_connections or (
+            not self._curve_tcp
+            and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
+        )
         if not full:
             free = free_descriptors()
             full = free is not None and free < 2 * DESCRIPTOR_HEADROOM
         self._gate.set(full)
 
     def _accepted(self, fd: int, endpoint: str, closed: bool) -> None:
-        """Count a new connection, or shut it down when over a cap; ``closed``: its
-        DISCONNECTED is already in hand, so it is only counted."""
+        """Count a new connection, or refuse it when over a cap: shut it down, unless
+        ``closed`` (its DISCONNECTED is already in hand, so the descriptor may be another's
+        by now); a refused connection's requests are dropped either way."""
         self._disconnected(fd)  # a stale entry for a reused descriptor would hold a slot
+        self._refused.discard(fd)
         sock = _borrow(fd, endpoint)
         if sock is None:  # already closed and reused by something else: nothing to count
             return
         try:
             client = self._client(sock)
             network = sock.family != socket.AF_UNIX
-            reason = None if closed else self._over_cap(client, network)
-            with self._lock:
-                self._conns[fd] = _Conn(client, admitted=reason is None, network=network)
-                if reason is None:
-                    self._admitted += network
-                    self._per_client[client] = self._per_client.get(client, 0) + 1
-            if reason is not None:
+            reason = self._over_cap(client, network)
+            self._conns[fd] = _Conn(client, admitted=reason is None, network=network)
+            if reason is None:
+                self._admitted += network
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+                return
+            if not closed:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                self._refuse(client, endpoint, reason)
+            self._refuse(client, endpoint, reason)
         finally:
             sock.detach()
 
     def _disconnected(self, fd: int) -> None:
-        with self._lock:
-            conn = self._conns.pop(fd, None)
-            if conn is not None and conn.admitted:
-                self._admitted -= conn.network
-                left = self._per_client[conn.client] - 1
-                if left:
-                    self._per_client[conn.client] = left
-                else:
-                    del self._per_client[conn.client]
+        conn = self._conns.pop(fd, None)
+        if conn is None:
+            return
+        if not conn.admitted:  # its requests still queued in libzmq stay refused
+            self._refused.add(fd)
+            return
+        self._admitted -= conn.network
+        left = self._per_client[conn.client] - 1
+        if left:
+            self._per_client[conn.client] = left
+        else:
+            del self._per_client[conn.client]
 
     def _client(self, sock: socket.socket) -> str:
         if sock.family == socket.AF_UNIX:
@@ -301,9 +300,8 @@ class ConnectionGuard:
         directory and ZAP), bounded per uid and by the descriptor reserve, so peers on the
         network, authenticated or not, can never lock the operator's engines out of it."""
         limits = self.limits
-        with self._lock:
-            total = self._admitted
-            mine = self._per_client.get(client, 0)
+        total = self._admitted
+        mine = self._per_client.get(client, 0)
         if network and total >= limits.max_connections:
             return f"{total} TCP connections open (--max-connections {limits.max_connections})"
         if mine >= limits.max_connections_per_client:
@@ -371,11 +369,4 @@ def _borrow(fd: int, endpoint: str) -> socket.socket | None:
     return sock
 
 
-__all__ = [
-    "DESCRIPTOR_HEADROOM",
-    "ConnectionGuard",
-    "ConnectionLimits",
-    "descriptor_limit",
-    "free_descriptors",
-    "raise_descriptor_limit",
-]
+__all__ = ["ConnectionGuard", "ConnectionLimits"]

@@ -50,9 +50,10 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.channel import NOBLOCK, readable
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
-from kvcache.server.connections import ConnectionGuard, descriptor_limit
+from kvcache.server.connections import ConnectionGuard
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
+from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
 from kvcache.transport.curve import load_secret_key
 from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
@@ -249,6 +250,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
+        poller.register(self._guard.monitor_socket, zmq.POLLIN)
         deadline: float | None = None
         try:
             while True:
@@ -259,6 +261,9 @@ class Daemon:
                 if deadline is not None and (self._in_flight == 0 or time.monotonic() > deadline):
                     break
                 events = dict(poller.poll(100))
+                if self._guard.monitor_socket in events:
+                    self._guard.pump()
+                self._guard.tick()
                 if self._replies in events:
                     self._forward_replies()
                 if self._router in events:
@@ -278,6 +283,8 @@ class Daemon:
         while readable(self._router):
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
             frames = self._router.recv_multipart(NOBLOCK, copy=False)
+            if not self._guard.admits(frames[-1]):
+                continue  # a connection over a cap: being shut down, never served
             identity = frames[0].bytes
             if len(frames) != 2:
                 error = m.Error(

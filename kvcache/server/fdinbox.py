@@ -24,7 +24,7 @@ import msgspec
 
 from kvcache import trusted_dir
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
-from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM, free_descriptors
 from kvcache.transport.fdproto import FD_SIZE, MAX_TICKET, MIN_TICKET, FdReply, ReceivedFds, refusal_code
 
 log = logging.getLogger("kvcache.server")
@@ -48,7 +48,7 @@ class FdInbox:
     waits (``ticket_ttl_s``), time a connection may stay silent (``connection_timeout_s``),
     connections open at once (``max_connections``; the oldest is dropped for a new one),
     descriptors received at once (never more than the process can spare beyond
-    ``connections.DESCRIPTOR_HEADROOM``). SEQPACKET delivers a message whole and only its
+    ``fd_budget.DESCRIPTOR_HEADROOM``). SEQPACKET delivers a message whole and only its
     ticket is read, so no partial message is ever buffered here.
     Whatever is refused, timed out or expired is closed at once.
     """

@@ -16,7 +16,7 @@ import torch
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol import messages as m
 from kvcache.server.auth import Principal
-from kvcache.server.connections import DESCRIPTOR_HEADROOM, free_descriptors
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM, free_descriptors
 from kvcache.transport.descriptors import descriptor_bytes
 from kvcache.transport.tensors import ImportedTensor, import_tensor
 

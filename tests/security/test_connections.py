@@ -14,7 +14,9 @@ import contextlib
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -135,6 +137,69 @@ def test_connections_are_capped_in_total_and_per_client(
         finally:
             for s in again:
                 s.close()
+    assert d.proc.poll() is None
+
+
+@contextmanager
+def _busy(client: KVCacheClient) -> Iterator[None]:
+    """The tenant looks up long prompts without pause meanwhile: the daemon's Python threads
+    take turns at the interpreter lock, as on a loaded daemon."""
+    stop = threading.Event()
+    prompt = list(range(1 << 16))
+
+    def hammer() -> None:
+        while not stop.is_set():
+            client.lookup(prompt)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _ping_at_once(sock: socket.socket) -> bool:
+    """``zmtp.blurt``'s handshake answered, a Ping sent the moment it is, and its Pong:
+    False when the daemon closes first."""
+    try:
+        zmtp.after_blurt(sock)
+        frame = encode_request(7, m.Ping())
+        sock.sendall(zmtp.frame_header(len(frame)) + frame)
+        while True:
+            flags, body = zmtp.read_frame(sock)
+            if not flags & 0x04:
+                return isinstance(decode_reply(body).body, m.Pong)
+    except (ConnectionError, TimeoutError):
+        return False
+
+
+def test_a_connection_over_the_cap_is_never_served_however_fast_it_speaks(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Forty peers connect at once, each writing its greeting and READY without waiting and
+    its Ping the moment the daemon's READY arrives, so a request reaches the I/O loop a round
+    trip after its accept. No peer past the per-client cap may be answered: the cap is
+    checked before a connection's first request is read, not some time after its accept."""
+    d = start_daemon("--max-connections", "12", "--max-connections-per-client", "6", tcp=True)
+    flood: list[socket.socket] = []
+    with _tenant(d, 1) as (tenant, _), _busy(tenant):
+        for _ in range(40):
+            try:
+                sock = zmtp.connect(d.endpoint, timeout_s=2)
+            except TimeoutError:  # the listener is shut while loopback is full
+                break
+            flood.append(sock)
+            with contextlib.suppress(OSError):
+                zmtp.blurt(sock)
+        try:
+            with ThreadPoolExecutor(len(flood)) as pool:
+                answered = sum(pool.map(_ping_at_once, flood))
+        finally:
+            for s in flood:
+                s.close()
+    assert answered == 6, f"{answered} of {len(flood)} connections served; the cap is 6"
     assert d.proc.poll() is None
 
 

@@ -37,12 +37,38 @@ def flood(endpoint: str, count: int, patience_s: float = 2.0) -> list[socket.soc
     return out
 
 
+def _command(name: bytes, data: bytes) -> bytes:
+    body = bytes([len(name)]) + name + data
+    return bytes([_COMMAND, len(body)]) + body
+
+
+_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
+_READY = _command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER")
+
+
 def handshake(sock: socket.socket) -> None:
     """Greeting and READY as a DEALER with the NULL mechanism; raises if the daemon refuses."""
-    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
-    sock.sendall(greeting)
+    sock.sendall(_GREETING)
     _read_exact(sock, 64)
-    sock.sendall(_command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"))
+    sock.sendall(_READY)
+    _handshake_reply(sock)
+
+
+def blurt(sock: socket.socket) -> None:
+    """Greeting and READY in one write, right after the connect, without waiting for the
+    daemon's greeting (``after_blurt`` reads its answer): the handshake then takes the
+    daemon's round trip alone. A message frame may not follow in the same write: libzmq
+    drops a peer whose message comes before the daemon's own READY went out."""
+    sock.sendall(_GREETING + _READY)
+
+
+def after_blurt(sock: socket.socket) -> None:
+    """Read the daemon's greeting and READY that answer ``blurt``; raises if it refused."""
+    _read_exact(sock, 64)
+    _handshake_reply(sock)
+
+
+def _handshake_reply(sock: socket.socket) -> None:
     flags, body = read_frame(sock)
     if not flags & _COMMAND or not body.startswith(b"\x05READY"):
         raise ConnectionError(f"the daemon did not accept the handshake: {body[:64]!r}")
@@ -74,11 +100,6 @@ def wait_closed(sock: socket.socket) -> bool:
     except ConnectionError:
         pass
     return True
-
-
-def _command(name: bytes, data: bytes) -> bytes:
-    body = bytes([len(name)]) + name + data
-    return bytes([_COMMAND, len(body)]) + body
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.server.connections import DESCRIPTOR_HEADROOM, ConnectionLimits
+from kvcache.server.connections import ConnectionLimits
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM
 
 
 def test_caps_are_fitted_to_what_the_descriptor_limit_leaves() -> None:

@@ -21,7 +21,7 @@ import torch
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol.messages import FdTensor
 from kvcache.server import fdinbox
-from kvcache.server.connections import DESCRIPTOR_HEADROOM
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM
 from kvcache.server.fdinbox import FdInbox
 from kvcache.transport import memfd, tensors
 from kvcache.transport.fdpass import send_fds

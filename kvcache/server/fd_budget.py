@@ -1,0 +1,51 @@
+"""The daemon's descriptor budget: the limit raised at start, and a reserve kept free.
+
+One home for the numbers that three doors share: the connection guard refuses a connection,
+the registration a memfd view, and the fd inbox a hand-over, once fewer than
+``DESCRIPTOR_HEADROOM`` descriptors are left, so libzmq never meets ``EMFILE`` (it aborts
+the process on an ``ipc://`` accept that does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+log = logging.getLogger("kvcache.server")
+
+DESCRIPTOR_HEADROOM = 256
+"""Descriptors kept free for everything but connections (ZMQ's own, files, the fd socket,
+L2 tiers, the metrics endpoint): a new connection is refused when fewer are free."""
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's descriptor soft limit to its hard limit; returns the soft limit.
+
+    Many systems start processes at a soft limit of 1024 while allowing far more; a daemon
+    serving many engines should not be held to it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def descriptor_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def free_descriptors() -> int | None:
+    """Descriptors this process may still open (None where /proc cannot tell)."""
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+    return descriptor_limit() - used
+
+
+__all__ = ["DESCRIPTOR_HEADROOM", "descriptor_limit", "free_descriptors", "raise_descriptor_limit"]
