@@ -11,19 +11,26 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
+from kvcache.errors import ChunkMismatchError
+from kvcache.integrations.vllm.disagg import PARAMS_KEY, SplitRequests
+from kvcache.integrations.vllm.plan import Planner, RetrieveSpec
+from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
-from kvcache.testing import caches_equal, make_kv_caches
+from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from tests.helpers import daemon_starter
 
 from .conftest import BASE_ARGS
 
 TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens, 4 blocks each
+SECRET = "7a11" + "0" * 28
 LONG_MS = 20_000  # a hostile wait: far longer than any honest reply may take
 
 
@@ -71,3 +78,94 @@ def test_a_wait_for_chunks_that_never_come_does_not_hold_back_other_retrieves(da
         assert not any(w.done() for w in waits)  # the hostile waits still run to their bound
         assert caches_equal([t[:, 16:] for t in kv], [t[:, :16] for t in kv])
         assert daemon.proc.poll() is None
+
+
+Kv = list[torch.Tensor]
+
+
+def _split_pair(d: DaemonProcess, bs: int) -> tuple[KVCacheClient, Kv, KVCacheClient, Kv]:
+    """A prefill and a decode instance with ``bs``-token blocks (64 tokens each)."""
+
+    def one(iid: int, seed: int) -> tuple[KVCacheClient, list[torch.Tensor]]:
+        client = KVCacheClient(d.ipc_endpoint, iid, "m", timeout_s=30)
+        kv = to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=64 // bs,
+                                      block_size=bs, num_heads=2, head_size=8, dtype=torch.float16,
+                                      seed=seed))  # fmt: skip
+        client.register_kv_caches(kv)
+        return client, kv
+
+    return (*one(21 + bs, 1), *one(31 + bs, 2))
+
+
+def _request(req_id: str, prompt: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=prompt, cache_salt=None, kv_transfer_params=params
+    )
+
+
+def _load(consumer: KVCacheClient, spec: RetrieveSpec) -> None:
+    """Run a planned load as the connector's workers do (``worker._retrieve_async``)."""
+    reply = consumer.retrieve_reply_async(spec.token_ids, spec.block_ids, spec.skip_tokens,
+                                          key_extra=spec.key_extra, awaited=spec.awaited[:2])  # fmt: skip
+    reply.result(timeout=10)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_every_token_a_decode_request_is_promised_holds_its_own_kv(daemon: DaemonProcess, bs: int) -> None:
+    """The decode side promises vLLM the tokens its transfer parameters name (whole chunks,
+    then the prefill side's tail chunk) and loads them into the blocks vLLM then allocates.
+    When the prompt ends on a block boundary vLLM allocates blocks for all but its last token
+    (it computes that one), which with one-token blocks is one block short of the tail: the
+    padded tail chunk then copied the last tail token's KV into the block of the token
+    before it, a block vLLM took as loaded. Every promised token must hold its own KV."""
+    cs = 16
+    producer, kv_p, consumer, kv_c = _split_pair(daemon, bs)
+    with producer, consumer:
+        prompt = [t + 7000 + 1000 * bs for t in range(3 * cs + 12)]  # 3 whole chunks, a 12-token tail
+        n, whole = len(prompt), 3 * cs
+        # The prefill side: its whole chunks, then its tail (disagg.SplitRequests.tail_store).
+        p_planner, p_split = Planner(bs, cs), SplitRequests(ConnectorTally())
+        p_blocks = list(range(n // bs))
+        assert producer.store(prompt[:whole], p_blocks[: whole // bs]).stored_chunks == 3
+        tail, secret = p_split.tail_store(p_planner, _request("p", prompt, None), p_blocks, whole, n)
+        assert tail == 12
+        (spec,) = p_planner.step([])[0].stores
+        assert producer.store(spec.token_ids, spec.block_ids, key_extra=spec.key_extra).stored_chunks == 1
+        # The decode side, as the connector's scheduler half drives it (get_num_new_matched_tokens,
+        # then update_state_after_alloc with the blocks vLLM allocated), its loads as the workers run them.
+        c_planner, c_split = Planner(bs, cs), SplitRequests(ConnectorTally())
+        c_req = _request("c", prompt, {PARAMS_KEY: {"v": 1, "tokens": whole, "tail": tail, "secret": secret}})
+        awaited = c_split.tokens(c_req, n, cs, bs)
+        promised = c_planner.external_tokens(n, 0, awaited)
+        c_blocks = list(range(-(-promised // bs)))
+        got = c_split.get("c")
+        first = min(promised, got.whole) if got.tail else promised
+        c_planner.on_alloc("c", prompt, c_blocks, 0, first, "", "", True, (got.whole, 1000))
+        c_split.tail_load(c_planner, c_req, c_blocks, 0, "", 1000)
+        for load in c_planner.step([])[0].retrieves:
+            _load(consumer, load)
+        assert promised >= whole
+        for b, block in enumerate(c_blocks):  # the blocks of the promised tokens
+            mine, theirs = [t[:, block] for t in kv_c], [t[:, p_blocks[b]] for t in kv_p]
+            assert caches_equal(mine, theirs), f"block {b} ({promised} tokens promised): another block's KV"
+        assert daemon.proc.poll() is None
+
+
+def test_a_tail_its_blocks_cannot_hold_is_refused_and_writes_nothing(daemon: DaemonProcess) -> None:
+    """Defence in depth under ``awaited``: blocks short of the tail (fewer than vLLM was told
+    to allocate) give a tail load the daemon refuses (a typed error: the workers then have
+    vLLM recompute those blocks), never a padded chunk whose last block lands in another's."""
+    cs, bs = 16, 1
+    producer, _kv_p, consumer, kv_c = _split_pair(daemon, bs)
+    with producer, consumer:
+        prompt = [t + 9000 for t in range(3 * cs + 12)]
+        whole, tail = 3 * cs, 12
+        planner, split = Planner(bs, cs), SplitRequests(ConnectorTally())
+        req = _request("c", prompt, {PARAMS_KEY: {"v": 1, "tokens": whole, "tail": tail, "secret": SECRET}})
+        split.tokens(req, len(prompt) + 1, cs, bs)  # as if one token longer: the tail is awaited
+        split.tail_load(planner, req, list(range(whole + tail - 1)), 0, "", 300)  # one block short
+        (spec,) = planner.step([])[0].retrieves
+        before = clone_caches(kv_c)
+        with pytest.raises(ChunkMismatchError, match="block ids"):
+            _load(consumer, spec)
+        assert caches_equal(kv_c, before) and daemon.proc.poll() is None
