@@ -9,7 +9,7 @@ retrieve, whether its chunks are in L1 or must come up from L2, is served at onc
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from kvcache.client import KVCacheClient, to_shared
-from kvcache.errors import ChunkMismatchError
+from kvcache.errors import ChunkMismatchError, LimitExceededError
 from kvcache.integrations.vllm.disagg import PARAMS_KEY, SplitRequests
 from kvcache.integrations.vllm.plan import Planner, RetrieveSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import KVFormat
+from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from tests.helpers import daemon_starter
@@ -169,3 +170,44 @@ def test_a_tail_its_blocks_cannot_hold_is_refused_and_writes_nothing(daemon: Dae
         with pytest.raises(ChunkMismatchError, match="block ids"):
             _load(consumer, spec)
         assert caches_equal(kv_c, before) and daemon.proc.poll() is None
+
+
+def test_one_clients_awaits_are_bounded_and_never_take_another_clients_share(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """Each await holds its request, keys and block ids up to the wait bound whatever
+    arrives: a client's awaits hold at most ``--max-awaited-tokens`` token ids at once (past
+    it a typed error, nothing held), and that bound is per client, so another tenant's
+    decode requests still wait for their chunks and are served."""
+    for name in ("daemon", "tenant-a", "tenant-b"):
+        assert keygen([name, "--dir", str(tmp_path)]) == 0
+    rules = ""
+    for name in ("tenant-a", "tenant-b"):
+        public = (tmp_path / f"{name}.key").read_text().split('public-key = "')[1].split('"')[0]
+        rules += f'[[client]]\nname = "{name}"\npublic_key = "{public}"\n'
+    (tmp_path / "clients.toml").write_text(rules)
+    d = start_daemon("--curve-secret-key", str(tmp_path / "daemon.key_secret"), "--clients",
+                     str(tmp_path / "clients.toml"), "--max-awaited-tokens", "256", tcp=True)  # fmt: skip
+
+    def tenant(name: str, iid: int, seed: int) -> tuple[KVCacheClient, Kv]:
+        keys = {"curve_server_key": str(tmp_path / "daemon.key"),
+                "curve_secret_key": str(tmp_path / f"{name}.key_secret")}  # fmt: skip
+        client = KVCacheClient(d.endpoint, iid, "m", timeout_s=10, **keys)
+        kv = _cache(seed)
+        client.register_kv_caches(kv)
+        return client, kv
+
+    (a, _kv_a), (b, _kv_b) = tenant("tenant-a", 41, 1), tenant("tenant-b", 42, 2)
+    with a, b:
+        never = [t + 20_000 for t in TOKENS]  # 128 tokens: two awaits fill a's 256
+        held = [a.retrieve_reply_async(never, BLOCKS, awaited=(8, 1500)) for _ in range(2)]
+        with pytest.raises(LimitExceededError, match="max-awaited-tokens"):
+            a.retrieve_reply_async(never, BLOCKS, awaited=(8, 1500)).result(timeout=10)
+        assert a.retrieve(never, BLOCKS) == 0  # an ordinary retrieve is not counted
+        mine = [t + 30_000 for t in TOKENS]
+        waiting = b.retrieve_reply_async(mine, BLOCKS, awaited=(8, 5000))  # b's own share
+        assert b.store(mine, BLOCKS).stored_chunks == 8
+        assert waiting.result(timeout=10).retrieved_tokens == 128
+        assert all(h.result(timeout=10).retrieved_tokens == 0 for h in held)  # their bound passed
+        assert a.retrieve_reply_async(never, BLOCKS, awaited=(8, 10)).result(timeout=10)  # freed
+        assert d.proc.poll() is None
