@@ -23,12 +23,14 @@ from kvcache.integrations.vllm.disagg import PARAMS_KEY, SplitRequests
 from kvcache.integrations.vllm.plan import Planner, RetrieveSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import KVFormat
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import pack_ids
 from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from tests.helpers import daemon_starter
 
-from .conftest import BASE_ARGS
+from .conftest import BASE_ARGS, raw_call
 
 TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens, 4 blocks each
 SECRET = "7a11" + "0" * 28
@@ -211,3 +213,28 @@ def test_one_clients_awaits_are_bounded_and_never_take_another_clients_share(
         assert all(h.result(timeout=10).retrieved_tokens == 0 for h in held)  # their bound passed
         assert a.retrieve_reply_async(never, BLOCKS, awaited=(8, 10)).result(timeout=10)  # freed
         assert d.proc.poll() is None
+
+
+def test_page_requests_on_a_chunk_instance_are_refused_and_leave_nothing(daemon: DaemonProcess) -> None:
+    """The page API (SGLang HiCache: one block per page) named against an instance whose
+    chunks span several blocks (a vLLM registration: 4 blocks of 4 tokens per 16-token chunk):
+    the copies cannot cover the chunks, so a set is refused with a typed error, no half-written
+    page becomes visible, no slot stays pinned, and the instance is still served."""
+    client, kv = _client(daemon, 51, 5)
+    with client:
+        keys, ids = bytes(range(32)) + bytes(range(1, 33)), [3, 9]
+        token, dl = client.session.token, int((time.time() + 5) * 1000)
+        before = clone_caches(kv)
+        put = m.PageSet(instance_id=51, keys=keys, block_ids=pack_ids(ids), token=token, deadline_ms=dl)
+        reply = raw_call(daemon.ipc_endpoint, put)
+        assert isinstance(reply, m.Error) and reply.code is m.ErrorCode.CHUNK_MISMATCH, reply
+        exists = raw_call(daemon.ipc_endpoint, m.PageExists(instance_id=51, keys=keys, token=token))
+        assert isinstance(exists, m.PageExistsResult) and exists.hit_pages == 0
+        get = m.PageGet(instance_id=51, keys=keys, block_ids=pack_ids(ids), token=token, deadline_ms=dl)
+        got = raw_call(daemon.ipc_endpoint, get)
+        assert isinstance(got, m.RetrieveResult) and got.retrieved_tokens == 0, got
+        assert caches_equal(kv, before)
+        assert client.status()["engine"]["l1"]["pinned_chunks"] == 0
+        mine = [t + 40_000 for t in TOKENS]
+        assert client.store(mine, BLOCKS).stored_chunks == 8 and client.lookup(mine) == 128
+        assert daemon.proc.poll() is None
