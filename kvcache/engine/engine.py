@@ -107,7 +107,8 @@ class CacheEngine:
         settled = threading.Condition()  # EngineParts.loads_settled
         self._waiters = (
             Waiter(self._pool.wake_writers, "kvcache-store-wait"),
-            Waiter(functools.partial(retrieve_path.notify_settled, settled), "kvcache-retrieve-wait"),
+            Waiter(functools.partial(retrieve_path.notify_settled, settled), "kvcache-retrieve-wait",
+                   wake_on_add=True),
         )
         shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
         waiting = WaitingRetrieves(settled)

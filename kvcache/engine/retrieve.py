@@ -219,7 +219,7 @@ class _RetrieveOp:
                 self._bring_in(stop)
                 with parts.loads_settled:
                     parts.waiting.add(self)
-            parts.waiting.serve(self, stop)
+            parts.waiting.serve(self, stop, parts.retrieve_waiter.hand_over)
         except Exception as err:  # never leave the future unresolved, nor a chunk pinned
             if self.claim():
                 self.fail(err)

@@ -17,7 +17,10 @@ Stores keep their per-instance FIFO (``only_behind``); retrieves take no place i
 instance's order: they are FIFO among themselves only, and a retrieve pass that waits for
 loads serves every waiting retrieve whose chunks settled (``waiting.WaitingRetrieves``), so a
 retrieve never waits behind another one's loads. NOTE: a retrieve whose chunks must still be
-looked up in L2 (no lookup began them) waits for the passes before it to do that.
+looked up in L2 (no lookup began them) waits for the passes before it to do that; never for
+their waits, though: a pass whose retrieve only waits (for loads, or for chunks another engine
+stores: ``await_chunks``, which any client may ask for up to the retrieve wait bound) hands
+the thread over to a job that has not run yet (``hand_over``) and runs again after it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class _Job:
     instance_id: int
     run: WaitJob
     stop: threading.Event = field(default_factory=threading.Event)
+    handed: bool = False  # it ran once and handed the thread on (``hand_over``): not fresh
 
 
 class Waiter:
@@ -50,7 +54,8 @@ class Waiter:
     One per kind of operation and engine. The thread starts on the first ``add`` and leaves
     after ``idle_exit_s`` without work (or once the main thread has ended), so an engine whose
     operations never wait holds no thread. One thread, FIFO: stores waiting for room get it in
-    arrival order, and an operation never waits behind one that arrived later.
+    arrival order, and an operation never waits behind one that arrived later. A running
+    job may give the thread to a newer one and queue itself again (``hand_over``).
 
     Ordering per instance: while an instance has a job queued or running, ``add(...,
     only_behind=True)`` queues its next store too, so a later store cannot take the room an
@@ -67,8 +72,11 @@ class Waiter:
     for the job that is running them.
     """
 
-    def __init__(self, wake: Callable[[], None], name: str, idle_exit_s: float = 2.0) -> None:
+    def __init__(
+        self, wake: Callable[[], None], name: str, idle_exit_s: float = 2.0, *, wake_on_add: bool = False
+    ) -> None:
         self._wake = wake
+        self._wake_on_add = wake_on_add  # a running job may hand over to a new one (``hand_over``)
         self._name = name
         self._idle_exit_s = idle_exit_s
         self._cv = threading.Condition()
@@ -89,17 +97,43 @@ class Waiter:
             if only_behind and not self._waiting[instance_id]:
                 return False
             self._waiting[instance_id] += 1
-            if not self._closed:
+            queued = not self._closed
+            if queued:
                 self._queue.append(job)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._serve, name=self._name, daemon=False)
                     self._thread.start()
                 else:
                     self._cv.notify_all()
-                return True
+                wake = self._wake_on_add and self._running is not None
+        if queued:
+            if wake:
+                self._wake()  # the running job may hand the thread over to this one
+            return True
         job.stop.set()  # closed: take what is free now, on this thread
         self._run(job)
         return True
+
+    def hand_over(self, stop: threading.Event) -> bool:
+        """Called by the running job (``stop`` is its own): when a job that never ran waits
+        behind it, queue the running job again at the back (with the same ``stop``) and
+        return True; it then returns, and runs again after the new one. False when nothing
+        new waits, or it was stopped (it then ends here, as always).
+
+        Why: a retrieve may wait long on purpose (``await_chunks``, up to the retrieve wait
+        bound), and another client's retrieve must not queue behind that wait. A job that
+        ran once never takes the thread from another such job, so they never pass it round
+        in circles; ``cancel`` and ``close`` find a handed-over job in the queue as any other."""
+        with self._cv:
+            job = self._running
+            if job is None or job.stop is not stop or stop.is_set() or self._closed:
+                return False
+            if all(queued.handed for queued in self._queue):
+                return False
+            job.handed = True
+            self._queue.append(job)
+            self._waiting[job.instance_id] += 1  # its run now ending takes one off
+            return True
 
     def on_own_thread(self) -> bool:
         """True on the waiter's thread, where waiting for an operation handed here never ends."""

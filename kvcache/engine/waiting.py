@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvcache.deadline import Deadline
@@ -70,10 +71,15 @@ class WaitingRetrieves:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def serve(self, own: WaitingOp, stop: threading.Event) -> None:
+    def serve(
+        self, own: WaitingOp, stop: threading.Event, hand_over: Callable[[threading.Event], bool]
+    ) -> None:
         """Until ``own`` was served (by this thread or another), copy each waiting op as
         soon as it is due: its chunks settled, its deadline passed, or (``own`` only)
-        ``stop`` set."""
+        ``stop`` set. While ``own`` waits and a retrieve that has not yet run is queued,
+        ``hand_over(stop)`` (the waiter's) queues this pass again behind it and this pass
+        returns: ``own`` stays here, served by whichever pass runs, so a long wait (a
+        hostile ``await_chunks`` too) never holds other retrieves back."""
         while True:
             polling: list[WaitingOp] = []
             with self._settled:
@@ -81,6 +87,8 @@ class WaitingRetrieves:
                 if not due:
                     if own.claimed:
                         break
+                    if hand_over(stop):
+                        return
                     soonest = min((op.deadline for op in self._ops), default=own.deadline)
                     polling = [op for op in self._ops if op.polls()]
                     self._settled.wait(min(soonest.left(), AWAIT_POLL_S) if polling else soonest.left())

@@ -34,6 +34,7 @@ from kvcache.protocol.codec import whole_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
+from kvcache.server.awaits import AwaitBudget
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
@@ -67,6 +68,7 @@ class Handlers:
         self.registry = registry
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits if limits is not None else Limits()
+        self._awaits = AwaitBudget(self.limits.max_awaited_tokens)
         self.fd_inbox = fd_inbox
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
@@ -283,7 +285,13 @@ class Handlers:
             scope=scope, request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
             await_chunks=req.await_chunks, await_s=req.await_ms / 1000,
         )  # fmt: skip
-        return self.engine.submit_retrieve(request)
+        if not request.await_chunks:
+            return self.engine.submit_retrieve(request)
+        held = len(request.token_ids)  # held up to the wait bound: counted (``server.awaits``)
+        self._awaits.take(principal.name, held)
+        future = self.engine.submit_retrieve(request)
+        future.add_done_callback(lambda _f: self._awaits.give(principal.name, held))
+        return future
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)

@@ -40,10 +40,13 @@ class Limits:
     """Engine memory one registration may map (1 TiB)."""
     max_ids: int = 1 << 22
     """Token ids, block ids or block hashes in one request (4 Mi: a 4M-token prompt)."""
+    max_awaited_tokens: int = 1 << 26
+    """Token ids one client's retrieves awaiting a prefill's chunks hold at once (64 Mi;
+    ``server.awaits``)."""
 
     def __post_init__(self) -> None:
         for name in ("max_instances", "max_instances_per_client", "max_tensors",
-                     "max_registration_bytes", "max_ids"):  # fmt: skip
+                     "max_registration_bytes", "max_ids", "max_awaited_tokens"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tensors > m.MAX_REGISTER_TENSORS:  # the wire refuses more before we see them

@@ -125,6 +125,9 @@ def build_parser(
                      help="engine memory one registration may map, GiB (default %(default)g)")
     srv.add_argument("--max-ids", type=int, default=lim.max_ids,
                      help="token ids, block ids or block hashes in one request (default %(default)s)")
+    srv.add_argument("--max-awaited-tokens", type=int, default=lim.max_awaited_tokens,
+                     help="token ids one client's retrieves awaiting a prefill's chunks "
+                     "(await_chunks) hold at once (default %(default)s)")
     srv.add_argument("--workers", type=int, default=4,
                      help="threads for register/store/retrieve (default %(default)s)")
     srv.add_argument("--fast-workers", type=int, default=2,
@@ -284,6 +287,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             max_tensors=ns.max_tensors,
             max_registration_bytes=int(ns.max_registration_gb * GiB),
             max_ids=ns.max_ids,
+            max_awaited_tokens=ns.max_awaited_tokens,
         )
         engine = EngineConfig(
             chunk_size=ns.chunk_size,

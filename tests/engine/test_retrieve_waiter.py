@@ -33,6 +33,7 @@ from kvcache.errors import DeadlineExceededError
 from kvcache.keys import ChunkHasher
 from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
+from kvcache.request import RetrieveRequest
 from kvcache.testing import caches_equal, make_kv_caches
 from tests.helpers import RecordingSink
 
@@ -229,6 +230,35 @@ def test_close_or_unregister_resolves_a_waiting_retrieve(
         assert untouched(dst, before)
         sink.allow(4)
         stop.join(30)
+        assert not stop.is_alive()
+    finally:
+        sink.allow(4)
+        e.close()
+
+
+@pytest.mark.parametrize("how", ["close", "unregister"])
+def test_a_long_await_hands_the_waiter_to_later_retrieves_and_still_ends_on_unregister(
+    tmp_path: Path, on_disk: list[torch.Tensor], sink: HeldLoads, how: str
+) -> None:
+    """A retrieve awaiting chunks nobody stores (``await_chunks``, a hostile client's too)
+    waits up to its bound on the waiter; a later retrieve that must bring its chunks in from
+    L2 runs meanwhile (the wait hands the thread over), and the wait, handed over, still
+    ends at once when its instance leaves or the engine closes."""
+    e, dst = reader(tmp_path, sink, retrieve_wait_timeout_s=60.0)
+    try:
+        e.register(3, "m", caches(seed=3))
+        never = [t + 10_000 for t in TOKENS]
+        req = RetrieveRequest.build(3, e.geometry(3), never, IDS, await_chunks=4, await_s=60.0)
+        waiting = e.submit_retrieve(req)
+        time.sleep(0.2)  # its pass is waiting on the waiter thread
+        sink.allow(4)
+        honest = e.retrieve_async(2, TOKENS, IDS)  # nothing looked up: its pass prefetches
+        assert honest.result(10).retrieved_tokens == ALL and caches_equal(on_disk, dst)
+        assert not waiting.done()
+        stop = threading.Thread(target=e.close if how == "close" else lambda: e.unregister(3))
+        stop.start()
+        assert waiting.result(10).retrieved_tokens == 0  # at once, not at its 60 s bound
+        stop.join(10)
         assert not stop.is_alive()
     finally:
         sink.allow(4)

@@ -114,11 +114,18 @@ def consumer_params(request: Any) -> TransferParams | None:
 def awaited(params: TransferParams, num_prompt_tokens: int, chunk_size: int, block_size: int) -> Awaited:
     """What to wait for: the claim cut to the whole chunks of this prompt (a claim past the
     prompt names no chunk this request has: its keys come from its own tokens), and the tail
-    only where it fits this prompt exactly (after every whole chunk, whole blocks, within it)."""
+    only where it fits this prompt exactly (after every whole chunk, whole blocks, within it)
+    and in the blocks vLLM will allocate for the tokens promised to it: all but the prompt's
+    last token (``Planner.external_tokens``). A prompt that ends on a block boundary with
+    one-token blocks gets one block fewer than its tail, and the padded tail chunk would copy
+    its last token's KV into the block before it (``tail_chunk`` pads the ids with the last
+    one given), a block vLLM takes as loaded."""
     whole = min(params.tokens, num_prompt_tokens) // chunk_size * chunk_size
     tail = params.tail
-    fits = whole == num_prompt_tokens // chunk_size * chunk_size and whole + tail <= num_prompt_tokens
-    if not (tail and fits and tail % block_size == 0 and tail < chunk_size):
+    end = whole + tail
+    fits = whole == num_prompt_tokens // chunk_size * chunk_size and end <= num_prompt_tokens
+    allocated = -(-min(end, num_prompt_tokens - 1) // block_size)  # blocks of the promised tokens
+    if not (tail and fits and tail % block_size == 0 and tail < chunk_size and allocated * block_size >= end):
         return Awaited(whole)
     return Awaited(whole, tail, params.secret)
 
@@ -137,10 +144,12 @@ def tail_chunk(prompt: Sequence[int], whole: int, tail: int, block_ids: Sequence
     """The tail as one whole chunk: its tokens padded with its last token, its block ids
     (from the request's ``block_ids``) padded with its last block, so the daemon copies whole
     chunks only and every byte in the chunk is the tail's own (a decode instance's padded
-    slots receive copies of its last tail block, written into that same block)."""
+    slots receive copies of its last tail block, written into that same block). Only the
+    padding slots are padded: ``block_ids`` short of the tail give fewer ids than the chunk
+    needs, which the daemon refuses, never another tail block's slot filled with the last one."""
     tokens = list(prompt[whole : whole + tail])
     ids = list(block_ids[whole // block_size : (whole + tail) // block_size])
-    return tokens + tokens[-1:] * (chunk_size - tail), ids + ids[-1:] * (chunk_size // block_size - len(ids))
+    return tokens + tokens[-1:] * (chunk_size - tail), ids + ids[-1:] * ((chunk_size - tail) // block_size)
 
 
 class SplitRequests:
