@@ -13,6 +13,7 @@ collected by pytest (no ``test_`` prefix).
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -146,12 +147,9 @@ def shared_leader_fails(h: Harness) -> None:
     h.check(eng)
 
 
-def l2_read_errors(h: Harness) -> None:
-    """The prefix (8 chunks) is only in a Redis L2 whose reads error: first every ``GET``
-    drops its connection, then (reads healthy again, the daemon restarted) one stored value
-    is corrupt. The lookup finds the chunks (``EXISTS`` passes), the load fails at once (all
-    of it, then from the corrupt chunk on), not at the client's 10 s deadline: the engine
-    goes on, the request is recomputed, and what is stored afterwards is right."""
+def _redis_l2(h: Harness) -> tuple[RedisReadGate, Any]:
+    """The harness's daemon replaced by one whose L2 is a real Redis behind a ``RedisReadGate``;
+    the gate and a client of the Redis itself."""
     if shutil.which("redis-server") is None:
         raise ScenarioSkipped("redis-server is not installed")
     import redis as redis_py
@@ -161,9 +159,18 @@ def l2_read_errors(h: Harness) -> None:
     gate = RedisReadGate(server)
     h.cleanups.insert(0, gate.close)
     h.replace_daemon(["--l2-redis-url", gate.url, "--l2-redis-timeout", "30", "--l2-retry-interval", "0.2"])
+    return gate, redis_py.Redis.from_url(server.url)
+
+
+def l2_read_errors(h: Harness) -> None:
+    """The prefix (8 chunks) is only in a Redis L2 whose reads error: first every ``GET``
+    drops its connection, then (reads healthy again, the daemon restarted) one stored value
+    is corrupt. The lookup finds the chunks (``EXISTS`` passes), the load fails at once (all
+    of it, then from the corrupt chunk on), not at the client's 10 s deadline: the engine
+    goes on, the request is recomputed, and what is stored afterwards is right."""
+    gate, raw = _redis_l2(h)
     prefix = prompts(112, 8 * CHUNK, [0])[0]
     _warm(h, ("warm", [*prefix, 3]))
-    raw = redis_py.Redis.from_url(server.url)
     for round_, how in enumerate(("dropped", "corrupt")):
         h.daemon.restart(graceful=True)  # L1 empty: the prefix is only in Redis
         if how == "dropped":
@@ -195,10 +202,58 @@ def l2_read_errors(h: Harness) -> None:
     gate.fail_reads(False)
 
 
+def restart_while_loading(h: Harness) -> None:
+    """The daemon restarts (killed and started again in place, not gone for good) while ``a``'s
+    load sits in it, waiting for a Redis read held at the gate: its reply never comes, the
+    load fails at the client's deadline (1 s) and ``a`` is recomputed, the engine going on
+    meanwhile (asynchronous loads) or waiting that long (synchronous ones). The same engine's
+    clients then register again with the new daemon: ``b``, arriving after (vLLM's prefix
+    cache emptied), finds the prefix in the daemon and loads it."""
+    gate, _ = _redis_l2(h)
+    prefix = prompts(113, 8 * CHUNK, [0])[0]
+    _warm(h, ("warm", [*prefix, 3]))
+    h.daemon.restart(graceful=True)  # L1 empty: the prefix is only in Redis
+    gate.hold()  # the lookup's prefetch waits at the gate, and a's load waits for it
+    eng = h.engine(timeout_s=1.0)
+    state: dict[str, Any] = {}
+
+    def restart() -> None:
+        state["killed_at"] = round(time.monotonic() - state["t0"], 2)
+        h.daemon.restart()
+        gate.release()
+        state["restarted_at"] = round(time.monotonic() - state["t0"], 2)
+
+    def restart_soon(step: int, out: Any) -> None:
+        if "planned" not in state and out.kv_connector_metadata.plan.retrieves:
+            state.update(planned=step, t0=time.monotonic())
+            threading.Timer(0.2, restart).start()  # a's load is in the daemon by then
+
+    eng.between_schedule_and_load = restart_soon
+    eng.add("a", [*prefix, 7], 4)
+    try:
+        eng.run()
+    finally:
+        gate.release()
+    state["a_seconds"] = round(time.monotonic() - state.pop("t0", time.monotonic()), 2)
+    state["a_failures"] = eng.tally().get("load_failures", 0)
+    assert state["a_failures"] == 1 and not eng.tally().get("load_tokens", 0), f"no failed load: {state}"
+    assert state["killed_at"] < 1.0, f"the daemon was killed after a's load had timed out: {state}"
+    for client in (eng.sched_connector.client, eng.worker.client):
+        wait_closed(client)
+    assert eng.scheduler.reset_prefix_cache(), "vLLM still held blocks"
+    eng.add("b", [*prefix, 9, 9], 4)
+    eng.run()
+    state["b_loaded"] = eng.tally().get("load_tokens", 0)
+    h.facts.update(state)
+    assert eng.planned_loads.get("b", 0) == 8 * CHUNK and state["b_loaded"] == 8 * CHUNK, state
+    h.check(eng)
+
+
 SCENARIOS = {
     "shared_leader_aborted": shared_leader_aborted,
     "shared_leader_fails": shared_leader_fails,
     "l2_read_errors": l2_read_errors,
+    "restart_while_loading": restart_while_loading,
 }
 NEED_ASYNC_LOADS = {"shared_leader_aborted", "shared_leader_fails"}
 """Run once: with synchronous loads no request waits for another's load."""

@@ -66,6 +66,7 @@ SCENARIOS = [
     "shared_leader_aborted",
     "shared_leader_fails",
     "l2_read_errors",
+    "restart_while_loading",
 ]
 NEED_ASYNC_LOADS = {  # and those run once
     "late_loads_sync",
