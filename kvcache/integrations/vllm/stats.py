@@ -98,13 +98,18 @@ class ConnectorTally:
     def transfer(
         self, op: Literal["load", "store"], tokens: int, nbytes: int, seconds: float, ok: bool = True
     ) -> None:
-        """One load or store between vLLM's blocks and the daemon (a failed one counts its time)."""
+        """One load or store between vLLM's blocks and the daemon. A failed one counts its time
+        and what it did copy: a load that fell short still filled its leading blocks, which
+        vLLM keeps (it recomputes from the first unfilled one), and the daemon counts those
+        bytes too (``kvcache_offload_load_bytes_total``), so they count here as well."""
         with self._lock:
             self._bump(f"{op}_seconds", seconds)
             if not ok:
                 self._bump(f"{op}_failures", 1)
-                return
-            self._bump(f"{op}_ops", 1)
+                if not tokens:
+                    return
+            else:
+                self._bump(f"{op}_ops", 1)
             self._bump(f"{op}_tokens", tokens)
             self._bump(f"{op}_bytes", nbytes)
             sizes = self._data.setdefault(f"{op}_sizes", [])

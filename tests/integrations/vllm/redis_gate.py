@@ -8,7 +8,9 @@ at the proxy, the prefetch's ``GET`` stalls every time and nothing else does.
 
 The proxy parses the client's RESP stream (arrays of bulk strings, pipelines included) and
 forwards it command by command, in order: a held ``GET`` holds whatever that connection sent
-after it, as a stalled server would. Replies pass untouched.
+after it, as a stalled server would. Replies pass untouched. ``fail_reads()`` instead drops
+the connection at each ``GET`` (a Redis that resets its connections, or a link that breaks):
+the read errors at once rather than stalling.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RedisReadGate:
         self._upstream = (host, int(port))
         self._open = threading.Event()
         self._open.set()
+        self._failing = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
         self._socks: list[socket.socket] = [self._listener]
@@ -40,6 +43,13 @@ class RedisReadGate:
 
     def release(self) -> None:
         self._open.set()
+
+    def fail_reads(self, failing: bool = True) -> None:
+        """From now on (until called with False), each ``GET`` drops its connection."""
+        if failing:
+            self._failing.set()
+        else:
+            self._failing.clear()
 
     def close(self) -> None:
         self._closed = True
@@ -75,6 +85,8 @@ class RedisReadGate:
                     del buf[:end]
                     if _name(command) == b"GET":
                         self._open.wait()
+                        if self._failing.is_set():
+                            return  # both sockets shut below: the client's read errors
                     dst.sendall(command)
         except OSError:
             pass

@@ -40,6 +40,8 @@ from kvcache.server.launch import Spawn
 from kvcache.testing.daemon_zygote import Zygote
 from kvcache.testing.redis_local import LocalRedis
 from tests.integrations.vllm.redis_gate import RedisReadGate
+from tests.integrations.vllm.sched_edges import NEED_ASYNC_LOADS as EDGES_NEED_ASYNC_LOADS
+from tests.integrations.vllm.sched_edges import SCENARIOS as EDGE_SCENARIOS
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
 from tests.integrations.vllm.sched_failures import ONCE
 from tests.integrations.vllm.sched_failures import SCENARIOS as FAILURE_SCENARIOS
@@ -458,7 +460,7 @@ def _stall_once(h: Harness, what: str, halt: Callable[[], None], resume: Callabl
     return eng.tally().get("load_failures", 0) >= 1
 
 
-def store_release(h: Harness, async_stores: bool) -> None:
+def store_release(h: Harness, async_stores: bool, abort: bool = False) -> None:
     """Blocks are freed only after the daemon copied them. ``g`` (15 blocks) finishes; then
     ``h`` arrives needing 26 blocks, more than are free while ``g`` holds its own (27 usable),
     so vLLM can run ``h`` only in ``g``'s blocks. Async stores: every store of ``g`` is held
@@ -467,7 +469,8 @@ def store_release(h: Harness, async_stores: bool) -> None:
     after that. Freed early, ``h``'s prefill would overwrite ``g``'s blocks before the store
     copies them, and the daemon would serve ``h``'s bytes under ``g``'s tokens (the reader's
     byte check). Sync stores: each store is done in the step that issued it, and nothing
-    holds ``g``'s blocks after it finishes."""
+    holds ``g``'s blocks after it finishes. ``abort``: ``g`` is aborted (a client disconnect)
+    after five output tokens, with its first store still held: the same must hold."""
     eng = h.engine(num_blocks=28, max_batched=1024, async_stores=async_stores)
     client = eng.worker.client
     gate = threading.Event()
@@ -503,6 +506,9 @@ def store_release(h: Harness, async_stores: bool) -> None:
 
     def arrive_then_open(step: int) -> None:
         g = eng.requests["g"]
+        if abort and "aborted" not in state and "last_issued" in state and len(g.output_token_ids) >= 5:
+            eng.abort("g")
+            state["aborted"] = step
         if g.is_finished() and "h" not in eng.requests:
             state["g_finished"] = step
             g_blocks.update(eng.steps[-1].blocks.get("g", []))
@@ -532,7 +538,7 @@ def store_release(h: Harness, async_stores: bool) -> None:
     h.facts.update(state)
     assert state.get("g_blocks_reused", 0) >= 10, f"h did not reuse g's blocks: {state}"
     if async_stores:
-        assert state.get("gate_passed", 0) >= 2 and "gate_opened" in state, state
+        assert state.get("gate_passed", 0) >= (1 if abort else 2) and "gate_opened" in state, state
         # Issued before the gate opened, reported after: the store outlived its step, and
         # vLLM freed the blocks (h ran in them) only after the report.
         assert state["last_issued"] < state["gate_opened"] <= state["reported"] < state["h_first"], state
@@ -559,13 +565,17 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     "stalled_redis_l2": lambda h: stalled(h, "redis"),
     "store_release_async": lambda h: store_release(h, True),
     "store_release_sync": lambda h: store_release(h, False),
+    "store_release_abort_async": lambda h: store_release(h, True, abort=True),
     **LOAD_SCENARIOS,
     **FAILURE_SCENARIOS,
+    **EDGE_SCENARIOS,
 }
 SYNC_LOADS = [
     name
     for name in SCENARIOS
-    if (name not in LOAD_SCENARIOS or name == "preempted_store") and name not in ONCE
+    if (name not in LOAD_SCENARIOS or name == "preempted_store")
+    and name not in ONCE
+    and name not in EDGES_NEED_ASYNC_LOADS
 ]
 """What a run with ``async_loads: false`` runs: the rest need loads that outlive their step, or
 do not use the connector at all (``sched_failures.ONCE``)."""

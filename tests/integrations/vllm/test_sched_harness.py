@@ -62,6 +62,11 @@ SCENARIOS = [
     "vllm_failed_load_fact",
     "lone_loads",
     "shared_blocks_of_a_failed_load",
+    "store_release_abort_async",
+    "shared_leader_aborted",
+    "shared_leader_fails",
+    "l2_read_errors",
+    "restart_while_loading",
 ]
 NEED_ASYNC_LOADS = {  # and those run once
     "late_loads_sync",
@@ -72,6 +77,8 @@ NEED_ASYNC_LOADS = {  # and those run once
     "loading_through_preemptions",
     "vllm_failed_load_fact",  # vLLM alone: once
     "lone_loads",  # the default's choice between the two
+    "shared_leader_aborted",  # nobody waits for another's load with synchronous loads
+    "shared_leader_fails",
 }
 SYNC_LOADS = [n for n in SCENARIOS if n not in NEED_ASYNC_LOADS]
 pytestmark = pytest.mark.slow

@@ -24,6 +24,10 @@ def test_each_interval_is_a_delta_and_totals_add_up_once() -> None:
     assert total["load_sizes"] == [float(1 << 20), float(2 << 20)]
     assert total["store_failures"] == 1 and "store_ops" not in total
     assert total["store_seconds"] == 0.5  # a failed store still took its time
+    tally.transfer("load", tokens=64, nbytes=1 << 18, seconds=0.01, ok=False)  # fell short
+    short = tally.take()
+    assert short["load_tokens"] == 64 and short["load_bytes"] == 1 << 18 and short["load_failures"] == 1
+    assert "load_ops" not in short and short["load_sizes"] == [float(1 << 18)]  # sizes sum to bytes
 
 
 def test_workers_merge_and_the_payload_survives_a_process_boundary() -> None:

@@ -59,6 +59,9 @@ def test_a_failed_load_cuts_the_same_steps_store_short(daemon: DaemonProcess) ->
     worker.retrieve(plan)
     assert worker.take_retrieve_errors() == set(BLOCKS[CS // BS : 3 * CS // BS])  # vLLM recomputes
     assert worker.take_failed_async() == frozenset()  # a synchronous load's request runs on
+    # The chunk it did copy counts (vLLM keeps it), as the daemon counts it; so does the failure.
+    loaded = worker.tally.totals()
+    assert loaded["load_tokens"] == CS and loaded["load_bytes"] > 0 and loaded["load_failures"] == 1
     worker.store(plan)
     assert worker.wait_stores(None)  # settled: tallies and hand-backs are final
     assert worker.tally.totals()["stores_poisoned"] == 1
