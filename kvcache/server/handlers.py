@@ -289,7 +289,11 @@ class Handlers:
             return self.engine.submit_retrieve(request)
         held = len(request.token_ids)  # held up to the wait bound: counted (``server.awaits``)
         self._awaits.take(principal.name, held)
-        future = self.engine.submit_retrieve(request)
+        try:
+            future = self.engine.submit_retrieve(request)
+        except BaseException:
+            self._awaits.give(principal.name, held)
+            raise
         future.add_done_callback(lambda _f: self._awaits.give(principal.name, held))
         return future
 
