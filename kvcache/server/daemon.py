@@ -14,8 +14,8 @@ Threads and ordering:
 * the **I/O thread** (whoever calls ``serve``) owns the ROUTER socket: it decodes each frame,
   answers undecodable ones itself, serves the operations that never wait on I/O (ping,
   reports, end session, and lookups unless a remote tier makes them wait on the network)
-  inline, because a thread hand-off costs about as much as the lookup itself, and queues the
-  rest on a lane;
+  inline, because a thread hand-off costs about as much as the lookup itself (``lanes``), and
+  queues the rest on a lane, each within its client's in-flight budget (``budget``);
 * the **fast lane** (status, remote lookups) and the **bulk lane** (register, unregister,
   store, retrieve) each have their own threads, so a slow store never delays a lookup; each
   worker sends its reply back over its own inproc PUSH socket (ZMQ sockets are not
@@ -40,33 +40,46 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from kvcache.errors import AccessDeniedError
+from kvcache.errors import AccessDeniedError, LimitExceededError
 from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.channel import NOBLOCK, readable
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
+from kvcache.protocol.errors import error_from_exception
 from kvcache.server import auth
+from kvcache.server.budget import REQUEST_FLOOR, in_flight_bytes
 from kvcache.server.connections import ConnectionGuard
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
+from kvcache.server.lanes import lane_of
 from kvcache.transport.curve import load_secret_key
 from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
 from kvcache.trusted_dir import ensure_private_dir
 
 log = logging.getLogger("kvcache.server")
 
-_INLINE = (m.Ping, m.ReportBlockAllocations, m.EndSession)
-_FAST = (m.Lookup, m.LookupBatch, m.Status)
 _STOP = None
-_Job = tuple[bytes, int, m.RequestBody, auth.Principal, int | None]
-"""A queued request: ROUTER identity, request id, body, sender, and the instance that counts
-it in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """What a request read and not yet answered holds until its reply: ``cost`` bytes of its
+    client's in-flight budget, and the instance that counts it in flight (``pinned``)."""
+
+    principal: str
+    cost: int
+    pinned: int | None
+
+
+_Job = tuple[bytes, int, m.RequestBody, auth.Principal, _Hold]
+"""A queued request: ROUTER identity, request id, body, sender, and what it holds."""
 
 
 class Daemon:
@@ -115,6 +128,7 @@ class Daemon:
         self._outbox = Outbox(self._ctx, self._reply_addr)
         self._stop = threading.Event()
         self._in_flight = 0
+        self._budget = in_flight_bytes(config.max_in_flight_bytes)  # per client (``budget``)
         self._lanes: dict[str, queue.SimpleQueue[_Job | None]] = {
             "fast": queue.SimpleQueue(),
             "bulk": queue.SimpleQueue(),
@@ -205,31 +219,33 @@ class Daemon:
         push.connect(self._reply_addr)
         try:
             while (item := lane.get()) is not _STOP:
-                identity, request_id, body, principal, pinned = item
+                identity, request_id, body, principal, hold = item
                 pending = self.handlers.submit(body, principal)
                 if pending.done():
-                    push.send_multipart(self._finish(identity, request_id, pinned, pending), copy=False)
+                    push.send_multipart(self._finish(identity, request_id, hold, pending), copy=False)
                 else:  # copies in flight: answered from the engine's completion thread
-                    done = functools.partial(self._reply_later, identity, request_id, pinned)
+                    done = functools.partial(self._reply_later, identity, request_id, hold)
                     pending.add_done_callback(done)
         finally:
             push.close()
 
     def _finish(
-        self, identity: bytes, request_id: int, pinned: int | None, done: Future[m.ReplyBody]
+        self, identity: bytes, request_id: int, hold: _Hold, done: Future[m.ReplyBody]
     ) -> list[bytes]:
-        """The reply frames of a finished request, which is no longer in flight for its instance."""
-        if pinned is not None:
-            self.handlers.registry.end(pinned)
+        """The reply frames of a finished request, which holds nothing from now on."""
+        self._release(hold)
         return [identity, encode_reply(request_id, done.result())]
 
-    def _reply_later(
-        self, identity: bytes, request_id: int, pinned: int | None, done: Future[m.ReplyBody]
-    ) -> None:
+    def _release(self, hold: _Hold) -> None:
+        self._budget.give(hold.principal, hold.cost)
+        if hold.pinned is not None:
+            self.handlers.registry.end(hold.pinned)
+
+    def _reply_later(self, identity: bytes, request_id: int, hold: _Hold, done: Future[m.ReplyBody]) -> None:
         """Done-callback of a deferred reply; runs on the engine's completion thread, so it
         only encodes and hands the frames over, never waits."""
         try:
-            self._outbox.send(self._finish(identity, request_id, pinned, done))
+            self._outbox.send(self._finish(identity, request_id, hold, done))
         except Exception:  # a lost reply times out at its client; the completer must go on
             log.exception("could not send the reply of request %d", request_id)
 
@@ -309,20 +325,27 @@ class Daemon:
                 continue
             body = envelope.body
             instance_id = getattr(body, "instance_id", None)
-            if isinstance(body, _INLINE) or (self._inline_lookups and _small_lookup(body)):
+            lane = lane_of(body, self._inline_lookups)
+            if lane == "inline":
                 reply = self.handlers.handle(body, principal)
                 self._router.send_multipart([identity, encode_reply(envelope.id, reply)])
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
+                continue
+            cost = max(len(frames[1]), REQUEST_FLOOR)
+            try:  # a client reading faster than it is served must not grow the daemon
+                self._budget.take(principal.name, cost)
+            except LimitExceededError as exc:
+                self._reply_now(identity, envelope.id, error_from_exception(exc))
                 continue
             pinned = None
             if isinstance(instance_id, int) and self.handlers.registry.begin(
                 instance_id, principal, getattr(body, "token", b"")
             ):
                 pinned = instance_id  # only a request that may speak for it keeps it alive
-            lane = "fast" if isinstance(body, _FAST) else "bulk"
             self._in_flight += 1
-            self._lanes[lane].put((identity, envelope.id, body, principal, pinned))
+            hold = _Hold(principal.name, cost, pinned)
+            self._lanes[lane].put((identity, envelope.id, body, principal, hold))
 
     def _refuse_queued(self) -> None:
         """Answer every request still waiting for a worker with ``SHUTTING_DOWN`` at once, so
@@ -336,10 +359,9 @@ class Daemon:
                 if item is _STOP:
                     lane.put(_STOP)
                     break
-                identity, request_id, _, _, pinned = item
+                identity, request_id, _, _, hold = item
                 self._in_flight -= 1
-                if pinned is not None:
-                    self.handlers.registry.end(pinned)
+                self._release(hold)
                 self._reply_now(identity, request_id, _SHUTTING_DOWN)
 
     def _reply_now(self, identity: bytes, request_id: int, error: m.Error) -> None:
@@ -362,20 +384,6 @@ class Daemon:
 
 
 _SHUTTING_DOWN = m.Error(code=m.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping")
-
-
-INLINE_LOOKUP_MAX_TOKENS = 1 << 16
-"""Lookups up to this many tokens run on the I/O thread (a hash per chunk: microseconds);
-longer ones go to the fast lane, so one huge prompt never stalls every other client's reply."""
-
-
-def _small_lookup(body: m.RequestBody) -> bool:
-    if isinstance(body, m.LookupBatch):  # the whole batch is one hand-off, or none
-        tokens = sum(item.head + len(item.token_ids.data) // item.token_ids.width for item in body.items)
-        return tokens <= INLINE_LOOKUP_MAX_TOKENS
-    if not isinstance(body, m.Lookup):
-        return False
-    return len(body.token_ids.data) <= INLINE_LOOKUP_MAX_TOKENS * body.token_ids.width
 
 
 def _user_id(frame: Any) -> str | None:

@@ -40,6 +40,10 @@ class DaemonConfig:
     fast_workers: int = 2
     heartbeat_timeout_s: float = 30.0
     max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES
+    max_in_flight_bytes: int = 16 * m.DEFAULT_MAX_MESSAGE_BYTES
+    """Request bytes one client may have read by the daemon and not yet answered (``budget``):
+    past it a request is refused at once (``LIMIT``) instead of queued. At least
+    ``max_message_bytes``, so any one request fits."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long in-flight requests may take before the daemon stops anyway."""
     inline_lookups: bool = True
@@ -56,6 +60,11 @@ class DaemonConfig:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_in_flight_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"max_in_flight_bytes ({self.max_in_flight_bytes}) must be >= max_message_bytes "
+                f"({self.max_message_bytes}): a request that large could never be served"
+            )
         if not self.listen_tcp and not self.listen_ipc:
             raise ValueError("the daemon needs at least one of the TCP and ipc:// endpoints")
         if self.listen_tcp and not is_loopback(self.host):

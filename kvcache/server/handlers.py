@@ -34,7 +34,7 @@ from kvcache.protocol.codec import whole_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.awaits import AwaitBudget
+from kvcache.server.budget import awaited_tokens
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
@@ -68,7 +68,7 @@ class Handlers:
         self.registry = registry
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits if limits is not None else Limits()
-        self._awaits = AwaitBudget(self.limits.max_awaited_tokens)
+        self._awaits = awaited_tokens(self.limits.max_awaited_tokens)
         self.fd_inbox = fd_inbox
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
@@ -287,7 +287,7 @@ class Handlers:
         )  # fmt: skip
         if not request.await_chunks:
             return self.engine.submit_retrieve(request)
-        held = len(request.token_ids)  # held up to the wait bound: counted (``server.awaits``)
+        held = len(request.token_ids)  # held up to the wait bound: counted (``server.budget``)
         self._awaits.take(principal.name, held)
         try:
             future = self.engine.submit_retrieve(request)

@@ -42,7 +42,7 @@ class Limits:
     """Token ids, block ids or block hashes in one request (4 Mi: a 4M-token prompt)."""
     max_awaited_tokens: int = 1 << 26
     """Token ids one client's retrieves awaiting a prefill's chunks hold at once (64 Mi;
-    ``server.awaits``)."""
+    ``server.budget``)."""
 
     def __post_init__(self) -> None:
         for name in ("max_instances", "max_instances_per_client", "max_tensors",

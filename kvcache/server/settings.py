@@ -139,6 +139,9 @@ def build_parser(
     srv.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2**20,
                      help="largest request frame; a larger one closes its connection "
                      "(default %(default)g)")
+    srv.add_argument("--max-in-flight-mb", type=float, default=16 * DEFAULT_MAX_MESSAGE_BYTES / 2**20,
+                     help="request bytes one client may have sent and not had answered; past it "
+                     "a request is refused (LIMIT) instead of queued (default %(default)g)")
     conn = ConnectionLimits()
     srv.add_argument("--max-connections", type=int, default=conn.max_connections,
                      help="open connections in all; a new one beyond it is closed at once "
@@ -265,6 +268,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             fast_workers=ns.fast_workers,
             heartbeat_timeout_s=ns.heartbeat_timeout,
             max_message_bytes=int(ns.max_message_mb * 2**20),
+            max_in_flight_bytes=int(ns.max_in_flight_mb * 2**20),
             drain_timeout_s=ns.drain_timeout,
             # With an L2 tier a lookup may wait (on Redis, or for L1 room held by loads in
             # flight, up to --lookup-wait-timeout): keep it off the I/O thread.

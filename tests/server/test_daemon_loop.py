@@ -25,8 +25,9 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import ShuttingDownError
 from kvcache.request import StoreRequest
-from kvcache.server.daemon import INLINE_LOOKUP_MAX_TOKENS, Daemon, DaemonConfig
+from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
+from kvcache.server.lanes import INLINE_LOOKUP_MAX_TOKENS
 from kvcache.server.registry import InstanceRegistry
 from kvcache.testing import make_kv_caches
 

@@ -58,6 +58,13 @@ def test_security_and_limit_flags_reach_the_daemon() -> None:
     assert (s.limits.max_ids, s.limits.max_tensors, s.limits.max_instances) == (99, 7, 3)
     assert s.limits.max_registration_bytes == 2 * GiB
     assert parse_settings([]).daemon.runtime_dir  # the default clients look in
+    budgets = parse_settings(["--max-in-flight-mb", "128", "--max-awaited-tokens", "5"])
+    assert (budgets.daemon.max_in_flight_bytes, budgets.limits.max_awaited_tokens) == (128 << 20, 5)
+
+
+def test_the_in_flight_budget_holds_at_least_one_largest_request() -> None:
+    with pytest.raises(SystemExit):  # a usage error, naming both
+        parse_settings(["--max-message-mb", "64", "--max-in-flight-mb", "32"])
 
 
 def test_toml_file_then_flags_override_it(tmp_path: Path) -> None:
