@@ -84,7 +84,14 @@ py::tuple chain_keys_u32(const py::bytes& root, const py::bytes& person, size_t 
   }
   std::vector<std::vector<kvc::Digest>> digests;
   std::vector<size_t> shared;
-  kvc::chain_keys_u32(r, pb.data(), ids, chunk_tokens * 4, digests, shared);
+  {
+    // Hashing touches no Python object: other threads run meanwhile (a daemon's I/O thread
+    // answers other clients while a worker hashes a prompt of millions of tokens). The views
+    // in ``held`` keep every buffer alive and unresized; a caller that writes into its own
+    // ids meanwhile gets keys of whatever it wrote, as it would between two calls.
+    py::gil_scoped_release unlocked;
+    kvc::chain_keys_u32(r, pb.data(), ids, chunk_tokens * 4, digests, shared);
+  }
   py::list keys(n);
   py::list same(n);
   py::list before;

@@ -7,6 +7,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -224,3 +226,28 @@ def test_uint32_ids_skip_the_range_scan_and_keep_their_keys() -> None:
     assert chunk_keys(ids, "m", chunk_size=16) == chunk_keys(list(range(64)), "m", chunk_size=16)
     big = np.array([2**32 - 1] * 16, dtype=np.uint32)
     assert chunk_keys(big, "m", chunk_size=16) == chunk_keys([2**32 - 1] * 16, "m", chunk_size=16)
+
+
+def test_keys_of_run_lets_other_threads_run_while_it_hashes() -> None:
+    """A daemon worker hashing a prompt of millions of tokens must not hold the interpreter
+    lock meanwhile: the I/O thread answers other clients then. While one thread hashes 16 Mi
+    ids (tens of milliseconds), this one keeps counting; holding the lock, the longest pause
+    between two counts would be the whole call."""
+    hasher = ChunkHasher("m", chunk_size=256)
+    prompt = np.arange(1 << 24, dtype=np.uint32).tobytes()
+    took: list[float] = []
+
+    def hash_it() -> None:
+        start = time.perf_counter()
+        hasher.keys_of_run([prompt])
+        took.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=hash_it)
+    last = time.perf_counter()
+    longest = 0.0
+    worker.start()
+    while worker.is_alive():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    worker.join()
+    assert longest < took[0] / 2, f"paused {longest * 1e3:.0f} ms of a {took[0] * 1e3:.0f} ms hash"
