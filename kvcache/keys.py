@@ -189,7 +189,8 @@ class ChunkHasher:
         them: one native call (``_native.chain_keys_u32``, the chain defined above) that hashes
         a head a prompt shares with the prompt before once, and the chunks that follow it four
         at a time. Also returns how many leading keys each prompt shares with the one before
-        (its keys are those same objects: ``L1Pool.resident_many`` walks them once)."""
+        (its keys are those same objects: ``L1Pool.resident_many`` walks them once). The
+        hashing runs without the interpreter lock, so other threads go on meanwhile."""
         from kvcache import _native  # the daemon's path; importing keys needs no native build
 
         keys, shared = _native.chain_keys_u32(self._root, PERSON, self.chunk_size, prompts)
