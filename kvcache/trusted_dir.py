@@ -113,11 +113,21 @@ def peer_uid(sock: socket.socket) -> int:
 def ipc_peer_uid(zap_address: str) -> int | None:
     """The uid libzmq appends to an ``ipc://`` peer's ZAP address (``host:uid:gid:pid``, read
     with ``SO_PEERCRED``); None for a TCP peer."""
+    return _peer_field(zap_address, 1)
+
+
+def ipc_peer_pid(zap_address: str) -> int | None:
+    """The pid of an ``ipc://`` peer, as ``ipc_peer_uid`` reads its uid (0: the peer runs in
+    a pid namespace this process cannot see)."""
+    return _peer_field(zap_address, 3)
+
+
+def _peer_field(zap_address: str, index: int) -> int | None:
     parts = zap_address.rsplit(":", 3)
     if len(parts) != 4:
         return None
     try:
-        return int(parts[1])
+        return int(parts[index])
     except ValueError:
         return None
 
@@ -126,6 +136,7 @@ __all__ = [
     "check_mode",
     "check_private_dir",
     "ensure_private_dir",
+    "ipc_peer_pid",
     "ipc_peer_uid",
     "open_private_dir",
     "peer_cred",

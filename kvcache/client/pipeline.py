@@ -56,6 +56,7 @@ class Call:
     sent_at: float = 0.0
     deadline: float = 0.0
     disconnects: int = 0
+    daemon_pid: int | None = None  # the daemon process it went to, where known
     generation: int = 0
     tried: set[str] = field(default_factory=set)  # the retries already made (Owner.resend)
 
@@ -202,6 +203,7 @@ class Pipeline:
 
     def _run(self) -> None:
         chan = self._owner.channel()
+        seen = chan.disconnects
         try:
             while True:
                 self._fill(chan)
@@ -218,6 +220,9 @@ class Pipeline:
                 self._drain_wake()
                 for envelope in replies:
                     self._answer(chan, envelope)
+                if chan.disconnects != seen:
+                    seen = chan.disconnects
+                    self._fail_lost(chan)
                 self._expire(chan)
                 self._heartbeat(chan)
         except BaseException as exc:  # never leave a caller waiting on a dead thread
@@ -258,8 +263,8 @@ class Pipeline:
     def _send(self, chan: Channel, call: Call) -> None:
         try:
             body, call.generation = self._owner.stamp(call.body)
-            call.disconnects = chan.disconnects
-            call.request_id = chan.send(body)
+            call.request_id = chan.send(body)  # reads the monitor first
+            call.disconnects, call.daemon_pid = chan.disconnects, chan.daemon_pid
         except Exception as exc:
             call.future.set_exception(exc)
             return
@@ -307,6 +312,18 @@ class Pipeline:
             call.future.set_exception(chan.timeout_error(call.body, call.timeout_s, closed))
             if not call.internal and self._owner.breaker.silent_since(call.sent_at):
                 self._owner.silent(call)
+
+    def _fail_lost(self, chan: Channel) -> None:
+        """A connection dropped: fail each call sent before to a daemon that exited, now."""
+        exited: dict[int | None, bool] = {}
+        for request_id, call in list(self._in_flight.items()):
+            if call.disconnects == chan.disconnects:  # sent since the drop
+                continue
+            if call.daemon_pid not in exited:
+                exited[call.daemon_pid] = chan.daemon_exited(call.daemon_pid)
+            if exited[call.daemon_pid]:
+                self._pop(request_id)
+                call.future.set_exception(chan.lost_error(call.body, call.daemon_pid))
 
     def _wait_s(self) -> float:
         """Until the next deadline or heartbeat; 0 with sendable calls queued."""

@@ -169,7 +169,7 @@ class Session:
         """A new DEALER channel to the daemon (peer-checked, CURVE if configured)."""
         check = self._peer_check
         refusal = (lambda: check.refusal) if check else None
-        return Channel(self._ctx, self.endpoint, self._sockopts, refusal, self.breaker.heard)
+        return Channel(self._ctx, self.endpoint, self._sockopts, refusal, self.breaker.heard, daemon=check)
 
     def refusal(self) -> DaemonUnavailableError | None:
         """The error of a call refused unsent (the breaker is open), counted; else None."""

@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
@@ -27,12 +27,22 @@ from kvcache.protocol.codec import decode_reply, encode_request
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
+EXIT_WAIT_S = 0.1
+"""How long a dropped connection's daemon process may take to be seen exited (``lost``)."""
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (``ZMQ_EVENTS``). With plain ints: pyzmq's enums
     cost about 0.7 us a check, paid twice per message on both sides of every call."""
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
+
+
+class DaemonProcess(Protocol):
+    """What a channel may know of the daemon's process (``peer_check.DaemonUidCheck``)."""
+
+    pid: int | None
+
+    def exited(self, pid: int | None, wait_s: float = 0.0) -> bool: ...
 
 
 class Channel:
@@ -55,20 +65,25 @@ class Channel:
         sockopts: Mapping[int, int | bytes] | None = None,
         peer_refusal: Callable[[], str | None] | None = None,
         heard: Callable[[], None] | None = None,
+        daemon: DaemonProcess | None = None,
     ) -> None:
         """``sockopts`` are set before connecting (the CURVE client keys, for one).
         ``peer_refusal``: why this client refused the daemon's end of a handshake, if it did
         (``peer_check.DaemonUidCheck.refusal``); a refused handshake is then reported as
         ``UntrustedPathError`` rather than as the daemon refusing this client.
-        ``heard``: called for every frame the daemon sends (the breaker's sign of life)."""
+        ``heard``: called for every frame the daemon sends (the breaker's sign of life).
+        ``daemon``: the daemon's process, where the peer check can see it (``lost``)."""
         self._ctx, self._endpoint = ctx, endpoint
         self._sockopts = dict(sockopts or {})
         self._peer_refusal = peer_refusal
         self._ids = itertools.count(1)
         self._heard = heard
+        self._daemon = daemon
         self._undecodable: Exception | None = None
         self.disconnects = 0
-        """Connections of this socket the daemon closed, as seen so far."""
+        """Connections of this socket the daemon closed, as seen so far (each send looks
+        first, so a request counts as sent after every drop reported before it)."""
+        self._refusal: str | None = None
         self._wake_fd: int | None = None
         self._sock, self._monitor = self._open()
         self._poller = self._make_poller()
@@ -92,17 +107,20 @@ class Channel:
         sock.connect(self._endpoint)
         return sock, monitor
 
-    def _refusal(self) -> tuple[str | None, bool]:
-        """The reason of a refused handshake seen on this socket, if any, and whether the
-        daemon closed a connection of it."""
-        reason, dropped = None, False
-        while self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())
+    def _read_monitor(self) -> None:
+        """Note what the monitor reported: connections the daemon closed (``disconnects``),
+        and a refused handshake, which the next ``receive`` raises."""
+        while readable(self._monitor):
+            event = parse_monitor_message(self._monitor.recv_multipart(NOBLOCK))
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                dropped = True
+                self.disconnects += 1
             else:
-                reason = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
-        return reason, dropped
+                self._refusal = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
+
+    def _raise_refusal(self) -> None:
+        if self._refusal is not None:
+            reason, self._refusal = self._refusal, None
+            raise self._refused(reason)
 
     def _refused(self, reason: str) -> AccessDeniedError:
         """The error for a refused handshake (the socket is reset: ZMQ would retry forever)."""
@@ -116,6 +134,7 @@ class Channel:
         )
 
     def reset(self) -> None:
+        self._refusal = None
         self.close()
         self._sock, self._monitor = self._open()
         self._poller = self._make_poller()
@@ -127,6 +146,7 @@ class Channel:
 
     def send(self, body: m.RequestBody) -> int:
         """Send ``body`` under a fresh envelope id and return the id; never waits."""
+        self._read_monitor()
         request_id = next(self._ids)
         frame = encode_request(request_id, body)
         self._sock.send(frame)
@@ -148,11 +168,8 @@ class Channel:
             self._poller = self._make_poller()
         ready = dict(self._poller.poll(max(math.ceil(timeout_s * 1000), 0)))
         if self._monitor in ready or not ready:
-            # A refused handshake ends the calls at once: ZMQ would only retry it.
-            refused, dropped = self._refusal()
-            self.disconnects += dropped
-            if refused is not None:
-                raise self._refused(refused)
+            self._read_monitor()
+        self._raise_refusal()  # a refused handshake ends the calls at once: ZMQ would only retry it
         out: list[m.ReplyEnvelope] = []
         while readable(self._sock):
             frame = self._sock.recv(NOBLOCK)
@@ -166,6 +183,28 @@ class Channel:
                     return out
                 raise _protocol_error(exc) from None
         return out
+
+    @property
+    def daemon_pid(self) -> int | None:
+        """The daemon process a request sent now goes to, as far as this client knows."""
+        return self._daemon.pid if self._daemon is not None else None
+
+    def daemon_exited(self, pid: int | None) -> bool:
+        """Whether daemon process ``pid`` (the one a request went to) has exited; asked once a
+        connection dropped. A request sent to it is then failed at once, not at its timeout:
+        it will never be answered, and a process that exited copies nothing more (its
+        mappings of the engine's memory, and its CUDA contexts, ended with it), so the
+        engine may use its blocks again. A connection that dropped under a live daemon (its
+        connection cap, say) proves nothing, and its calls wait as before. The drop is seen
+        as the dying process's sockets close, a moment before it has exited: this waits up
+        to ``EXIT_WAIT_S`` for that."""
+        return self._daemon is not None and self._daemon.exited(pid, EXIT_WAIT_S)
+
+    def lost_error(self, body: m.RequestBody, pid: int | None) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"the kvcache daemon at {self._endpoint} (pid {pid}) exited with this "
+            f"{type(body).__name__} in flight: it was not served, and nothing of it is still running"
+        )
 
     def timeout_error(self, body: m.RequestBody, timeout_s: float, closed: bool) -> DaemonUnavailableError:
         """The error of a call that got no reply within ``timeout_s``; ``closed``: the daemon
@@ -186,13 +225,19 @@ class Channel:
         """Send ``body`` and wait for its reply, dropping replies of earlier calls. On a
         timeout the socket is reset (a lost reply must not wedge it): only for a socket that
         has nothing else in flight."""
-        disconnects = self.disconnects
-        request_id = self.send(body)
+        request_id = self.send(body)  # reads the monitor first: drops seen so far are before it
+        disconnects = seen = self.disconnects
+        pid = self.daemon_pid
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             for envelope in self.receive(remaining):
                 if envelope.id == request_id or envelope.id == 0:
                     return envelope.body
+            if self.disconnects != seen:
+                seen = self.disconnects
+                if self.daemon_exited(pid):
+                    self.reset()
+                    raise self.lost_error(body, pid)
         self._refusal_now()
         closed = self.disconnects != disconnects
         self.reset()
@@ -200,10 +245,8 @@ class Channel:
 
     def _refusal_now(self) -> None:
         """Read the monitor once more before giving up: a refusal is the better error."""
-        refused, dropped = self._refusal()
-        self.disconnects += dropped
-        if refused is not None:
-            raise self._refused(refused)
+        self._read_monitor()
+        self._raise_refusal()
 
 
 def _protocol_error(exc: Exception) -> ProtocolError:

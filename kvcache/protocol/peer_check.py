@@ -22,19 +22,21 @@ checking the socket file's owner alone, which says nothing about the process tha
 from __future__ import annotations
 
 import os
+import select
 import threading
 from typing import Any
 
 import zmq
 
 from kvcache.errors import DaemonUnavailableError, UntrustedPathError
-from kvcache.trusted_dir import check_private_dir, ipc_peer_uid
+from kvcache.trusted_dir import check_private_dir, ipc_peer_pid, ipc_peer_uid
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"kvcache-daemon"
 
 
 FD_SOCKET_NAME = "fds.sock"
+_WATCHED_DAEMONS = 4  # daemon processes watched at once: the current one and a few before it
 
 
 def expected_daemon_uid(daemon_uid: int | None = None) -> int:
@@ -96,11 +98,21 @@ class DaemonTrust:
 class DaemonUidCheck:
     """Answers the ZAP requests of ``context`` (one per context: the endpoint is fixed):
     an ``ipc://`` peer is accepted only if it runs as ``uid``. ``sockopts`` are what a
-    DEALER sets to be checked; ``refusal`` says why the last connection was refused."""
+    DEALER sets to be checked; ``refusal`` says why the last connection was refused.
+
+    It also watches the daemon's process: ``pid`` is the one last approved, and ``exited``
+    tells whether a given one has ended (a pidfd, opened while its connection was being
+    approved, so a reused pid is never mistaken for it). A call sent to a daemon that exited
+    can never be answered, and nothing of it is still being copied: the client fails it at
+    once instead of at its timeout (``Channel.lost``)."""
 
     def __init__(self, context: zmq.Context[Any], uid: int) -> None:
         self.uid = uid
         self.refusal: str | None = None
+        self.pid: int | None = None
+        """The daemon process last approved (None before, or where pids are not visible)."""
+        self._pidfds: dict[int, int] = {}  # the last few daemons' processes (restarts)
+        self._pid_lock = threading.Lock()
         self._sock = context.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
@@ -137,6 +149,7 @@ class DaemonUidCheck:
         peer = address.decode(errors="replace")
         uid = ipc_peer_uid(peer)
         if uid == self.uid:
+            self._watch(ipc_peer_pid(peer))
             return [version, request_id, b"200", b"OK", b"", b""]
         self.refusal = (
             f"the process listening there runs as uid {uid}, not as the expected daemon uid "
@@ -147,12 +160,42 @@ class DaemonUidCheck:
         )
         return [version, request_id, b"400", self.refusal.encode(), b"", b""]
 
+    def _watch(self, pid: int | None) -> None:
+        """Open a pidfd for the daemon process just approved (pid 0: in another pid namespace)."""
+        if not pid or pid == self.pid:
+            return
+        with self._pid_lock:
+            if pid not in self._pidfds:
+                try:
+                    self._pidfds[pid] = os.pidfd_open(pid)
+                except (OSError, AttributeError):  # gone already, or no pidfd on this kernel
+                    return
+                while len(self._pidfds) > _WATCHED_DAEMONS:
+                    os.close(self._pidfds.pop(next(iter(self._pidfds))))
+            self.pid = pid
+
+    def exited(self, pid: int | None, wait_s: float = 0.0) -> bool:
+        """Whether the daemon process ``pid`` (one this handler approved) has ended, waiting
+        up to ``wait_s`` for it; False when it cannot tell."""
+        with self._pid_lock:
+            fd = self._pidfds.get(pid) if pid else None
+            if fd is None:
+                return False
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            # A pidfd turns readable once its process has exited.
+            return bool(poller.poll(max(0, round(wait_s * 1000))))
+
     def close(self) -> None:
         """Stop the thread and close the sockets (before the context is terminated)."""
         self._stopper.send(b"")
         self._thread.join()
         for sock in (self._sock, self._wake, self._stopper):
             sock.close(linger=0)
+        with self._pid_lock:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
 
 
 __all__ = ["FD_SOCKET_NAME", "ZAP_DOMAIN", "DaemonTrust", "DaemonUidCheck", "expected_daemon_uid"]

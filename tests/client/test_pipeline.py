@@ -27,6 +27,8 @@ from kvcache.engine import CacheEngine
 from kvcache.errors import DaemonUnavailableError
 from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import pack_ids
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.launch import DaemonProcess
@@ -209,6 +211,42 @@ def test_the_daemon_stopped_then_killed_mid_window() -> None:
             for f in calls:
                 with pytest.raises(DaemonUnavailableError):
                     f.result(timeout=30)
+            c.close(unregister=False)
+    finally:
+        d.kill()
+
+
+def test_calls_at_a_daemon_that_exits_fail_at_once_not_at_their_timeout() -> None:
+    """Killed with calls in flight (four on the client's thread, one on the caller's own
+    channel), each fails as soon as the daemon's process has exited, with an error that says
+    so, instead of at its timeout (120 s here): a process that exited copies nothing more, so
+    the engine may use the blocks again. A synchronous load used to hold vLLM's whole step
+    for the client's timeout after a daemon crash."""
+    d = DaemonProcess(ARGS)
+    try:
+        with KVCacheClient(d.endpoint, 9, "exits", timeout_s=120) as c:
+            c.register_kv_caches(to_shared(_kv(9)))
+            held = (len(LOAD_BLOCKS) // 4, 60_000)  # chunks nobody stores: held at the daemon
+            calls = [c.retrieve_reply_async(_tokens(80 + i), LOAD_BLOCKS, awaited=held) for i in range(4)]
+            sync: Future[Any] = Future()
+            msg = m.Retrieve(instance_id=9, token_ids=pack_ids(_tokens(90)), block_ids=pack_ids(LOAD_BLOCKS),
+                             await_chunks=held[0], await_ms=held[1])  # fmt: skip
+
+            def call_sync() -> None:
+                try:
+                    sync.set_result(c.session.call(msg, m.RetrieveResult))
+                except BaseException as exc:
+                    sync.set_exception(exc)
+
+            caller = threading.Thread(target=call_sync)
+            caller.start()
+            with KVCacheClient(d.endpoint, 10, "watch", timeout_s=10) as watch:  # c's channel is busy
+                wait_for(lambda: watch.status()["in_flight"] >= 5, 30, "the five calls to be held")
+            d.kill()
+            for f in [*calls, sync]:
+                with pytest.raises(DaemonUnavailableError, match=r"exited with this Retrieve in flight"):
+                    f.result(timeout=60)  # not 120: the timeout is not what ended them
+            caller.join()
             c.close(unregister=False)
     finally:
         d.kill()

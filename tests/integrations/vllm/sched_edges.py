@@ -205,8 +205,9 @@ def l2_read_errors(h: Harness) -> None:
 def restart_while_loading(h: Harness) -> None:
     """The daemon restarts (killed and started again in place, not gone for good) while ``a``'s
     load sits in it, waiting for a Redis read held at the gate: its reply never comes, the
-    load fails at the client's deadline (1 s) and ``a`` is recomputed, the engine going on
-    meanwhile (asynchronous loads) or waiting that long (synchronous ones). The same engine's
+    load fails as soon as the old daemon's process has exited (the client's deadline, 1 s,
+    is the fallback) and ``a`` is recomputed, the engine going on meanwhile (asynchronous
+    loads) or waiting for that (synchronous ones). The same engine's
     clients then register again with the new daemon: ``b``, arriving after (vLLM's prefix
     cache emptied), finds the prefix in the daemon and loads it."""
     gate, _ = _redis_l2(h)
@@ -216,6 +217,7 @@ def restart_while_loading(h: Harness) -> None:
     gate.hold()  # the lookup's prefetch waits at the gate, and a's load waits for it
     eng = h.engine(timeout_s=1.0)
     state: dict[str, Any] = {}
+    restarters: list[threading.Timer] = []
 
     def restart() -> None:
         state["killed_at"] = round(time.monotonic() - state["t0"], 2)
@@ -226,20 +228,31 @@ def restart_while_loading(h: Harness) -> None:
     def restart_soon(step: int, out: Any) -> None:
         if "planned" not in state and out.kv_connector_metadata.plan.retrieves:
             state.update(planned=step, t0=time.monotonic())
-            threading.Timer(0.2, restart).start()  # a's load is in the daemon by then
+            restarters.append(threading.Timer(0.2, restart))  # a's load is in the daemon by then
+            restarters[0].start()
 
     eng.between_schedule_and_load = restart_soon
     eng.add("a", [*prefix, 7], 4)
     try:
         eng.run()
     finally:
+        ended = time.monotonic()
+        for restarter in restarters:  # a may have failed before the new daemon is up
+            restarter.join()
         gate.release()
-    state["a_seconds"] = round(time.monotonic() - state.pop("t0", time.monotonic()), 2)
+    state["a_seconds"] = round(ended - state.pop("t0", ended), 2)
     state["a_failures"] = eng.tally().get("load_failures", 0)
     assert state["a_failures"] == 1 and not eng.tally().get("load_tokens", 0), f"no failed load: {state}"
     assert state["killed_at"] < 1.0, f"the daemon was killed after a's load had timed out: {state}"
     for client in (eng.sched_connector.client, eng.worker.client):
         wait_closed(client)
+    worker = eng.worker.client
+    deadline = time.monotonic() + 30
+    # Any call of the worker's meets the new daemon's UNKNOWN_INSTANCE and registers it again
+    # (its heartbeat would too, later): a lookup shorter than a chunk names no chunk.
+    while worker.lookup([0]) or worker.instance_id not in worker.status()["instances"]:
+        assert time.monotonic() < deadline, "the worker never registered with the new daemon"
+        time.sleep(0.05)
     assert eng.scheduler.reset_prefix_cache(), "vLLM still held blocks"
     eng.add("b", [*prefix, 9, 9], 4)
     eng.run()
