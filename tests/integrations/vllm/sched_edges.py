@@ -27,6 +27,7 @@ from tests.integrations.vllm.sched_world import (
     hold_loads,
     prompts,
     wait_closed,
+    warm,
 )
 
 SMALL_CACHE = 26
@@ -36,14 +37,6 @@ SMALL_CACHE = 26
 def _needs_async_loads(h: Harness) -> None:
     if not h.async_loads:
         raise ScenarioSkipped("synchronous loads: nobody waits for another request's load")
-
-
-def _warm(h: Harness, *requests: tuple[str, list[int]]) -> None:
-    warm = h.engine()
-    for req_id, prompt in requests:
-        warm.add(req_id, prompt, 2)
-    warm.run()
-    h.check(warm)
 
 
 def _record_loads(state: dict[str, Any]) -> Any:
@@ -64,7 +57,7 @@ def shared_leader_aborted(h: Harness) -> None:
     and only then are ``s0``'s blocks anybody else's."""
     _needs_async_loads(h)
     shared = prompts(110, 200, [0])[0][:192]
-    _warm(h, ("warm", [*shared, 5, 5, 5]))
+    warm(h, ("warm", [*shared, 5, 5, 5]))
     eng = h.engine(max_batched=1024)
     gate = hold_loads(eng.worker.client, {"s0"})
     state: dict[str, Any] = {}
@@ -110,7 +103,7 @@ def shared_leader_fails(h: Harness) -> None:
     ``s2`` shares it. Nobody is left behind and every byte served is right."""
     _needs_async_loads(h)
     prefix = prompts(111, 8 * CHUNK, [0])[0]
-    _warm(h, ("warm", [*prefix, 3]))
+    warm(h, ("warm", [*prefix, 3]))
     eng = h.engine(max_batched=1024, num_blocks=SMALL_CACHE)
     gate = hold_loads(eng.worker.client, {"s0"})
     state: dict[str, Any] = {}
@@ -170,7 +163,7 @@ def l2_read_errors(h: Harness) -> None:
     goes on, the request is recomputed, and what is stored afterwards is right."""
     gate, raw = _redis_l2(h)
     prefix = prompts(112, 8 * CHUNK, [0])[0]
-    _warm(h, ("warm", [*prefix, 3]))
+    warm(h, ("warm", [*prefix, 3]))
     for round_, how in enumerate(("dropped", "corrupt")):
         h.daemon.restart(graceful=True)  # L1 empty: the prefix is only in Redis
         if how == "dropped":
@@ -212,7 +205,7 @@ def restart_while_loading(h: Harness) -> None:
     cache emptied), finds the prefix in the daemon and loads it."""
     gate, _ = _redis_l2(h)
     prefix = prompts(113, 8 * CHUNK, [0])[0]
-    _warm(h, ("warm", [*prefix, 3]))
+    warm(h, ("warm", [*prefix, 3]))
     h.daemon.restart(graceful=True)  # L1 empty: the prefix is only in Redis
     gate.hold()  # the lookup's prefetch waits at the gate, and a's load waits for it
     eng = h.engine(timeout_s=1.0)

@@ -25,6 +25,7 @@ from tests.integrations.vllm.sched_world import (
     first_step,
     hold_loads,
     prompts,
+    warm,
 )
 
 BLOCK = 32
@@ -33,15 +34,6 @@ BLOCK = 32
 def _needs_async_loads(h: Harness, async_scheduling: bool) -> None:
     if not (async_scheduling or h.async_loads):
         raise ScenarioSkipped("synchronous loads: no load outlives its step")
-
-
-def _warm(h: Harness, *requests: tuple[str, list[int]]) -> None:
-    """An engine that computes and stores ``requests`` (two output tokens each)."""
-    warm = h.engine()
-    for req_id, prompt in requests:
-        warm.add(req_id, prompt, 2)
-    warm.run()
-    h.check(warm)
 
 
 def late_loads(h: Harness, async_scheduling: bool) -> None:
@@ -54,7 +46,7 @@ def late_loads(h: Harness, async_scheduling: bool) -> None:
     Reported received at once (before), ``ok`` would compute on blocks not yet filled."""
     _needs_async_loads(h, async_scheduling)
     ok_prompt, bad_prompt = prompts(40, 256, [3])[0], prompts(41, 320, [2])[0]
-    _warm(h, ("w_ok", ok_prompt), ("w_bad", bad_prompt))
+    warm(h, ("w_ok", ok_prompt), ("w_bad", bad_prompt))
     eng = h.engine(async_scheduling=async_scheduling)
     gate = hold_loads(eng.worker.client, {"ok", "bad"})
     state: dict[str, Any] = {}
@@ -112,7 +104,7 @@ def abort_while_loading(h: Harness, async_scheduling: bool) -> None:
     before), ``b`` would run in them first and read ``a``'s prefix in its next step."""
     _needs_async_loads(h, async_scheduling)
     prefix = prompts(50, 256, [0])[0]
-    _warm(h, ("warm", [*prefix, 3]))
+    warm(h, ("warm", [*prefix, 3]))
     eng = h.engine(async_scheduling=async_scheduling, num_blocks=26, max_batched=1024)
     gate = hold_loads(eng.worker.client, {"a"})
     state: dict[str, Any] = {}
@@ -210,7 +202,7 @@ def loading_through_preemptions(h: Harness) -> None:
     computes on its loaded prefix."""
     _needs_async_loads(h, False)
     prefix = prompts(60, 256, [0])[0]
-    _warm(h, ("warm", [*prefix, 3]))
+    warm(h, ("warm", [*prefix, 3]))
     eng = h.engine(num_blocks=26, max_batched=1024)
     gate = hold_loads(eng.worker.client, {"l"})
     state: dict[str, Any] = {"preempted_while_held": 0, "overlaps": []}
@@ -325,7 +317,7 @@ def lone_loads(h: Harness) -> None:
     h.replace_daemon(["--l2-disk-path", str(h.workdir / f"l2-{h.name}")])
     pa, pb, pc = (prompts(seed, 4 * CHUNK, [5])[0] for seed in (80, 81, 82))
     pe = prompts(84, 4 * CHUNK, [5, 6, 7, 8])
-    _warm(h, ("wa", pa), ("wb", pb), ("wc", pc), ("we", pe[0]))
+    warm(h, ("wa", pa), ("wb", pb), ("wc", pc), ("we", pe[0]))
     eng = h.engine(sync_lone_loads=True)
     planned: dict[str, tuple[int, bool]] = {}
 

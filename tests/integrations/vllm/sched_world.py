@@ -228,6 +228,15 @@ def prompts(seed: int, prefix_len: int, tails: Sequence[int]) -> list[list[int]]
     return [prefix + [rng.randrange(3, 1000) for _ in range(n)] for n in tails]
 
 
+def warm(h: Harness, *requests: tuple[str, list[int]]) -> None:
+    """An engine that computes and stores ``requests`` (two output tokens each)."""
+    eng = h.engine()
+    for req_id, prompt in requests:
+        eng.add(req_id, prompt, 2)
+    eng.run()
+    h.check(eng)
+
+
 def hold_loads(client: KVCacheClient, req_ids: set[str], within_s: float = 60.0) -> threading.Event:
     """Hold ``client``'s asynchronous loads for ``req_ids`` back, before they reach the daemon,
     until the returned event is set (at most ``within_s``: a scenario that never opens it
