@@ -3,13 +3,18 @@ processes: what it says exited must have exited, whatever pids the kernel hands 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
+
+from kvcache.protocol.peer_check import DaemonUidCheck
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,3 +40,32 @@ def test_a_daemon_restarted_under_its_predecessors_pid_is_not_taken_for_exited()
     if done.returncode == 77:
         pytest.skip("the kernel did not hand the pid out again")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_daemon_whose_pidfd_cannot_be_opened_is_unknown_not_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next daemon approved while no pidfd can be opened (the client out of descriptors):
+    calls sent to it must not be taken for calls to the one before, which exited, or a
+    connection the live daemon drops fails them at once."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    check = DaemonUidCheck(ctx, os.getuid())
+    before = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    now = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        check._watch(before.pid)
+        before.kill()
+        before.wait()
+        monkeypatch.setattr(os, "pidfd_open", _no_descriptor)
+        check._watch(now.pid)
+        assert not check.exited(check.pid)
+        assert check.pid is None
+    finally:
+        now.kill()
+        now.wait()
+        check.close()
+        ctx.term()
+
+
+def _no_descriptor(pid: int, flags: int = 0) -> int:
+    raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
