@@ -161,30 +161,38 @@ class DaemonUidCheck:
         return [version, request_id, b"400", self.refusal.encode(), b"", b""]
 
     def _watch(self, pid: int | None) -> None:
-        """Open a pidfd for the daemon process just approved (pid 0: in another pid namespace)."""
-        if not pid or pid == self.pid:
-            return
+        """Watch the daemon process just approved: ``pid`` is its, with a pidfd that is its.
+
+        A pidfd already held under ``pid`` belongs to the process that had it before when
+        that one has exited: the kernel hands pids out again (a restarted daemon in a small
+        pid space), so it is replaced, or a connection the live daemon drops would fail its
+        calls as lost. Where no pidfd can be opened (pid 0: another pid namespace; the
+        process gone already; no pidfd or no descriptor left) the daemon is unknown
+        (``pid`` None), never the one before it, which may have exited."""
         with self._pid_lock:
-            if pid not in self._pidfds:
-                try:
-                    self._pidfds[pid] = os.pidfd_open(pid)
-                except (OSError, AttributeError):  # gone already, or no pidfd on this kernel
-                    return
-                while len(self._pidfds) > _WATCHED_DAEMONS:
-                    os.close(self._pidfds.pop(next(iter(self._pidfds))))
-            self.pid = pid
+            self.pid = pid if pid and self._pidfd(pid) is not None else None
+
+    def _pidfd(self, pid: int) -> int | None:
+        """The pidfd of the process that has ``pid`` now, opened if needed (lock held)."""
+        fd = self._pidfds.get(pid)
+        if fd is not None and _ended(fd):
+            os.close(self._pidfds.pop(pid))
+            fd = None
+        if fd is None:
+            try:
+                fd = self._pidfds[pid] = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                return None
+            while len(self._pidfds) > _WATCHED_DAEMONS:
+                os.close(self._pidfds.pop(next(iter(self._pidfds))))
+        return fd
 
     def exited(self, pid: int | None, wait_s: float = 0.0) -> bool:
         """Whether the daemon process ``pid`` (one this handler approved) has ended, waiting
         up to ``wait_s`` for it; False when it cannot tell."""
         with self._pid_lock:
             fd = self._pidfds.get(pid) if pid else None
-            if fd is None:
-                return False
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            # A pidfd turns readable once its process has exited.
-            return bool(poller.poll(max(0, round(wait_s * 1000))))
+            return fd is not None and _ended(fd, wait_s)
 
     def close(self) -> None:
         """Stop the thread and close the sockets (before the context is terminated)."""
@@ -196,6 +204,14 @@ class DaemonUidCheck:
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
+
+
+def _ended(pidfd: int, wait_s: float = 0.0) -> bool:
+    """Whether the process of ``pidfd`` has exited (a pidfd turns readable then), waiting up
+    to ``wait_s`` for it."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(max(0, round(wait_s * 1000))))
 
 
 __all__ = ["FD_SOCKET_NAME", "ZAP_DOMAIN", "DaemonTrust", "DaemonUidCheck", "expected_daemon_uid"]
