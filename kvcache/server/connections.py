@@ -218,10 +218,13 @@ class ConnectionGuard:
             batch.append(self._monitor.recv_multipart(zmq.NOBLOCK))
         events = [_parse(frames) for frames in batch]
         for kind, fd, endpoint, closed in _with_fates(events):
-            if kind == zmq.EVENT_ACCEPTED:
-                self._accepted(fd, endpoint, closed)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                self._disconnected(fd)
+            try:  # on the I/O thread: nothing here may end the loop that serves everyone
+                if kind == zmq.EVENT_ACCEPTED:
+                    self._accepted(fd, endpoint, closed)
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    self._disconnected(fd)
+            except Exception:
+                log.exception("could not account for connection event %d on descriptor %d", kind, fd)
         if batch:
             self._set_gate()
 
@@ -259,7 +262,10 @@ class ConnectionGuard:
         if sock is None:  # already closed and reused by something else: nothing to count
             return
         try:
-            client = self._client(sock)
+            try:
+                client = self._client(sock)
+            except OSError:  # closed (libzmq's thread) since it was borrowed: nothing to count
+                return
             network = sock.family != socket.AF_UNIX
             reason = self._over_cap(client, network)
             self._conns[fd] = _Conn(client, admitted=reason is None, network=network)

@@ -193,6 +193,22 @@ def test_a_connection_over_the_cap_is_never_served_however_fast_it_speaks(
     assert d.proc.poll() is None
 
 
+def test_connections_closed_as_soon_as_made_never_stop_the_daemon(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Connections opened and closed at once, by the thousand: libzmq may close one while the
+    guard reads its peer (on the I/O thread now), which once raised out of the loop that
+    serves every client. The tenant is served all along and after."""
+    d = start_daemon(tcp=True)
+    with _tenant(d, 1) as (tenant, kv):
+        for endpoint in (d.ipc_endpoint, d.endpoint) * 500:
+            with contextlib.suppress(OSError):
+                zmtp.connect(endpoint, timeout_s=2).close()
+        _served(tenant, kv)
+        assert _answers_ping(zmtp.connect(d.endpoint, timeout_s=10))
+    assert d.proc.poll() is None
+
+
 def test_a_local_user_is_held_to_its_own_cap_on_the_unix_socket(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
