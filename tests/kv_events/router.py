@@ -90,6 +90,7 @@ class Consumer:
         self.dealer = None
         if replay is not None:
             self.dealer = self.ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.RCVHWM, 0)  # a whole replay, however long: never cut
             self.dealer.setsockopt(zmq.IPV6, int("://[" in replay))
             self.dealer.connect(replay)
         self.decoder = msgspec.msgpack.Decoder(MapBatch if fmt == "map" else ArrayBatch)
