@@ -65,6 +65,19 @@ class Server:
             text = resp.read().decode()
         return json.loads(text) if body is not None else text
 
+    def flush(self, within_s: float = 60) -> None:
+        """``/flush_cache`` until SGLang takes it: it refuses (HTTP 400) until its scheduler
+        has gone idle once after the last request, which a loaded machine delays."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                assert "flushed" in self.post("/flush_cache").lower()
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)  # SGLang's scheduler has no idle signal to wait on
+
     def generate(self, prompt: str = PROMPT) -> dict[str, Any]:
         out: dict[str, Any] = self.post("/generate", {"text": prompt, "sampling_params": {
             "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})  # fmt: skip
@@ -197,7 +210,7 @@ def test_after_flush_the_same_prompt_is_served_from_storage(
     servers: dict[str, Server], first: dict[str, Any], daemon: DaemonProcess
 ) -> None:
     a = servers["A"]
-    assert "flushed" in a.post("/flush_cache").lower()  # HTTP 200; a refused flush is 400
+    a.flush()
     loaded = _metric(daemon, "kvcache_retrieve_retrieved_tokens_total")
     again = a.generate()
     assert _from_storage(again) == PAGES * PAGE, again["meta_info"]
