@@ -156,6 +156,10 @@ class ZmqEventPublisher(EventPublisher):
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, _REPLAY_FRAME_MAX)  # a reader's bytes
+                # One whole replay queues for a reader that lags, never cut (ZMQ's 1,000
+                # dropped a longer one's tail, end marker included); its frames refer to
+                # the buffered batches (``_serve_replay``), so that costs no copy of them.
+                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 1)
                 if wants_ipv6(replay_endpoint):
                     self._replay.setsockopt(zmq.IPV6, 1)
                 self._guard(self._replay, replay_endpoint)
@@ -336,8 +340,9 @@ class ZmqEventPublisher(EventPublisher):
             first = seq_from_bytes(start)
             # vLLM's replay shape: [topic, seq, payload] per batch, then [b"", END_SEQ, b""].
             for seq, payload in list(self._buffer):
-                if seq >= first:
-                    self._replay.send_multipart([ident, *envelope, self._topic, seq_bytes(seq), payload])
+                if seq >= first:  # zero-copy: the frames keep the buffered bytes, not a copy
+                    frames = [ident, *envelope, self._topic, seq_bytes(seq), payload]
+                    self._replay.send_multipart(frames, copy=False)
             self._replay.send_multipart([ident, *envelope, b"", END_SEQ, b""])
         return bool(self._replay.poll(0))
 

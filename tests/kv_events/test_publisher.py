@@ -310,3 +310,39 @@ def test_a_reader_flooding_replay_requests_never_holds_back_live_batches() -> No
         ctx.term()
         live.close()
         p.shutdown()
+
+
+def test_a_reader_that_lags_still_gets_a_whole_replay_and_its_end_marker() -> None:
+    """A replay longer than ZMQ's default queue (1,000 messages) to a reader that reads
+    nothing while it is sent: the publisher queues all of it, so once the reader reads, every
+    batch and the end marker are there. With ZMQ's default on the publisher's side, the tail
+    was dropped, end marker included, and the reader waited for it in vain."""
+    n = 3000
+    p = ZmqEventPublisher(LOCAL, LOCAL, topic="kv", max_merge=1, buffer_steps=n)
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.DEALER)
+    reader.setsockopt(zmq.RCVHWM, 10)  # a reader that lags: its own queue holds ten
+    reader.connect(p.replay_endpoint or "")
+    try:
+        f = EventFactory("map")
+        hashes = list(range(10_000))  # ~30 KB a batch, 90 MB in all: past the kernel buffers
+        for i in range(n):
+            p.publish(EventBatch(ts=float(i), events=[f.stored(hashes, block_size=16, medium="CPU")]))
+        assert p.flush(30)
+        reader.send((0).to_bytes(8, "big"))
+        deadline = time.monotonic() + 30
+        while p.replay_requests_served == 0:  # the whole replay is handed to ZMQ in one turn
+            assert time.monotonic() < deadline, "the replay was never served"
+            time.sleep(0.001)
+        seqs: list[int] = []
+        while True:
+            assert reader.poll(5_000), f"no end marker after {len(seqs)} batches"
+            _, seq, _ = reader.recv_multipart()
+            if seq == END_SEQ:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == list(range(n))
+    finally:
+        reader.close(0)
+        ctx.term()
+        p.shutdown()
