@@ -56,6 +56,7 @@ def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, Daemon], tmp_p
 
     # vLLM records connector stats as engine outputs arrive; wait until the load shows, and
     # the stores: they are asynchronous, settled by the worker after the response was sent.
+    # The daemon's figures follow its event bus: wait until it dispatched all it published.
     deadline = time.monotonic() + 60
     while True:
         ours, theirs = scrape(base + "/metrics"), scrape(daemon.metrics_url)
@@ -63,7 +64,10 @@ def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, Daemon], tmp_p
         settled = total(ours, "vllm:kvcache_stored_tokens_total") == total(
             theirs, "kvcache_store_stored_tokens_total"
         )
-        if (loaded >= 1024 and settled) or time.monotonic() > deadline:
+        drained = total(theirs, "kvcache_event_bus_published_events_total") == total(
+            theirs, "kvcache_event_bus_dispatched_events_total"
+        )
+        if (loaded >= 1024 and settled and drained) or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # the scrape is the only way to observe vLLM's logger
     assert loaded == total(theirs, "kvcache_retrieve_retrieved_tokens_total") == 1024
