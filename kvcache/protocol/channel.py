@@ -28,7 +28,7 @@ from kvcache.protocol.codec import decode_reply, encode_request
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
 EXIT_WAIT_S = 0.1
-"""How long a dropped connection's daemon process may take to be seen exited (``lost``)."""
+"""How long a dropped connection's daemon process may take to be seen exited (``daemon_exited``)."""
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
@@ -72,7 +72,7 @@ class Channel:
         (``peer_check.DaemonUidCheck.refusal``); a refused handshake is then reported as
         ``UntrustedPathError`` rather than as the daemon refusing this client.
         ``heard``: called for every frame the daemon sends (the breaker's sign of life).
-        ``daemon``: the daemon's process, where the peer check can see it (``lost``)."""
+        ``daemon``: the daemon's process, where the peer check can see it (``daemon_exited``)."""
         self._ctx, self._endpoint = ctx, endpoint
         self._sockopts = dict(sockopts or {})
         self._peer_refusal = peer_refusal

@@ -104,7 +104,7 @@ class DaemonUidCheck:
     tells whether a given one has ended (a pidfd, opened while its connection was being
     approved, so a reused pid is never mistaken for it). A call sent to a daemon that exited
     can never be answered, and nothing of it is still being copied: the client fails it at
-    once instead of at its timeout (``Channel.lost``)."""
+    once instead of at its timeout (``Channel.daemon_exited``)."""
 
     def __init__(self, context: zmq.Context[Any], uid: int) -> None:
         self.uid = uid
