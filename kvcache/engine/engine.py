@@ -22,8 +22,7 @@ Policies, stated once:
   still loading from L2 on its retrieve waiter (``waiter``), each in arrival order. A stored
   chunk becomes visible to lookups only when its copy finished. ``store_async`` /
   ``retrieve_async`` build the request from arguments; ``store`` / ``retrieve`` wait too.
-* **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots, so a
-  lookup never waits behind another thread's copy.
+* **Concurrency:** the L1 lock covers bookkeeping only; copies run unlocked on pinned slots.
 * **Statistics** (bytes, seconds, sizes of copies) come from the copies' ``TransferResult``
   records only (``records.CopyTally``), for ``stats_snapshot`` and the MP_*_END events alike.
 
@@ -71,8 +70,6 @@ from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
 
 _T = TypeVar("_T")
-
-
 _copy_by = renamed_keyword("copy_by", "deadline", Deadline.of)  # until kvcache 0.2.0
 
 
@@ -155,6 +152,7 @@ class CacheEngine:
             inst = self._instances.pop(instance_id, None)
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id} is not registered")
+        inst.leaving = True
         for waiter in self._waiters:
             waiter.cancel(instance_id)
         inst.completer.close()
@@ -382,6 +380,8 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        for inst in list(self._instances.values()):  # no retake of a store copies from now on
+            inst.leaving = True
         for waiter in self._waiters:
             waiter.close()
         for inst in list(self._instances.values()):

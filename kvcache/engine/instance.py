@@ -44,6 +44,7 @@ class InstanceState:
         "ctx",
         "device",
         "instance_id",
+        "leaving",
         "model_name",
         "scope",
         "slot_shape",
@@ -61,6 +62,9 @@ class InstanceState:
         ).encode()
         self._hashers: dict[KeyScope, ChunkHasher] = {}
         self._lock = threading.Lock()
+        # Set once ``unregister`` (or the engine's ``close``) begins: a store path that would
+        # submit a copy later, from a callback, submits none (the blocks may be unmapped).
+        self.leaving = False
 
     def request_keys(self, req: Request) -> list[ChunkKey]:
         """The chunk keys of a request; ``ChunkMismatchError`` for one built for another

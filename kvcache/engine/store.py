@@ -147,6 +147,8 @@ class _StoreOp:
                     )
                 )
                 break
+            if res.loading:
+                self._watch([(pos + i, e) for i, e in res.loading])
             self.pos += res.settled
             short = stop is None and self.pos < len(keys)
             if short and not partial:  # no tier frees what it copies: keep the slots, wait
@@ -157,6 +159,51 @@ class _StoreOp:
             if short:
                 return True
         return False
+
+    def _watch(self, loading: list[tuple[int, L1Entry]]) -> None:
+        """Chunks an L2 prefetch was still loading when this store reserved: counted as
+        skipped, yet the load may fail (a corrupt or lost L2 copy) and drop them, while this
+        store's blocks hold their bytes. The store stays open until each has settled (a
+        load in flight: milliseconds, bounded by the tier's own timeouts), and one that
+        failed is reserved and copied again (``_retake``)."""
+        index = {entry: i for i, entry in loading}  # one watch per entry, however often keyed
+        with self.lock:
+            self.pending += len(index)
+
+        def settled(entry: L1Entry) -> None:
+            if entry.ok:
+                self._settle_one()
+                return
+            with self.lock:
+                self.skipped -= 1
+            i = index[entry]
+            self.parts.store_waiter.add(self.inst.instance_id, lambda stop: self._retake(i, stop))
+
+        self.parts.pool.on_settled(index, settled)
+
+    def _retake(self, i: int, stop: threading.Event) -> None:
+        """Chunk ``i``, whose L2 load failed: reserved (waiting for room within the store's
+        bound, as any store pass) and copied, unless this store is over or its instance is
+        leaving (``unregister`` waits for a retake running then, and none starts after)."""
+        try:
+            gone = self.req.deadline is not None and self.req.deadline.passed()
+            if self.error is not None or gone or self.inst.leaving:  # its blocks may be gone
+                with self.lock:
+                    self.failed += 1
+                return
+            left = 0.0 if stop.is_set() else self.deadline.left()
+            res = self.parts.pool.begin_write(self.inst.slot_shape, [self.keys[i]], wait_s=left, stop=stop)
+            with self.lock:
+                self.skipped += len(res.present)
+                self.failed += res.failed
+            if res.new:
+                self._submit([i], [e for _, e in res.new])
+            if res.loading:
+                self._watch([(i, e) for _, e in res.loading])
+        except Exception as err:  # never leave the future unresolved
+            self._fail(err)
+        finally:
+            self._settle_one()
 
     def _drop_held(self) -> None:
         held, self.held = self.held, []

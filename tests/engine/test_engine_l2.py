@@ -233,3 +233,85 @@ def test_a_lookup_waits_for_room_held_by_the_previous_lookups_loads(tmp_path: Pa
             assert hits == [len(other)]
         finally:
             sink.gate.set()
+
+
+class _HoldingFailedLoads(Sink):
+    """Holds a failing L2 load inside its ``L2_LOAD_FAILED`` announcement until ``gate`` is
+    set: its L1 entry stays LOADING, deterministically, while a store meets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.held = threading.Event()
+
+    def publish(self, event: Event) -> None:
+        super().publish(event)
+        if event.event_type is EventType.L2_LOAD_FAILED:
+            self.held.set()
+            self.gate.wait(10)
+
+
+def _stored_then_damaged(tmp_path: Path) -> Any:
+    """TOKENS stored on disk by another engine, every L2 copy then damaged (each load fails);
+    returns the writer's caches."""
+    with engine(l2_disk_path=str(tmp_path)) as writer:
+        src = reg(writer, 1, seed=1)
+        writer.store(1, TOKENS, IDS)
+        assert writer.flush(5)
+    files = list(tmp_path.rglob("*.kvc"))
+    assert len(files) == 4
+    for victim in files:
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+    return src
+
+
+def test_a_store_that_meets_a_load_which_then_fails_still_stores_that_chunk(tmp_path: Path) -> None:
+    """Observed under vLLM's scheduler (``l2_read_errors``): a lookup's prefetch held a chunk
+    LOADING from a corrupt L2 copy; a store of the same prompt skipped that chunk as present;
+    the load then failed and dropped it, so L1 kept 3 of the 4 chunks the store was handed
+    (a cache miss until some later store). The store now waits for such a chunk to settle
+    and copies it itself when the load failed."""
+    src = _stored_then_damaged(tmp_path)
+    sink = _HoldingFailedLoads()
+    with engine(sink, l2_disk_path=str(tmp_path)) as e:
+        try:
+            own = reg(e, 2, seed=1)  # this engine's blocks hold the prompt's true KV
+            assert caches_equal(own, src)
+            assert e.lookup(2, TOKENS) == len(TOKENS)  # prefetches begin; the first failure is held
+            assert sink.held.wait(10)
+            stored = e.store_async(2, TOKENS, IDS)
+            sink.gate.set()  # the loads fail and drop their entries
+            result = stored.result(10)
+            assert e.flush(5)  # every load has settled
+            assert result.stored_chunks + result.skipped_chunks == 4 and result.failed_chunks == 0
+            assert e.lookup(2, TOKENS) == len(TOKENS)
+            assert e.status()["l1"]["num_chunks"] == 4
+            dst = reg(e, 3, seed=3)
+            assert e.retrieve(3, TOKENS, IDS) == len(TOKENS) and caches_equal(src, dst)
+        finally:
+            sink.gate.set()
+
+
+def test_a_store_watching_a_load_copies_nothing_once_its_instance_unregistered(tmp_path: Path) -> None:
+    """The store's blocks belong to an instance that has left (a daemon unmaps them): when
+    the load it watched fails after that, nothing is copied and the store still ends."""
+    _stored_then_damaged(tmp_path)
+    sink = _HoldingFailedLoads()
+    with engine(sink, l2_disk_path=str(tmp_path)) as e:
+        try:
+            reg(e, 2, seed=1)
+            assert e.lookup(2, TOKENS) == len(TOKENS)
+            assert sink.held.wait(10)
+            stored = e.store_async(2, TOKENS, IDS)
+            e.unregister(2)
+            sink.gate.set()
+            result = stored.result(10)
+            assert e.flush(5)
+            assert result.stored_chunks == 0 and result.failed_chunks + result.skipped_chunks == 4
+            assert result.failed_chunks >= 1
+            reg(e, 3, seed=3)
+            assert e.lookup(3, TOKENS) == 0 and e.status()["l1"]["num_chunks"] == 0
+        finally:
+            sink.gate.set()

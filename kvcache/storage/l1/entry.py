@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +41,7 @@ class L1Entry:
         "slot_shape",
         "state",
         "tensor",
+        "watchers",
     )
 
     def __init__(
@@ -55,6 +57,7 @@ class L1Entry:
         self._extent = extent
         self._offset = offset
         self._done = threading.Event()
+        self.watchers: list[Callable[[L1Entry], None]] | None = None  # ``SlotTable.on_settled``
 
     @property
     def nbytes(self) -> int:
@@ -69,12 +72,19 @@ class L1Entry:
 class WriteReservation:
     """Result of ``begin_write``: which chunk indices got a fresh slot, which were present,
     how many trailing chunks failed, and how many leading keys it ``settled`` (all of them,
-    except for a partial reservation that stopped to let its caller write what it holds)."""
+    except for a partial reservation that stopped to let its caller write what it holds).
+
+    ``loading``: the present ones an L2 prefetch was still loading (index and entry, also in
+    ``present``). Such a load may yet fail (a corrupt or lost L2 copy) and drop its entry; a
+    writer holding the chunk's bytes watches them (``SlotTable.on_settled``). Entries another
+    store is writing are not listed: that store holds the same bytes, and its own wait for
+    room (up to ``store_wait_timeout_s``) must not become this one's."""
 
     new: list[tuple[int, L1Entry]]
     present: list[int]
     failed: int
     settled: int
+    loading: list[tuple[int, L1Entry]] = field(default_factory=list)
 
 
 __all__ = ["EntryState", "L1Entry", "WriteReservation"]

@@ -41,7 +41,7 @@ from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import EntryState, L1Entry, WriteReservation
 from kvcache.storage.l1.lru import LRUPolicy
 from kvcache.storage.l1.slab import SLOT_ALIGN, SlotShape
-from kvcache.storage.l1.table import SlotTable
+from kvcache.storage.l1.table import SlotTable, Watcher, touch_order
 from kvcache.storage.l2.base import EvictionPolicy
 
 _NO_FACTS = L1WriteFinished(keys=[], num_bytes=0, used_bytes=0, capacity_bytes=0)
@@ -112,14 +112,18 @@ class L1Pool(SlotTable):
         """
         new: list[tuple[int, L1Entry]] = []
         present: list[int] = []
+        loading: list[tuple[int, L1Entry]] = []
         events: list[Event] = []
         failed = 0
         settled = len(keys)
         deadline = time.monotonic() + wait_s
+        loading_state, entries = EntryState.LOADING, self._entries
         with self._lock:
             for i, key in enumerate(keys):
-                if key in self._entries:
+                if (there := entries.get(key)) is not None:
                     present.append(i)
+                    if there.state is loading_state:
+                        loading.append((i, there))
                     continue
                 entry = self._allocate(slot_shape, key, events)
                 mine = len(new) + held
@@ -138,8 +142,10 @@ class L1Pool(SlotTable):
                     if key in self._entries:  # written by someone else meanwhile
                         break
                     entry = self._allocate(slot_shape, key, events)
-                if entry is None and key in self._entries:
+                if entry is None and (there := entries.get(key)) is not None:
                     present.append(i)
+                    if there.state is loading_state:
+                        loading.append((i, there))
                     continue
                 if entry is None:
                     failed = len(keys) - i
@@ -147,7 +153,7 @@ class L1Pool(SlotTable):
                     break
                 new.append((i, entry))
         self._publish(events)
-        return WriteReservation(new, present, failed, settled)
+        return WriteReservation(new, present, failed, settled, loading)
 
     def wake_writers(self) -> None:
         """Wake every ``begin_write`` waiting for room, so one whose ``stop`` is set sees it."""
@@ -212,6 +218,7 @@ class L1Pool(SlotTable):
         oks = [ok] * len(entries) if isinstance(ok, bool) else list(ok)
         events: list[Event] = []
         written: list[ChunkKey] = []
+        watchers: list[tuple[Watcher, L1Entry]] = []
         nbytes = 0
         with self._lock:
             # Reversed: the head of a prefix becomes the most recent, so the tail leaves first.
@@ -227,6 +234,9 @@ class L1Pool(SlotTable):
                     entry.ok = False
                     self._remove(entry)
                 entry._done.set()
+                if entry.watchers is not None:
+                    watchers += [(w, entry) for w in entry.watchers]
+                    entry.watchers = None
             self._room.notify_all()
             if written:
                 written.reverse()
@@ -238,6 +248,7 @@ class L1Pool(SlotTable):
                 events.append(Event(EventType.L1_WRITE_FINISHED, meta))
             self._evict_to_watermark(events)
         self._publish(events)
+        self._call_watchers(watchers)
 
     # -- readers --------------------------------------------------------------------------
     def prefix(self, keys: Sequence[ChunkKey]) -> int:
@@ -279,7 +290,7 @@ class L1Pool(SlotTable):
                     if entry.state is loading_state:
                         loading += 1
                 out.append((n, loading))
-            self._policy.touch_many(_touch_order(key_lists, [run for run, _ in out], shared))
+            self._policy.touch_many(touch_order(key_lists, [run for run, _ in out], shared))
         return out
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
@@ -374,27 +385,6 @@ if TYPE_CHECKING:
     SlotGeometry = SlotShape  # deprecated: the runtime alias below warns
 else:
     __getattr__ = renamed(__name__, {"SlotGeometry": "SlotShape"})
-
-
-def _touch_order(
-    key_lists: Sequence[Sequence[ChunkKey]], runs: Sequence[int], shared: Sequence[int] | None
-) -> list[ChunkKey]:
-    """The keys ``resident`` of each list in turn touches (each list's prefix of ``runs``
-    keys, its head last), each once, oldest first: the order that leaves the LRU state those
-    touches would. A head a list shares with the next one (``shared``) is touched again by
-    that one, later, so only the next one's touch counts."""
-    seen: set[ChunkKey] = set()
-    newest_first: list[ChunkKey] = []
-    later = 0  # leading keys of this list that the next one touched after it
-    for i in range(len(key_lists) - 1, -1, -1):
-        keys, run = key_lists[i], runs[i]
-        for key in keys[later:run]:  # a list touches its prefix tail first: its head is newest
-            if key not in seen:
-                seen.add(key)
-                newest_first.append(key)
-        later = min(shared[i], run) if shared is not None and i else 0
-    newest_first.reverse()
-    return newest_first
 
 
 __all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotShape", "WriteReservation"]

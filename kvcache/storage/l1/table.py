@@ -4,13 +4,16 @@ evicted to make room.
 Split from ``pool`` so that the rules of the table (a slot is taken from the slabs, else from
 extents other geometries left free, else from LRU victims; pins keep an entry off the policy;
 the watermark bounds what stays after a write) read on their own, apart from the operations
-that wait on it. Every method here expects the caller to hold ``_lock``; events are collected
-in a list and published by the caller after the lock is dropped (``_publish``).
+that wait on it. Every method here but ``on_settled`` expects the caller to hold ``_lock``;
+events are collected in a list and published by the caller after the lock is dropped
+(``_publish``), and settle watchers are called the same way (``_call_watchers``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable, Iterable, Sequence
 
 from kvcache.observability.event import (
     Event,
@@ -23,6 +26,11 @@ from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import L1Entry
 from kvcache.storage.l1.slab import SlabAllocator, SlotShape
 from kvcache.storage.l2.base import EvictionPolicy
+
+logger = logging.getLogger("kvcache.storage.l1")
+
+#: What ``on_settled`` calls: the entry, whose ``ok`` says whether it became READY.
+Watcher = Callable[[L1Entry], None]
 
 
 class SlotTable:
@@ -55,6 +63,30 @@ class SlotTable:
     def allocated_bytes(self) -> int:
         """Bytes of host memory the pool holds (the sum of its extents)."""
         return self._slabs.allocated_bytes
+
+    def on_settled(self, entries: Iterable[L1Entry], watcher: Watcher) -> None:
+        """Call ``watcher(entry)`` once each WRITING/LOADING entry has settled, on the thread
+        that settles it (``L1Pool.finish``) after the lock is dropped; at once, here, for one
+        settled already. Every unsettled entry is settled once (it is pinned until then, so
+        never evicted), so a watcher always runs. It must be quick and must not raise."""
+        now: list[L1Entry] = []
+        with self._lock:
+            for entry in entries:
+                if entry._done.is_set():
+                    now.append(entry)
+                elif entry.watchers is None:
+                    entry.watchers = [watcher]
+                else:
+                    entry.watchers.append(watcher)
+        self._call_watchers([(watcher, entry) for entry in now])
+
+    @staticmethod
+    def _call_watchers(calls: list[tuple[Watcher, L1Entry]]) -> None:
+        for watcher, entry in calls:
+            try:
+                watcher(entry)
+            except Exception:  # one broken watcher must not cost another its call
+                logger.exception("L1 settle watcher failed")
 
     # -- internals (lock held) ------------------------------------------------------------
     def _pin(self, entry: L1Entry) -> None:
@@ -136,4 +168,25 @@ class SlotTable:
             self._bus.publish(event)
 
 
-__all__ = ["SlotTable"]
+def touch_order(
+    key_lists: Sequence[Sequence[ChunkKey]], runs: Sequence[int], shared: Sequence[int] | None
+) -> list[ChunkKey]:
+    """The keys ``resident`` of each list in turn touches (each list's prefix of ``runs``
+    keys, its head last), each once, oldest first: the order that leaves the LRU state those
+    touches would. A head a list shares with the next one (``shared``) is touched again by
+    that one, later, so only the next one's touch counts."""
+    seen: set[ChunkKey] = set()
+    newest_first: list[ChunkKey] = []
+    later = 0  # leading keys of this list that the next one touched after it
+    for i in range(len(key_lists) - 1, -1, -1):
+        keys, run = key_lists[i], runs[i]
+        for key in keys[later:run]:  # a list touches its prefix tail first: its head is newest
+            if key not in seen:
+                seen.add(key)
+                newest_first.append(key)
+        later = min(shared[i], run) if shared is not None and i else 0
+    newest_first.reverse()
+    return newest_first
+
+
+__all__ = ["SlotTable", "Watcher", "touch_order"]

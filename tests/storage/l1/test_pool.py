@@ -11,7 +11,7 @@ import torch
 
 from kvcache.observability.event import EventType, L1Cleared, L1ReadFinished
 from kvcache.storage.l1.lru import LRUPolicy
-from kvcache.storage.l1.pool import EntryState, L1Pool, SlotShape, WriteReservation
+from kvcache.storage.l1.pool import EntryState, L1Entry, L1Pool, SlotShape, WriteReservation
 from tests.helpers import RecordingSink as Sink
 
 G = SlotShape((2, 2, 16, 64), torch.bfloat16)  # 8 KiB per chunk
@@ -110,6 +110,30 @@ def test_pinned_entries_are_never_evicted() -> None:
     read = L1ReadFinished(keys=[1, 2, 3], num_bytes=3 * G.nbytes)
     assert sink.of(EventType.L1_READ_FINISHED)[-1].metadata == read
     assert write(p, [8]) == [0]  # now 1 (oldest after release order) can go
+
+
+def test_a_write_reports_the_present_entries_still_loading_and_can_watch_them() -> None:
+    p = pool(8)
+    write(p, [1])
+    loads = p.begin_load(G, [2, 3])
+    other = p.begin_write(G, [4])
+    res = p.begin_write(G, [1, 2, 3, 4, 5])
+    assert res.present == [0, 1, 2, 3] and [i for i, _ in res.new] == [4]
+    assert [(i, e.key) for i, e in res.loading] == [(1, 2), (2, 3)]  # not 4: another write's
+    seen: list[tuple[int, bool, EntryState | None]] = []
+
+    def watcher(entry: L1Entry) -> None:  # runs with the lock dropped: the pool answers
+        seen.append((entry.key, entry.ok, p.get(entry.key) and p.get(entry.key).state))  # type: ignore[union-attr]
+
+    p.on_settled([e for _, e in res.loading] + [e for _, e in other.new], watcher)
+    assert not seen
+    p.finish([loads[0]], True)
+    p.finish([loads[1]], False)
+    p.finish([e for _, e in other.new], False)
+    assert seen == [(2, True, EntryState.READY), (3, False, None), (4, False, None)]
+    p.on_settled([loads[1]], watcher)  # settled already: called at once
+    assert seen[-1] == (3, False, None)
+    p.finish([e for _, e in res.new])
 
 
 def test_writing_and_loading_entries_are_not_evicted() -> None:
