@@ -33,7 +33,6 @@ This module is the facade (registration, lifecycle, introspection); the paths li
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -54,8 +53,6 @@ from kvcache.engine.op_events import OpEvents
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.reports import publish_allocations, publish_end_session
 from kvcache.engine.stats import OffloadStats, OffloadStatsCollector
-from kvcache.engine.waiter import Waiter
-from kvcache.engine.waiting import WaitingRetrieves
 from kvcache.errors import LayoutError, UnknownInstanceError
 from kvcache.futures import failed
 from kvcache.geometry import Geometry
@@ -101,15 +98,8 @@ class CacheEngine:
         self._instances: dict[int, InstanceState] = {}
         self._lock = threading.Lock()
         self._closed = False
-        settled = threading.Condition()  # EngineParts.loads_settled
-        self._waiters = (
-            Waiter(self._pool.wake_writers, "kvcache-store-wait"),
-            Waiter(functools.partial(retrieve_path.notify_settled, settled), "kvcache-retrieve-wait",
-                   wake_on_add=True),
-        )
-        shared = (self._pool, self._tiers, self._stats, OpEvents(self._bus))
-        waiting = WaitingRetrieves(settled)
-        self._parts = EngineParts(config, *shared, *self._waiters, settled, waiting)
+        self._parts = EngineParts.build(config, self._pool, self._tiers, self._stats, OpEvents(self._bus))
+        self._waiters = (self._parts.store_waiter, self._parts.retrieve_waiter)
         self.pages = pages_path.EnginePages(self._parts, self._instance)
         """Pages keyed by the serving engine (SGLang HiCache), over the same tiers."""
 
@@ -388,6 +378,7 @@ class CacheEngine:
             inst.completer.close()
         for tier in self._tiers:
             tier.close()
+        self._parts.alarms.close()  # a store still watching a load (none after the tiers) ends
 
     def __enter__(self) -> CacheEngine:
         return self

@@ -1,5 +1,6 @@
 """The parts the engine's data paths share: config, L1 pool, L2 tiers, statistics, events,
-the waiters (stores wait for L1 room, retrieves for L2 loads) and the signal loads settle on.
+the waiters (stores wait for L1 room, retrieves for L2 loads), the signal loads settle on and
+the alarms that bound waits made by callback.
 
 Separate so the facade builds them once and the store and retrieve paths take one record, instead
 of each path repeating the same constructor (and drifting apart in what it is handed).
@@ -7,14 +8,16 @@ of each path repeating the same constructor (and drifting apart in what it is ha
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
 from kvcache.config import EngineConfig
+from kvcache.engine.alarms import Alarms
 from kvcache.engine.op_events import OpEvents
 from kvcache.engine.stats import OffloadStatsCollector
 from kvcache.engine.waiter import Waiter
-from kvcache.engine.waiting import WaitingRetrieves
+from kvcache.engine.waiting import WaitingRetrieves, notify_settled
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
 
@@ -37,6 +40,27 @@ class EngineParts:
     retrieve_waiter: Waiter
     loads_settled: threading.Condition
     waiting: WaitingRetrieves
+    alarms: Alarms
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        pool: L1Pool,
+        tiers: list[AsyncL2],
+        stats: OffloadStatsCollector,
+        events: OpEvents,
+    ) -> EngineParts:
+        """The parts around the given storage: the waiters, what they wake on, the alarms."""
+        settled = threading.Condition()
+        store_waiter = Waiter(pool.wake_writers, "kvcache-store-wait")
+        retrieve_waiter = Waiter(
+            functools.partial(notify_settled, settled), "kvcache-retrieve-wait", wake_on_add=True
+        )
+        waiting = WaitingRetrieves(settled)
+        alarms = Alarms("kvcache-alarms")
+        waiters = (store_waiter, retrieve_waiter)
+        return cls(config, pool, tiers, stats, events, *waiters, settled, waiting, alarms)
 
 
 __all__ = ["EngineParts"]

@@ -26,6 +26,7 @@ from kvcache.deadline import Deadline
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
+from kvcache.engine.waiting import notify_settled
 from kvcache.errors import DeadlineExceededError
 from kvcache.futures import failed
 from kvcache.ids import Ids
@@ -361,11 +362,4 @@ def _leading_ready(entries: Sequence[L1Entry]) -> tuple[int, bool]:
     return len(entries), False
 
 
-def notify_settled(settled: threading.Condition) -> None:
-    """Wake the retrieves waiting on ``settled`` (``EngineParts.loads_settled``): a load
-    settled, or (the retrieve waiter's ``wake``) their ``stop`` was set."""
-    with settled:
-        settled.notify_all()
-
-
-__all__ = ["notify_settled", "prefetch", "retrieve_async"]
+__all__ = ["prefetch", "retrieve_async"]

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvcache.deadline import Deadline
+from kvcache.engine.alarms import Alarm
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
@@ -74,6 +75,8 @@ class _StoreOp:
     pos: int = 0  # keys before it are settled (reserved, present or failed)
     held: list[tuple[int, L1Entry]] = field(default_factory=list)  # reserved, not yet submitted
     keyed_tokens: int = 0  # tokens of a store keyed by the engine (``pages``): it has no token ids
+    watching: dict[L1Entry, int] = field(default_factory=dict)  # loads it waits for (``_watch``)
+    alarm: Alarm | None = None  # ends those waits at ``deadline``
 
     @classmethod
     def begin(cls, parts: EngineParts, inst: InstanceState, req: StoreRequest) -> _StoreOp:
@@ -163,23 +166,40 @@ class _StoreOp:
     def _watch(self, loading: list[tuple[int, L1Entry]]) -> None:
         """Chunks an L2 prefetch was still loading when this store reserved: counted as
         skipped, yet the load may fail (a corrupt or lost L2 copy) and drop them, while this
-        store's blocks hold their bytes. The store stays open until each has settled (a
-        load in flight: milliseconds, bounded by the tier's own timeouts), and one that
+        store's blocks hold their bytes. The store stays open until each has settled, at
+        most until its own wait bound (``deadline``: an alarm ends the watch there, so a slow
+        tier never holds a store longer than a wait for room would), and one whose load
         failed is reserved and copied again (``_retake``)."""
-        index = {entry: i for i, entry in loading}  # one watch per entry, however often keyed
+        if self.deadline.passed():  # the watch is over (or about to be): they stay skipped
+            return
         with self.lock:
-            self.pending += len(index)
+            fresh = {entry: i for i, entry in loading if entry not in self.watching}
+            self.watching.update(fresh)
+            self.pending += len(fresh)
+            if self.alarm is None:
+                self.alarm = self.parts.alarms.at(self.deadline, self._stop_watching)
+        self.parts.pool.on_settled(fresh, self._load_settled)
 
-        def settled(entry: L1Entry) -> None:
-            if entry.ok:
-                self._settle_one()
-                return
-            with self.lock:
+    def _load_settled(self, entry: L1Entry) -> None:
+        """A watched load settled (on the tier's worker): done, or retaken when it failed."""
+        with self.lock:
+            i = self.watching.pop(entry, None)
+            if i is not None and not entry.ok:
                 self.skipped -= 1
-            i = index[entry]
+        if i is None:  # the watch ended first (``_stop_watching``)
+            return
+        if entry.ok:
+            self._settle_one()
+        else:
             self.parts.store_waiter.add(self.inst.instance_id, lambda stop: self._retake(i, stop))
 
-        self.parts.pool.on_settled(index, settled)
+    def _stop_watching(self) -> None:
+        """The store's wait bound passed (or the engine closed): the loads still in flight
+        stay counted as skipped, whatever they come to."""
+        with self.lock:
+            ended, self.watching = len(self.watching), {}
+        for _ in range(ended):
+            self._settle_one()
 
     def _retake(self, i: int, stop: threading.Event) -> None:
         """Chunk ``i``, whose L2 load failed: reserved (waiting for room within the store's
@@ -279,6 +299,8 @@ class _StoreOp:
             if self.pending:
                 return
             stored, skipped, failed, error = self.stored, self.skipped, self.failed, self.error
+        if self.alarm is not None:
+            self.alarm.cancel()
         parts, inst, cs = self.parts, self.inst, self.inst.ctx.chunk_size
         num_tokens = len(self.req.token_ids) or self.keyed_tokens
         if error is not None:  # earlier batches stay stored; the rest of the request is lost

@@ -107,4 +107,11 @@ class WaitingRetrieves:
         return due
 
 
-__all__ = ["WaitingOp", "WaitingRetrieves"]
+def notify_settled(settled: threading.Condition) -> None:
+    """Wake the retrieves waiting on ``settled`` (``EngineParts.loads_settled``): a load
+    settled, or (the retrieve waiter's ``wake``) their ``stop`` was set."""
+    with settled:
+        settled.notify_all()
+
+
+__all__ = ["WaitingOp", "WaitingRetrieves", "notify_settled"]

@@ -315,3 +315,24 @@ def test_a_store_watching_a_load_copies_nothing_once_its_instance_unregistered(t
             assert e.lookup(3, TOKENS) == 0 and e.status()["l1"]["num_chunks"] == 0
         finally:
             sink.gate.set()
+
+
+def test_a_store_watches_a_slow_load_no_longer_than_its_own_wait_bound(tmp_path: Path) -> None:
+    """A tier that takes its time (here: a load held past the bound) must not hold a store
+    longer than a wait for L1 room would (``store_wait_timeout_s``): the chunks it watched
+    stay skipped, and the load failing later retakes nothing."""
+    _stored_then_damaged(tmp_path)
+    sink = _HoldingFailedLoads()
+    with engine(sink, l2_disk_path=str(tmp_path), store_wait_timeout_s=0.3) as e:
+        try:
+            reg(e, 2, seed=1)
+            assert e.lookup(2, TOKENS) == len(TOKENS)
+            assert sink.held.wait(10)
+            result = e.store_async(2, TOKENS, IDS).result(5)  # the gate is still shut
+            assert not sink.gate.is_set()
+            assert (result.stored_chunks, result.skipped_chunks, result.failed_chunks) == (0, 4, 0)
+            sink.gate.set()
+            assert e.flush(5)
+            assert e.status()["l1"]["num_chunks"] == 0 and e.status()["l1"]["pinned_chunks"] == 0
+        finally:
+            sink.gate.set()
