@@ -71,11 +71,12 @@ _STOP = None
 @dataclass(frozen=True, slots=True)
 class _Hold:
     """What a request read and not yet answered holds until its reply: ``cost`` bytes of its
-    client's in-flight budget, and the instance that counts it in flight (``pinned``)."""
+    client's in-flight budget, and the registration that counts it in flight (``pinned``:
+    instance id and generation, ``InstanceRegistry.begin``)."""
 
     principal: str
     cost: int
-    pinned: int | None
+    pinned: tuple[int, int] | None
 
 
 _Job = tuple[bytes, int, m.RequestBody, auth.Principal, _Hold]
@@ -239,7 +240,7 @@ class Daemon:
     def _release(self, hold: _Hold) -> None:
         self._budget.give(hold.principal, hold.cost)
         if hold.pinned is not None:
-            self.handlers.registry.end(hold.pinned)
+            self.handlers.registry.end(*hold.pinned)
 
     def _reply_later(self, identity: bytes, request_id: int, hold: _Hold, done: Future[m.ReplyBody]) -> None:
         """Done-callback of a deferred reply; runs on the engine's completion thread, so it
@@ -338,11 +339,10 @@ class Daemon:
             except LimitExceededError as exc:
                 self._reply_now(identity, envelope.id, error_from_exception(exc))
                 continue
-            pinned = None
-            if isinstance(instance_id, int) and self.handlers.registry.begin(
-                instance_id, principal, getattr(body, "token", b"")
-            ):
-                pinned = instance_id  # only a request that may speak for it keeps it alive
+            pinned = None  # only a request that may speak for the instance keeps it alive
+            if isinstance(instance_id, int):
+                generation = self.handlers.registry.begin(instance_id, principal, getattr(body, "token", b""))
+                pinned = None if generation is None else (instance_id, generation)
             self._in_flight += 1
             hold = _Hold(principal.name, cost, pinned)
             self._lanes[lane].put((identity, envelope.id, body, principal, hold))

@@ -7,6 +7,7 @@ table and nothing else.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
@@ -30,6 +31,8 @@ class RegistrationRecord:
     ``token`` is the secret the registration returned; ``client_nonce`` identifies the client
     object that registered (so it alone may replace the registration); ``principal`` is the
     peer that registered (a ``Principal.name``) and ``cache_salts`` what that peer may use.
+    ``in_flight`` counts the requests ``InstanceRegistry.begin`` marked for it, and
+    ``generation`` says on which registration of the id they were counted (``add`` sets it).
     """
 
     instance_id: int
@@ -41,6 +44,7 @@ class RegistrationRecord:
     token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     last_seen: float = field(default_factory=time.monotonic)
     in_flight: int = 0
+    generation: int = 0
 
     @property
     def door(self) -> str | None:
@@ -57,18 +61,27 @@ class InstanceRegistry:
 
     ``begin``/``end`` bracket each request naming an instance, so the reaper never removes
     an instance while a request for it (say, the store of a client that just died) still runs.
+    A request's ``end`` names the generation its ``begin`` returned: it lowers the count of
+    that registration only, never that of one registered under the same id after an
+    unregister or a reap (whose own requests would go uncounted: the reaper could drop it
+    while they run).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._instances: dict[int, RegistrationRecord] = {}
+        self._generations = itertools.count(1)
 
     def add(self, instance: RegistrationRecord) -> RegistrationRecord | None:
-        """Insert ``instance``; returns the record it replaced (same id registered again)."""
+        """Insert ``instance``; returns the record it replaced (same id registered again by
+        the same client), whose requests in flight it takes over with its generation. An id
+        free again gets a new generation."""
         with self._lock:
             old = self._instances.get(instance.instance_id)
             if old is not None:
-                instance.in_flight = old.in_flight
+                instance.in_flight, instance.generation = old.in_flight, old.generation
+            else:
+                instance.generation = next(self._generations)
             self._instances[instance.instance_id] = instance
             return old
 
@@ -165,22 +178,25 @@ class InstanceRegistry:
 
     def begin(
         self, instance_id: int, principal: Principal, token: bytes = b"", now: float | None = None
-    ) -> bool:
-        """Mark a request for the instance in flight (the reaper waits for it); False, and
-        nothing marked, if ``principal`` may not speak for it. Only a request that began may
-        ``end``: a stranger naming an instance must not keep it alive."""
+    ) -> int | None:
+        """Mark a request for the instance in flight (the reaper waits for it) and return the
+        generation its ``end`` names (never 0); None, and nothing marked, if ``principal`` may
+        not speak for it. Only a request that began may ``end``: a stranger naming an
+        instance must not keep it alive."""
         with self._lock:
             instance = self._instances.get(instance_id)
             if instance is None or not _may_act(instance, principal, token):
-                return False
+                return None
             instance.in_flight += 1
             instance.last_seen = time.monotonic() if now is None else now
-            return True
+            return instance.generation
 
-    def end(self, instance_id: int, now: float | None = None) -> None:
+    def end(self, instance_id: int, generation: int, now: float | None = None) -> None:
+        """A request that ``begin`` marked (it returned ``generation``) ended; nothing to do
+        if that registration is gone (unregistered, reaped), even if the id is registered again."""
         with self._lock:
             instance = self._instances.get(instance_id)
-            if instance is not None and instance.in_flight > 0:
+            if instance is not None and instance.generation == generation and instance.in_flight > 0:
                 instance.in_flight -= 1
                 instance.last_seen = time.monotonic() if now is None else now
 

@@ -109,13 +109,14 @@ def test_lifecycle_register_report_reap(handlers: Handlers) -> None:
     first = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m", client_nonce=nonce))
     assert isinstance(first, m.Registered)
     loopback = Principal("loopback", shared=True)
-    assert handlers.registry.begin(3, loopback, first.token)  # a request of the first one, running
+    generation = handlers.registry.begin(3, loopback, first.token)  # a request of the first one, running
+    assert generation
     again = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m", client_nonce=nonce))
     assert isinstance(again, m.Registered)  # the same client again: replaced, not refused
     assert again.token != first.token
     record = handlers.registry.find(3)
     assert record is not None and record.in_flight == 1  # still counted: the reaper waits for it
-    handlers.registry.end(3)
+    handlers.registry.end(3, generation)
     other = handlers.handle(_register(handlers, kv, instance_id=3, model_name="m"))
     assert isinstance(other, m.Error) and other.code is m.ErrorCode.ACCESS_DENIED  # not the same client
     pong = handlers.handle(m.Ping(instance_id=3, token=again.token))

@@ -31,12 +31,13 @@ def test_silent_instances_expire_but_busy_ones_do_not() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
     reg.add(_inst(2))
-    assert reg.begin(2, OWNER, now=0.0)  # e.g. the store of a client that then died
+    generation = reg.begin(2, OWNER, now=0.0)  # e.g. the store of a client that then died
+    assert generation
     assert reg.in_flight() == 1
     assert reg.pop_expired(5.0, now=4.0) == []
     assert [i.instance_id for i in reg.pop_expired(5.0, now=6.0)] == [1]
     assert reg.ids() == [2]
-    reg.end(2, now=6.0)  # the store finished: the clock restarts from its end
+    reg.end(2, generation, now=6.0)  # the store finished: the clock restarts from its end
     assert reg.pop_expired(5.0, now=10.0) == []
     assert [i.instance_id for i in reg.pop_expired(5.0, now=11.5)] == [2]
     assert reg.ids() == []
@@ -53,11 +54,33 @@ def test_touch_keeps_an_instance_alive() -> None:
 def test_registering_again_replaces_and_keeps_in_flight() -> None:
     reg = InstanceRegistry()
     reg.add(_inst(1))
-    assert reg.begin(1, OWNER, now=0.0)
+    generation = reg.begin(1, OWNER, now=0.0)
+    assert generation
     old = reg.add(RegistrationRecord(1, "other", CPU, []))
     assert old is not None and old.model_name == "m"
     assert reg.get(1).model_name == "other" and reg.get(1).in_flight == 1
     assert 1 in reg and 2 not in reg
+    reg.end(1, generation)  # the request of the record replaced ends: counted off the new one
+    assert reg.get(1).in_flight == 0
+
+
+def test_a_request_of_a_removed_registration_never_uncounts_the_next_one() -> None:
+    """Unregistered, then registered again under the same id: the old registration's
+    requests ending must not take the new one's off its count (the reaper would drop it
+    while they run)."""
+    reg = InstanceRegistry()
+    reg.add(_inst(1))
+    old = reg.begin(1, OWNER, now=0.0)  # a request of the first registration, still running
+    assert old and reg.remove(1) is not None
+    reg.add(_inst(1, t=1.0))
+    new = reg.begin(1, OWNER, now=1.0)  # the new registration's own request
+    assert new and new != old
+    reg.end(1, old, now=2.0)
+    assert reg.in_flight() == 1 and reg.get(1).last_seen == 1.0
+    assert reg.pop_expired(5.0, now=10.0) == []  # silent, but its request still runs
+    reg.end(1, new, now=10.0)
+    assert reg.in_flight() == 0
+    assert [i.instance_id for i in reg.pop_expired(5.0, now=15.5)] == [1]
 
 
 def test_a_stranger_neither_touches_nor_pins_an_instance() -> None:
