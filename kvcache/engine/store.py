@@ -77,6 +77,7 @@ class _StoreOp:
     keyed_tokens: int = 0  # tokens of a store keyed by the engine (``pages``): it has no token ids
     watching: dict[L1Entry, int] = field(default_factory=dict)  # loads it waits for (``_watch``)
     alarm: Alarm | None = None  # ends those waits at ``deadline``
+    armed: bool = False  # that alarm is set (or being set)
 
     @classmethod
     def begin(cls, parts: EngineParts, inst: InstanceState, req: StoreRequest) -> _StoreOp:
@@ -176,8 +177,9 @@ class _StoreOp:
             fresh = {entry: i for i, entry in loading if entry not in self.watching}
             self.watching.update(fresh)
             self.pending += len(fresh)
-            if self.alarm is None:
-                self.alarm = self.parts.alarms.at(self.deadline, self._stop_watching)
+            arm, self.armed = not self.armed, True
+        if arm:  # not under the lock: closed alarms run ``_stop_watching`` (which takes it) here
+            self.alarm = self.parts.alarms.at(self.deadline, self._stop_watching)
         self.parts.pool.on_settled(fresh, self._load_settled)
 
     def _load_settled(self, entry: L1Entry) -> None:
