@@ -79,3 +79,49 @@ def test_a_store_meeting_a_load_after_the_engine_closed_does_not_deadlock(tmp_pa
     finally:
         sink.gate.set()
         e.close()
+
+
+class _HoldingLoads(Sink):
+    """Holds the first L2 load inside its ``L2_LOAD_FINISHED`` announcement until ``gate``
+    is set: its entry (and those of its batch) stay LOADING while a store meets them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = threading.Event()
+        self.gate = threading.Event()
+
+    def publish(self, event: Event) -> None:
+        super().publish(event)
+        if event.event_type is EventType.L2_LOAD_FINISHED and not self.held.is_set():
+            self.held.set()
+            self.gate.wait(10)
+
+
+def test_a_store_that_watched_a_load_does_not_resolve_on_the_tiers_io_thread(tmp_path: Path) -> None:
+    """Observed: a store whose last open part was a load it watched resolved on the L2 I/O
+    thread that completed the load (``AsyncL2``: its callbacks must be quick), so its
+    done-callbacks ran there, holding that load in flight: a callback that flushed the
+    engine (wait for L2 writes and loads) waited for its own thread, until its timeout (with
+    none, for good). Such a store now resolves on the store waiter, as a store that waited
+    for room does."""
+    with engine(l2_disk_path=str(tmp_path)) as writer:
+        reg(writer, 1, seed=1)
+        writer.store(1, TOKENS, IDS)
+        assert writer.flush(5)
+    sink = _HoldingLoads()
+    with engine(sink, l2_disk_path=str(tmp_path)) as e:
+        try:
+            reg(e, 2, seed=1)
+            assert e.lookup(2, TOKENS) == len(TOKENS)
+            assert sink.held.wait(10)  # the loads are in flight, their entries LOADING
+            stored = e.store_async(2, TOKENS, IDS)
+            flushed: list[bool] = []
+            stored.add_done_callback(lambda _f: flushed.append(e.flush(2)))
+            assert not stored.done()  # it watches the loads
+            sink.gate.set()
+            r = stored.result(10)
+            assert (r.stored_chunks, r.skipped_chunks, r.failed_chunks) == (0, 4, 0)
+            assert e.flush(5)
+            assert flushed == [True]
+        finally:
+            sink.gate.set()
