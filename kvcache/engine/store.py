@@ -77,6 +77,7 @@ class _StoreOp:
     keyed_tokens: int = 0  # tokens of a store keyed by the engine (``pages``): it has no token ids
     watching: dict[L1Entry, int] = field(default_factory=dict)  # loads it waits for (``_watch``)
     alarm: Alarm | None = None  # ends those waits at ``deadline``
+    armed: bool = False  # that alarm is set (or being set)
 
     @classmethod
     def begin(cls, parts: EngineParts, inst: InstanceState, req: StoreRequest) -> _StoreOp:
@@ -176,22 +177,28 @@ class _StoreOp:
             fresh = {entry: i for i, entry in loading if entry not in self.watching}
             self.watching.update(fresh)
             self.pending += len(fresh)
-            if self.alarm is None:
-                self.alarm = self.parts.alarms.at(self.deadline, self._stop_watching)
+            arm, self.armed = not self.armed, True
+        if arm:  # not under the lock: closed alarms run ``_stop_watching`` (which takes it) here
+            self.alarm = self.parts.alarms.at(self.deadline, self._stop_watching)
         self.parts.pool.on_settled(fresh, self._load_settled)
 
     def _load_settled(self, entry: L1Entry) -> None:
-        """A watched load settled (on the tier's worker): done, or retaken when it failed."""
+        """A watched load settled (on the thread that settled it: the tier's I/O worker, or
+        a prefetch's caller): done, or retaken when it failed. The store's end is never run
+        here: resolving runs the caller's done-callbacks, which must not run on an I/O
+        thread (one that waits for L2, ``flush``, would wait for its own load). The last
+        part left is settled on the store waiter, as a store that waited for room is."""
         with self.lock:
             i = self.watching.pop(entry, None)
-            if i is not None and not entry.ok:
+            if i is None:  # the watch ended first (``_stop_watching``)
+                return
+            if not entry.ok:
                 self.skipped -= 1
-        if i is None:  # the watch ended first (``_stop_watching``)
-            return
-        if entry.ok:
-            self._settle_one()
-        else:
-            self.parts.store_waiter.add(self.inst.instance_id, lambda stop: self._retake(i, stop))
+            elif self.pending > 1:  # not the last part: nothing resolves here
+                self.pending -= 1
+                return
+        job = (lambda stop: self._settle_one()) if entry.ok else (lambda stop: self._retake(i, stop))
+        self.parts.store_waiter.add(self.inst.instance_id, job)
 
     def _stop_watching(self) -> None:
         """The store's wait bound passed (or the engine closed): the loads still in flight
