@@ -4,7 +4,9 @@ Separate because some waits of the data paths hold no thread: a store that met a
 prefetch is still loading watches that load by callback (``store._StoreOp._watch``), and it
 must still stop watching at its own deadline, however long the tier takes. One thread per
 engine keeps every such bound; it starts with the first alarm and leaves when none is left
-for ``idle_exit_s``, like the waiters. A daemon thread: a pending alarm never keeps the
+for ``idle_exit_s``, like the waiters. It also takes work that must leave an I/O thread at
+once (``soon``): the end of a store whose last part was such a load, whose done-callbacks
+must not run on the tier's worker. A daemon thread: a pending alarm never keeps the
 process alive, and what it would end (a store's watch) dies with the process anyway.
 """
 
@@ -23,16 +25,17 @@ logger = logging.getLogger("kvcache.engine.alarms")
 
 
 class Alarm:
-    """One pending callback; ``cancel`` keeps it from running (it may be running already)."""
+    """One pending callback; ``cancel`` keeps it from running (it may be running already)
+    and lets go of it at once: a cancelled alarm stays queued until its moment, but no
+    longer keeps what its callback refers to alive."""
 
-    __slots__ = ("callback", "cancelled")
+    __slots__ = ("callback",)
 
     def __init__(self, callback: Callable[[], None]) -> None:
-        self.callback = callback
-        self.cancelled = False
+        self.callback: Callable[[], None] | None = callback
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self.callback = None
 
 
 class Alarms:
@@ -63,6 +66,14 @@ class Alarms:
         _run(alarm)
         return alarm
 
+    def soon(self, callback: Callable[[], None]) -> Alarm:
+        """``callback`` on this thread as soon as it is free: for work that must leave the
+        thread it is on (an I/O thread's callback) with no wait of any kind ahead of it."""
+        return self.at(Deadline(0.0), callback)
+
+    def on_own_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def close(self) -> None:
         """Run every pending callback now, on this thread, and let the thread go."""
         with self._cv:
@@ -91,10 +102,11 @@ class Alarms:
 
 
 def _run(alarm: Alarm) -> None:
-    if alarm.cancelled:
+    callback = alarm.callback
+    if callback is None:
         return
     try:
-        alarm.callback()
+        callback()
     except Exception:  # one broken callback must not cost the others their call
         logger.exception("an alarm's callback failed")
 

@@ -142,7 +142,7 @@ class CacheEngine:
             inst = self._instances.pop(instance_id, None)
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id} is not registered")
-        inst.leaving = True
+        inst.leave()
         for waiter in self._waiters:
             waiter.cancel(instance_id)
         inst.completer.close()
@@ -322,10 +322,11 @@ class CacheEngine:
         return self._wait(instance_id, future).retrieved_tokens
 
     def _wait(self, instance_id: int, future: Future[_T]) -> _T:
-        """``future.result()``, refused on the instance's completer thread or a waiter's (a
-        done-callback calling ``store``), where it would wait for work queued behind itself."""
+        """``future.result()``, refused on the instance's completer thread, a waiter's or the
+        alarms' (a done-callback calling ``store``), where it would wait for work queued
+        behind itself."""
         inst = self._instances.get(instance_id)
-        own = any(w.on_own_thread() for w in self._waiters)
+        own = any(w.on_own_thread() for w in self._waiters) or self._parts.alarms.on_own_thread()
         own = own or (inst is not None and inst.completer.on_own_thread())
         if own and not future.done():
             raise RuntimeError(
@@ -370,8 +371,8 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
-        for inst in list(self._instances.values()):  # no retake of a store copies from now on
-            inst.leaving = True
+        for inst in list(self._instances.values()):  # no store copies from a callback from now on
+            inst.leave()
         for waiter in self._waiters:
             waiter.close()
         for inst in list(self._instances.values()):

@@ -10,6 +10,7 @@ the same shape: give each rank its own ``model_name`` or ``cache_salt``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvcache.context import CacheContext
@@ -40,6 +41,7 @@ class InstanceState:
     __slots__ = (
         "_hashers",
         "_lock",
+        "_watches",
         "completer",
         "ctx",
         "device",
@@ -62,9 +64,33 @@ class InstanceState:
         ).encode()
         self._hashers: dict[KeyScope, ChunkHasher] = {}
         self._lock = threading.Lock()
-        # Set once ``unregister`` (or the engine's ``close``) begins: a store path that would
-        # submit a copy later, from a callback, submits none (the blocks may be unmapped).
+        # Set once ``unregister`` (or the engine's ``close``) begins (``leave``): a store path
+        # that would submit a copy later, from a callback, submits none (the blocks may be
+        # unmapped), and the stores watching L2 loads stop watching (``watch``).
         self.leaving = False
+        self._watches: set[Callable[[], None]] = set()
+
+    def watch(self, stop: Callable[[], None]) -> bool:
+        """Note a store's end of its watch of L2 loads (``store._StoreOp._watch``), for
+        ``leave`` to call; False, nothing noted, once the instance is leaving."""
+        with self._lock:
+            if self.leaving:
+                return False
+            self._watches.add(stop)
+            return True
+
+    def unwatch(self, stop: Callable[[], None]) -> None:
+        with self._lock:
+            self._watches.discard(stop)
+
+    def leave(self) -> None:
+        """The instance is leaving: no store copies from its blocks any more, and the stores
+        watching loads stop now (their futures resolve before ``unregister`` returns)."""
+        with self._lock:
+            self.leaving = True
+            stops, self._watches = self._watches, set()
+        for stop in stops:
+            stop()
 
     def request_keys(self, req: Request) -> list[ChunkKey]:
         """The chunk keys of a request; ``ChunkMismatchError`` for one built for another

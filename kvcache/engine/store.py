@@ -171,8 +171,8 @@ class _StoreOp:
         most until its own wait bound (``deadline``: an alarm ends the watch there, so a slow
         tier never holds a store longer than a wait for room would), and one whose load
         failed is reserved and copied again (``_retake``)."""
-        if self.deadline.passed():  # the watch is over (or about to be): they stay skipped
-            return
+        if self.deadline.passed() or not self.inst.watch(self._stop_watching):
+            return  # the watch is over (or about to be), or the instance leaving: they stay skipped
         with self.lock:
             fresh = {entry: i for i, entry in loading if entry not in self.watching}
             self.watching.update(fresh)
@@ -197,12 +197,15 @@ class _StoreOp:
             elif self.pending > 1:  # not the last part: nothing resolves here
                 self.pending -= 1
                 return
-        job = (lambda stop: self._settle_one()) if entry.ok else (lambda stop: self._retake(i, stop))
-        self.parts.store_waiter.add(self.inst.instance_id, job)
+        if entry.ok:  # the store's end, off this thread and behind no wait for room
+            self.parts.alarms.soon(self._settle_one)
+        else:
+            self.parts.store_waiter.add(self.inst.instance_id, lambda stop: self._retake(i, stop))
 
     def _stop_watching(self) -> None:
-        """The store's wait bound passed (or the engine closed): the loads still in flight
-        stay counted as skipped, whatever they come to."""
+        """The store's wait bound passed (its alarm), or its instance is leaving
+        (``InstanceState.leave``): the loads still in flight stay counted as skipped,
+        whatever they come to."""
         with self.lock:
             ended, self.watching = len(self.watching), {}
         for _ in range(ended):
@@ -220,11 +223,15 @@ class _StoreOp:
                 return
             left = 0.0 if stop.is_set() else self.deadline.left()
             res = self.parts.pool.begin_write(self.inst.slot_shape, [self.keys[i]], wait_s=left, stop=stop)
+            new = [e for _, e in res.new]
+            late = bool(new) and self.req.deadline is not None and self.req.deadline.passed()
+            if late:  # it waited for room past its caller's deadline: the chunk is not copied
+                self.parts.pool.finish(new, False)
             with self.lock:
                 self.skipped += len(res.present)
-                self.failed += res.failed
-            if res.new:
-                self._submit([i], [e for _, e in res.new])
+                self.failed += res.failed + late
+            if new and not late:
+                self._submit([i], new)
             if res.loading:
                 self._watch([(i, e) for _, e in res.loading])
         except Exception as err:  # never leave the future unresolved
@@ -306,8 +313,10 @@ class _StoreOp:
             if self.pending:
                 return
             stored, skipped, failed, error = self.stored, self.skipped, self.failed, self.error
-        if self.alarm is not None:
-            self.alarm.cancel()
+        if self.armed:
+            self.inst.unwatch(self._stop_watching)
+            if self.alarm is not None:
+                self.alarm.cancel()
         parts, inst, cs = self.parts, self.inst, self.inst.ctx.chunk_size
         num_tokens = len(self.req.token_ids) or self.keyed_tokens
         if error is not None:  # earlier batches stay stored; the rest of the request is lost

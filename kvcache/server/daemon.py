@@ -243,8 +243,9 @@ class Daemon:
             self.handlers.registry.end(*hold.pinned)
 
     def _reply_later(self, identity: bytes, request_id: int, hold: _Hold, done: Future[m.ReplyBody]) -> None:
-        """Done-callback of a deferred reply; runs on the engine's completion thread, so it
-        only encodes and hands the frames over, never waits."""
+        """Done-callback of a deferred reply; runs on the engine thread that resolved the
+        future (an instance's completer, mostly; a waiter or the alarms thread for a store
+        that ended waiting), so it only encodes and hands the frames over, never waits."""
         try:
             self._outbox.send(self._finish(identity, request_id, hold, done))
         except Exception:  # a lost reply times out at its client; the completer must go on

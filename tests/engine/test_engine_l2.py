@@ -295,8 +295,9 @@ def test_a_store_that_meets_a_load_which_then_fails_still_stores_that_chunk(tmp_
 
 
 def test_a_store_watching_a_load_copies_nothing_once_its_instance_unregistered(tmp_path: Path) -> None:
-    """The store's blocks belong to an instance that has left (a daemon unmaps them): when
-    the load it watched fails after that, nothing is copied and the store still ends."""
+    """The store's blocks belong to an instance that has left (a daemon unmaps them): the
+    store ends with ``unregister`` (its ``MP_STORE_END`` before ``INSTANCE_UNREGISTERED``),
+    and when the load it watched fails after that, nothing is copied."""
     _stored_then_damaged(tmp_path)
     sink = _HoldingFailedLoads()
     with engine(sink, l2_disk_path=str(tmp_path)) as e:
@@ -306,13 +307,15 @@ def test_a_store_watching_a_load_copies_nothing_once_its_instance_unregistered(t
             assert sink.held.wait(10)
             stored = e.store_async(2, TOKENS, IDS)
             e.unregister(2)
+            assert stored.done()  # its watch ended with the instance: it ends before unregister returns
             sink.gate.set()
-            result = stored.result(10)
+            result = stored.result(0)
             assert e.flush(5)
             assert result.stored_chunks == 0 and result.failed_chunks + result.skipped_chunks == 4
-            assert result.failed_chunks >= 1
             reg(e, 3, seed=3)
             assert e.lookup(3, TOKENS) == 0 and e.status()["l1"]["num_chunks"] == 0
+            kinds = [ev.event_type for ev in sink.events]
+            assert kinds.index(EventType.MP_STORE_END) < kinds.index(EventType.INSTANCE_UNREGISTERED)
         finally:
             sink.gate.set()
 

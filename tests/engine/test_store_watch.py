@@ -102,8 +102,9 @@ def test_a_store_that_watched_a_load_does_not_resolve_on_the_tiers_io_thread(tmp
     thread that completed the load (``AsyncL2``: its callbacks must be quick), so its
     done-callbacks ran there, holding that load in flight: a callback that flushed the
     engine (wait for L2 writes and loads) waited for its own thread, until its timeout (with
-    none, for good). Such a store now resolves on the store waiter, as a store that waited
-    for room does."""
+    none, for good). Such a store now resolves on the engine's alarms thread, behind no wait;
+    a done-callback there that calls the synchronous ``store`` is refused, as on the other
+    engine threads, instead of holding every other store's alarm."""
     with engine(l2_disk_path=str(tmp_path)) as writer:
         reg(writer, 1, seed=1)
         writer.store(1, TOKENS, IDS)
@@ -117,11 +118,24 @@ def test_a_store_that_watched_a_load_does_not_resolve_on_the_tiers_io_thread(tmp
             stored = e.store_async(2, TOKENS, IDS)
             flushed: list[bool] = []
             stored.add_done_callback(lambda _f: flushed.append(e.flush(2)))
+            refused: list[str] = []
+            tried = threading.Event()
+
+            def store_again(_f: object) -> None:
+                try:
+                    e.store(2, OTHER, IDS)
+                except RuntimeError:
+                    refused.append(threading.current_thread().name)
+                finally:
+                    tried.set()
+
+            stored.add_done_callback(store_again)
             assert not stored.done()  # it watches the loads
             sink.gate.set()
             r = stored.result(10)
             assert (r.stored_chunks, r.skipped_chunks, r.failed_chunks) == (0, 4, 0)
             assert e.flush(5)
             assert flushed == [True]
+            assert tried.wait(10) and refused == ["kvcache-alarms"]
         finally:
             sink.gate.set()
