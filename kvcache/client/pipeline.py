@@ -26,11 +26,11 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvcache.client.hooks import Send
 from kvcache.errors import AccessDeniedError, DaemonUnavailableError, ProtocolError
 from kvcache.protocol import messages as m
 from kvcache.protocol.breaker import CircuitBreaker
@@ -381,20 +381,4 @@ class Pipeline:
             pass
 
 
-Send = Callable[[m.RequestBody], m.ReplyBody]
-SendHook = Callable[[m.RequestBody, Send], m.ReplyBody]
-"""``hook(body, send)``: ``send(body)`` delivers it (re-registering and retrying if need be)."""
-
-
-def hooked(hooks: list[SendHook], send: Send) -> Send:
-    """``send`` wrapped in ``hooks``, the last outermost."""
-    for hook in hooks:
-
-        def outer(body: m.RequestBody, hook: SendHook = hook, inner: Send = send) -> m.ReplyBody:
-            return hook(body, inner)
-
-        send = outer
-    return send
-
-
-__all__ = ["DEFAULT_WINDOW", "Call", "Owner", "Pipeline", "Send", "SendHook", "hooked"]
+__all__ = ["DEFAULT_WINDOW", "Call", "Owner", "Pipeline"]

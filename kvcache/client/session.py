@@ -31,7 +31,8 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.client.pipeline import DEFAULT_WINDOW, Call, Pipeline, SendHook, hooked
+from kvcache.client.hooks import SendHook, hooked
+from kvcache.client.pipeline import DEFAULT_WINDOW, Call, Pipeline
 from kvcache.errors import DaemonUnavailableError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.protocol import messages as m
