@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvcache.client.hooks import Send
 from kvcache.errors import AccessDeniedError, DaemonUnavailableError, ProtocolError
 from kvcache.protocol import messages as m
 from kvcache.protocol.breaker import CircuitBreaker
@@ -105,6 +106,7 @@ class Pipeline:
         self._queue: deque[Call] = deque()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._release: Callable[[], None] | None = None  # left by a close that gave up waiting
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -171,21 +173,28 @@ class Pipeline:
                 self._start()
         self._wake()
 
-    def close(self, timeout_s: float) -> bool:
-        """Send what is queued, wait for the calls in flight (each until its deadline), then
-        stop; False if the thread was still busy after ``timeout_s``."""
+    def close(self, timeout_s: float, release: Callable[[], None]) -> bool:
+        """Send what is queued, wait for the calls in flight (each until its deadline), stop,
+        then ``release`` (what the thread's socket needs while open). False if the thread was
+        still busy after ``timeout_s``: it runs ``release`` as it ends (if it ever does)."""
         with self._lock:
             self._closing = True
             thread = self._thread
         self._wake()
         if thread is not None:
             thread.join(timeout_s)
-        if thread is None or not thread.is_alive():
-            wake_w, self._wake_w = self._wake_w, -1
-            os.close(wake_w)
-            os.close(self._wake_r)
-            return True
-        return False
+        with self._lock:
+            if self._thread is not None:
+                self._release = release
+                return False
+        self._released(release)
+        return True
+
+    def _released(self, release: Callable[[], None]) -> None:
+        wake_w, self._wake_w = self._wake_w, -1
+        os.close(wake_w)
+        os.close(self._wake_r)
+        release()
 
     def _start(self) -> None:
         if self._thread is None:
@@ -233,12 +242,15 @@ class Pipeline:
             chan.close()
             with self._lock:
                 self._thread = None
+                release, self._release = self._release, None
                 left = [*self._queue, *self._in_flight.values()]
                 self._queue.clear()
                 self._in_flight.clear()
             for call in left:  # a queued call's caller may have cancelled it
                 if not call.future.done():
                     call.future.set_exception(RuntimeError("KVCacheClient is closed"))
+            if release is not None:  # ``close`` gave up waiting for this thread
+                self._released(release)
 
     def _awaited(self) -> bool:
         """Whether a call ``close`` waits for is still in flight."""
@@ -381,20 +393,4 @@ class Pipeline:
             pass
 
 
-Send = Callable[[m.RequestBody], m.ReplyBody]
-SendHook = Callable[[m.RequestBody, Send], m.ReplyBody]
-"""``hook(body, send)``: ``send(body)`` delivers it (re-registering and retrying if need be)."""
-
-
-def hooked(hooks: list[SendHook], send: Send) -> Send:
-    """``send`` wrapped in ``hooks``, the last outermost."""
-    for hook in hooks:
-
-        def outer(body: m.RequestBody, hook: SendHook = hook, inner: Send = send) -> m.ReplyBody:
-            return hook(body, inner)
-
-        send = outer
-    return send
-
-
-__all__ = ["DEFAULT_WINDOW", "Call", "Owner", "Pipeline", "Send", "SendHook", "hooked"]
+__all__ = ["DEFAULT_WINDOW", "Call", "Owner", "Pipeline"]

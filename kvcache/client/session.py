@@ -31,7 +31,8 @@ import msgspec
 import torch
 import zmq
 
-from kvcache.client.pipeline import DEFAULT_WINDOW, Call, Pipeline, SendHook, hooked
+from kvcache.client.hooks import SendHook, hooked
+from kvcache.client.pipeline import DEFAULT_WINDOW, Call, Pipeline
 from kvcache.errors import DaemonUnavailableError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.protocol import messages as m
@@ -381,15 +382,19 @@ class Session:
                 log.debug("unregister on close failed: %s", exc)
         self._closed = True
         self._registration = None
-        stopped = self._pipeline.close(self.timeout_s + 1)
         with self._lock:
             self._chan.close()
+        if not self._pipeline.close(self.timeout_s + 1, self._release):
+            log.warning("the kvcache client thread is still busy (a callback?): its socket, the "
+                        "peer check and the context are released when it ends")  # fmt: skip
+
+    def _release(self) -> None:
+        """Stop the ZAP handler and end the context, once every socket is closed: libzmq asks
+        the handler about each connection a socket makes, and aborts the process
+        (``zap_client.cpp:50``) if a handshake reaches it while it goes."""
         if self._peer_check is not None:
             self._peer_check.close()
-        if not stopped:
-            self._ctx.destroy(linger=0)  # term() would wait for the stuck thread's socket
-        else:
-            self._ctx.term()
+        self._ctx.term()
 
 
 __all__ = ["Registration", "SendHook", "Session", "unwrap"]
