@@ -30,14 +30,16 @@ from kvcache.transport.fdproto import MAX_FDS_PER_MESSAGE
 
 def _fds_open() -> set[tuple[str, str]]:
     """(fd, target) of this process's open descriptors but sockets (the inbox may still be
-    closing its end of a connection): a leaked memfd, file or pipe shows as a new entry."""
+    closing its end of a connection) and anonymous inodes (the eventfds of ZMQ sockets that
+    other tests' clients, still running, open and close as they connect again): a leaked
+    memfd, file or pipe shows as a new entry."""
     out = set()
     for entry in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{entry}")
         except OSError:
             continue
-        if not target.startswith("socket:"):
+        if not target.startswith(("socket:", "anon_inode:")):
             out.add((entry, target))
     return out
 
