@@ -31,8 +31,8 @@ from kvcache.transport.fdproto import MAX_FDS_PER_MESSAGE
 def _fds_open() -> set[tuple[str, str]]:
     """(fd, target) of this process's open descriptors but sockets (the inbox may still be
     closing its end of a connection) and anonymous inodes (the eventfds of ZMQ sockets that
-    other tests' clients, still running, open and close as they connect again): a leaked
-    memfd, file or pipe shows as a new entry."""
+    other tests' clients, still running, may open and close meanwhile): a leaked memfd,
+    file or pipe shows as a new entry."""
     out = set()
     for entry in os.listdir("/proc/self/fd"):
         try:
