@@ -236,17 +236,20 @@ def test_a_lookup_waits_for_room_held_by_the_previous_lookups_loads(tmp_path: Pa
 
 
 class _HoldingFailedLoads(Sink):
-    """Holds a failing L2 load inside its ``L2_LOAD_FAILED`` announcement until ``gate`` is
-    set: its L1 entry stays LOADING, deterministically, while a store meets it."""
+    """Holds every announcement of ``event_type`` (a failing L2 load by default; with
+    ``first_only`` the first one) inside its publication until ``gate`` is set: the loads'
+    L1 entries stay LOADING, deterministically, while a store meets them."""
 
-    def __init__(self) -> None:
+    def __init__(self, event_type: EventType = EventType.L2_LOAD_FAILED, *, first_only: bool = False) -> None:
         super().__init__()
+        self.event_type = event_type
+        self.first_only = first_only
         self.gate = threading.Event()
         self.held = threading.Event()
 
     def publish(self, event: Event) -> None:
         super().publish(event)
-        if event.event_type is EventType.L2_LOAD_FAILED:
+        if event.event_type is self.event_type and not (self.first_only and self.held.is_set()):
             self.held.set()
             self.gate.wait(10)
 

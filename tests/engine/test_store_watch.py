@@ -10,7 +10,7 @@ from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.observability.event import Event, EventType
 from kvcache.records import StoreResult
-from tests.engine.test_engine_l2 import IDS, TOKENS, engine, reg
+from tests.engine.test_engine_l2 import IDS, TOKENS, _HoldingFailedLoads, engine, reg
 from tests.helpers import RecordingSink as Sink
 
 OTHER = [t + 7_000 for t in TOKENS]
@@ -81,22 +81,6 @@ def test_a_store_meeting_a_load_after_the_engine_closed_does_not_deadlock(tmp_pa
         e.close()
 
 
-class _HoldingLoads(Sink):
-    """Holds the first L2 load inside its ``L2_LOAD_FINISHED`` announcement until ``gate``
-    is set: its entry (and those of its batch) stay LOADING while a store meets them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held = threading.Event()
-        self.gate = threading.Event()
-
-    def publish(self, event: Event) -> None:
-        super().publish(event)
-        if event.event_type is EventType.L2_LOAD_FINISHED and not self.held.is_set():
-            self.held.set()
-            self.gate.wait(10)
-
-
 def test_a_store_that_watched_a_load_does_not_resolve_on_the_tiers_io_thread(tmp_path: Path) -> None:
     """Observed: a store whose last open part was a load it watched resolved on the L2 I/O
     thread that completed the load (``AsyncL2``: its callbacks must be quick), so its
@@ -109,7 +93,7 @@ def test_a_store_that_watched_a_load_does_not_resolve_on_the_tiers_io_thread(tmp
         reg(writer, 1, seed=1)
         writer.store(1, TOKENS, IDS)
         assert writer.flush(5)
-    sink = _HoldingLoads()
+    sink = _HoldingFailedLoads(EventType.L2_LOAD_FINISHED, first_only=True)  # the first load, which succeeds
     with engine(sink, l2_disk_path=str(tmp_path)) as e:
         try:
             reg(e, 2, seed=1)
