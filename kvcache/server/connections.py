@@ -7,7 +7,7 @@ loopback port used to be enough. And it allocates a frame's whole buffer when th
 header announces it, so each connection may hold one frame cap of memory while the frame
 trickles in (or never finishes).
 
-What ``ConnectionLimits`` sets, and how the daemon enforces it:
+What ``connection_limits.ConnectionLimits`` sets, and how the daemon enforces it:
 
 * ``max_connections`` TCP connections in total (Unix-socket ones are bounded per uid and by
   the descriptor reserve, so the network can never lock the daemon's own user out of its
@@ -41,7 +41,10 @@ What ``ConnectionLimits`` sets, and how the daemon enforces it:
   frames is therefore at most ``max_connections`` frames of ``max_message_bytes`` over TCP,
   plus ``max_connections_per_client`` of them on the Unix socket (its one uid): libzmq fills
   a frame's buffer inside its I/O thread, where no byte accounting can reach, so the
-  connection count is the lever.
+  connection count is the lever;
+* a TCP connection that keeps sending frames of a message that never ends (libzmq holds them
+  all, unseen, until the last one) is shut down once it received more than one message cap
+  since its last request (``unfinished.UnfinishedMessages``).
 """
 
 from __future__ import annotations
@@ -51,14 +54,17 @@ import logging
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from kvcache.protocol.channel import readable
-from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM, descriptor_limit, free_descriptors
+from kvcache.server.connection_limits import ConnectionLimits
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM, FreeEstimate, descriptor_limit
 from kvcache.server.tcpgate import TcpGate, find_listener
+from kvcache.server.unfinished import UnfinishedMessages
 
 log = logging.getLogger("kvcache.server")
 
@@ -69,63 +75,12 @@ _GATE_EVERY_S = 1.0  # how often an idle guard looks again at the descriptors le
 _COUNT_EVERY_S = 0.25  # how long a count of the open descriptors is trusted
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """How many connections the request socket holds, and how long an idle one may stay."""
-
-    max_connections: int = 256
-    """Open connections on all request endpoints together (handshaking ones included)."""
-    max_connections_per_client: int = 128
-    """Open connections of one client (``uid:N``, ``loopback``, or a CURVE peer's address)."""
-    handshake_timeout_s: float = 10.0
-    """A connection that has not finished the ZMTP handshake by then is closed."""
-    peer_heartbeat_s: float = 10.0
-    """Ping each connection this often; one silent for three intervals is closed (0: off)."""
-
-    def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if not 1 <= self.max_connections_per_client <= self.max_connections:
-            raise ValueError(
-                f"max_connections_per_client must be in [1, max_connections={self.max_connections}], "
-                f"got {self.max_connections_per_client}"
-            )
-        if not self.handshake_timeout_s > 0:
-            raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
-        if self.peer_heartbeat_s < 0:
-            raise ValueError(f"peer_heartbeat_s must be >= 0, got {self.peer_heartbeat_s}")
-
-    def apply(self, router: zmq.Socket[Any], max_message_bytes: int) -> None:
-        """Set the timeouts and the frame cap on the ROUTER (before it binds)."""
-        router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        router.setsockopt(zmq.HANDSHAKE_IVL, _ms(self.handshake_timeout_s))
-        if self.peer_heartbeat_s > 0:
-            router.setsockopt(zmq.HEARTBEAT_IVL, _ms(self.peer_heartbeat_s))
-            router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(3 * self.peer_heartbeat_s))
-            router.setsockopt(zmq.HEARTBEAT_TTL, _ms(3 * self.peer_heartbeat_s))
-
-    def fitted(self, soft_limit: int) -> ConnectionLimits:
-        """These limits, the total clamped to half the descriptors left after the headroom."""
-        room = max(1, (soft_limit - DESCRIPTOR_HEADROOM) // 2)
-        if self.max_connections <= room:
-            return self
-        log.warning(
-            "the descriptor limit (%d) leaves room for %d connections, not %d: accepting at most "
-            "%d (raise `ulimit -n` to allow more)", soft_limit, room, self.max_connections, room,
-        )  # fmt: skip
-        per_client = min(self.max_connections_per_client, room)
-        return ConnectionLimits(room, per_client, self.handshake_timeout_s, self.peer_heartbeat_s)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
 @dataclass(slots=True)
 class _Conn:
     client: str
     admitted: bool
     network: bool  # a TCP connection: counts toward ``max_connections``
+    endpoint: str
 
 
 class ConnectionGuard:
@@ -136,7 +91,7 @@ class ConnectionGuard:
     request before reading it. ``attach`` before the ROUTER binds, so that no connection goes
     uncounted; ``close`` before the ROUTER closes."""
 
-    def __init__(self, limits: ConnectionLimits, curve_tcp: bool) -> None:
+    def __init__(self, limits: ConnectionLimits, curve_tcp: bool, max_message_bytes: int) -> None:
         self.limits = limits
         self._curve_tcp = curve_tcp
         self._conns: dict[int, _Conn] = {}
@@ -149,9 +104,8 @@ class ConnectionGuard:
         self._unlogged = 0
         self._gate: TcpGate | None = None
         self._last_gate = 0.0
-        self._free_counted: int | None = None  # free descriptors at the last count
-        self._counted_at = -_COUNT_EVERY_S
-        self._accepts_since_count = 0
+        self._free = FreeEstimate(_COUNT_EVERY_S)
+        self._unfinished = UnfinishedMessages(max_message_bytes)
 
     @property
     def monitor_socket(self) -> zmq.Socket[Any]:
@@ -160,6 +114,8 @@ class ConnectionGuard:
         return self._monitor
 
     def attach(self, ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> None:
+        """Set the caps on ``router`` and watch its connections (before it binds)."""
+        self.limits.apply(router, self._unfinished.max_message_bytes)
         address = f"inproc://kvcache-connections-{id(self)}"
         router.monitor(address, _EVENTS)
         monitor = ctx.socket(zmq.PAIR)
@@ -206,6 +162,8 @@ class ConnectionGuard:
             conn = self._conns.get(fd)
             if conn is None:
                 return fd not in self._refused
+        if conn.admitted:
+            self._unfinished.delivered(fd)
         return conn.admitted
 
     def pump(self) -> None:
@@ -228,12 +186,45 @@ class ConnectionGuard:
         if batch:
             self._set_gate()
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
         """On every turn of the I/O loop: once a second, set the TCP gate again
-        (descriptors may have been freed elsewhere)."""
+        (descriptors may have been freed elsewhere). True when a check for messages that
+        never end has begun: the loop then reads every request waiting, and calls
+        ``cut_unfinished`` (``unfinished.UnfinishedMessages``)."""
         now = time.monotonic()
         if now - self._last_gate >= _GATE_EVERY_S:
             self._set_gate()
+        if not self._unfinished.due():
+            return False
+        self.pump()  # a descriptor closed since is no longer checked (it may be reused)
+        self._each_unfinished(self._unfinished.snapshot)
+        return True
+
+    def cut_unfinished(self) -> None:
+        """Shut down the TCP connections that received more than a message since their
+        last request (after ``tick`` began the check and the loop read what was waiting)."""
+
+        def judge(fd: int, sock: socket.socket) -> None:
+            reason = self._unfinished.over(fd, sock)
+            if reason is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                conn = self._conns[fd]
+                log.warning("cut a connection from %s on %s: %s", conn.client, conn.endpoint, reason)
+
+        self._each_unfinished(judge)
+
+    def _each_unfinished(self, act: Callable[[int, socket.socket], None]) -> None:
+        for fd in self._unfinished.fds:
+            conn = self._conns.get(fd)
+            sock = None if conn is None else _borrow(fd, conn.endpoint)
+            if conn is None or sock is None:
+                self._unfinished.forget(fd)
+                continue
+            try:
+                act(fd, sock)
+            finally:
+                sock.detach()
 
     def _set_gate(self) -> None:
         """Shut the TCP gate while a new TCP connection would be refused anyway: every
@@ -247,7 +238,7 @@ class ConnectionGuard:
             and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
         )
         if not full:
-            free = self._free_descriptors()
+            free = self._free.free()
             full = free is not None and free < 2 * DESCRIPTOR_HEADROOM
         self._gate.set(full)
 
@@ -257,7 +248,7 @@ class ConnectionGuard:
         by now); a refused connection's requests are dropped either way."""
         self._disconnected(fd)  # a stale entry for a reused descriptor would hold a slot
         self._refused.discard(fd)
-        self._accepts_since_count += 1
+        self._free.accepted()
         sock = _borrow(fd, endpoint)
         if sock is None:  # already closed and reused by something else: nothing to count
             return
@@ -268,8 +259,10 @@ class ConnectionGuard:
                 return
             network = sock.family != socket.AF_UNIX
             reason = self._over_cap(client, network)
-            self._conns[fd] = _Conn(client, admitted=reason is None, network=network)
+            self._conns[fd] = _Conn(client, admitted=reason is None, network=network, endpoint=endpoint)
             if reason is None:
+                if network:
+                    self._unfinished.watch(fd, sock)
                 self._admitted += network
                 self._per_client[client] = self._per_client.get(client, 0) + 1
                 return
@@ -281,6 +274,7 @@ class ConnectionGuard:
             sock.detach()
 
     def _disconnected(self, fd: int) -> None:
+        self._unfinished.forget(fd)
         conn = self._conns.pop(fd, None)
         if conn is None:
             return
@@ -320,25 +314,10 @@ class ConnectionGuard:
                 f"{client} has {mine} connections open "
                 f"(--max-connections-per-client {limits.max_connections_per_client})"
             )
-        free = self._free_descriptors()
+        free = self._free.free()
         if free is not None and free < DESCRIPTOR_HEADROOM:
             return f"only {free} descriptors left (ulimit -n {descriptor_limit()})"
         return None
-
-    def _free_descriptors(self) -> int | None:
-        """Descriptors left, less every connection accepted since they were last counted.
-
-        Counting lists ``/proc/self/fd``: 2 ms at 5,000 open descriptors (an engine's memfd
-        views each keep one), far too long to pay on the I/O thread for each connection of a
-        flood. Connections are what arrive fast, and each takes one descriptor (a refused
-        one too, until libzmq closes it), so between counts the estimate only errs low."""
-        now = time.monotonic()
-        if now - self._counted_at >= _COUNT_EVERY_S:
-            self._free_counted, self._counted_at = free_descriptors(), now
-            self._accepts_since_count = 0
-        if self._free_counted is None:
-            return None
-        return self._free_counted - self._accepts_since_count
 
     def _refuse(self, client: str, endpoint: str, reason: str) -> None:
         """Log the first refusal, then at most one summary per ``_LOG_EVERY_S``."""

@@ -103,13 +103,12 @@ class Daemon:
         self._router.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN)
         # The frame cap is the message cap: a larger frame drops its connection before
         # libzmq allocates it, so unfinished frames hold at most one cap per connection.
-        limits = config.connections.fitted(descriptor_limit())
-        limits.apply(self._router, config.max_message_bytes)
-        self._guard = ConnectionGuard(limits, curve_tcp=config.curve_secret_key is not None)
+        limits, curve = config.connections.fitted(descriptor_limit()), config.curve_secret_key is not None
+        self._guard = ConnectionGuard(limits, curve_tcp=curve, max_message_bytes=config.max_message_bytes)
         self.endpoints: list[str] = []
         self.fd_inbox: Any = None
         try:
-            self._guard.attach(self._ctx, self._router)  # before binding: count every connection
+            self._guard.attach(self._ctx, self._router)  # before binding: caps set, every connection counted
             if config.listen_ipc:
                 self.endpoints.append(self._bind_ipc())
             if config.listen_tcp:
@@ -281,11 +280,13 @@ class Daemon:
                 events = dict(poller.poll(100))
                 if self._guard.monitor_socket in events:
                     self._guard.pump()
-                self._guard.tick()
+                checking = self._guard.tick()  # then read what waits before judging
                 if self._replies in events:
                     self._forward_replies()
-                if self._router in events:
+                if checking or self._router in events:
                     self._accept(draining=self._stop.is_set())
+                if checking:
+                    self._guard.cut_unfinished()
         finally:
             self._shutdown_threads(deadline)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvcache.netaddr import is_loopback
 from kvcache.protocol import messages as m
-from kvcache.server.connections import ConnectionLimits
+from kvcache.server.connection_limits import ConnectionLimits
 
 
 @dataclass(frozen=True, slots=True)

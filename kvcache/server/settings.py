@@ -19,7 +19,7 @@ from kvcache.observability.config import ObservabilityConfig, add_observability_
 from kvcache.observability.subscribers.logging.request_trace import add_request_trace_args
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
-from kvcache.server.connections import ConnectionLimits
+from kvcache.server.connection_limits import ConnectionLimits
 from kvcache.server.daemon import DaemonConfig
 from kvcache.server.handlers import Limits
 from kvcache.transport.endpoints import default_runtime_dir

@@ -11,18 +11,20 @@ authenticate.
 Message size: ``ZMQ_MAXMSGSIZE`` caps each frame, not a message. A peer that sends frames
 flagged MORE and never the last one has every frame buffered by libzmq (a message's frames
 reach the socket only once it is complete, and the receive high-water mark counts complete
-messages only), so one connection holds as much memory as it cares to send.
+messages only), so one connection held as much memory as it cared to send, until the daemon
+learned to cut a TCP connection that received more than a message since its last request
+(``server.unfinished``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import decode_reply, encode_request
 from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess
 
@@ -89,28 +91,75 @@ def test_unauthenticated_tcp_peers_cannot_lock_the_operator_out_of_the_unix_sock
     assert d.proc.poll() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="message cap: ZMQ_MAXMSGSIZE bounds each frame only; the frames of a multipart "
-    "message that never ends are all buffered by libzmq, without limit",
-)
-def test_a_multipart_message_that_never_ends_is_held_to_the_message_cap(
+def _sent_until_cut(sock: socket.socket, frame: bytes, limit: int) -> int:
+    """How many times ``frame`` went out before the daemon cut the connection (``limit``:
+    never). A cut that finds the daemon's receive window shut leaves the send blocked, not
+    reset: the daemon's FIN tells it then."""
+    for n in range(limit):
+        try:
+            sock.sendall(frame)
+        except ConnectionError:
+            return n
+        except TimeoutError:
+            if zmtp.wait_closed(sock):
+                return n
+            raise
+    return limit
+
+
+def _settles_below(pid: int, bound: int, timeout_s: float = 10.0) -> int:
+    """The process's RSS once it fell below ``bound``, or the last reading at ``timeout_s``
+    (memory has no event to wait for: poll it)."""
+    end = time.monotonic() + timeout_s
+    while (rss := _rss(pid)) >= bound and time.monotonic() < end:
+        time.sleep(0.05)
+    return rss
+
+
+def test_a_multipart_message_that_never_ends_is_cut_and_its_frames_freed(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
+    """Before the fix every frame stayed buffered: 96 MiB sent, 89 MiB held, no cut."""
     d = start_daemon("--max-message-mb", "1", tcp=True)
     with _tenant(d, 1) as (tenant, kv):
         before = _rss(d.pid)
         endless = zmtp.connect(d.endpoint, timeout_s=10)
         try:
             zmtp.handshake(endless)
+            endless.settimeout(2.0)  # a send held by a shut window: ask for the daemon's FIN soon
             frame = zmtp.frame_header(MiB - 64, more=True) + bytes(MiB - 64)
-            with contextlib.suppress(ConnectionError):  # closed on the way: as it should be
-                for _ in range(96):  # 96 MiB, each frame under the cap, the message unfinished
-                    endless.sendall(frame)
-            # The kernel's socket buffers hold a few MiB at most: the rest reached the daemon.
-            grown = _rss(d.pid) - before
-            assert grown < 32 * MiB, f"one unfinished message holds {grown / MiB:.0f} MiB"
+            sent = _sent_until_cut(endless, frame, 512)  # each frame under the cap, never the last
+            assert sent < 512, "the daemon took 512 MiB of one unfinished message without a cut"
+            # Cut within one check of the I/O loop: what arrived by then is freed with the
+            # connection (the kernel's buffers and the tenant's calls hold a few MiB).
+            grown = _settles_below(d.pid, before + 32 * MiB) - before
+            assert grown < 32 * MiB, f"the cut connection's frames still hold {grown / MiB:.0f} MiB"
         finally:
             endless.close()
         _served(tenant, kv)
+    assert d.proc.poll() is None
+
+
+def test_whole_messages_at_the_cap_back_to_back_are_never_cut(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """The control: a peer sending 256 whole messages near the cap as fast as it can keeps its
+    connection (each is refused as a bad request, and answered)."""
+    d = start_daemon("--max-message-mb", "1", tcp=True)
+    sock = zmtp.connect(d.endpoint, timeout_s=10)
+    try:
+        zmtp.handshake(sock)
+        frame = zmtp.frame_header(MiB - 64) + bytes(MiB - 64)
+        assert _sent_until_cut(sock, frame, 256) == 256, "a peer sending whole messages was cut"
+        ping = encode_request(7, m.Ping())
+        sock.sendall(zmtp.frame_header(len(ping)) + ping)
+        replies = []
+        while not replies or replies[-1].id != 7:  # the 256 refusals first, then the Pong
+            flags, body = zmtp.read_frame(sock)  # raises if the daemon cut the connection
+            if not flags & 0x04:  # not a command (a heartbeat PING)
+                replies.append(decode_reply(body))
+        assert isinstance(replies[-1].body, m.Pong)
+        assert len(replies) == 257 and all(r.body.code == m.ErrorCode.BAD_MESSAGE for r in replies[:-1])
+    finally:
+        sock.close()
     assert d.proc.poll() is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.server.connections import ConnectionLimits
+from kvcache.server.connection_limits import ConnectionLimits
 from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM
 
 

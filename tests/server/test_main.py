@@ -10,7 +10,7 @@ import pytest
 
 from kvcache.config import GiB
 from kvcache.server.__main__ import redact_url
-from kvcache.server.connections import ConnectionLimits
+from kvcache.server.connection_limits import ConnectionLimits
 from kvcache.server.daemon import DaemonConfig
 from kvcache.server.settings import build_parser, parse_settings
 

@@ -1,0 +1,140 @@
+"""Unfinished messages on TCP: a connection that keeps sending and never finishes a message is cut.
+
+Why the daemon needs this: libzmq shows the daemon a message only once its last frame has
+arrived, and keeps every finished frame of a multipart message until then. ``ZMQ_MAXMSGSIZE``
+bounds each frame, not the message, and the daemon's high-water mark counts whole messages.
+So a peer sending frame after frame with the MORE flag set grew the daemon without limit,
+and nothing of it ever reached code that could count it. (A request is one frame: a finished
+multipart message is refused as ``BAD_MESSAGE``.)
+
+What bounds it: the kernel counts the bytes each TCP connection received
+(``TCP_INFO``'s ``tcpi_bytes_received``), and the I/O loop knows when a connection last
+delivered a request. Frames of one connection arrive in order, so while a message is
+unfinished no other message of that connection can finish: the bytes received since its last
+delivered request are that message (with what the kernel still buffers and a little protocol
+overhead). The I/O loop looks every ``CHECK_EVERY_S`` and shuts down (``shutdown(2)``) a
+connection past ``limit``: one message cap, the connection's kernel receive buffer,
+``OVERHEAD_BYTES``, and ``IDLE_BYTES_PER_S`` for each second since (ZMTP heartbeats between
+requests). An attack is thus held to that per connection plus what the daemon's libzmq
+thread reads in one check interval.
+
+The Unix socket is not covered: it has no byte counter, and only the daemon's own uid
+reaches it (``docs/operator-guide.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("kvcache.server")
+
+CHECK_EVERY_S = 0.1
+"""How often the I/O loop reads the counters (it wakes at least this often)."""
+OVERHEAD_BYTES = 1 << 20
+"""Bytes a connection may receive beyond its requests: the greeting, the handshake, CURVE's
+per-message boxes and frame headers."""
+IDLE_BYTES_PER_S = 64
+"""Bytes per second a connection may receive between requests: ZMTP heartbeats."""
+
+_TCP_INFO_LEN = 136  # up to tcpi_bytes_received (Linux >= 4.1)
+_BYTES_RECEIVED = struct.Struct("=Q")
+_BYTES_RECEIVED_AT = 128
+
+
+def bytes_received(sock: socket.socket) -> int | None:
+    """What the kernel has received on TCP ``sock`` so far, or None where it cannot tell."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except (OSError, AttributeError):  # not TCP, closed, or no TCP_INFO on this platform
+        return None
+    if len(info) < _TCP_INFO_LEN:
+        return None
+    return int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0])
+
+
+@dataclass(slots=True)
+class _Mark:
+    received: int  # what the kernel had received when the connection last delivered a request
+    at: float
+    delivered: bool = False  # a request of it was read since the last check
+    now: int = 0  # what the kernel had received at this check's start (``snapshot``)
+
+
+class UnfinishedMessages:
+    """The byte marks of the admitted TCP connections, kept by ``ConnectionGuard`` on the
+    daemon's I/O thread: ``watch`` on accept, ``delivered`` for each request read, ``forget``
+    on close. A check (every ``CHECK_EVERY_S``) takes each connection's count (``snapshot``),
+    lets the I/O loop read every request waiting, then judges each (``over``). In that order,
+    requests that libzmq had finished but the daemon had not read yet (a stall of the I/O
+    thread) count as delivered, so a busy connection is never taken for an endless one."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._marks: dict[int, _Mark] = {}
+        self._checked_at = 0.0
+
+    def watch(self, fd: int, sock: socket.socket) -> None:
+        received = bytes_received(sock)
+        if received is not None:
+            self._marks[fd] = _Mark(received, time.monotonic())
+
+    def forget(self, fd: int) -> None:
+        self._marks.pop(fd, None)
+
+    def delivered(self, fd: int) -> None:
+        mark = self._marks.get(fd)
+        if mark is not None:
+            mark.delivered = True
+
+    def due(self) -> bool:
+        """Whether a check is due now (then it counts as begun)."""
+        now = time.monotonic()
+        if not self._marks or now - self._checked_at < CHECK_EVERY_S:
+            return False
+        self._checked_at = now
+        return True
+
+    @property
+    def fds(self) -> list[int]:
+        return list(self._marks)
+
+    def snapshot(self, fd: int, sock: socket.socket) -> None:
+        mark = self._marks.get(fd)
+        received = bytes_received(sock)
+        if mark is not None and received is not None:
+            mark.now = received
+
+    def over(self, fd: int, sock: socket.socket) -> str | None:
+        """Judge the connection on ``fd`` (``sock`` over it) after ``snapshot`` and the read:
+        why it must be cut, or None. One that delivered a request since the last check
+        starts afresh from its snapshot."""
+        mark = self._marks.get(fd)
+        if mark is None:
+            return None
+        now = time.monotonic()
+        if mark.delivered:
+            mark.received, mark.at, mark.delivered = mark.now, now, False
+            return None
+        pending = mark.now - mark.received
+        if pending <= self.max_message_bytes + OVERHEAD_BYTES or pending <= self.limit(sock, now - mark.at):
+            return None
+        self.forget(fd)
+        return (
+            f"{pending} bytes received since its last whole request, past one message "
+            f"(--max-message-mb {self.max_message_bytes / (1 << 20):g}): a message that never ends"
+        )
+
+    def limit(self, sock: socket.socket, idle_s: float) -> int:
+        """The bytes a connection may receive without delivering a request."""
+        try:
+            buffered = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        except OSError:
+            buffered = 0
+        return self.max_message_bytes + buffered + OVERHEAD_BYTES + int(IDLE_BYTES_PER_S * idle_s)
+
+
+__all__ = ["CHECK_EVERY_S", "UnfinishedMessages", "bytes_received"]
