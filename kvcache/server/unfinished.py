@@ -13,10 +13,12 @@ delivered a request. Frames of one connection arrive in order, so while a messag
 unfinished no other message of that connection can finish: the bytes received since its last
 delivered request are that message (with what the kernel still buffers and a little protocol
 overhead). The I/O loop looks every ``CHECK_EVERY_S`` and shuts down (``shutdown(2)``) a
-connection past ``limit``: one message cap, the connection's kernel receive buffer,
-``OVERHEAD_BYTES``, and ``IDLE_BYTES_PER_S`` for each second since (ZMTP heartbeats between
-requests). An attack is thus held to that per connection plus what the daemon's libzmq
-thread reads in one check interval.
+connection past ``limit``: one message cap, the connection's kernel receive buffer and
+``OVERHEAD_BYTES``. An attack is thus held to that per connection plus what the daemon's
+libzmq thread reads in one check interval. The limit does not grow with time, so a peer
+trickling a message byte by byte is held to it too; the price is that a connection idle for
+days, whose heartbeat replies alone add up to ``OVERHEAD_BYTES``, is cut as well (its
+client's libzmq connects again; an idle connection has nothing in flight).
 
 The Unix socket is not covered: it has no byte counter, and only the daemon's own uid
 reaches it (``docs/operator-guide.md``).
@@ -36,9 +38,8 @@ CHECK_EVERY_S = 0.1
 """How often the I/O loop reads the counters (it wakes at least this often)."""
 OVERHEAD_BYTES = 1 << 20
 """Bytes a connection may receive beyond its requests: the greeting, the handshake, CURVE's
-per-message boxes and frame headers."""
-IDLE_BYTES_PER_S = 64
-"""Bytes per second a connection may receive between requests: ZMTP heartbeats."""
+per-message boxes, frame headers, and heartbeat replies (7 to about 50 bytes each, one per
+``--peer-heartbeat`` interval: 2 to 17 days' worth at 10 s)."""
 
 _TCP_INFO_LEN = 136  # up to tcpi_bytes_received (Linux >= 4.1)
 _BYTES_RECEIVED = struct.Struct("=Q")
@@ -59,7 +60,6 @@ def bytes_received(sock: socket.socket) -> int | None:
 @dataclass(slots=True)
 class _Mark:
     received: int  # what the kernel had received when the connection last delivered a request
-    at: float
     delivered: bool = False  # a request of it was read since the last check
     now: int = 0  # what the kernel had received at this check's start (``snapshot``)
 
@@ -80,7 +80,7 @@ class UnfinishedMessages:
     def watch(self, fd: int, sock: socket.socket) -> None:
         received = bytes_received(sock)
         if received is not None:
-            self._marks[fd] = _Mark(received, time.monotonic())
+            self._marks[fd] = _Mark(received)
 
     def forget(self, fd: int) -> None:
         self._marks.pop(fd, None)
@@ -115,12 +115,11 @@ class UnfinishedMessages:
         mark = self._marks.get(fd)
         if mark is None:
             return None
-        now = time.monotonic()
         if mark.delivered:
-            mark.received, mark.at, mark.delivered = mark.now, now, False
+            mark.received, mark.delivered = mark.now, False
             return None
         pending = mark.now - mark.received
-        if pending <= self.max_message_bytes + OVERHEAD_BYTES or pending <= self.limit(sock, now - mark.at):
+        if pending <= self.max_message_bytes + OVERHEAD_BYTES or pending <= self.limit(sock):
             return None
         self.forget(fd)
         return (
@@ -128,13 +127,13 @@ class UnfinishedMessages:
             f"(--max-message-mb {self.max_message_bytes / (1 << 20):g}): a message that never ends"
         )
 
-    def limit(self, sock: socket.socket, idle_s: float) -> int:
+    def limit(self, sock: socket.socket) -> int:
         """The bytes a connection may receive without delivering a request."""
         try:
             buffered = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         except OSError:
             buffered = 0
-        return self.max_message_bytes + buffered + OVERHEAD_BYTES + int(IDLE_BYTES_PER_S * idle_s)
+        return self.max_message_bytes + buffered + OVERHEAD_BYTES
 
 
 __all__ = ["CHECK_EVERY_S", "UnfinishedMessages", "bytes_received"]

@@ -50,7 +50,7 @@ def test_a_connection_past_a_message_without_delivering_one_is_over_and_forgotte
     with _pair() as (sender, receiver):
         fd = receiver.fileno()
         watch.watch(fd, receiver)
-        _move(sender, receiver, watch.limit(receiver, 0) + MiB)
+        _move(sender, receiver, watch.limit(receiver) + MiB)
         watch.snapshot(fd, receiver)
         reason = watch.over(fd, receiver)
         assert reason is not None and "never ends" in reason
@@ -63,7 +63,7 @@ def test_a_connection_that_delivered_since_the_last_check_starts_afresh() -> Non
         fd = receiver.fileno()
         watch.watch(fd, receiver)
         for _ in range(3):  # each round more than the limit, each with a request delivered
-            _move(sender, receiver, watch.limit(receiver, 0) + MiB)
+            _move(sender, receiver, watch.limit(receiver) + MiB)
             watch.snapshot(fd, receiver)
             watch.delivered(fd)
             assert watch.over(fd, receiver) is None
