@@ -24,7 +24,10 @@ from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess
 from kvcache.transport import memfd
 from tests.security.conftest import raw_call
+from tests.server import test_pages
 from tests.server.test_pages import PAGES, Page, keys_of
+
+new_page = test_pages.new_page  # the fixture: each test's page clients closed at its end
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,13 +55,13 @@ def tenants(tmp_path: Path) -> Path:
 
 
 def test_a_tenant_naming_another_tenants_pages_is_refused(
-    start_daemon: Callable[..., DaemonProcess], tenants: Path
+    start_daemon: Callable[..., DaemonProcess], tenants: Path, new_page: Callable[..., Page]
 ) -> None:
     d = start_daemon("--curve-secret-key", str(tenants / "daemon.key_secret"),
                      "--clients", str(tenants / "clients.toml"), tcp=True)  # fmt: skip
 
     def tenant(name: str, salt: str) -> Page:
-        return Page(d.endpoint, salt=salt, curve_server_key=str(tenants / "daemon.key"),
+        return new_page(d.endpoint, salt=salt, curve_server_key=str(tenants / "daemon.key"),
                     curve_secret_key=str(tenants / f"{name}.key_secret"))  # fmt: skip
 
     a, b = _filled(tenant("tenant-a", "a"), 1), _filled(tenant("tenant-b", "b"), 2)
@@ -84,9 +87,11 @@ def test_a_tenant_naming_another_tenants_pages_is_refused(
     assert d.proc.poll() is None
 
 
-def test_page_and_id_counts_that_do_not_match_are_refused(start_daemon: Callable[..., DaemonProcess]) -> None:
+def test_page_and_id_counts_that_do_not_match_are_refused(
+    start_daemon: Callable[..., DaemonProcess], new_page: Callable[..., Page]
+) -> None:
     d = start_daemon("--max-ids", "64")
-    a = _filled(Page(d.endpoint), 3)
+    a = _filled(new_page(d.endpoint), 3)
     a.set(keys_of("k"), [2])
     iid, token = a.client.instance_id, a.client.session.token
     dl = int((time.time() + 5) * 1000)
@@ -116,11 +121,11 @@ def test_page_and_id_counts_that_do_not_match_are_refused(start_daemon: Callable
 
 
 def test_a_host_pool_that_shrinks_is_refused_and_its_pages_survive(
-    start_daemon: Callable[..., DaemonProcess],
+    start_daemon: Callable[..., DaemonProcess], new_page: Callable[..., Page]
 ) -> None:
     d = start_daemon()
-    a = _filled(Page(d.endpoint), 4)
-    other = _filled(Page(d.endpoint, model="other"), 5)
+    a = _filled(new_page(d.endpoint), 4)
+    other = _filled(new_page(d.endpoint, model="other"), 5)
     assert a.set(keys_of("p0", "p1"), [30, 31]).stored_chunks == 2
     want = [a.page(30), a.page(31)]
     # 1. Truncating the registered memory under the daemon: the memfd is sealed against it.
@@ -132,7 +137,7 @@ def test_a_host_pool_that_shrinks_is_refused_and_its_pages_survive(
     assert a.get(keys_of("p0"), [5]) == 1 and _same(a.page(5), want[0])
     # 2. Another client claiming a's instance id with a smaller pool: refused, nothing changes.
     with pytest.raises(AccessDeniedError, match="another live client"):
-        Page(d.endpoint, pages=4, instance_id=a.client.instance_id)
+        new_page(d.endpoint, pages=4, instance_id=a.client.instance_id)
     assert a.get(keys_of("p1"), [29]) == 1 and _same(a.page(29), want[1])  # the full pool still works
     # 3. a registers again, smaller (the same client replaces its registration): the old host
     # indices are out of range now, and the pages it stored survive into the smaller pool.

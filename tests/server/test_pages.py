@@ -33,6 +33,20 @@ def start_daemon(daemon_spawn: Spawn | None) -> Iterator[Callable[..., DaemonPro
     yield from daemon_starter(args, daemon_spawn)
 
 
+@pytest.fixture
+def new_page() -> Iterator[Callable[..., Page]]:
+    """``Page(...)``, closed when the test ends (its client's thread would outlive the daemon)."""
+    made: list[Page] = []
+
+    def make(*args: Any, **kwargs: Any) -> Page:
+        made.append(Page(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for page in made:
+        page.client.close()
+
+
 def keys_of(*names: str) -> bytes:
     return b"".join(hashlib.sha256(n.encode()).digest() for n in names)
 
@@ -44,7 +58,11 @@ class Page:
         self, endpoint: str, model: str = "m", salt: str = "", pages: int = PAGES, **client: Any
     ) -> None:
         self.client = KVCacheClient(endpoint, model_name=model, timeout_s=5, **client)
-        self.register(pages)
+        try:
+            self.register(pages)
+        except BaseException:
+            self.client.close()
+            raise
         self.salt = salt
 
     def register(self, pages: int) -> None:
@@ -78,9 +96,11 @@ class Page:
         return self.buf[:, :, i * PS : (i + 1) * PS].clone()
 
 
-def test_pages_round_trip_by_key_and_prefix_exists(start_daemon: Callable[..., DaemonProcess]) -> None:
+def test_pages_round_trip_by_key_and_prefix_exists(
+    start_daemon: Callable[..., DaemonProcess], new_page: Callable[..., Page]
+) -> None:
     d = start_daemon()
-    a = Page(d.endpoint)
+    a = new_page(d.endpoint)
     a.buf.copy_(torch.randn(a.buf.shape).to(torch.bfloat16))
     keys = keys_of("p0", "p1", "p2")
     r = a.set(keys, [5, 6, 7])
@@ -94,22 +114,24 @@ def test_pages_round_trip_by_key_and_prefix_exists(start_daemon: Callable[..., D
         assert torch.equal(a.page(i).view(torch.int16), w.view(torch.int16))
 
 
-def test_salts_and_models_never_share_pages(start_daemon: Callable[..., DaemonProcess]) -> None:
+def test_salts_and_models_never_share_pages(
+    start_daemon: Callable[..., DaemonProcess], new_page: Callable[..., Page]
+) -> None:
     d = start_daemon()
-    a = Page(d.endpoint, salt="tenant-a")
+    a = new_page(d.endpoint, salt="tenant-a")
     a.set(keys_of("x"), [1])
     assert a.exists(keys_of("x")) == 1
-    assert Page(d.endpoint, salt="tenant-b").exists(keys_of("x")) == 0
-    assert Page(d.endpoint, model="other").exists(keys_of("x")) == 0
-    other = Page(d.endpoint, salt="tenant-b")
+    assert new_page(d.endpoint, salt="tenant-b").exists(keys_of("x")) == 0
+    assert new_page(d.endpoint, model="other").exists(keys_of("x")) == 0
+    other = new_page(d.endpoint, salt="tenant-b")
     assert other.get(keys_of("x"), [3]) == 0
 
 
 def test_hostile_page_requests_get_typed_errors_and_change_nothing(
-    start_daemon: Callable[..., DaemonProcess],
+    start_daemon: Callable[..., DaemonProcess], new_page: Callable[..., Page]
 ) -> None:
     d = start_daemon()
-    a = Page(d.endpoint)
+    a = new_page(d.endpoint)
     a.set(keys_of("k"), [2])
     iid = a.client.instance_id
     dl = int((time.time() + 5) * 1000)
