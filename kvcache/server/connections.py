@@ -212,6 +212,7 @@ class ConnectionGuard:
                 conn = self._conns[fd]
                 log.warning("cut a connection from %s on %s: %s", conn.client, conn.endpoint, reason)
 
+        self.pump()  # connections closed during the read: their descriptors may be reused
         self._each_unfinished(judge)
 
     def _each_unfinished(self, act: Callable[[int, socket.socket], None]) -> None:

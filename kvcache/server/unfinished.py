@@ -121,6 +121,10 @@ class UnfinishedMessages:
         pending = mark.now - mark.received
         if pending <= self.max_message_bytes + OVERHEAD_BYTES or pending <= self.limit(sock):
             return None
+        received = bytes_received(sock)
+        if received is None or received < mark.now:  # not the connection of the snapshot
+            self.forget(fd)
+            return None
         self.forget(fd)
         return (
             f"{pending} bytes received since its last whole request, past one message "

@@ -71,3 +71,16 @@ def test_a_connection_that_delivered_since_the_last_check_starts_afresh() -> Non
         watch.snapshot(fd, receiver)
         assert watch.over(fd, receiver) is None
         assert watch.fds == [fd]
+
+
+def test_a_descriptor_reused_by_a_fresh_connection_before_the_cut_is_left_alone() -> None:
+    """The snapshot saw the old connection past the limit; by the judgement its descriptor
+    holds a new connection (a fresh count): that one is not cut, and the mark is dropped."""
+    watch = UnfinishedMessages(max_message_bytes=MiB)
+    with _pair() as (sender, receiver), _pair() as (_, fresh):
+        fd = receiver.fileno()
+        watch.watch(fd, receiver)
+        _move(sender, receiver, watch.limit(receiver) + MiB)
+        watch.snapshot(fd, receiver)
+        assert watch.over(fd, fresh) is None
+        assert watch.fds == []
