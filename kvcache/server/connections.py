@@ -148,6 +148,11 @@ class ConnectionGuard:
 
     # -- on the I/O thread -------------------------------------------------------------
 
+    def descriptors_taken(self) -> None:
+        """Something else took descriptors (any thread): count them afresh before the next
+        connection is let into the reserve (``fd_budget.FreeEstimate.stale``)."""
+        self._free.stale()
+
     def admits(self, frame: zmq.Frame) -> bool:
         """Whether the request in ``frame`` came on a connection the caps admitted.
 

@@ -174,7 +174,8 @@ class Daemon:
     def _open_fd_inbox(self) -> Any:
         from kvcache.server.fdinbox import FdInbox
 
-        inbox = FdInbox(fd_socket_path(self.runtime_dir), self.policy.allowed_uids)
+        path, uids = fd_socket_path(self.runtime_dir), self.policy.allowed_uids
+        inbox = FdInbox(path, uids, on_received=self._guard.descriptors_taken)
         inbox.start()
         return inbox
 

@@ -9,6 +9,7 @@ the process on an ``ipc://`` accept that does).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -55,7 +56,8 @@ class FreeEstimate:
     Counting lists ``/proc/self/fd``: 2 ms at 5,000 open descriptors (an engine's memfd
     views each keep one), far too long to pay on the I/O thread for each connection of a
     flood. Connections are what arrive fast, and each takes one descriptor (a refused one
-    too, until libzmq closes it), so between counts (``every_s``) the estimate only errs low."""
+    too, until libzmq closes it), so between counts (``every_s``) the estimate only errs low,
+    as long as whatever else takes descriptors says so (``stale``)."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
@@ -65,6 +67,12 @@ class FreeEstimate:
 
     def accepted(self) -> None:
         self._accepts += 1
+
+    def stale(self) -> None:
+        """Descriptors were taken by something else (the fd inbox, any thread): count
+        afresh at the next ``free``. A hand-over installs up to a thousand at once, and an
+        estimate high by that many would admit connections into the reserve."""
+        self._counted_at = -math.inf
 
     def free(self) -> int | None:
         now = time.monotonic()

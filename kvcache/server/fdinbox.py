@@ -18,6 +18,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -65,6 +66,7 @@ class FdInbox:
         ticket_ttl_s: float = 60.0,
         connection_timeout_s: float = 2.0,
         max_connections: int = 64,
+        on_received: Callable[[], None] | None = None,
     ) -> None:
         self.path = socket_path
         self.allowed_uids = allowed_uids
@@ -76,6 +78,9 @@ class FdInbox:
         self.ticket_ttl_s = ticket_ttl_s
         self.connection_timeout_s = connection_timeout_s
         self.max_connections = max_connections
+        self.on_received = on_received
+        """Told (on the inbox's thread) after each message that carried descriptors: the
+        connection guard's count of free ones is stale then."""
         self.refused = 0
         self._pending: dict[bytes, ReceivedFds] = {}
         self._lock = threading.Lock()
@@ -209,6 +214,8 @@ class FdInbox:
                 arr = array.array("i")
                 arr.frombytes(data[: len(data) - len(data) % FD_SIZE])
                 fds += list(arr)
+        if fds and self.on_received is not None:
+            self.on_received()
         try:
             if (flags & socket.MSG_CTRUNC or len(fds) > room) and room < self.max_fds_per_ticket:
                 raise LimitExceededError(

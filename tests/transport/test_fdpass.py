@@ -21,7 +21,7 @@ import torch
 from kvcache.errors import AccessDeniedError, LayoutError, LimitExceededError
 from kvcache.protocol.messages import FdTensor
 from kvcache.server import fdinbox
-from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM
+from kvcache.server.fd_budget import DESCRIPTOR_HEADROOM, FreeEstimate
 from kvcache.server.fdinbox import FdInbox
 from kvcache.transport import memfd, tensors
 from kvcache.transport.fdpass import send_fds
@@ -424,3 +424,29 @@ def test_one_uid_flooding_tickets_never_blocks_another(tmp_path: Path) -> None:
     finally:
         box.close()
         os.rmdir(home)
+
+
+def test_a_hand_over_makes_the_connection_guards_descriptor_count_stale(tmp_path: Path) -> None:
+    """The guard counts free descriptors at most every 0.25 s and subtracts only the
+    connections it accepted since: a hand-over of hundreds of descriptors in between left
+    it that many too high, so it could admit connections into the reserve."""
+    estimate = FreeEstimate(every_s=3600.0)  # counted once, then trusted for the test's length
+    before = estimate.free()
+    assert before is not None
+    box = FdInbox(str(tmp_path / "fds.sock"), frozenset({os.getuid()}), max_fds_per_ticket=512,
+                  on_received=estimate.stale)  # fmt: skip
+    box.start()
+    try:
+        fds = [_memfd() for _ in range(200)]
+        ticket = secrets.token_bytes(16)
+        send_fds(box.path, ticket, fds, 5)
+        for fd in fds:
+            os.close(fd)
+        received = box.take(ticket)
+        try:
+            after = estimate.free()
+            assert after is not None and after <= before - 200, (before, after)
+        finally:
+            received.close()
+    finally:
+        box.close()
