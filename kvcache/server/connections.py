@@ -186,6 +186,11 @@ class ConnectionGuard:
         if batch:
             self._set_gate()
 
+    @property
+    def watched(self) -> list[int]:
+        """The descriptors of the TCP connections watched for messages that never end."""
+        return self._unfinished.fds
+
     def tick(self) -> bool:
         """On every turn of the I/O loop: once a second, set the TCP gate again
         (descriptors may have been freed elsewhere). True when a check for messages that
@@ -212,6 +217,7 @@ class ConnectionGuard:
                 conn = self._conns[fd]
                 log.warning("cut a connection from %s on %s: %s", conn.client, conn.endpoint, reason)
 
+        self.pump()  # one closed while the loop read: its descriptor may be a newcomer's now
         self._each_unfinished(judge)
 
     def _each_unfinished(self, act: Callable[[int, socket.socket], None]) -> None:
