@@ -191,6 +191,11 @@ class ConnectionGuard:
         if batch:
             self._set_gate()
 
+    @property
+    def watched(self) -> list[int]:
+        """The descriptors of the TCP connections watched for messages that never end."""
+        return self._unfinished.fds
+
     def tick(self) -> bool:
         """On every turn of the I/O loop: once a second, set the TCP gate again
         (descriptors may have been freed elsewhere). True when a check for messages that

@@ -59,6 +59,7 @@ from kvcache.server.deferred import Outbox
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
 from kvcache.server.lanes import lane_of
+from kvcache.server.unfinished import CHECK_EVERY_S
 from kvcache.transport.curve import load_secret_key
 from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
 from kvcache.trusted_dir import ensure_private_dir
@@ -266,9 +267,8 @@ class Daemon:
         """Run the I/O loop in the calling thread until stopped and drained."""
         self._start_threads()
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
-        poller.register(self._guard.monitor_socket, zmq.POLLIN)
+        for sock in (self._router, self._replies, self._guard.monitor_socket):
+            poller.register(sock, zmq.POLLIN)
         deadline: float | None = None
         try:
             while True:
@@ -300,7 +300,8 @@ class Daemon:
             self._router.send_multipart(frames, copy=False)
 
     def _accept(self, draining: bool) -> None:
-        while readable(self._router):
+        until = time.monotonic() + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
+        while readable(self._router) and time.monotonic() < until:
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
             frames = self._router.recv_multipart(NOBLOCK, copy=False)
             if not self._guard.admits(frames[-1]):

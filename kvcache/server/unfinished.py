@@ -15,7 +15,10 @@ delivered request are that message (with what the kernel still buffers and a lit
 overhead). The I/O loop looks every ``CHECK_EVERY_S`` and shuts down (``shutdown(2)``) a
 connection past ``limit``: one message cap, the connection's kernel receive buffer and
 ``OVERHEAD_BYTES``. An attack is thus held to that per connection plus what the daemon's
-libzmq thread reads in one check interval. The limit does not grow with time, so a peer
+libzmq thread reads in one check interval (the I/O loop reads requests for one interval at
+most, so a flood of them cannot hold a check off). Those are bytes received, not held: libzmq
+keeps a 64-byte message per frame, so empty frames (2 bytes on the wire) hold about 32 times
+as much (a known gap: ``tests/security/test_caps_bypass.py``). The limit does not grow with time, so a peer
 trickling a message byte by byte is held to it too; the price is that a connection idle for
 days, whose heartbeat replies alone add up to ``OVERHEAD_BYTES``, is cut as well (its
 client's libzmq connects again; an idle connection has nothing in flight).
@@ -111,12 +114,16 @@ class UnfinishedMessages:
     def over(self, fd: int, sock: socket.socket) -> str | None:
         """Judge the connection on ``fd`` (``sock`` over it) after ``snapshot`` and the read:
         why it must be cut, or None. One that delivered a request since the last check
-        starts afresh from its snapshot."""
+        starts afresh from what it received by now: the last request read may have ended
+        after the snapshot (the I/O loop stalled between the two), and its tail must not
+        count against the next message. What this leaves uncounted of a message begun before
+        the read is what arrived while the loop read (at most ``CHECK_EVERY_S``)."""
         mark = self._marks.get(fd)
         if mark is None:
             return None
-        if mark.delivered:
-            mark.received, mark.delivered = mark.now, False
+        if mark.delivered:  # count from now: a request read may have ended after the snapshot
+            received = bytes_received(sock)
+            mark.received, mark.delivered = mark.now if received is None else received, False
             return None
         pending = mark.now - mark.received
         if pending <= self.max_message_bytes + OVERHEAD_BYTES or pending <= self.limit(sock):

@@ -18,10 +18,14 @@ learned to cut a TCP connection that received more than a message since its last
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request
@@ -163,3 +167,70 @@ def test_whole_messages_at_the_cap_back_to_back_are_never_cut(
     finally:
         sock.close()
     assert d.proc.poll() is None
+
+
+def test_a_flood_of_whole_requests_on_one_connection_does_not_hold_off_the_cut(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """The I/O loop read requests until none waited before it looked again: a peer sending tiny
+    bad requests faster than the daemon answers them kept it reading for good, and a second
+    connection's endless message grew unchecked (before the fix: 600 MiB taken, no cut)."""
+    d = start_daemon("--max-message-mb", "1", tcp=True)
+    stop = threading.Event()
+    flooder = zmtp.connect(d.endpoint, timeout_s=10)
+    endless = zmtp.connect(d.endpoint, timeout_s=10)
+    burst = (zmtp.frame_header(1) + b"X") * 32768  # 32768 one-byte requests, each refused
+
+    def flood() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                flooder.sendall(burst)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    try:
+        zmtp.handshake(flooder)
+        zmtp.handshake(endless)
+        before = _rss(d.pid)
+        thread.start()
+        time.sleep(0.5)  # the daemon's loop is busy with the flood by now
+        endless.settimeout(2.0)
+        frame = zmtp.frame_header(MiB - 64, more=True) + bytes(MiB - 64)
+        sent = _sent_until_cut(endless, frame, 256)
+        assert sent < 256, "a flood on another connection let 256 MiB of one message in, uncut"
+    finally:
+        stop.set()
+        flooder.close()  # ends the flood's blocked send
+        endless.close()
+        thread.join(10)
+    grown = _settles_below(d.pid, before + 32 * MiB) - before
+    assert grown < 32 * MiB, f"the cut connection's frames still hold {grown / MiB:.0f} MiB"
+    assert d.proc.poll() is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cut counts bytes on the wire; libzmq keeps a 64-byte zmq_msg_t per frame, so an "
+    "endless message of empty frames (2 bytes each) holds ~32x what the connection received",
+)
+def test_an_endless_message_of_empty_frames_is_held_to_about_what_it_sent(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """At the default --max-message-mb 64 one such connection took the daemon from 60 MiB to
+    2 GiB before its cut (68 MiB sent); 128 of them from loopback is 250 GiB."""
+    d = start_daemon("--max-message-mb", "4", tcp=True)
+    sock = zmtp.connect(d.endpoint, timeout_s=10)
+    try:
+        zmtp.handshake(sock)
+        sock.settimeout(2.0)
+        before = peak = _rss(d.pid)
+        empties = zmtp.frame_header(0, more=True) * 32768  # 64 KiB: 32768 empty frames
+        for _ in range(4096):  # 256 MiB on the wire at most
+            try:
+                sock.sendall(empties)
+            except (ConnectionError, TimeoutError):
+                break
+            peak = max(peak, _rss(d.pid))
+    finally:
+        sock.close()
+    grown = peak - before
+    assert grown < 64 * MiB, f"an endless message of empty frames took {grown / MiB:.0f} MiB"

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import zmq
+
+from kvcache.server.connections import ConnectionGuard, ConnectionLimits, _borrow
 from kvcache.server.unfinished import UnfinishedMessages, bytes_received
+from tests.security import zmtp
 
 MiB = 1 << 20
 
@@ -84,3 +89,67 @@ def test_a_descriptor_reused_by_a_fresh_connection_before_the_cut_is_left_alone(
         watch.snapshot(fd, receiver)
         assert watch.over(fd, fresh) is None
         assert watch.fds == []
+
+
+def test_a_message_that_ends_after_the_snapshot_is_not_counted_against_the_next() -> None:
+    """Whole messages at the cap, back to back: the first ends between a check's snapshot and
+    its read (a stalled I/O loop), the second is under way at the next check. Counting from
+    the snapshot charged the second with the first's tail: two messages, and a cut."""
+    watch = UnfinishedMessages(max_message_bytes=8 * MiB)
+    with _pair() as (sender, receiver):
+        fd = receiver.fileno()
+        watch.watch(fd, receiver)
+        watch.snapshot(fd, receiver)  # the first message has not begun to arrive
+        _move(sender, receiver, 8 * MiB)  # ...then arrives whole before the loop reads it
+        watch.delivered(fd)
+        assert watch.over(fd, receiver) is None
+        _move(sender, receiver, 8 * MiB - 1)  # the second, one byte short, at the next check
+        watch.snapshot(fd, receiver)
+        assert watch.over(fd, receiver) is None, "an honest peer's second message was cut"
+
+
+def _accepted_on(fd: int, endpoint: str) -> bool:
+    """Whether ``fd`` is a connection accepted on ``endpoint`` (libzmq's: never closed here)."""
+    sock = _borrow(fd, endpoint)
+    if sock is not None:
+        sock.detach()
+    return sock is not None
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_cut_never_lands_on_a_newcomer_that_took_the_closed_ones_descriptor() -> None:
+    """A connection past the limit at a check's snapshot closes while the loop reads, and a
+    new one gets its descriptor: the judgement (about the old one) must not shut the new."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    guard = ConnectionGuard(ConnectionLimits(), curve_tcp=False, max_message_bytes=MiB)
+    guard.attach(ctx, router)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        endless = zmtp.connect(endpoint)
+        zmtp.handshake(endless)
+        guard.pump()  # watched from here
+        [fd] = guard.watched
+        frame = zmtp.frame_header(MiB - 64, more=True) + bytes(MiB - 64)
+        for _ in range(64):  # past any limit (a receive buffer autotunes to 32 MiB at most)
+            endless.sendall(frame)
+        assert guard.tick()  # the snapshot: over the limit
+        endless.close()
+        assert _wait(lambda: not _accepted_on(fd, endpoint)), "libzmq kept the closed connection"
+        newcomer = zmtp.connect(endpoint)
+        zmtp.handshake(newcomer)
+        assert _wait(lambda: _accepted_on(fd, endpoint)), "the descriptor was not reused"
+        guard.cut_unfinished()
+        newcomer.settimeout(0.5)
+        assert not zmtp.wait_closed(newcomer), "the newcomer was cut for the old connection's bytes"
+        newcomer.close()
+    finally:
+        guard.close()
+        router.close(linger=0)
+        ctx.term()
