@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -67,3 +69,80 @@ def test_garbage_reply_is_a_protocol_error(router: tuple[zmq.Socket[bytes], str]
         chan.call(m.Ping(), 5)
     t.join()
     chan.close()
+
+
+# -- reconnecting: libzmq never does it for a channel (one connection per socket) -------------
+
+
+def _ipc_router(path: Path) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{path}")
+    return sock
+
+
+def _requests(router: zmq.Socket[bytes], chan: Channel, wait_s: float) -> list[int]:
+    """The ids of the requests ``router`` got within ``wait_s``, the channel's owner waiting
+    on it meanwhile (which is when it connects again)."""
+    ids: list[int] = []
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        chan.receive(0.02)
+        while router.poll(0):
+            ids.append(decode_request(router.recv_multipart()[1]).id)
+    return ids
+
+
+def test_a_request_sent_before_the_daemon_listens_is_sent_once_it_does(tmp_path: Path) -> None:
+    path = tmp_path / "daemon.sock"
+    chan = Channel(zmq.Context.instance(), f"ipc://{path}")
+    first = chan.send(m.Ping())
+    assert chan.receive(0.3) == []  # the connect fails (nothing there); the channel retries
+    router = _ipc_router(path)
+    assert _requests(router, chan, 1.0) == [first]
+    chan.close()
+    router.close()
+
+
+def test_a_request_on_a_connection_dropped_mid_handshake_is_sent_again_once(tmp_path: Path) -> None:
+    """The peer drops the connection before the handshake ends: the request never left, so
+    the next socket sends it, and only once."""
+    path = tmp_path / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    chan = Channel(zmq.Context.instance(), f"ipc://{path}")
+    sent = chan.send(m.Ping())
+    conn, _ = listener.accept()
+    conn.recv(10)  # the client's signature; no greeting back
+    conn.close()
+    listener.close()
+    path.unlink()
+    before = chan.disconnects
+    while chan.disconnects == before:
+        chan.receive(0.02)
+    router = _ipc_router(path)
+    assert _requests(router, chan, 1.0) == [sent]
+    chan.close()
+    router.close()
+
+
+def test_a_withdrawn_request_is_never_sent_and_one_that_left_never_twice(tmp_path: Path) -> None:
+    path = tmp_path / "daemon.sock"
+    chan = Channel(zmq.Context.instance(), f"ipc://{path}")
+    withdrawn = chan.send(m.Ping())
+    chan.receive(0.2)
+    chan.withdraw(withdrawn)  # its call ended (timed out) before anything listened
+    router = _ipc_router(path)
+    kept = chan.send(m.Ping())
+    assert _requests(router, chan, 0.5) == [kept]
+    before = chan.disconnects
+    router.close()  # the connection ends: what left with it is not sent again
+    while chan.disconnects == before:
+        chan.receive(0.02)
+    path.unlink(missing_ok=True)
+    router = _ipc_router(path)
+    after = chan.send(m.Ping())
+    assert _requests(router, chan, 1.0) == [after]
+    chan.close()
+    router.close()
