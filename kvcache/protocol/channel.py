@@ -68,14 +68,14 @@ class Channel:
     reply is lost is stuck forever, while replies of earlier timed-out calls are recognised
     here by their id and dropped.
 
-    Reconnecting (see the module's docstring): the monitor says when the socket's connection
-    ended (``DISCONNECTED``, or ``CLOSED``: the connect failed) and whether its handshake
-    succeeded first. libzmq sends nothing before the handshake, so the requests sent on a
-    socket whose handshake was not seen to succeed are still unsent (``_unsent``): the next
-    socket sends them, as libzmq's own reconnection would have, unless their call ended
-    meanwhile (``withdraw``). Those sent after it succeeded may have left; like libzmq, the
-    channel never sends them twice. A channel whose connection ended connects again while
-    its owner waits in ``receive`` (the background thread always does), or at the next send.
+    Reconnecting (see the module's docstring): the monitor says when the socket's handshake
+    succeeded and when its connection ended (``DISCONNECTED``, or ``CLOSED``: the connect
+    failed). A request is handed to libzmq only once the handshake was seen to succeed;
+    until then it waits here (``_unsent``), on this socket or the next ones, unless its call
+    ends meanwhile (``withdraw``): once libzmq holds a frame, nothing can take it back, and
+    it may leave the moment the handshake ends. A request handed over is never sent again
+    (it may have left). A channel whose connection ended connects again while its owner
+    waits in ``receive`` (the background thread always does), or at the next send.
     """
 
     _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -138,55 +138,52 @@ class Channel:
         return sock, monitor
 
     def _read_monitor(self) -> None:
-        """Note what the monitor reported: a handshake done (what was sent goes with it), the
-        connection's end (``disconnects`` counts those the daemon closed), and a refused
+        """Note what the monitor reported: a handshake done (the requests held back go out),
+        the connection's end (``disconnects`` counts those the daemon closed), and a refused
         handshake, which the next ``receive`` raises."""
         while readable(self._monitor):
             event = parse_monitor_message(self._monitor.recv_multipart(NOBLOCK))
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken = True
-                self._unsent.clear()  # they leave on this connection (or are lost with it)
             elif kind & self._ENDED:
                 self._ended = True
                 self.disconnects += kind == zmq.EVENT_DISCONNECTED
             else:
                 self._refusal = f"handshake refused (ZMQ event {kind}, status {event['value']})"
+        if self._unsent and self._handshaken and not self._ended:
+            unsent, self._unsent = self._unsent, {}
+            for request_id, frame in unsent.items():
+                self._put(request_id, frame)
 
     def _put(self, request_id: int, frame: bytes) -> None:
-        """Queue ``frame`` on the socket, or keep it for the next one: a socket whose
-        connection is gone has no queue left (libzmq ended its session), and one whose
-        handshake is not done yet may still lose it unsent."""
-        if not self._ended:
+        """Hand ``frame`` to libzmq if this socket's handshake succeeded and its connection
+        did not end as far as seen, else hold it for later (``_unsent``)."""
+        if self._handshaken and not self._ended:
             try:
                 self._sock.send(frame, NOBLOCK)  # never blocks on a socket with no connection
-            except zmq.Again:
+                return
+            except zmq.Again:  # not taken: the session ended (or its queue is full)
                 self._ended = True
-            else:
-                if self._handshaken:
-                    return
         self._unsent[request_id] = frame
         if len(self._unsent) > MAX_UNSENT:
             del self._unsent[next(iter(self._unsent))]
 
     def _reconnect(self) -> float:
-        """A fresh socket (the unsent requests sent on it) if the connection ended and
-        ``RECONNECT_S`` passed since the last one opened; else how long until then (0 when
-        the connection has not ended: nothing to wait for)."""
+        """A fresh socket if the connection ended and ``RECONNECT_S`` passed since the last
+        one opened (the requests held back wait for its handshake); else how long until then
+        (0 when the connection has not ended: nothing to wait for)."""
         if not self._ended:
             return 0.0
         wait = self._opened_at + RECONNECT_S - time.monotonic()
         if wait > 0:
             return wait
-        unsent, self._unsent = self._unsent, {}
         self._replace()
-        for request_id, frame in unsent.items():
-            self._put(request_id, frame)
         return 0.0
 
     def withdraw(self, request_id: int) -> None:
         """The call of ``request_id`` ended (failed as lost, or timed out): if its request
-        has not left yet, it never will."""
+        is still held back (libzmq never had it), it is never sent."""
         self._unsent.pop(request_id, None)
 
     def _replace(self) -> None:
