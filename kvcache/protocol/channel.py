@@ -3,15 +3,16 @@
 Separate from ``KVCacheClient`` (which knows what to ask) so that the socket discipline, the
 one part that must survive a daemon restart, can be read on its own.
 
-libzmq never reconnects a channel's socket (``ZMQ_RECONNECT_IVL`` -1): each socket makes one
-connection, and when it ends the channel opens a fresh socket itself (``RECONNECT_S``). On
-``ipc://`` every socket is ZAP-checked (``peer_check``), and libzmq (4.3.5) keeps one ZAP pipe
-per connecting session across its own reconnections: a connection dropped while its ZAP request
-was pending, answered only after the session had connected again, had the answer handed to the
-new connection's engine, which had no security mechanism yet, and libzmq aborted the process
-(``_mechanism != NULL``, ``stream_engine_base.cpp:487``). A peer at the endpoint decides when
-to drop; the answer is late whenever the client's process stalls (a full garbage collection).
-With one connection per socket, a late answer meets only its own engine or none.
+libzmq never reconnects a channel's socket (``NEVER_MS``): each socket makes one connection,
+and when it ends the channel opens a fresh socket itself (``RECONNECT_S``), after reading the
+replies that came before the end. On ``ipc://`` every socket is ZAP-checked (``peer_check``),
+and libzmq (4.3.5) keeps one ZAP pipe per connecting session across its own reconnections: a
+connection dropped while its ZAP request was pending, answered only after the session had
+connected again, had the answer handed to the new connection's engine, which had no security
+mechanism yet, and libzmq aborted the process (``_mechanism != NULL``,
+``stream_engine_base.cpp:487``). A peer at the endpoint decides when to drop; the answer is
+late whenever the client's process stalls (a full garbage collection). With one connection
+per socket, a late answer meets only its own engine or none.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
@@ -41,6 +43,9 @@ EXIT_WAIT_S = 0.1
 """How long a dropped connection's daemon process may take to be seen exited (``daemon_exited``)."""
 RECONNECT_S = 0.1
 """How soon after its last socket was opened a channel whose connection ended opens another."""
+NEVER_MS = 10**9
+"""libzmq's reconnect interval for a channel's sockets (11 days: never, in practice). Not -1,
+which also ends the socket's pipe with the connection, dropping replies not read yet."""
 MAX_UNSENT = 1000
 """Requests held for the next socket at most (libzmq's default send queue); the oldest go."""
 
@@ -110,6 +115,7 @@ class Channel:
         self._refusal: str | None = None
         self._wake_fd: int | None = None
         self._unsent: dict[int, bytes] = {}  # request id -> frame, oldest first
+        self._received: deque[bytes] = deque()  # replies read off a socket it replaced
         self._ended = self._handshaken = False  # of the current socket's one connection
         self._opened_at = 0.0
         self._sock, self._monitor = self._open()
@@ -126,7 +132,7 @@ class Channel:
     def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection per socket: see the module
+        sock.setsockopt(zmq.RECONNECT_IVL, NEVER_MS)  # one connection per socket: see the module
         for option, value in self._sockopts.items():
             sock.setsockopt(option, value)
         # A refused handshake or a dropped connection is otherwise silent: watch for them, to
@@ -178,6 +184,8 @@ class Channel:
         wait = self._opened_at + RECONNECT_S - time.monotonic()
         if wait > 0:
             return wait
+        while readable(self._sock):  # replies that came before the end: not lost with it
+            self._received.append(self._sock.recv(NOBLOCK))
         self._replace()
         return 0.0
 
@@ -243,14 +251,16 @@ class Channel:
         self._raise_refusal()  # one the last send saw: before connecting again
         if (wait := self._reconnect()) > 0:  # back in time to connect again
             timeout_s = min(timeout_s, wait)
+        if self._received:
+            timeout_s = 0
         ready = dict(self._poller.poll(max(math.ceil(timeout_s * 1000), 0)))
         if self._monitor in ready or not ready:
             self._read_monitor()
         self._raise_refusal()  # a refused handshake ends the calls at once: ZMQ would only retry it
         self._reconnect()
         out: list[m.ReplyEnvelope] = []
-        while readable(self._sock):
-            frame = self._sock.recv(NOBLOCK)
+        while self._received or readable(self._sock):
+            frame = self._received.popleft() if self._received else self._sock.recv(NOBLOCK)
             if self._heard is not None:
                 self._heard()
             try:

@@ -220,3 +220,21 @@ def test_a_request_withdrawn_while_its_handshake_waits_is_never_sent(tmp_path: P
     assert peer.ids == [kept]
     chan.close()
     peer.close()
+
+
+def test_a_reply_that_came_before_the_connection_ended_is_still_received(tmp_path: Path) -> None:
+    """The daemon answers, then closes (a stop, a restart): the reply waits in the socket when
+    the channel learns that its connection ended, and must not go with the socket it replaces."""
+    path = tmp_path / "daemon.sock"
+    router = _ipc_router(path)
+    chan = Channel(zmq.Context.instance(), f"ipc://{path}")
+    sent = chan.send(m.Ping())
+    _pump(chan, lambda: bool(router.poll(0)))
+    identity, _ = router.recv_multipart()
+    router.send_multipart([identity, encode_reply(sent, m.LookupResult(hit_tokens=1))])
+    router.close(linger=1000)  # the reply leaves first
+    time.sleep(0.3)  # both the reply and the connection's end wait for the owner
+    got: list[int] = []
+    _pump(chan, lambda: bool(got.extend(e.id for e in chan.receive(0.05)) or got), limit_s=2)
+    assert got == [sent]
+    chan.close()
