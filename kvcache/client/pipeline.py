@@ -320,6 +320,7 @@ class Pipeline:
             if call.deadline > now:
                 continue
             self._pop(request_id)
+            chan.withdraw(request_id)  # not sent yet (no connection since): never will be
             closed = chan.disconnects != call.disconnects
             call.future.set_exception(chan.timeout_error(call.body, call.timeout_s, closed))
             if not call.internal and self._owner.breaker.silent_since(call.sent_at):
@@ -335,6 +336,7 @@ class Pipeline:
                 exited[call.daemon_pid] = chan.daemon_exited(call.daemon_pid)
             if exited[call.daemon_pid]:
                 self._pop(request_id)
+                chan.withdraw(request_id)
                 call.future.set_exception(chan.lost_error(call.body, call.daemon_pid))
 
     def _wait_s(self) -> float:

@@ -2,6 +2,17 @@
 
 Separate from ``KVCacheClient`` (which knows what to ask) so that the socket discipline, the
 one part that must survive a daemon restart, can be read on its own.
+
+libzmq never reconnects a channel's socket (``NEVER_MS``): each socket makes one connection,
+and when it ends the channel opens a fresh socket itself (``RECONNECT_S``), after reading the
+replies that came before the end. On ``ipc://`` every socket is ZAP-checked (``peer_check``),
+and libzmq (4.3.5) keeps one ZAP pipe per connecting session across its own reconnections: a
+connection dropped while its ZAP request was pending, answered only after the session had
+connected again, had the answer handed to the new connection's engine, which had no security
+mechanism yet, and libzmq aborted the process (``_mechanism != NULL``,
+``stream_engine_base.cpp:487``). A peer at the endpoint decides when to drop; the answer is
+late whenever the client's process stalls (a full garbage collection). With one connection
+per socket, a late answer meets only its own engine or none.
 """
 
 from __future__ import annotations
@@ -9,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
@@ -29,6 +41,13 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
 EXIT_WAIT_S = 0.1
 """How long a dropped connection's daemon process may take to be seen exited (``daemon_exited``)."""
+RECONNECT_S = 0.1
+"""How soon after its last socket was opened a channel whose connection ended opens another."""
+NEVER_MS = 10**9
+"""libzmq's reconnect interval for a channel's sockets (11 days: never, in practice). Not -1,
+which also ends the socket's pipe with the connection, dropping replies not read yet."""
+MAX_UNSENT = 1000
+"""Requests held for the next socket at most (libzmq's default send queue); the oldest go."""
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
@@ -53,10 +72,20 @@ class Channel:
     ``send`` returned (``client.pipeline``). A DEALER rather than a REQ: a REQ socket whose
     reply is lost is stuck forever, while replies of earlier timed-out calls are recognised
     here by their id and dropped.
+
+    Reconnecting (see the module's docstring): the monitor says when the socket's handshake
+    succeeded and when its connection ended (``DISCONNECTED``, or ``CLOSED``: the connect
+    failed). A request is handed to libzmq only once the handshake was seen to succeed;
+    until then it waits here (``_unsent``), on this socket or the next ones, unless its call
+    ends meanwhile (``withdraw``): once libzmq holds a frame, nothing can take it back, and
+    it may leave the moment the handshake ends. A request handed over is never sent again
+    (it may have left). A channel whose connection ended connects again while its owner
+    waits in ``receive`` (the background thread always does), or at the next send.
     """
 
     _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    _WATCHED = _AUTH_FAILURES | zmq.EVENT_DISCONNECTED
+    _ENDED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+    _WATCHED = _AUTH_FAILURES | _ENDED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
     def __init__(
         self,
@@ -85,6 +114,10 @@ class Channel:
         first, so a request counts as sent after every drop reported before it)."""
         self._refusal: str | None = None
         self._wake_fd: int | None = None
+        self._unsent: dict[int, bytes] = {}  # request id -> frame, oldest first
+        self._received: deque[bytes] = deque()  # replies read off a socket it replaced
+        self._ended = self._handshaken = False  # of the current socket's one connection
+        self._opened_at = 0.0
         self._sock, self._monitor = self._open()
         self._poller = self._make_poller()
 
@@ -99,23 +132,72 @@ class Channel:
     def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, NEVER_MS)  # one connection per socket: see the module
         for option, value in self._sockopts.items():
             sock.setsockopt(option, value)
-        # A refused handshake or a dropped connection is otherwise silent (ZMQ reconnects):
-        # watch for them so a timed-out call can say why instead of just "no reply".
+        # A refused handshake or a dropped connection is otherwise silent: watch for them, to
+        # connect again and so that a timed-out call can say why instead of just "no reply".
         monitor = sock.get_monitor_socket(self._WATCHED)
         sock.connect(self._endpoint)
+        self._ended = self._handshaken = False
+        self._opened_at = time.monotonic()
         return sock, monitor
 
     def _read_monitor(self) -> None:
-        """Note what the monitor reported: connections the daemon closed (``disconnects``),
-        and a refused handshake, which the next ``receive`` raises."""
+        """Note what the monitor reported: a handshake done (the requests held back go out),
+        the connection's end (``disconnects`` counts those the daemon closed), and a refused
+        handshake, which the next ``receive`` raises."""
         while readable(self._monitor):
             event = parse_monitor_message(self._monitor.recv_multipart(NOBLOCK))
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.disconnects += 1
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif kind & self._ENDED:
+                self._ended = True
+                self.disconnects += kind == zmq.EVENT_DISCONNECTED
             else:
-                self._refusal = f"handshake refused (ZMQ event {event['event']}, status {event['value']})"
+                self._refusal = f"handshake refused (ZMQ event {kind}, status {event['value']})"
+        if self._unsent and self._handshaken and not self._ended:
+            unsent, self._unsent = self._unsent, {}
+            for request_id, frame in unsent.items():
+                self._put(request_id, frame)
+
+    def _put(self, request_id: int, frame: bytes) -> None:
+        """Hand ``frame`` to libzmq if this socket's handshake succeeded and its connection
+        did not end as far as seen, else hold it for later (``_unsent``)."""
+        if self._handshaken and not self._ended:
+            try:
+                self._sock.send(frame, NOBLOCK)  # never blocks on a socket with no connection
+                return
+            except zmq.Again:  # not taken: the session ended (or its queue is full)
+                self._ended = True
+        self._unsent[request_id] = frame
+        if len(self._unsent) > MAX_UNSENT:
+            del self._unsent[next(iter(self._unsent))]
+
+    def _reconnect(self) -> float:
+        """A fresh socket if the connection ended and ``RECONNECT_S`` passed since the last
+        one opened (the requests held back wait for its handshake); else how long until then
+        (0 when the connection has not ended: nothing to wait for)."""
+        if not self._ended:
+            return 0.0
+        wait = self._opened_at + RECONNECT_S - time.monotonic()
+        if wait > 0:
+            return wait
+        while readable(self._sock):  # replies that came before the end: not lost with it
+            self._received.append(self._sock.recv(NOBLOCK))
+        self._replace()
+        return 0.0
+
+    def withdraw(self, request_id: int) -> None:
+        """The call of ``request_id`` ended (failed as lost, or timed out): if its request
+        is still held back (libzmq never had it), it is never sent."""
+        self._unsent.pop(request_id, None)
+
+    def _replace(self) -> None:
+        self.close()
+        self._sock, self._monitor = self._open()
+        self._poller = self._make_poller()
 
     def _raise_refusal(self) -> None:
         if self._refusal is not None:
@@ -134,10 +216,10 @@ class Channel:
         )
 
     def reset(self) -> None:
+        """A fresh socket; what was sent on the old one, sent or not, is dropped."""
         self._refusal = None
-        self.close()
-        self._sock, self._monitor = self._open()
-        self._poller = self._make_poller()
+        self._unsent.clear()
+        self._replace()
 
     def close(self) -> None:
         self._sock.disable_monitor()
@@ -147,9 +229,9 @@ class Channel:
     def send(self, body: m.RequestBody) -> int:
         """Send ``body`` under a fresh envelope id and return the id; never waits."""
         self._read_monitor()
+        self._reconnect()
         request_id = next(self._ids)
-        frame = encode_request(request_id, body)
-        self._sock.send(frame)
+        self._put(request_id, encode_request(request_id, body))
         return request_id
 
     def receive(self, timeout_s: float, wake_fd: int | None = None) -> list[m.ReplyEnvelope]:
@@ -166,13 +248,19 @@ class Channel:
         if wake_fd is not None and wake_fd != self._wake_fd:
             self._wake_fd = wake_fd
             self._poller = self._make_poller()
+        self._raise_refusal()  # one the last send saw: before connecting again
+        if (wait := self._reconnect()) > 0:  # back in time to connect again
+            timeout_s = min(timeout_s, wait)
+        if self._received:
+            timeout_s = 0
         ready = dict(self._poller.poll(max(math.ceil(timeout_s * 1000), 0)))
         if self._monitor in ready or not ready:
             self._read_monitor()
         self._raise_refusal()  # a refused handshake ends the calls at once: ZMQ would only retry it
+        self._reconnect()
         out: list[m.ReplyEnvelope] = []
-        while readable(self._sock):
-            frame = self._sock.recv(NOBLOCK)
+        while self._received or readable(self._sock):
+            frame = self._received.popleft() if self._received else self._sock.recv(NOBLOCK)
             if self._heard is not None:
                 self._heard()
             try:

@@ -9,10 +9,12 @@ never to a path a reply names. ``DaemonUidCheck`` checks the uid of the process 
 libzmq runs the ZAP handshake (RFC 27) on whichever end of a connection sets
 ``ZMQ_ZAP_DOMAIN``, the connecting end included, and for an ``ipc://`` peer it appends the
 uid it read with ``SO_PEERCRED`` to the address it reports (``host:uid:gid:pid``). So a
-client DEALER with a domain set asks this handler about every connection it makes, ZMQ's
-reconnections after a daemon restart too, and a refused one never completes its handshake:
-a process of another uid behind the socket receives no request (no token ids, no
-registration ticket), and the client learns of it as ``HANDSHAKE_FAILED_AUTH``.
+client DEALER with a domain set asks this handler about every connection it makes (one per
+socket: the channel opens a new socket to reconnect, as libzmq aborts the process when it
+reconnects a ZAP-checked socket at the wrong moment; ``protocol.channel``), and a refused one
+never completes its handshake: a process of another uid behind the socket receives no
+request (no token ids, no registration ticket), and the client learns of it as
+``HANDSHAKE_FAILED_AUTH``.
 
 Chosen over a socket monitor's ``EVENT_CONNECTED`` descriptor, which is reported after
 the connection is already usable (a queued request could leave before the check), and over

@@ -1,12 +1,14 @@
 """Run as a child process (``test_close``): close a client whose background thread is stuck in a
-caller's callback, restart the daemon so that thread's socket connects again, then let it go.
+caller's callback, restart the daemon at the same endpoint, then let the thread go.
 
 In a process of its own because what can go wrong is a libzmq assertion, which aborts the whole
 process (the engine, in production): the parent sees a signal, not a failed assertion.
 
 The thread's DEALER stays open until the thread ends, and libzmq asks the ZAP handler
-(``peer_check.DaemonUidCheck``) about each connection it makes. That handler must therefore
-outlive the socket: libzmq aborts (``zap_client.cpp:50``, "Transport endpoint is not connected")
+(``peer_check.DaemonUidCheck``) about each connection it makes (one per socket: the channel
+replaces its socket to reconnect, ``protocol.channel``; the thread may do so once it is let go,
+and a handshake may still be under way when it ends). That handler must therefore outlive the
+socket: libzmq aborts (``zap_client.cpp:50``, "Transport endpoint is not connected")
 when a connection's handshake reaches ZAP while the handler's socket is going away. Exit status:
 0 when the handler outlived the thread, which then ended cleanly; 1 with a message otherwise.
 """
@@ -59,7 +61,7 @@ def main() -> int:
         took = time.monotonic() - start
         if took > TIMEOUT_S + 3:
             errors.append(f"close took {took:.1f} s with the thread stuck")
-    # The first daemon is gone: the stuck thread's socket reconnects to the second.
+    # The first daemon is gone; a second listens where the stuck thread's socket points.
     with DaemonProcess(ARGS, runtime_dir=runtime_dir):
         time.sleep(0.5)
         if threads(CHECK) != 1:
