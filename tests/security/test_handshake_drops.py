@@ -12,7 +12,8 @@ Whatever listens at the endpoint chooses when to drop and when to answer, so a p
 planted there (the case the peer check exists for; here one of our own uid, as the abort
 does not depend on the verdict) needs only the answer to take longer than libzmq's reconnect
 interval (100-200 ms): a full garbage collection or a long C call in a busy engine process.
-Before the fix the stalled client below aborted within seconds in nearly every run.
+Before the fix the stalled client below aborted within seconds in nearly every run (about
+1.1 s, at the first or second drop, in 5 of 5 runs at stop 38); 8 s leave room for 7 drops.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def test_a_peer_dropping_connections_mid_handshake_never_aborts_a_stalled_client
     endpoint, fake = peer
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.security.stalled_client", endpoint, "20", "0.3"],
+        [sys.executable, "-m", "tests.security.stalled_client", endpoint, "8", "0.3"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode != -signal.SIGABRT, f"libzmq aborted the client process: {done.stderr[-2000:]}"
     assert done.returncode == 0 and "alive" in done.stdout, done.stderr[-2000:]
-    assert fake.dropped >= 5, "the peer dropped too few connections for the test to mean anything"
+    assert fake.dropped >= 3, f"the peer dropped {fake.dropped} connections: too few to mean anything"
