@@ -77,7 +77,7 @@ def fleet(shared_cluster: LocalRedisCluster) -> Iterator[Fleet]:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")
     args = ["--chunk-size", str(CS), "--l1-size-gb", "0.2", "--l2-redis-url", shared_cluster.url,
-            "--l2-retry-interval", "0.3", "--l2-redis-timeout", "0.5", "--l2-redis-connect-timeout", "0.5",
+            "--l2-retry-interval", "0.3", "--l2-redis-timeout", "2", "--l2-redis-connect-timeout", "0.5",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{port}",
             "--kv-events-batch-window-ms", "0"]  # fmt: skip
     with ThreadPoolExecutor(2) as pool:  # start both at once: each takes seconds to import
