@@ -207,7 +207,7 @@ class ConnectionGuard:
         if not self._unfinished.due():
             return False
         self.pump()  # a descriptor closed since is no longer checked (it may be reused)
-        self._each_unfinished(self._unfinished.snapshot)
+        self._each_unfinished(self._unfinished.snapshot, self._unfinished.fds)
         return True
 
     def cut_unfinished(self) -> None:
@@ -223,10 +223,10 @@ class ConnectionGuard:
                 log.warning("cut a connection from %s on %s: %s", conn.client, conn.endpoint, reason)
 
         self.pump()  # connections closed during the read: their descriptors may be reused
-        self._each_unfinished(judge)
+        self._each_unfinished(judge, self._unfinished.to_judge)
 
-    def _each_unfinished(self, act: Callable[[int, socket.socket], None]) -> None:
-        for fd in self._unfinished.fds:
+    def _each_unfinished(self, act: Callable[[int, socket.socket], None], fds: list[int]) -> None:
+        for fd in fds:
             conn = self._conns.get(fd)
             sock = None if conn is None else _borrow(fd, conn.endpoint)
             if conn is None or sock is None:

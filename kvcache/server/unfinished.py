@@ -29,13 +29,10 @@ reaches it (``docs/operator-guide.md``).
 
 from __future__ import annotations
 
-import logging
 import socket
 import struct
 import time
 from dataclasses import dataclass
-
-log = logging.getLogger("kvcache.server")
 
 CHECK_EVERY_S = 0.1
 """How often the I/O loop reads the counters (it wakes at least this often)."""
@@ -105,6 +102,14 @@ class UnfinishedMessages:
     def fds(self) -> list[int]:
         return list(self._marks)
 
+    @property
+    def to_judge(self) -> list[int]:
+        """The connections ``over`` must look at with their socket: those that delivered
+        (they start afresh) and those past one message and its overhead (they may be cut).
+        The rest, idle ones mostly, cost the check nothing more than their snapshot."""
+        floor = self.max_message_bytes + OVERHEAD_BYTES
+        return [fd for fd, m in self._marks.items() if m.delivered or m.now - m.received > floor]
+
     def snapshot(self, fd: int, sock: socket.socket) -> None:
         mark = self._marks.get(fd)
         received = bytes_received(sock)
@@ -126,7 +131,7 @@ class UnfinishedMessages:
             mark.received, mark.delivered = mark.now if received is None else received, False
             return None
         pending = mark.now - mark.received
-        if pending <= self.max_message_bytes + OVERHEAD_BYTES or pending <= self.limit(sock):
+        if pending <= self.limit(sock):
             return None
         received = bytes_received(sock)
         if received is None or received < mark.now:  # not the connection of the snapshot
