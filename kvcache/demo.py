@@ -41,8 +41,11 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Start the kvcache daemon on its defaults and a small demo engine that stores, "
         "looks up and retrieves KV blocks through it; prints hits, throughput and the metrics URL.",
     )
-    p.add_argument("--keep-running", action="store_true",
-                   help="leave the daemon up after the demo (Ctrl-C stops it) to browse its metrics")
+    p.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="leave the daemon up after the demo (Ctrl-C stops it) to browse its metrics",
+    )
     p.add_argument("--verbose", action="store_true", help="echo the daemon's log")  # fmt: skip
     return p.parse_args(argv)
 

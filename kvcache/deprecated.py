@@ -33,8 +33,7 @@ def renamed(module: str, names: Mapping[str, str], *, stacklevel: int = 2) -> Ca
         if new is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warnings.warn(
-            f"{module}.{name} is deprecated and will be removed in kvcache {REMOVED_IN}; "
-            f"use {module}.{new}",
+            f"{module}.{name} is deprecated and will be removed in kvcache {REMOVED_IN}; use {module}.{new}",
             DeprecationWarning,
             stacklevel=stacklevel,
         )

@@ -26,11 +26,7 @@ def wait_for_work(
     On False the caller, still holding ``cv``, marks its thread gone and notifies."""
     idle_since = time.monotonic()
     while not len(queue):
-        if (
-            closed()
-            or time.monotonic() - idle_since >= idle_exit_s
-            or not threading.main_thread().is_alive()
-        ):
+        if closed() or time.monotonic() - idle_since >= idle_exit_s or not threading.main_thread().is_alive():
             return False
         cv.wait(IDLE_SLICE_S)
     return True

@@ -238,6 +238,7 @@ def _describe_pages(
         raise LayoutError(f"a page of {per_block} elements does not split into {block_size} tokens")
     return len(tensors), shape[0], block_size, 1, per_block // block_size, 1  # NL NB BS NH HS KV
 
+
 if TYPE_CHECKING:
     GPUKVFormat = KVFormat  # deprecated: the runtime aliases below warn
     KVShape = Geometry

@@ -151,10 +151,21 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("plug-in subscribers")
-    g.add_argument("--subscriber", action="append", default=[], metavar="MODULE:CLASS",
-                   help="load an EventSubscriber class into the event bus (repeatable)")
-    g.add_argument("--subscriber-config", action="append", default=[], type=_json_object, metavar="JSON",
-                   help="keyword arguments (a JSON object) for the --subscriber at the same position")
+    g.add_argument(
+        "--subscriber",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="load an EventSubscriber class into the event bus (repeatable)",
+    )
+    g.add_argument(
+        "--subscriber-config",
+        action="append",
+        default=[],
+        type=_json_object,
+        metavar="JSON",
+        help="keyword arguments (a JSON object) for the --subscriber at the same position",
+    )
     return parser
 
 
@@ -190,11 +201,15 @@ def subscribers_from_args(
 
 def _plugin_metrics(subs: list[IsolatedSubscriber]) -> MetricSet:
     m = MetricSet()
-    dropped = m.add("kvcache_plugin_dropped_events_total",
-                    "Events a plug-in subscriber lost because its queue was full.",
-                    "counter", ("subscriber",))
-    errors = m.add("kvcache_plugin_errors_total",
-                   "Plug-in subscriber callbacks that raised.", "counter", ("subscriber",))
+    dropped = m.add(
+        "kvcache_plugin_dropped_events_total",
+        "Events a plug-in subscriber lost because its queue was full.",
+        "counter",
+        ("subscriber",),
+    )
+    errors = m.add(
+        "kvcache_plugin_errors_total", "Plug-in subscriber callbacks that raised.", "counter", ("subscriber",)
+    )
 
     def refresh() -> None:
         for s in subs:

@@ -29,9 +29,7 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def check_mode(
-    st: os.stat_result, path: str, uid: int, what: str, kind: int = stat.S_IFDIR
-) -> None:
+def check_mode(st: os.stat_result, path: str, uid: int, what: str, kind: int = stat.S_IFDIR) -> None:
     """Raise ``UntrustedPathError`` unless ``st`` (of ``path``, links not followed) is of
     ``kind`` (a directory, or ``stat.S_IFREG`` for a file), owned by ``uid``, and has no group
     or other permission bits. The message names ``what`` and says how to fix it."""

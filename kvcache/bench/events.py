@@ -273,18 +273,34 @@ def bench_overload(queue_size: int, seconds: float, sample_rate: float) -> dict[
 def print_table(result: dict[str, Any]) -> None:
     p, d, o = result["publish"], result["dispatch"], result["overload"]
     rows = [
-        ("publish median", f"{p['median_ns']:.0f} ns", f"<= {PUBLISH_TARGET_NS} ns",
-         "ok" if p["median_ns"] <= PUBLISH_TARGET_NS else "MISS"),
+        (
+            "publish median",
+            f"{p['median_ns']:.0f} ns",
+            f"<= {PUBLISH_TARGET_NS} ns",
+            "ok" if p["median_ns"] <= PUBLISH_TARGET_NS else "MISS",
+        ),
         ("publish p99", f"{p['p99_ns']:.0f} ns", "", ""),
         ("timer overhead", f"{p['timer_overhead_median_ns']:.0f} ns", "(included above)", ""),
-        ("dispatch", f"{d['events_per_s']:,.0f} ev/s", f">= {DISPATCH_TARGET_PER_S:,} ev/s",
-         "ok" if d["events_per_s"] >= DISPATCH_TARGET_PER_S else "MISS"),
+        (
+            "dispatch",
+            f"{d['events_per_s']:,.0f} ev/s",
+            f">= {DISPATCH_TARGET_PER_S:,} ev/s",
+            "ok" if d["events_per_s"] >= DISPATCH_TARGET_PER_S else "MISS",
+        ),
         ("overload capacity", f"{o['dispatch_capacity_per_s']:,.0f} ev/s", "(throttled)", ""),
-        ("overload offered", f"{o['offered_per_s']:,.0f} ev/s",
-         f"x{o['overload_factor']:.1f} of capacity", ""),
+        (
+            "overload offered",
+            f"{o['offered_per_s']:,.0f} ev/s",
+            f"x{o['overload_factor']:.1f} of capacity",
+            "",
+        ),
         ("overload dropped", f"{o['dropped']:,} ({o['drop_fraction']:.1%})", "", ""),
-        ("overload max depth", f"{o['max_queue_depth']:,}", f"<= {o['queue_size']:,}",
-         "ok" if o["bound_held"] else "MISS"),
+        (
+            "overload max depth",
+            f"{o['max_queue_depth']:,}",
+            f"<= {o['queue_size']:,}",
+            "ok" if o["bound_held"] else "MISS",
+        ),
         ("overload publish", f"{o['publish_median_ns']:.0f} ns median", "", ""),
     ]
     width = max(len(r[0]) for r in rows)
@@ -294,8 +310,11 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcache.bench events", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcache.bench events",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--events", type=int, default=200_000, help="events per measurement")
     parser.add_argument("--sample-rate", type=float, default=0.01, help="lifecycle sample rate")
     parser.add_argument("--queue-size", type=int, default=10_000, help="queue bound (overload)")

@@ -88,10 +88,14 @@ MODES: dict[str, Mode] = {
     "no-shared-loads": Mode({"shared_loads": False}, "connector, each request loads its own copy"),
     # diagnostics: what of the connector's cost is there without any load or store
     "no-traffic": Mode({"load": False, "store": False}, "connector, load and store off"),
-    "no-shm": Mode({"shared_memory": False, "load": False, "store": False},
-                   "connector, off, vLLM's own KV allocation"),
-    "noop": Mode({}, "a connector whose methods do nothing (vLLM's plumbing alone)",
-                 "kvcache.bench.vllm_noop:NoopConnector"),
+    "no-shm": Mode(
+        {"shared_memory": False, "load": False, "store": False}, "connector, off, vLLM's own KV allocation"
+    ),
+    "noop": Mode(
+        {},
+        "a connector whose methods do nothing (vLLM's plumbing alone)",
+        "kvcache.bench.vllm_noop:NoopConnector",
+    ),
 }
 
 
@@ -118,8 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-prompt", type=int, default=64, help="first request's prompt tokens (+32 each)")
     g.add_argument("--decode-tokens", type=int, default=1024, help="tokens each request generates")
     g = p.add_argument_group("time to first token")
-    g.add_argument("--ttft-modes", default="connector,sync-loads,none",
-                   help="first = the one compared; modes a connector here does not know are skipped")
+    g.add_argument(
+        "--ttft-modes",
+        default="connector,sync-loads,none",
+        help="first = the one compared; modes a connector here does not know are skipped",
+    )
     g.add_argument("--ttft-prefix", type=int, default=2048, help="prefix tokens stored by A, loaded by B")
     g.add_argument("--ttft-tail", type=int, default=64, help="tokens after the prefix (A's and B's differ)")
     g.add_argument("--ttft-busy", type=int, default=0,
@@ -132,8 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero every engine's KV cache before its warm-up, as vLLM's own allocation "
                         "does (ZeroKV in vllm_messages.py; --no-zero-kv measures the connector's "
                         "KV pages faulted in during the timed runs)")  # fmt: skip
-    g.add_argument("--engines", choices=("round", "session"), default="round",
-                   help="fresh engines every round, or one per mode for the session (module docstring)")
+    g.add_argument(
+        "--engines",
+        choices=("round", "session"),
+        default="round",
+        help="fresh engines every round, or one per mode for the session (module docstring)",
+    )
     p.add_argument("--out", metavar="PATH", help="also write raw runs and figures as JSON")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile every command into DIR (<mode>-<n>.prof): to find where time goes; "

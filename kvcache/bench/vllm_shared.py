@@ -114,7 +114,7 @@ class Daemon:
         out = []
         for line in list(self.proc.lines):
             if (i := line.find("registered instance ")) >= 0 and "again" not in line:
-                out.append(int(line[i + len("registered instance "):].split()[0]))
+                out.append(int(line[i + len("registered instance ") :].split()[0]))
         return out
 
     def wait_registered(self, ids: set[int], within_s: float) -> float:
@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     load0, t0 = os.getloadavg(), time.monotonic()
     with work_dir(a, "kvcache-bench-vllm-shared-") as work:
         raw = run(a, python, work)
-    figures = summarize(raw["rounds"], a.requests, a.prefix, a.chunk_size,
-                        {m for m in a.modes if MODES[m].extra is not None})
+    figures = summarize(
+        raw["rounds"], a.requests, a.prefix, a.chunk_size, {m for m in a.modes if MODES[m].extra is not None}
+    )
     load1, wall = os.getloadavg(), time.monotonic() - t0
     machine = {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1, "wall_s": wall}
     print(f"model: {raw['model']}; kvcache measured: "

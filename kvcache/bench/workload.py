@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 cores")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--users", type=int, default=16, help="conversations alive at once")
-    p.add_argument("--reuse-prob", type=float, default=0.8,
-                   help="chance a request continues a live conversation")
+    p.add_argument(
+        "--reuse-prob", type=float, default=0.8, help="chance a request continues a live conversation"
+    )
     p.add_argument("--system-prompt-tokens", type=int, default=1024)
     p.add_argument("--min-user-tokens", type=int, default=64)
     p.add_argument("--max-user-tokens", type=int, default=512)
@@ -215,14 +216,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=20, help="points on the time-series plot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-kv-events-compare", action="store_true", help="skip the KV events on run")
-    p.add_argument("--kv-events-token-ids", action=argparse.BooleanOptionalAction, default=True,
-                   help="the daemon's --kv-events-token-ids in the 'on' runs (default: on); "
-                        "compare the reports' KV-event bytes with and without")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run off/on this many times, interleaved (off,on then on,off, ...); the "
-                        "median run of each mode is reported")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed warm-up run (a tenth of the requests) before the timed ones")
+    p.add_argument(
+        "--kv-events-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the daemon's --kv-events-token-ids in the 'on' runs (default: on); "
+        "compare the reports' KV-event bytes with and without",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run off/on this many times, interleaved (off,on then on,off, ...); the "
+        "median run of each mode is reported",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed warm-up run (a tenth of the requests) before the timed ones",
+    )
     p.add_argument("--out", default="bench-results/workload", help="directory for PNG, JSON, logs")
     return p
 

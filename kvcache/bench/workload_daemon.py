@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def server_knows_kv_events() -> bool:
-    from kvcache.server.settings import build_parser
+    from kvcache.server.flags import build_parser
 
     parser, _ = build_parser()
     return "--kv-events-endpoint" in parser._option_string_actions

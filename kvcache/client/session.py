@@ -48,7 +48,6 @@ from kvcache.transport.tensors import export_tensors
 log = logging.getLogger("kvcache.client")
 
 
-
 @dataclass(frozen=True, slots=True)
 class Registration:
     """What (re-)registration needs: the message without its tensors, and the tensors, whose

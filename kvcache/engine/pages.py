@@ -210,9 +210,7 @@ class EnginePages:
             inst, keyed = self._keyed(instance_id, keys, cache_salt)
         except Exception as err:
             return failed(err)
-        return retrieve_async(
-            self._parts, inst, keyed, block_ids, request_id=request_id, deadline=deadline
-        )
+        return retrieve_async(self._parts, inst, keyed, block_ids, request_id=request_id, deadline=deadline)
 
 
 __all__ = ["PAGE_KEY_BYTES", "EnginePages", "exists", "page_keys", "retrieve_async", "store_async"]

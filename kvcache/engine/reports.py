@@ -41,8 +41,6 @@ def check_allocation_report(
             )
 
 
-
-
 def publish_allocations(
     bus: EventSink, inst: InstanceState, max_records: int, records: list[BlockAllocationRecord]
 ) -> None:

@@ -50,44 +50,74 @@ def non_negative_ms(text: str) -> float:
 def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``kv events`` flag group to ``parser``; returns it."""
     g = parser.add_argument_group("kv events (vLLM-compatible, for cluster routers)")
-    g.add_argument("--kv-events", action="store_true",
-                   help="publish KV events on the private runtime directory's Unix sockets "
-                        f"({ENDPOINT_SOCKET}, replay {REPLAY_SOCKET}): only the daemon's own "
-                        "user can read them. --kv-events-endpoint / "
-                        "--kv-events-replay-endpoint override either address")
-    g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
-                   help="ZMQ PUB address (vLLM's convention): ipc://, tcp://[::1]:5557 and "
-                        "wildcards (tcp://*:5557) bind, a plain host (tcp://router:5557, "
-                        "tcp://127.0.0.1:5557) connects to a router that binds; a bind beyond "
-                        "loopback needs --kv-events-allow-remote; any TCP bind needs "
-                        "--curve-secret-key and --clients (readers: kv_events = true). "
-                        "Default: KV events off")
-    g.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR",
-                   help="ZMQ ROUTER address (always bound) where routers ask for missed "
-                        "batches, e.g. ipc:///run/kvcache/replay.sock; TCP needs CURVE as "
-                        "above, beyond loopback also --kv-events-allow-remote (default: no "
-                        "replay, or the runtime directory's with --kv-events)")
-    g.add_argument("--kv-events-allow-remote", action="store_true",
-                   help="allow binding the KV-events sockets beyond loopback (tcp://*:N, "
-                        "0.0.0.0, [::], a network address); logged as a warning: anyone who "
-                        "connects learns which prompts are cached (default: refused)")
-    g.add_argument("--kv-events-topic", default=DEFAULT_TOPIC,
-                   help="topic frame of every message (default %(default)s)")
-    g.add_argument("--kv-events-format", choices=FORMATS, default="map",
-                   help="event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23); "
-                        "default %(default)s")
-    g.add_argument("--kv-events-token-ids", action=argparse.BooleanOptionalAction, default=True,
-                   help="send each stored block's token ids in BlockStored.token_ids, as vLLM "
-                        "does (routers that hash tokens themselves need them); about 3-5 bytes "
-                        "a token on the wire, 8 bytes a held token in the daemon "
-                        "(default: on; --no-kv-events-token-ids sends [])")
-    g.add_argument("--kv-events-buffer-steps", type=positive_int, default=DEFAULT_BUFFER_STEPS,
-                   help="batches kept for replay (default %(default)s)")
-    g.add_argument("--kv-events-batch-window-ms", type=non_negative_ms,
-                   default=DEFAULT_BATCH_WINDOW_S * 1000, metavar="MS",
-                   help="least time between two messages; the engine operations of a window "
-                        "travel merged, in order, in one batch (0: send at once; default "
-                        "%(default)s)")
+    g.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish KV events on the private runtime directory's Unix sockets "
+        f"({ENDPOINT_SOCKET}, replay {REPLAY_SOCKET}): only the daemon's own "
+        "user can read them. --kv-events-endpoint / "
+        "--kv-events-replay-endpoint override either address",
+    )
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ADDR",
+        help="ZMQ PUB address (vLLM's convention): ipc://, tcp://[::1]:5557 and "
+        "wildcards (tcp://*:5557) bind, a plain host (tcp://router:5557, "
+        "tcp://127.0.0.1:5557) connects to a router that binds; a bind beyond "
+        "loopback needs --kv-events-allow-remote; any TCP bind needs "
+        "--curve-secret-key and --clients (readers: kv_events = true). "
+        "Default: KV events off",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ADDR",
+        help="ZMQ ROUTER address (always bound) where routers ask for missed "
+        "batches, e.g. ipc:///run/kvcache/replay.sock; TCP needs CURVE as "
+        "above, beyond loopback also --kv-events-allow-remote (default: no "
+        "replay, or the runtime directory's with --kv-events)",
+    )
+    g.add_argument(
+        "--kv-events-allow-remote",
+        action="store_true",
+        help="allow binding the KV-events sockets beyond loopback (tcp://*:N, "
+        "0.0.0.0, [::], a network address); logged as a warning: anyone who "
+        "connects learns which prompts are cached (default: refused)",
+    )
+    g.add_argument(
+        "--kv-events-topic", default=DEFAULT_TOPIC, help="topic frame of every message (default %(default)s)"
+    )
+    g.add_argument(
+        "--kv-events-format",
+        choices=FORMATS,
+        default="map",
+        help="event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23); default %(default)s",
+    )
+    g.add_argument(
+        "--kv-events-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each stored block's token ids in BlockStored.token_ids, as vLLM "
+        "does (routers that hash tokens themselves need them); about 3-5 bytes "
+        "a token on the wire, 8 bytes a held token in the daemon "
+        "(default: on; --no-kv-events-token-ids sends [])",
+    )
+    g.add_argument(
+        "--kv-events-buffer-steps",
+        type=positive_int,
+        default=DEFAULT_BUFFER_STEPS,
+        help="batches kept for replay (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-events-batch-window-ms",
+        type=non_negative_ms,
+        default=DEFAULT_BATCH_WINDOW_S * 1000,
+        metavar="MS",
+        help="least time between two messages; the engine operations of a window "
+        "travel merged, in order, in one batch (0: send at once; default "
+        "%(default)s)",
+    )
     return parser
 
 

@@ -129,9 +129,7 @@ class EventBus:
         with self._state_lock:
             if self._thread is not None or self._stopped:
                 return
-            self._thread = threading.Thread(
-                target=self._run, name="kvcache-event-bus", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="kvcache-event-bus", daemon=True)
             self._thread.start()
 
     @property
@@ -271,7 +269,10 @@ class EventBus:
             self._error_logged_at[name] = now
             logger.exception(
                 "subscriber %s raised on %s (%d errors so far; next log in %.0fs at most)",
-                name, event.event_type.value, self._errors[name], _WARN_INTERVAL_S,
+                name,
+                event.event_type.value,
+                self._errors[name],
+                _WARN_INTERVAL_S,
             )
 
     def _warn_drops(self) -> None:
@@ -280,14 +281,18 @@ class EventBus:
             dropped = self.dropped_events
             logger.warning(
                 "event bus queue full (%d): %d events dropped so far",
-                self.max_queue_size, dropped,
+                self.max_queue_size,
+                dropped,
             )
             self._drops_warned = dropped
             self._drop_warned_at = now
 
     def _snapshot(self) -> BusSnapshot:
         return BusSnapshot(
-            len(self._queue), self._accepted, self._dispatched, dict(self._dropped),
+            len(self._queue),
+            self._accepted,
+            self._dispatched,
+            dict(self._dropped),
             dict(self._errors),
         )
 

@@ -28,26 +28,27 @@ class BusMetrics:
     def __init__(self, capacity: int, snapshot: Callable[[], BusSnapshot]) -> None:
         m = self.metrics = MetricSet()
         depth = m.gauge("kvcache_event_bus_queue_depth", "Events waiting for dispatch.")
-        m.gauge(
-            "kvcache_event_bus_queue_capacity", "Queue bound; publishes beyond it are dropped."
-        ).set(capacity)
-        published = m.counter(
-            "kvcache_event_bus_published_events_total", "Events accepted into the queue."
+        m.gauge("kvcache_event_bus_queue_capacity", "Queue bound; publishes beyond it are dropped.").set(
+            capacity
         )
-        dispatched = m.counter(
-            "kvcache_event_bus_dispatched_events_total", "Events handed to subscribers."
-        )
+        published = m.counter("kvcache_event_bus_published_events_total", "Events accepted into the queue.")
+        dispatched = m.counter("kvcache_event_bus_dispatched_events_total", "Events handed to subscribers.")
         dropped = m.add(
             "kvcache_event_bus_dropped_events_total",
-            "Events dropped because the queue was full.", "counter", ("event_type",),
+            "Events dropped because the queue was full.",
+            "counter",
+            ("event_type",),
         )
         errors = m.add(
             "kvcache_event_bus_subscriber_errors_total",
-            "Subscriber callbacks that raised.", "counter", ("subscriber",),
+            "Subscriber callbacks that raised.",
+            "counter",
+            ("subscriber",),
         )
         self.lag = m.histogram(
             "kvcache_event_bus_dispatch_lag_seconds",
-            "Time a dispatched event waited in the queue (sampled).", LAG_SECONDS,
+            "Time a dispatched event waited in the queue (sampled).",
+            LAG_SECONDS,
         )
         for event_type in EventType:
             dropped.labels(event_type.value)

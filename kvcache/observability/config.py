@@ -36,19 +36,14 @@ class ObservabilityConfig:
         if self.tracing and not self.otlp_endpoint:
             raise ValueError("--enable-tracing requires --otlp-endpoint (an OTLP/HTTP URL)")
         if self.otlp_endpoint is not None and urlparse(self.otlp_endpoint).scheme not in (
-            "http", "https",
+            "http",
+            "https",
         ):
-            raise ValueError(
-                f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}"
-            )
+            raise ValueError(f"--otlp-endpoint must be an http(s) URL, got {self.otlp_endpoint!r}")
         if not 0.0 < self.metrics_sample_rate <= 1.0:
-            raise ValueError(
-                f"--metrics-sample-rate must be in (0, 1], got {self.metrics_sample_rate}"
-            )
+            raise ValueError(f"--metrics-sample-rate must be in (0, 1], got {self.metrics_sample_rate}")
         if self.event_bus_queue_size < 1:
-            raise ValueError(
-                f"--event-bus-queue-size must be >= 1, got {self.event_bus_queue_size}"
-            )
+            raise ValueError(f"--event-bus-queue-size must be >= 1, got {self.event_bus_queue_size}")
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
             raise ValueError(f"--prometheus-port must be in [0, 65535], got {self.prometheus_port}")
         if self.max_evict_reuse_wait <= 0:
@@ -104,28 +99,53 @@ def positive_int(text: str) -> int:
 def add_observability_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the observability flags (in their own group) to ``parser``; returns it."""
     g = parser.add_argument_group("observability")
-    g.add_argument("--disable-observability", action="store_true",
-                   help="No event bus at all: publishing costs one empty call.")
-    g.add_argument("--disable-metrics", action="store_true",
-                   help="No engine/transfer/L1/L2 metrics subscribers.")
-    g.add_argument("--disable-lifecycle-metrics", action="store_true",
-                   help="No L0 block / L1 chunk lifecycle histograms.")
+    g.add_argument(
+        "--disable-observability",
+        action="store_true",
+        help="No event bus at all: publishing costs one empty call.",
+    )
+    g.add_argument(
+        "--disable-metrics", action="store_true", help="No engine/transfer/L1/L2 metrics subscribers."
+    )
+    g.add_argument(
+        "--disable-lifecycle-metrics",
+        action="store_true",
+        help="No L0 block / L1 chunk lifecycle histograms.",
+    )
     g.add_argument("--disable-logging", action="store_true", help="No logging subscriber.")
-    g.add_argument("--enable-tracing", action="store_true",
-                   help="Export OpenTelemetry spans (requires --otlp-endpoint).")
-    g.add_argument("--otlp-endpoint", default=None,
-                   help="OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318 (/v1/traces is added).")
-    g.add_argument("--prometheus-host", default=DEFAULT_PROMETHEUS_HOST,
-                   help="Address the /metrics endpoint binds to (default %(default)s); "
-                        "0.0.0.0 or another non-loopback address lets other hosts scrape it "
-                        "and is logged as a warning.")
-    g.add_argument("--prometheus-port", type=int, default=DEFAULT_PROMETHEUS_PORT,
-                   help="Port of the /metrics endpoint (default %(default)s; 0 = any free).")
-    g.add_argument("--metrics-sample-rate", type=_sample_rate, default=DEFAULT_SAMPLE_RATE,
-                   help="Fraction of blocks/chunks the lifecycle metrics track, in (0, 1] "
-                        "(default %(default)s).")
-    g.add_argument("--event-bus-queue-size", type=positive_int, default=DEFAULT_QUEUE_SIZE,
-                   help="Events the bus buffers before dropping new ones (default %(default)s).")
+    g.add_argument(
+        "--enable-tracing", action="store_true", help="Export OpenTelemetry spans (requires --otlp-endpoint)."
+    )
+    g.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318 (/v1/traces is added).",
+    )
+    g.add_argument(
+        "--prometheus-host",
+        default=DEFAULT_PROMETHEUS_HOST,
+        help="Address the /metrics endpoint binds to (default %(default)s); "
+        "0.0.0.0 or another non-loopback address lets other hosts scrape it "
+        "and is logged as a warning.",
+    )
+    g.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=DEFAULT_PROMETHEUS_PORT,
+        help="Port of the /metrics endpoint (default %(default)s; 0 = any free).",
+    )
+    g.add_argument(
+        "--metrics-sample-rate",
+        type=_sample_rate,
+        default=DEFAULT_SAMPLE_RATE,
+        help="Fraction of blocks/chunks the lifecycle metrics track, in (0, 1] (default %(default)s).",
+    )
+    g.add_argument(
+        "--event-bus-queue-size",
+        type=positive_int,
+        default=DEFAULT_QUEUE_SIZE,
+        help="Events the bus buffers before dropping new ones (default %(default)s).",
+    )
     return parser
 
 

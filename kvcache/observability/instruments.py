@@ -235,8 +235,22 @@ class MetricSet(Collector):
 
 # Bucket sets shared by several subscribers, each fitting its unit (design §5, lesson 8).
 OPERATION_SECONDS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 TRANSFER_BYTES = tuple(float(2**i) for i in range(16, 35, 2))  # 64 KiB .. 16 GiB, x4
 # Bytes per second, readable as GB/s: 0.1, 0.25, ... 200 GB/s (PCIe 4/5, NVLink, HBM copies).
@@ -244,8 +258,22 @@ THROUGHPUT_BYTES_PER_SECOND = tuple(
     g * 1e9 for g in (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 25.0, 50.0, 100.0, 200.0)
 )
 LIFETIME_SECONDS = (
-    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
-    21600.0, 86400.0,
+    0.1,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+    7200.0,
+    21600.0,
+    86400.0,
 )
 LAG_SECONDS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
@@ -274,6 +302,7 @@ class LabelSetCap:
             return None
         oldest, _ = self._order.popitem(last=False)
         return oldest
+
 
 __all__ = [
     "LAG_SECONDS",

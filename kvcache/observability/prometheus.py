@@ -82,9 +82,7 @@ def _make_server(host: str, port: int, registry: CollectorRegistry) -> WSGIServe
     return make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
 
 
-def start_prometheus_endpoint(
-    host: str, port: int, registry: CollectorRegistry
-) -> PrometheusEndpoint:
+def start_prometheus_endpoint(host: str, port: int, registry: CollectorRegistry) -> PrometheusEndpoint:
     """Serve ``registry`` on ``host:port`` (port 0 picks a free one; see ``.port``)."""
     return PrometheusEndpoint(host, port, registry)
 

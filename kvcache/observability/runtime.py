@@ -101,9 +101,7 @@ def init_observability(
         for subscriber in obs.subscribers:
             bus.register_subscriber(subscriber)
         if (config.metrics or config.lifecycle_metrics) and config.prometheus_port is not None:
-            obs.endpoint = PrometheusEndpoint(
-                config.prometheus_host, config.prometheus_port, registry
-            )
+            obs.endpoint = PrometheusEndpoint(config.prometheus_host, config.prometheus_port, registry)
             logger.info("serving Prometheus metrics on %s", obs.endpoint.url)
         bus.start()
     except BaseException:

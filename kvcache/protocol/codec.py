@@ -57,9 +57,7 @@ def encode_reply(request_id: int, body: ReplyBody) -> bytes:
     return _ENCODER.encode(ReplyEnvelope(v=PROTOCOL_VERSION, id=request_id, body=body))
 
 
-def decode_request(
-    frame: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> RequestEnvelope:
+def decode_request(frame: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RequestEnvelope:
     """Decode one request frame or raise ``DecodeFailure`` holding the error reply.
 
     The version is checked before the schema so that a peer of another version learns

@@ -15,6 +15,8 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 MAX_DIMS = 16
 """Most dimensions a tensor descriptor names (every KV layout has at most six)."""
 Dims = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_DIMS)]
+
+
 class Wire(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=False):
     """Common options: defaults stay off the wire, no GC tracking, unknown fields ignored."""
 

@@ -57,8 +57,7 @@ class Principal:
     def check_model(self, model_name: str) -> None:
         if self.models is not None and model_name not in self.models:
             raise AccessDeniedError(
-                f"client {self.name!r} may not register model {model_name!r} "
-                f"(allowed: {sorted(self.models)})"
+                f"client {self.name!r} may not register model {model_name!r} (allowed: {sorted(self.models)})"
             )
 
     def check_salt(self, cache_salt: str) -> None:

@@ -245,8 +245,7 @@ class ConnectionGuard:
             return
         limits = self.limits
         full = self._admitted >= limits.max_connections or (
-            not self._curve_tcp
-            and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
+            not self._curve_tcp and self._per_client.get("loopback", 0) >= limits.max_connections_per_client
         )
         if not full:
             free = self._free.free()

@@ -141,8 +141,7 @@ class Daemon:
         path = os.path.join(self.runtime_dir, "daemon.sock")
         if unix_socket_live(path):
             raise OSError(
-                f"another kvcache daemon listens on ipc://{path}; stop it or pick another "
-                "--runtime-dir"
+                f"another kvcache daemon listens on ipc://{path}; stop it or pick another --runtime-dir"
             )
         endpoint = ipc_endpoint(self.runtime_dir)
         try:

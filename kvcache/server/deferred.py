@@ -16,6 +16,7 @@ import zmq
 
 log = logging.getLogger("kvcache.server")
 
+
 class Outbox:
     """A PUSH socket into the daemon's reply channel, shared by every thread that is not a worker.
 

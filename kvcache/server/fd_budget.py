@@ -82,5 +82,9 @@ class FreeEstimate:
 
 
 __all__ = [
-    "DESCRIPTOR_HEADROOM", "FreeEstimate", "descriptor_limit", "free_descriptors", "raise_descriptor_limit",
+    "DESCRIPTOR_HEADROOM",
+    "FreeEstimate",
+    "descriptor_limit",
+    "free_descriptors",
+    "raise_descriptor_limit",
 ]

@@ -106,6 +106,7 @@ def check_registration_size(req: m.Register, lim: Limits) -> None:
                 f"{headroom} kept for its own use): register fewer, larger tensors, or raise {remedy}"
             )
 
+
 MAP_HEADROOM = 8192
 """Memory maps kept for the daemon's own memory (L1 extents, libraries, thread stacks, the
 allocator) when mapping tensors: past ``vm.max_map_count`` every ``mmap`` fails, its own
@@ -149,9 +150,7 @@ def format_from_name(name: str | None) -> Any:
     try:
         return KVFormat[name]
     except KeyError:
-        raise LayoutError(
-            f"unknown KV format {name!r}; known: {[f.name for f in KVFormat]}"
-        ) from None
+        raise LayoutError(f"unknown KV format {name!r}; known: {[f.name for f in KVFormat]}") from None
 
 
 __all__ = [

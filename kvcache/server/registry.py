@@ -115,8 +115,7 @@ class InstanceRegistry:
         instance = self.get(instance_id)
         if principal.name != instance.principal.name:
             raise AccessDeniedError(
-                f"instance {instance_id} was registered by another client; only that client "
-                "may act for it"
+                f"instance {instance_id} was registered by another client; only that client may act for it"
             )
         if token:
             if not secrets.compare_digest(token, instance.token):
@@ -148,15 +147,15 @@ class InstanceRegistry:
         a client learns nothing of other tenants' instances."""
         with self._lock:
             return sorted(
-                i for i, inst in self._instances.items()
-                if principal is None or _visible(inst, principal)
+                i for i, inst in self._instances.items() if principal is None or _visible(inst, principal)
             )
 
     def in_flight(self, principal: Principal | None = None) -> int:
         """Requests in flight; only for the instances ``principal`` may see when one is given."""
         with self._lock:
             return sum(
-                inst.in_flight for inst in self._instances.values()
+                inst.in_flight
+                for inst in self._instances.values()
                 if principal is None or _visible(inst, principal)
             )
 

@@ -10,8 +10,9 @@ from kvcache.bench.events import main
 
 def test_events_benchmark_runs_small(tmp_path: Path) -> None:
     out = tmp_path / "events.json"
-    assert main(["--events", "3000", "--overload-seconds", "0.2", "--queue-size", "500",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["--events", "3000", "--overload-seconds", "0.2", "--queue-size", "500", "--out", str(out)]) == 0
+    )
     result = json.loads(out.read_text())
     assert result["publish"]["events"] == 3000 and result["publish"]["median_ns"] > 0
     assert result["dispatch"]["events_per_s"] > 0

@@ -145,7 +145,8 @@ def test_decode_figures_are_per_pair_ratios_and_their_median() -> None:
     assert r["step_median"]["median"] == pytest.approx(9.5 / 9.0)
     assert s["modes"]["none"]["decode_tokens_per_s"]["median"] == pytest.approx(100)
     assert s["modes"]["connector"]["connector_ms_per_step"] == pytest.approx(
-        {"build_connector_meta": 0.1, "wait_for_save": 0.2, "total": 0.3})
+        {"build_connector_meta": 0.1, "wait_for_save": 0.2, "total": 0.3}
+    )
     assert s["modes"]["connector"]["connector_stats"]["store_tokens"] == 3 * 512
     assert s["tokens_agree"] and s["valid"]
     text = table({"decode": s}, {"none": "none: alone"})

@@ -78,9 +78,11 @@ def _round(lone: float, group: list[float], none_group: list[float], **bad: Any)
 
 
 def test_figures_are_group_p50_over_lone_per_round() -> None:
-    rounds = [_round(40, [44, 48, 52, 80], [400, 800, 800, 800]),  # p50 50 ms: 1.25
-              _round(20, [30, 30, 30, 30], [400, 600, 600, 600]),  # 1.5
-              _round(40, [40, 44, 48, 60], [400, 800, 800, 800])]  # 1.15
+    rounds = [
+        _round(40, [44, 48, 52, 80], [400, 800, 800, 800]),  # p50 50 ms: 1.25
+        _round(20, [30, 30, 30, 30], [400, 600, 600, 600]),  # 1.5
+        _round(40, [40, 44, 48, 60], [400, 800, 800, 800]),
+    ]  # 1.15
     s = summarize(rounds, 4, 4096, 256, {"connector"})
     c = s["modes"]["connector"]
     assert c["group_over_lone"]["values"] == pytest.approx([1.25, 1.5, 1.15])

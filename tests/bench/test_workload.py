@@ -23,13 +23,32 @@ def test_requests_depend_only_on_the_seed_and_reuse_prefixes() -> None:
 
 
 def test_rates_are_sums_over_sums() -> None:
-    run = RunResult(False, seconds=2.0, requests=10, prompt_tokens=1000, lookup_s=[0.001] * 99 + [0.1],
-                    store_bytes=3_000_000_000, store_s=2.0, retrieve_bytes=1_000_000_000, retrieve_s=0.5)
+    run = RunResult(
+        False,
+        seconds=2.0,
+        requests=10,
+        prompt_tokens=1000,
+        lookup_s=[0.001] * 99 + [0.1],
+        store_bytes=3_000_000_000,
+        store_s=2.0,
+        retrieve_bytes=1_000_000_000,
+        retrieve_s=0.5,
+    )
     run.windows = [
-        {"t": 1.0, "requests": 5, "kvcache_lookup_requested_tokens_total": 100,
-         "kvcache_lookup_l1_hit_tokens_total": 50, "kvcache_lookup_l2_hit_tokens_total": 25},
-        {"t": 2.0, "requests": 10, "kvcache_lookup_requested_tokens_total": 200,
-         "kvcache_lookup_l1_hit_tokens_total": 150, "kvcache_lookup_l2_hit_tokens_total": 25},
+        {
+            "t": 1.0,
+            "requests": 5,
+            "kvcache_lookup_requested_tokens_total": 100,
+            "kvcache_lookup_l1_hit_tokens_total": 50,
+            "kvcache_lookup_l2_hit_tokens_total": 25,
+        },
+        {
+            "t": 2.0,
+            "requests": 10,
+            "kvcache_lookup_requested_tokens_total": 200,
+            "kvcache_lookup_l1_hit_tokens_total": 150,
+            "kvcache_lookup_l2_hit_tokens_total": 25,
+        },
     ]
     run.final = run.windows[-1]
     s = summarize(run)

@@ -26,10 +26,21 @@ def test_off_by_default() -> None:
 
 
 def test_flags_build_a_publishing_subscriber(tmp_path: Path) -> None:
-    ns = parse("--kv-events-endpoint", f"ipc://{tmp_path}/ev.sock", "--kv-events-replay-endpoint",
-               f"ipc://{tmp_path}/replay.sock", "--kv-events-topic", "t", "--kv-events-format", "array",
-               "--kv-events-buffer-steps", "5", "--kv-events-batch-window-ms", "0.5",
-               "--no-kv-events-token-ids")
+    ns = parse(
+        "--kv-events-endpoint",
+        f"ipc://{tmp_path}/ev.sock",
+        "--kv-events-replay-endpoint",
+        f"ipc://{tmp_path}/replay.sock",
+        "--kv-events-topic",
+        "t",
+        "--kv-events-format",
+        "array",
+        "--kv-events-buffer-steps",
+        "5",
+        "--kv-events-batch-window-ms",
+        "0.5",
+        "--no-kv-events-token-ids",
+    )
     ns.chunk_size = 64
     reg = CollectorRegistry()
     sub = build_kv_events_subscriber(ns, reg)

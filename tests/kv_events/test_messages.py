@@ -38,11 +38,25 @@ def test_map_form_raw_shape() -> None:
     ts, events, rank = msgspec.msgpack.decode(sample("map"))
     assert (ts, rank) == (1.5, 0)
     assert events[0] == {
-        "type": "BlockStored", "block_hashes": [2**64 - 1, 5], "parent_block_hash": 7,
-        "token_ids": [1, 2], "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None,
+        "type": "BlockStored",
+        "block_hashes": [2**64 - 1, 5],
+        "parent_block_hash": 7,
+        "token_ids": [1, 2],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
     }
-    assert list(events[0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                               "lora_id", "medium", "lora_name"]
+    assert list(events[0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
     assert events[1] == {"type": "BlockRemoved", "block_hashes": [5], "medium": "STORAGE"}
     assert events[2] == {"type": "AllBlocksCleared"}
 
@@ -59,9 +73,11 @@ def test_vllm_documented_decoders_and_ours_agree(fmt: str, theirs: type) -> None
     payload = sample(fmt)
     a = msgspec.msgpack.Decoder(theirs).decode(payload)
     b = batch_decoder(fmt).decode(payload)  # type: ignore[arg-type]
-    assert [type(e).__name__.removeprefix("Old") for e in a.events] == [
-        type(e).__name__.removeprefix("Array") for e in b.events
-    ] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert (
+        [type(e).__name__.removeprefix("Old") for e in a.events]
+        == [type(e).__name__.removeprefix("Array") for e in b.events]
+        == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    )
     assert a.events[0].block_hashes == b.events[0].block_hashes == [2**64 - 1, 5]
 
 

@@ -53,7 +53,6 @@ def redis_server() -> Iterator[LocalRedis]:
         yield server
 
 
-
 def _expire_now(raw: redis.Redis, keys: Iterable[int]) -> None:
     """Touch each key until Redis finds it expired: a lazy expiry publishes its ``expired``
     event at once, where the active cycle (sampling ten times a second) may outlast the wait
@@ -61,6 +60,7 @@ def _expire_now(raw: redis.Redis, keys: Iterable[int]) -> None:
     for k in keys:
         while raw.exists(f"{PREFIX}{k:032x}"):
             pass
+
 
 class RedisExpiries(EventSubscriber):
     """Lets the test wait until the Redis tier reported keys the server expired."""

@@ -156,9 +156,7 @@ def test_full_queue_drops_the_new_event_not_the_old(registry: CollectorRegistry)
     bus.stop()
 
 
-def test_subscriber_exception_is_isolated_and_counted(
-    bus: EventBus, registry: CollectorRegistry
-) -> None:
+def test_subscriber_exception_is_isolated_and_counted(bus: EventBus, registry: CollectorRegistry) -> None:
     rec = Recorder()
     bus.register_subscriber(Raiser())
     bus.register_subscriber(rec)
@@ -167,12 +165,13 @@ def test_subscriber_exception_is_isolated_and_counted(
     assert bus.flush(5)
     assert len(rec.events) == 10
     assert bus.subscriber_errors("Raiser") == 10
-    assert registry.get_sample_value(
-        "kvcache_event_bus_subscriber_errors_total", {"subscriber": "Raiser"}
-    ) == 10
-    assert registry.get_sample_value(
-        "kvcache_event_bus_subscriber_errors_total", {"subscriber": "Recorder"}
-    ) == 0
+    assert (
+        registry.get_sample_value("kvcache_event_bus_subscriber_errors_total", {"subscriber": "Raiser"}) == 10
+    )
+    assert (
+        registry.get_sample_value("kvcache_event_bus_subscriber_errors_total", {"subscriber": "Recorder"})
+        == 0
+    )
 
 
 def test_publish_never_raises() -> None:

@@ -18,7 +18,12 @@ def test_defaults() -> None:
     cfg = parse()
     assert cfg == ObservabilityConfig()
     assert (cfg.enabled, cfg.metrics, cfg.lifecycle_metrics, cfg.logging, cfg.tracing) == (
-        True, True, True, True, False)
+        True,
+        True,
+        True,
+        True,
+        False,
+    )
     assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 9090)
     assert cfg.metrics_sample_rate == 0.01
     assert cfg.event_bus_queue_size == 10_000
@@ -26,10 +31,21 @@ def test_defaults() -> None:
 
 def test_every_flag() -> None:
     cfg = parse(
-        "--disable-observability", "--disable-metrics", "--disable-logging",
-        "--disable-lifecycle-metrics", "--enable-tracing", "--otlp-endpoint", "http://c:4318",
-        "--prometheus-host", "0.0.0.0", "--prometheus-port", "9191",
-        "--metrics-sample-rate", "0.5", "--event-bus-queue-size", "77",
+        "--disable-observability",
+        "--disable-metrics",
+        "--disable-logging",
+        "--disable-lifecycle-metrics",
+        "--enable-tracing",
+        "--otlp-endpoint",
+        "http://c:4318",
+        "--prometheus-host",
+        "0.0.0.0",
+        "--prometheus-port",
+        "9191",
+        "--metrics-sample-rate",
+        "0.5",
+        "--event-bus-queue-size",
+        "77",
     )
     assert not (cfg.enabled or cfg.metrics or cfg.logging or cfg.lifecycle_metrics)
     assert cfg.tracing and cfg.otlp_endpoint == "http://c:4318"

@@ -38,21 +38,37 @@ def scrape(url: str) -> str:
 
 def populated(registry: CollectorRegistry) -> EventBus:
     bus = EventBus(registry=registry)
-    for sub in (EngineMetricsSubscriber(registry), OffloadMetricsSubscriber(registry),
-                L1MetricsSubscriber(registry), L2MetricsSubscriber(registry),
-                L0LifecycleSubscriber(1.0, registry), L1LifecycleSubscriber(1.0, 300, registry)):
+    for sub in (
+        EngineMetricsSubscriber(registry),
+        OffloadMetricsSubscriber(registry),
+        L1MetricsSubscriber(registry),
+        L2MetricsSubscriber(registry),
+        L0LifecycleSubscriber(1.0, registry),
+        L1LifecycleSubscriber(1.0, 300, registry),
+    ):
         bus.register_subscriber(sub)
     bus.start()
     inst = {"instance_id": 1, "model_name": 'we"ird\\name'}
     md = {**inst, "device": "cpu"}
-    bus.publish(event(EventType.MP_STORE_END, {**md, "num_tokens": 256, "num_bytes": 1 << 20,
-                                               "transfer_seconds": 0.001}, "s", 1.0))
-    bus.publish(event(EventType.MP_VLLM_BLOCK_ALLOCATION, {
-        **inst, "records": [BlockAllocationRecord("r", [1], [1, 2])]}, "", 1.0))
+    bus.publish(
+        event(
+            EventType.MP_STORE_END,
+            {**md, "num_tokens": 256, "num_bytes": 1 << 20, "transfer_seconds": 0.001},
+            "s",
+            1.0,
+        )
+    )
+    bus.publish(
+        event(
+            EventType.MP_VLLM_BLOCK_ALLOCATION,
+            {**inst, "records": [BlockAllocationRecord("r", [1], [1, 2])]},
+            "",
+            1.0,
+        )
+    )
     bus.publish(event(EventType.L1_WRITE_FINISHED, {"keys": [1], "num_bytes": 10}, "", 1.0))
     bus.publish(event(EventType.L1_KEYS_EVICTED, {"keys": [1], "num_bytes": 10}, "", 9.0))
-    bus.publish(event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1],
-                                                 "reason": "timeout"}))
+    bus.publish(event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1], "reason": "timeout"}))
     assert bus.flush(5)
     return bus
 
@@ -76,7 +92,9 @@ def test_serves_on_exactly_the_configured_port() -> None:
     assert sample.value == 1 and sample.labels["model_name"] == 'we"ird\\name'
     lifetime = families["kvcache_l1_chunk_lifetime_seconds"]
     assert {s.name for s in lifetime.samples} >= {
-        "kvcache_l1_chunk_lifetime_seconds_count", "kvcache_l1_chunk_lifetime_seconds_bucket"}
+        "kvcache_l1_chunk_lifetime_seconds_count",
+        "kvcache_l1_chunk_lifetime_seconds_bucket",
+    }
     assert "kvcache_event_bus_queue_depth" in families
     with pytest.raises(OSError):  # the socket is closed after stop()
         scrape(endpoint.url)

@@ -32,13 +32,28 @@ def test_full_wiring_serves_metrics_on_the_configured_port() -> None:
         assert obs.endpoint is not None and obs.endpoint.port == port
         names = {type(s).__name__ for s in obs.subscribers}
         assert names == {
-            "EngineMetricsSubscriber", "OffloadMetricsSubscriber", "L1MetricsSubscriber",
-            "L2MetricsSubscriber", "TierMetricsSubscriber", "L0LifecycleSubscriber",
-            "L1LifecycleSubscriber", "LoggingSubscriber",
+            "EngineMetricsSubscriber",
+            "OffloadMetricsSubscriber",
+            "L1MetricsSubscriber",
+            "L2MetricsSubscriber",
+            "TierMetricsSubscriber",
+            "L0LifecycleSubscriber",
+            "L1LifecycleSubscriber",
+            "LoggingSubscriber",
         }
-        obs.bus.publish(event(EventType.MP_LOOKUP_END, {
-            "instance_id": 1, "model_name": "m", "num_tokens": 10, "hit_tokens": 4,
-            "l1_hit_tokens": 4, "l2_hit_tokens": 0}))
+        obs.bus.publish(
+            event(
+                EventType.MP_LOOKUP_END,
+                {
+                    "instance_id": 1,
+                    "model_name": "m",
+                    "num_tokens": 10,
+                    "hit_tokens": 4,
+                    "l1_hit_tokens": 4,
+                    "l2_hit_tokens": 0,
+                },
+            )
+        )
         assert obs.bus.flush(5)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
@@ -73,8 +88,7 @@ def test_switches_select_subscribers() -> None:
 
 def test_tracing_adds_the_tracing_subscriber() -> None:
     pytest.importorskip("opentelemetry.sdk")
-    cfg = ObservabilityConfig(tracing=True, otlp_endpoint="http://127.0.0.1:9/",
-                              prometheus_port=None)
+    cfg = ObservabilityConfig(tracing=True, otlp_endpoint="http://127.0.0.1:9/", prometheus_port=None)
     with init_observability(cfg) as obs:
         assert obs.tracer_provider is not None
         assert "TracingSubscriber" in {type(s).__name__ for s in obs.subscribers}

@@ -34,7 +34,7 @@ def test_rate_holds_for_structured_keys(rate: float, make_key: object) -> None:
     # No region of the key space is favoured: each tenth of the sequence samples at the rate.
     tenth = N // 10
     for k in range(10):
-        assert _within(sum(picks[k * tenth:(k + 1) * tenth]), tenth, rate)
+        assert _within(sum(picks[k * tenth : (k + 1) * tenth]), tenth, rate)
 
 
 def test_block_sampling_is_uniform_per_instance() -> None:

@@ -28,10 +28,16 @@ SAMPLE_REQUESTS: list[m.RequestBody] = [
         tensors=[
             m.FdTensor(fd_index=0, offset=64, shape=[2, 4], stride=[4, 1], dtype="float16"),
             m.CudaIpcTensor(
-                device_uuid="GPU-1", ipc_handle=b"\x00\x01", storage_size_bytes=10,
+                device_uuid="GPU-1",
+                ipc_handle=b"\x00\x01",
+                storage_size_bytes=10,
                 storage_offset_bytes=0,
-                event_handle=b"", event_sync_required=False, storage_offset=0, shape=[1],
-                stride=[1], dtype="bfloat16",
+                event_handle=b"",
+                event_sync_required=False,
+                storage_offset=0,
+                shape=[1],
+                stride=[1],
+                dtype="bfloat16",
             ),
         ],
         nesting="nested",
@@ -41,12 +47,11 @@ SAMPLE_REQUESTS: list[m.RequestBody] = [
     ),
     m.Unregister(instance_id=1),
     m.Lookup(instance_id=1, token_ids=pack_ids([1, 2, 3]), cache_salt="s"),
-    m.Store(instance_id=1, token_ids=pack_ids([5] * 32), block_ids=pack_ids([0, 1]),
-            block_hashes=[-1, 2**63 - 1]),
-    m.Retrieve(instance_id=1, token_ids=pack_ids([-5] * 32), block_ids=pack_ids([0, 1]), skip_tokens=16),
-    m.ReportBlockAllocations(
-        instance_id=2, records=[BlockAllocationRecord("r1", [1, 2], [7, 8, 9])]
+    m.Store(
+        instance_id=1, token_ids=pack_ids([5] * 32), block_ids=pack_ids([0, 1]), block_hashes=[-1, 2**63 - 1]
     ),
+    m.Retrieve(instance_id=1, token_ids=pack_ids([-5] * 32), block_ids=pack_ids([0, 1]), skip_tokens=16),
+    m.ReportBlockAllocations(instance_id=2, records=[BlockAllocationRecord("r1", [1, 2], [7, 8, 9])]),
     m.EndSession(instance_id=2, request_id="r1"),
     m.Status(),
     m.Ping(instance_id=4),
@@ -71,8 +76,15 @@ def test_every_request_round_trips(body: m.RequestBody) -> None:
 
 SAMPLE_REPLIES: list[m.ReplyBody] = [
     m.Error(code=m.ErrorCode.UNKNOWN_INSTANCE, message="no"),
-    m.Registered(instance_id=1, num_layers=2, num_blocks=3, block_size=16, chunk_size=256,
-                 fmt="NL_X_NB_BS_HS", heartbeat_timeout_s=30.0),
+    m.Registered(
+        instance_id=1,
+        num_layers=2,
+        num_blocks=3,
+        block_size=16,
+        chunk_size=256,
+        fmt="NL_X_NB_BS_HS",
+        heartbeat_timeout_s=30.0,
+    ),
     m.Done(),
     m.LookupResult(hit_tokens=512),
     m.StoreResult(stored_chunks=1, skipped_chunks=2, failed_chunks=0, stored_tokens=256),
@@ -129,17 +141,26 @@ def test_oversized_frame_is_refused_before_decoding() -> None:
         msgspec.msgpack.encode({"v": m.PROTOCOL_VERSION, "id": 1, "body": {"op": "nope"}}),
         msgspec.msgpack.encode({"v": m.PROTOCOL_VERSION, "id": 1, "body": {"op": "lookup"}}),
         msgspec.msgpack.encode(
-            {"v": m.PROTOCOL_VERSION, "id": 1,
-             "body": {"op": "lookup", "instance_id": -1, "token_ids": [b""]}}
+            {
+                "v": m.PROTOCOL_VERSION,
+                "id": 1,
+                "body": {"op": "lookup", "instance_id": -1, "token_ids": [b""]},
+            }
         ),
         msgspec.msgpack.encode({"v": "1", "id": 1, "body": {"op": "ping"}}),
         msgspec.msgpack.encode(  # ids of 3 bytes each
-            {"v": m.PROTOCOL_VERSION, "id": 1,
-             "body": {"op": "lookup", "instance_id": 1, "token_ids": [b"abc", 3]}}
+            {
+                "v": m.PROTOCOL_VERSION,
+                "id": 1,
+                "body": {"op": "lookup", "instance_id": 1, "token_ids": [b"abc", 3]},
+            }
         ),
         msgspec.msgpack.encode(  # the old list-of-ints form
-            {"v": m.PROTOCOL_VERSION, "id": 1,
-             "body": {"op": "lookup", "instance_id": 1, "token_ids": [1, 2, 3]}}
+            {
+                "v": m.PROTOCOL_VERSION,
+                "id": 1,
+                "body": {"op": "lookup", "instance_id": 1, "token_ids": [1, 2, 3]},
+            }
         ),
         # a pickle is just bytes of the wrong shape here
         b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94.",

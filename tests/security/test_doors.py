@@ -340,7 +340,9 @@ def test_kv_events_on_another_ipc_path_admit_only_the_daemons_user(
     try:
         os.chmod(home, 0o755)
         live, replay = os.path.join(home, "ev.sock"), os.path.join(home, "replay.sock")
-        d = start_daemon("--kv-events-endpoint", f"ipc://{live}", "--kv-events-replay-endpoint", f"ipc://{replay}")
+        d = start_daemon(
+            "--kv-events-endpoint", f"ipc://{live}", "--kv-events-replay-endpoint", f"ipc://{replay}"
+        )
         for path in (live, replay):
             os.chmod(path, 0o777)
         owner, kv = _store_something(d)

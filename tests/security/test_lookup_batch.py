@@ -169,8 +169,7 @@ def keys(tmp_path: Path) -> Path:
         assert keygen([name, "--dir", str(tmp_path)]) == 0
     public = (tmp_path / "tenant-a.key").read_text().split('public-key = "')[1].split('"')[0]
     (tmp_path / "clients.toml").write_text(
-        f'[[client]]\nname = "tenant-a"\npublic_key = "{public}"\n'
-        'models = ["model-a"]\ncache_salts = ["a"]\n'
+        f'[[client]]\nname = "tenant-a"\npublic_key = "{public}"\nmodels = ["model-a"]\ncache_salts = ["a"]\n'
     )
     return tmp_path
 

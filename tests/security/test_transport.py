@@ -48,8 +48,7 @@ def keys(tmp_path: Path) -> Path:
         assert keygen([name, "--dir", str(tmp_path)]) == 0
     public = (tmp_path / "tenant-a.key").read_text().split('public-key = "')[1].split('"')[0]
     (tmp_path / "clients.toml").write_text(
-        f'[[client]]\nname = "tenant-a"\npublic_key = "{public}"\n'
-        'models = ["model-a"]\ncache_salts = ["a"]\n'
+        f'[[client]]\nname = "tenant-a"\npublic_key = "{public}"\nmodels = ["model-a"]\ncache_salts = ["a"]\n'
     )
     return tmp_path
 
@@ -79,8 +78,10 @@ def test_curve_daemon_serves_a_known_key_and_refuses_others(
     with _curve_client(d, keys, "mallory", "model-a", 3) as mallory, \
             pytest.raises(AccessDeniedError, match="refused"):  # fmt: skip
         mallory.status()
-    with KVCacheClient(d.endpoint, 4, "model-a", timeout_s=2) as plain, \
-            pytest.raises((AccessDeniedError, DaemonUnavailableError)):  # no CURVE at all; fmt: skip
+    with (
+        KVCacheClient(d.endpoint, 4, "model-a", timeout_s=2) as plain,
+        pytest.raises((AccessDeniedError, DaemonUnavailableError)),
+    ):  # no CURVE at all; fmt: skip
         plain.status()
     assert "refused a connection" in d.log
 

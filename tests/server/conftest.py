@@ -21,9 +21,7 @@ def start_daemon(daemon_spawn: Spawn | None) -> Iterator[Callable[..., DaemonPro
 @pytest.fixture(scope="module")
 def shared_daemon(daemon_spawn: Spawn | None) -> Iterator[DaemonProcess]:
     """One daemon for the tests that only need one: a 1 s heartbeat, 1 MiB message limit."""
-    d = DaemonProcess(
-        [*BASE_ARGS, "--heartbeat-timeout", "1.0", "--max-message-mb", "1"], spawn=daemon_spawn
-    )
+    d = DaemonProcess([*BASE_ARGS, "--heartbeat-timeout", "1.0", "--max-message-mb", "1"], spawn=daemon_spawn)
     yield d
     assert d.stop() == 0, d.log
     d.remove_runtime_dir()

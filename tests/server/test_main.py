@@ -12,7 +12,8 @@ from kvcache.config import GiB
 from kvcache.server.__main__ import redact_url
 from kvcache.server.connection_limits import ConnectionLimits
 from kvcache.server.daemon import DaemonConfig
-from kvcache.server.settings import build_parser, parse_settings
+from kvcache.server.flags import build_parser
+from kvcache.server.settings import parse_settings
 
 from .helpers import free_port
 

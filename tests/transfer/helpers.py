@@ -56,9 +56,7 @@ def gated_handler(ctx: CacheContext, gate: Gate, idle_exit_s: float = 2.0) -> Cp
     )
 
 
-def poisoned_chunks(
-    ctx: CacheContext, n: int, device: str = "cpu", pin: bool = False
-) -> list[torch.Tensor]:
+def poisoned_chunks(ctx: CacheContext, n: int, device: str = "cpu", pin: bool = False) -> list[torch.Tensor]:
     chunks = ctx.allocate_chunks(n, device=device, pin_memory=pin)
     for c in chunks:
         c.view(torch.uint8).fill_(POISON)

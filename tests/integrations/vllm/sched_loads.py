@@ -355,6 +355,7 @@ def lone_loads(h: Harness) -> None:
     assert eng.tally().get("load_tokens", 0) == 4 * 4 * CHUNK, eng.tally()
     h.check(eng)
 
+
 SCENARIOS = {
     "late_loads_sync": lambda h: late_loads(h, False),
     "late_loads_async": lambda h: late_loads(h, True),

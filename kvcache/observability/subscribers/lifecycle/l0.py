@@ -115,23 +115,29 @@ class L0LifecycleSubscriber(EventSubscriber):
         self._lifetime = m.add(
             "kvcache_l0_block_lifetime_seconds",
             "GPU block: allocation of its content to its eviction (sampled blocks).",
-            "histogram", LABELS, LIFETIME_SECONDS,
+            "histogram",
+            LABELS,
+            LIFETIME_SECONDS,
         )
         self._idle = m.add(
             "kvcache_l0_block_idle_before_evict_seconds",
             "GPU block: last access to eviction (sampled blocks).",
-            "histogram", LABELS, LIFETIME_SECONDS,
+            "histogram",
+            LABELS,
+            LIFETIME_SECONDS,
         )
         self._reuse_gap = m.add(
             "kvcache_l0_block_reuse_gap_seconds",
             "GPU block: time between uses of the same content by later requests (sampled).",
-            "histogram", LABELS, LIFETIME_SECONDS,
+            "histogram",
+            LABELS,
+            LIFETIME_SECONDS,
         )
         dropped = m.add(
             "kvcache_l0_lifecycle_dropped_total",
-            "L0 lifecycle state dropped at a cap: requests never ended, instances never "
-            "unregistered.",
-            "counter", ("reason",),
+            "L0 lifecycle state dropped at a cap: requests never ended, instances never unregistered.",
+            "counter",
+            ("reason",),
         )
         self._dropped_requests = dropped.counter("request_cap")
         self._dropped_instances = dropped.counter("instance_cap")
@@ -256,8 +262,7 @@ class L0LifecycleSubscriber(EventSubscriber):
             if not sampled(instance_id, block_id):
                 continue
             fingerprint = (
-                whole if not block_size
-                else hash(tuple(tokens[i * block_size:(i + 1) * block_size]))
+                whole if not block_size else hash(tuple(tokens[i * block_size : (i + 1) * block_size]))
             )
             block = blocks.get(block_id)
             if block is not None:

@@ -76,15 +76,18 @@ class L1LifecycleSubscriber(EventSubscriber):
         m = self.metrics = MetricSet()
         self._lifetime = m.histogram(
             "kvcache_l1_chunk_lifetime_seconds",
-            "L1 chunk: write to eviction (sampled chunks).", LIFETIME_SECONDS,
+            "L1 chunk: write to eviction (sampled chunks).",
+            LIFETIME_SECONDS,
         )
         self._idle = m.histogram(
             "kvcache_l1_chunk_idle_before_evict_seconds",
-            "L1 chunk: last read or write to eviction (sampled chunks).", LIFETIME_SECONDS,
+            "L1 chunk: last read or write to eviction (sampled chunks).",
+            LIFETIME_SECONDS,
         )
         self._reuse_gap = m.histogram(
             "kvcache_l1_chunk_reuse_gap_seconds",
-            "L1 chunk: time between consecutive accesses (sampled chunks).", LIFETIME_SECONDS,
+            "L1 chunk: time between consecutive accesses (sampled chunks).",
+            LIFETIME_SECONDS,
         )
         self._evict_reuse_gap = m.histogram(
             "kvcache_l1_chunk_evict_reuse_gap_seconds",
@@ -95,7 +98,8 @@ class L1LifecycleSubscriber(EventSubscriber):
             "kvcache_l1_lifecycle_dropped_total",
             "L1 lifecycle state dropped at a cap: chunks beyond what L1 holds (their eviction "
             "was lost), evictions beyond max_tracked.",
-            "counter", ("reason",),
+            "counter",
+            ("reason",),
         )
         self._dropped_chunks = dropped.counter("chunk_cap")
         self._dropped_evictions = dropped.counter("eviction_cap")

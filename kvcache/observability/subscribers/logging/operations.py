@@ -28,9 +28,7 @@ from kvcache.observability.event import (
     MpStoreEnd,
 )
 
-_WARN_TYPES = frozenset(
-    {EventType.L1_ALLOCATION_FAILED, EventType.L2_STORE_FAILED, EventType.L2_LOAD_FAILED}
-)
+_WARN_TYPES = frozenset({EventType.L1_ALLOCATION_FAILED, EventType.L2_STORE_FAILED, EventType.L2_LOAD_FAILED})
 
 
 class LoggingSubscriber(EventSubscriber):
@@ -50,8 +48,7 @@ class LoggingSubscriber(EventSubscriber):
 
     @staticmethod
     def _who(event: Event, md: InstanceMeta) -> str:
-        return (f"session={event.session_id or '-'} instance={md.instance_id} "
-                f"model={md.model_name or '-'}")
+        return f"session={event.session_id or '-'} instance={md.instance_id} model={md.model_name or '-'}"
 
     @staticmethod
     def _rate(md: MpStoreEnd | MpRetrieveEnd) -> str:
@@ -71,9 +68,14 @@ class LoggingSubscriber(EventSubscriber):
             self.logger.log(
                 level,
                 "store %s device=%s tokens=%s stored_chunks=%s skipped=%s failed=%s %s%s",
-                self._who(event, md), md.device, md.num_tokens,
-                md.stored_chunks, md.skipped_chunks, md.failed_chunks,
-                self._rate(md), "" if md.success else " FAILED",
+                self._who(event, md),
+                md.device,
+                md.num_tokens,
+                md.stored_chunks,
+                md.skipped_chunks,
+                md.failed_chunks,
+                self._rate(md),
+                "" if md.success else " FAILED",
             )
 
     def _on_retrieve_end(self, event: Event) -> None:
@@ -82,11 +84,16 @@ class LoggingSubscriber(EventSubscriber):
         if self.logger.isEnabledFor(level):
             self.logger.log(
                 level,
-                "retrieve %s device=%s requested=%s retrieved=%s (skip=%s l1=%s l2=%s "
-                "missing=%s) %s%s",
-                self._who(event, md), md.device, md.num_tokens,
-                md.retrieved_tokens, md.skip_tokens, md.l1_tokens,
-                md.l2_tokens, md.missing_tokens, self._rate(md),
+                "retrieve %s device=%s requested=%s retrieved=%s (skip=%s l1=%s l2=%s missing=%s) %s%s",
+                self._who(event, md),
+                md.device,
+                md.num_tokens,
+                md.retrieved_tokens,
+                md.skip_tokens,
+                md.l1_tokens,
+                md.l2_tokens,
+                md.missing_tokens,
+                self._rate(md),
                 "" if md.success else " FAILED",
             )
 
@@ -95,8 +102,11 @@ class LoggingSubscriber(EventSubscriber):
         if self.logger.isEnabledFor(logging.INFO):
             self.logger.info(
                 "lookup %s tokens=%s hit=%s (l1=%s l2=%s)",
-                self._who(event, md), md.num_tokens, md.hit_tokens,
-                md.l1_hit_tokens, md.l2_hit_tokens,
+                self._who(event, md),
+                md.num_tokens,
+                md.hit_tokens,
+                md.l1_hit_tokens,
+                md.l2_hit_tokens,
             )
 
     def _on_failure(self, event: Event) -> None:
@@ -109,7 +119,9 @@ class LoggingSubscriber(EventSubscriber):
     def _on_detail(self, event: Event) -> None:
         if self.logger.isEnabledFor(logging.DEBUG):
             self.logger.debug(
-                "%s session=%s %s", event.event_type.value, event.session_id or "-",
+                "%s session=%s %s",
+                event.event_type.value,
+                event.session_id or "-",
                 msgspec.structs.asdict(event.metadata),
             )
 

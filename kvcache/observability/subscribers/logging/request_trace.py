@@ -92,12 +92,19 @@ class RequestTraceSubscriber(EventSubscriber):
 
 def add_request_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("request trace")
-    g.add_argument("--request-trace-file", default=None, metavar="PATH",
-                   help="append one JSON line per lookup/retrieve (tokens per tier) to PATH "
-                        "(default: off)")
-    g.add_argument("--request-trace-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                   help="rotate the trace file beyond this size, keeping "
-                        f"{DEFAULT_BACKUPS} old files (default %(default)s)")
+    g.add_argument(
+        "--request-trace-file",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per lookup/retrieve (tokens per tier) to PATH (default: off)",
+    )
+    g.add_argument(
+        "--request-trace-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="rotate the trace file beyond this size, keeping "
+        f"{DEFAULT_BACKUPS} old files (default %(default)s)",
+    )
     return parser
 
 

@@ -55,15 +55,24 @@ _RETRIEVE = (
     ("requests", "kvcache_retrieve_requests_total", "Retrieve operations finished."),
     ("failures", "kvcache_retrieve_failures_total", "Retrieve operations that reported failure."),
     ("requested_tokens", "kvcache_retrieve_requested_tokens_total", "Tokens asked for."),
-    ("retrieved_tokens", "kvcache_retrieve_retrieved_tokens_total",
-     "Prefix tokens valid in the engine afterwards (skipped + copied)."),
-    ("skipped_tokens", "kvcache_retrieve_skipped_tokens_total",
-     "Tokens the engine already held and were not copied."),
+    (
+        "retrieved_tokens",
+        "kvcache_retrieve_retrieved_tokens_total",
+        "Prefix tokens valid in the engine afterwards (skipped + copied).",
+    ),
+    (
+        "skipped_tokens",
+        "kvcache_retrieve_skipped_tokens_total",
+        "Tokens the engine already held and were not copied.",
+    ),
     ("l1_tokens", "kvcache_retrieve_l1_tokens_total", "Copied tokens that were in L1."),
     ("l2_tokens", "kvcache_retrieve_l2_tokens_total", "Copied tokens brought up from L2."),
     ("missing_tokens", "kvcache_retrieve_missing_tokens_total", "Requested tokens not found."),
-    ("awaited_missing_tokens", "kvcache_retrieve_awaited_missing_tokens_total",
-     "Tokens another engine was storing that did not arrive by the retrieve's wait bound."),
+    (
+        "awaited_missing_tokens",
+        "kvcache_retrieve_awaited_missing_tokens_total",
+        "Tokens another engine was storing that did not arrive by the retrieve's wait bound.",
+    ),
 )
 _LOOKUP = (
     ("requests", "kvcache_lookup_requests_total", "Lookup operations finished."),
@@ -102,7 +111,9 @@ class EngineMetricsSubscriber(EventSubscriber):
             self._duration_families[op] = self.metrics.add(
                 f"kvcache_{op}_duration_seconds",
                 f"{op.capitalize()} latency, START to END event of one operation.",
-                "histogram", LABELS, OPERATION_SECONDS,
+                "histogram",
+                LABELS,
+                OPERATION_SECONDS,
             )
         self._series: dict[tuple[str, object, object], _OperationSeries] = {}
         self._label_sets = LabelSetCap(max_label_sets)

@@ -33,12 +33,8 @@ class L1MetricsSubscriber(EventSubscriber):
         self._write_bytes = m.counter("kvcache_l1_write_bytes_total", "Bytes written to L1.")
         self._read_chunks = m.counter("kvcache_l1_read_chunks_total", "Chunks read from L1.")
         self._read_bytes = m.counter("kvcache_l1_read_bytes_total", "Bytes read from L1.")
-        self._evicted_chunks = m.counter(
-            "kvcache_l1_evicted_chunks_total", "Chunks evicted from L1."
-        )
-        self._evicted_bytes = m.counter(
-            "kvcache_l1_evicted_bytes_total", "Bytes freed by L1 evictions."
-        )
+        self._evicted_chunks = m.counter("kvcache_l1_evicted_chunks_total", "Chunks evicted from L1.")
+        self._evicted_bytes = m.counter("kvcache_l1_evicted_bytes_total", "Bytes freed by L1 evictions.")
         self._alloc_failures = m.counter(
             "kvcache_l1_allocation_failures_total", "L1 allocations that found no memory."
         )

@@ -49,20 +49,20 @@ class _BackendSeries:
 class L2MetricsSubscriber(EventSubscriber):
     """Counters from L2_* events; see METRICS.md."""
 
-    def __init__(
-        self, registry: CollectorRegistry | None, backends: Iterable[str] = ()
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry | None, backends: Iterable[str] = ()) -> None:
         m = self.metrics = MetricSet()
-        self._families = {
-            attr: m.add(name, doc, "counter", ("backend",)) for attr, name, doc in _COUNTERS
-        }
+        self._families = {attr: m.add(name, doc, "counter", ("backend",)) for attr, name, doc in _COUNTERS}
         self._store_failures = m.add(
-            "kvcache_l2_store_failures_total", "L2 writes that failed.", "counter",
+            "kvcache_l2_store_failures_total",
+            "L2 writes that failed.",
+            "counter",
             ("backend", "reason"),
         )
         self._load_failures = m.add(
             "kvcache_l2_load_failures_total",
-            "L2 reads that failed (the chunk counts as a miss).", "counter", ("backend", "reason"),
+            "L2 reads that failed (the chunk counts as a miss).",
+            "counter",
+            ("backend", "reason"),
         )
         self._series: dict[object, _BackendSeries] = {}
         for backend in backends:

@@ -62,16 +62,18 @@ class OffloadMetricsSubscriber(EventSubscriber):
             p = f"kvcache_offload_{direction}"
             self._families[direction] = (
                 self.metrics.add(f"{p}_bytes_total", f"Bytes copied {what}.", "counter", LABELS),
+                self.metrics.add(f"{p}_seconds_total", f"Seconds spent copying {what}.", "counter", LABELS),
                 self.metrics.add(
-                    f"{p}_seconds_total", f"Seconds spent copying {what}.", "counter", LABELS
-                ),
-                self.metrics.add(
-                    f"{p}_size_bytes", f"Bytes per transfer, {what}.", "histogram", LABELS,
+                    f"{p}_size_bytes",
+                    f"Bytes per transfer, {what}.",
+                    "histogram",
+                    LABELS,
                     TRANSFER_BYTES,
                 ),
                 self.metrics.add(
                     f"{p}_throughput_bytes_per_second",
-                    f"Per-transfer throughput {what} (buckets 0.1 to 200 GB/s).", "histogram",
+                    f"Per-transfer throughput {what} (buckets 0.1 to 200 GB/s).",
+                    "histogram",
                     LABELS,
                     THROUGHPUT_BYTES_PER_SECOND,
                 ),
@@ -99,8 +101,10 @@ class OffloadMetricsSubscriber(EventSubscriber):
                     family.remove(*map(str, dropped))
         for direction, (nbytes, seconds, size, throughput) in self._families.items():
             self._series[(direction, instance_id, model_name)] = _DirectionSeries(
-                nbytes.counter(*values), seconds.counter(*values),
-                size.histogram(*values), throughput.histogram(*values),
+                nbytes.counter(*values),
+                seconds.counter(*values),
+                size.histogram(*values),
+                throughput.histogram(*values),
             )
 
     def _record(self, direction: str, event: Event) -> None:

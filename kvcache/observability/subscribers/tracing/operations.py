@@ -96,7 +96,8 @@ class TracingSubscriber(EventSubscriber):
         span = self._open.pop(key, None)
         if span is None:  # START never seen (dropped): a zero-length span still records it
             span = self._tracer.start_span(
-                SPAN_NAMES[key[3]], start_time=_ns(event.timestamp),
+                SPAN_NAMES[key[3]],
+                start_time=_ns(event.timestamp),
                 attributes={"kvcache.start_missing": True},
             )
         span.set_attributes(_attributes(event))

@@ -165,8 +165,7 @@ def test_sampler_decision_matches_public_sampler() -> None:
     sub = L0LifecycleSubscriber(0.25, registry=None)
     ref = Sampler(0.25)
     assert all(
-        sub.sampler.sampled_block(i, b) == ref.sampled_block(i, b)
-        for i in (1, 2) for b in range(1000)
+        sub.sampler.sampled_block(i, b) == ref.sampled_block(i, b) for i in (1, 2) for b in range(1000)
     )
 
 

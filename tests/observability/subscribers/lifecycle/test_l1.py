@@ -111,9 +111,7 @@ def test_clear_forgets_without_recording(h: Harness) -> None:
     assert h.sub.tracked_chunks == 1
 
 
-def test_small_rate_samples_sequential_keys_uniformly(
-    bus: EventBus, registry: CollectorRegistry
-) -> None:
+def test_small_rate_samples_sequential_keys_uniformly(bus: EventBus, registry: CollectorRegistry) -> None:
     rate, n = 0.01, 100_000
     h = Harness(bus, registry, rate=rate)
     for start in range(0, n, 1000):

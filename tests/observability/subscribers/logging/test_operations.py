@@ -19,18 +19,38 @@ def test_info_line_per_operation(bus: EventBus, caplog: pytest.LogCaptureFixture
     caplog.set_level(logging.INFO, logger=LOGGER)
     md = {"instance_id": 1, "model_name": "m", "device": "cpu"}
     bus.publish(event(EventType.MP_STORE_START, {**md, "num_tokens": 512}, "op1"))
-    bus.publish(event(EventType.MP_STORE_END, {
-        **md, "num_tokens": 512, "stored_chunks": 2, "skipped_chunks": 0, "failed_chunks": 0,
-        "num_bytes": 2_000_000, "transfer_seconds": 0.001, "success": True}, "op1"))
-    bus.publish(event(EventType.MP_LOOKUP_END, {
-        **md, "num_tokens": 10, "hit_tokens": 5, "l1_hit_tokens": 5, "l2_hit_tokens": 0}, "op2"))
+    bus.publish(
+        event(
+            EventType.MP_STORE_END,
+            {
+                **md,
+                "num_tokens": 512,
+                "stored_chunks": 2,
+                "skipped_chunks": 0,
+                "failed_chunks": 0,
+                "num_bytes": 2_000_000,
+                "transfer_seconds": 0.001,
+                "success": True,
+            },
+            "op1",
+        )
+    )
+    bus.publish(
+        event(
+            EventType.MP_LOOKUP_END,
+            {**md, "num_tokens": 10, "hit_tokens": 5, "l1_hit_tokens": 5, "l2_hit_tokens": 0},
+            "op2",
+        )
+    )
     bus.publish(event(EventType.MP_RETRIEVE_END, {**md, "num_tokens": 8, "success": False}, "op3"))
-    bus.publish(event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1, 2],
-                                                  "reason": "corrupt"}))
+    bus.publish(event(EventType.L2_LOAD_FAILED, {"backend": "disk", "keys": [1, 2], "reason": "corrupt"}))
     assert bus.flush(5)
     records = [r for r in caplog.records if r.name == LOGGER]
     assert [r.levelno for r in records] == [
-        logging.INFO, logging.INFO, logging.WARNING, logging.WARNING,
+        logging.INFO,
+        logging.INFO,
+        logging.WARNING,
+        logging.WARNING,
     ]
     store, lookup, retrieve, l2 = (r.getMessage() for r in records)
     assert store.startswith("store session=op1 instance=1 model=m device=cpu tokens=512")

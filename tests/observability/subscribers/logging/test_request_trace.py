@@ -31,15 +31,41 @@ def test_lines_carry_tiers_for_lookups_and_retrieves(tmp_path: Path) -> None:
     bus = EventBus(registry=CollectorRegistry())
     bus.register_subscriber(RequestTraceSubscriber(str(path)))
     with bus:
-        bus.publish(event(EventType.MP_LOOKUP_END, {**META, "hit_tokens": 384, "l1_hit_tokens": 256,
-                                                    "l2_hit_tokens": 128}, session_id="req-0", timestamp=1.0))
+        bus.publish(
+            event(
+                EventType.MP_LOOKUP_END,
+                {**META, "hit_tokens": 384, "l1_hit_tokens": 256, "l2_hit_tokens": 128},
+                session_id="req-0",
+                timestamp=1.0,
+            )
+        )
         bus.publish(retrieve(2))
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines == [
-        {"ts": 1.0, "op": "lookup", "request_id": "req-0", "instance_id": 3, "model_name": "llama",
-         "num_tokens": 512, "engine_tokens": 0, "l1_tokens": 256, "l2_tokens": 128, "missing_tokens": 128},
-        {"ts": 2.0, "op": "retrieve", "request_id": "req-2", "instance_id": 3, "model_name": "llama",
-         "num_tokens": 512, "engine_tokens": 128, "l1_tokens": 256, "l2_tokens": 0, "missing_tokens": 128},
+        {
+            "ts": 1.0,
+            "op": "lookup",
+            "request_id": "req-0",
+            "instance_id": 3,
+            "model_name": "llama",
+            "num_tokens": 512,
+            "engine_tokens": 0,
+            "l1_tokens": 256,
+            "l2_tokens": 128,
+            "missing_tokens": 128,
+        },
+        {
+            "ts": 2.0,
+            "op": "retrieve",
+            "request_id": "req-2",
+            "instance_id": 3,
+            "model_name": "llama",
+            "num_tokens": 512,
+            "engine_tokens": 128,
+            "l1_tokens": 256,
+            "l2_tokens": 0,
+            "missing_tokens": 128,
+        },
     ]
 
 

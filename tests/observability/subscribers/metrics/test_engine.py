@@ -20,13 +20,41 @@ def md(instance: int = 1, model: str = "llama", **kw: object) -> dict[str, objec
 def test_store_counts_and_latency(bus: EventBus, registry: CollectorRegistry) -> None:
     bus.register_subscriber(EngineMetricsSubscriber(registry))
     bus.publish(event(EventType.MP_STORE_START, md(num_tokens=512), "op1", 10.0))
-    bus.publish(event(EventType.MP_STORE_END, md(
-        num_tokens=512, stored_chunks=1, skipped_chunks=1, failed_chunks=0, stored_tokens=256,
-        num_bytes=1 << 20, transfer_seconds=0.001, success=True), "op1", 10.004))
+    bus.publish(
+        event(
+            EventType.MP_STORE_END,
+            md(
+                num_tokens=512,
+                stored_chunks=1,
+                skipped_chunks=1,
+                failed_chunks=0,
+                stored_tokens=256,
+                num_bytes=1 << 20,
+                transfer_seconds=0.001,
+                success=True,
+            ),
+            "op1",
+            10.004,
+        )
+    )
     bus.publish(event(EventType.MP_STORE_START, md(num_tokens=256), "op2", 11.0))
-    bus.publish(event(EventType.MP_STORE_END, md(
-        num_tokens=256, stored_chunks=0, skipped_chunks=0, failed_chunks=1, stored_tokens=0,
-        num_bytes=0, transfer_seconds=0.0, success=False), "op2", 11.5))
+    bus.publish(
+        event(
+            EventType.MP_STORE_END,
+            md(
+                num_tokens=256,
+                stored_chunks=0,
+                skipped_chunks=0,
+                failed_chunks=1,
+                stored_tokens=0,
+                num_bytes=0,
+                transfer_seconds=0.0,
+                success=False,
+            ),
+            "op2",
+            11.5,
+        )
+    )
     assert bus.flush(5)
     v = registry.get_sample_value
     assert v("kvcache_store_requests_total", I1) == 2
@@ -43,13 +71,40 @@ def test_store_counts_and_latency(bus: EventBus, registry: CollectorRegistry) ->
 
 def test_retrieve_and_lookup_counts(bus: EventBus, registry: CollectorRegistry) -> None:
     bus.register_subscriber(EngineMetricsSubscriber(registry))
-    bus.publish(event(EventType.MP_RETRIEVE_END, md(
-        num_tokens=1024, skip_tokens=256, retrieved_tokens=768, l1_tokens=256, l2_tokens=256,
-        missing_tokens=256, num_bytes=1000, transfer_seconds=0.01, success=True), "r", 1.0))
-    bus.publish(event(EventType.MP_LOOKUP_END, md(
-        num_tokens=1000, hit_tokens=512, l1_hit_tokens=256, l2_hit_tokens=256), "l", 2.0))
-    bus.publish(event(EventType.MP_LOOKUP_END, md(
-        2, "qwen", num_tokens=100, hit_tokens=0, l1_hit_tokens=0, l2_hit_tokens=0), "l", 2.0))
+    bus.publish(
+        event(
+            EventType.MP_RETRIEVE_END,
+            md(
+                num_tokens=1024,
+                skip_tokens=256,
+                retrieved_tokens=768,
+                l1_tokens=256,
+                l2_tokens=256,
+                missing_tokens=256,
+                num_bytes=1000,
+                transfer_seconds=0.01,
+                success=True,
+            ),
+            "r",
+            1.0,
+        )
+    )
+    bus.publish(
+        event(
+            EventType.MP_LOOKUP_END,
+            md(num_tokens=1000, hit_tokens=512, l1_hit_tokens=256, l2_hit_tokens=256),
+            "l",
+            2.0,
+        )
+    )
+    bus.publish(
+        event(
+            EventType.MP_LOOKUP_END,
+            md(2, "qwen", num_tokens=100, hit_tokens=0, l1_hit_tokens=0, l2_hit_tokens=0),
+            "l",
+            2.0,
+        )
+    )
     assert bus.flush(5)
     v = registry.get_sample_value
     assert v("kvcache_retrieve_requests_total", I1) == 1
@@ -70,9 +125,7 @@ def test_retrieve_and_lookup_counts(bus: EventBus, registry: CollectorRegistry) 
     assert v("kvcache_lookup_requested_tokens_total", I2) == 100
 
 
-def test_tp_workers_sharing_a_session_pair_by_device(
-    bus: EventBus, registry: CollectorRegistry
-) -> None:
+def test_tp_workers_sharing_a_session_pair_by_device(bus: EventBus, registry: CollectorRegistry) -> None:
     bus.register_subscriber(EngineMetricsSubscriber(registry))
     for dev, t0 in (("cuda:0", 0.0), ("cuda:1", 0.5)):
         m = {**md(num_tokens=1), "device": dev}
@@ -88,8 +141,12 @@ def test_tp_workers_sharing_a_session_pair_by_device(
 
 def test_all_series_of_an_instance_exist_at_zero(registry: CollectorRegistry) -> None:
     EngineMetricsSubscriber(registry, instances=[(1, "llama")])
-    for name in ("kvcache_store_requests_total", "kvcache_retrieve_missing_tokens_total",
-                 "kvcache_lookup_hit_tokens_total", "kvcache_lookup_duration_seconds_count"):
+    for name in (
+        "kvcache_store_requests_total",
+        "kvcache_retrieve_missing_tokens_total",
+        "kvcache_lookup_hit_tokens_total",
+        "kvcache_lookup_duration_seconds_count",
+    ):
         assert registry.get_sample_value(name, I1) == 0
 
 

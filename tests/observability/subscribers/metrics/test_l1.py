@@ -17,10 +17,18 @@ def test_l1_counters_and_gauges(bus: EventBus, registry: CollectorRegistry) -> N
     occ = {"used_bytes": 300, "capacity_bytes": 1000}
     bus.publish(event(EventType.L1_WRITE_FINISHED, {"keys": [1, 2, 3], "num_bytes": 300, **occ}))
     bus.publish(event(EventType.L1_READ_FINISHED, {"keys": [1, 2], "num_bytes": 200}))
-    bus.publish(event(EventType.L1_KEYS_EVICTED, {
-        "keys": [3], "num_bytes": 100, "used_bytes": 200, "capacity_bytes": 1000}))
-    bus.publish(event(EventType.L1_ALLOCATION_FAILED, {
-        "requested_chunks": 9, "num_bytes": 900, "used_bytes": 200, "capacity_bytes": 1000}))
+    bus.publish(
+        event(
+            EventType.L1_KEYS_EVICTED,
+            {"keys": [3], "num_bytes": 100, "used_bytes": 200, "capacity_bytes": 1000},
+        )
+    )
+    bus.publish(
+        event(
+            EventType.L1_ALLOCATION_FAILED,
+            {"requested_chunks": 9, "num_bytes": 900, "used_bytes": 200, "capacity_bytes": 1000},
+        )
+    )
     assert bus.flush(5)
     assert v("kvcache_l1_write_chunks_total") == 3
     assert v("kvcache_l1_write_bytes_total") == 300

@@ -17,10 +17,18 @@ def test_l2_counters_per_backend(bus: EventBus, registry: CollectorRegistry) -> 
     bus.register_subscriber(L2MetricsSubscriber(registry, backends=["disk"]))
     assert v("kvcache_l2_store_chunks_total", DISK) == 0  # pre-created backend
     pub = bus.publish
-    pub(event(EventType.L2_STORE_FINISHED,
-              {"backend": "disk", "keys": [1, 2], "num_bytes": 2048, "duration_s": 0.5}))
-    pub(event(EventType.L2_LOAD_FINISHED,
-              {"backend": "redis", "keys": [1], "num_bytes": 1024, "duration_s": 0.25}))
+    pub(
+        event(
+            EventType.L2_STORE_FINISHED,
+            {"backend": "disk", "keys": [1, 2], "num_bytes": 2048, "duration_s": 0.5},
+        )
+    )
+    pub(
+        event(
+            EventType.L2_LOAD_FINISHED,
+            {"backend": "redis", "keys": [1], "num_bytes": 1024, "duration_s": 0.25},
+        )
+    )
     pub(event(EventType.L2_LOAD_FAILED, {"backend": "redis", "keys": [2], "reason": "corrupt"}))
     pub(event(EventType.L2_LOAD_FAILED, {"backend": "redis", "keys": [3], "reason": "corrupt"}))
     pub(event(EventType.L2_STORE_FAILED, {"backend": "disk", "keys": [4], "reason": "io"}))

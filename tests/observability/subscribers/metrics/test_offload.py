@@ -13,8 +13,14 @@ L = {"instance_id": "1", "model_name": "m"}
 
 
 def end(event_type: EventType, nbytes: int, seconds: float) -> Event:
-    md = {"instance_id": 1, "model_name": "m", "device": "cpu", "num_bytes": nbytes,
-          "transfer_seconds": seconds, "success": True}
+    md = {
+        "instance_id": 1,
+        "model_name": "m",
+        "device": "cpu",
+        "num_bytes": nbytes,
+        "transfer_seconds": seconds,
+        "success": True,
+    }
     return event(event_type, md, "s", 1.0)
 
 
@@ -32,8 +38,7 @@ def test_store_and_load_totals_and_histograms(bus: EventBus, registry: Collector
     assert v("kvcache_offload_store_size_bytes_sum", L) == 5_000_000_000
     assert v("kvcache_offload_store_throughput_bytes_per_second_count", L) == 2
     assert v("kvcache_offload_store_throughput_bytes_per_second_sum", L) == 5e9
-    assert v("kvcache_offload_store_throughput_bytes_per_second_bucket",
-             {**L, "le": "1e+09"}) == 1
+    assert v("kvcache_offload_store_throughput_bytes_per_second_bucket", {**L, "le": "1e+09"}) == 1
     # Average throughput is sum(bytes) / sum(seconds) = 2.5 GB/s, not mean of rates.
     assert v("kvcache_offload_load_bytes_total", L) == 3 << 20
     assert v("kvcache_offload_load_seconds_total", L) == 0.001

@@ -22,14 +22,36 @@ def test_retrieves_add_per_tier_and_lookups_do_not() -> None:
     bus.register_subscriber(TierMetricsSubscriber(reg))
     with bus:
         meta = {"instance_id": 0, "model_name": "m", "device": "cpu", "num_tokens": 1024}
-        bus.publish(event(EventType.MP_RETRIEVE_END, {**meta, "skip_tokens": 256, "l1_tokens": 512,
-                                                      "l2_tokens": 128, "missing_tokens": 128}))
-        bus.publish(event(EventType.MP_RETRIEVE_END, {**meta, "skip_tokens": 0, "l1_tokens": 0,
-                                                      "l2_tokens": 256, "missing_tokens": 768}))
-        bus.publish(event(EventType.MP_LOOKUP_END, {**meta, "hit_tokens": 512, "l1_hit_tokens": 512,
-                                                    "l2_hit_tokens": 0}))
-        bus.publish(event(EventType.MP_RETRIEVE_END, {**meta, "instance_id": 1, "skip_tokens": 0,
-                                                      "l1_tokens": 0, "l2_tokens": 0, "missing_tokens": 0}))
+        bus.publish(
+            event(
+                EventType.MP_RETRIEVE_END,
+                {**meta, "skip_tokens": 256, "l1_tokens": 512, "l2_tokens": 128, "missing_tokens": 128},
+            )
+        )
+        bus.publish(
+            event(
+                EventType.MP_RETRIEVE_END,
+                {**meta, "skip_tokens": 0, "l1_tokens": 0, "l2_tokens": 256, "missing_tokens": 768},
+            )
+        )
+        bus.publish(
+            event(
+                EventType.MP_LOOKUP_END, {**meta, "hit_tokens": 512, "l1_hit_tokens": 512, "l2_hit_tokens": 0}
+            )
+        )
+        bus.publish(
+            event(
+                EventType.MP_RETRIEVE_END,
+                {
+                    **meta,
+                    "instance_id": 1,
+                    "skip_tokens": 0,
+                    "l1_tokens": 0,
+                    "l2_tokens": 0,
+                    "missing_tokens": 0,
+                },
+            )
+        )
         assert bus.flush(5)
     assert [served(reg, t) for t in TIERS] == [256, 512, 384, 896]
     assert sum(served(reg, t) or 0 for t in TIERS) == 2048  # the tiers add up to the requests

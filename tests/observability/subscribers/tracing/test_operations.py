@@ -87,10 +87,22 @@ def test_spans_reach_an_otlp_receiver(receiver: Receiver) -> None:
     # Two tensor-parallel workers share request id "req-1"; their events interleave.
     pub(event(EventType.MP_STORE_START, md("cuda:0", num_tokens=512), "req-1", 1000.0))
     pub(event(EventType.MP_STORE_START, md("cuda:1", num_tokens=512), "req-1", 1000.1))
-    pub(event(EventType.MP_STORE_END, md("cuda:1", num_tokens=512, stored_chunks=2, success=True), "req-1",
-              1000.2))
-    pub(event(EventType.MP_STORE_END, md("cuda:0", num_tokens=512, stored_chunks=2, success=False), "req-1",
-              1000.25))
+    pub(
+        event(
+            EventType.MP_STORE_END,
+            md("cuda:1", num_tokens=512, stored_chunks=2, success=True),
+            "req-1",
+            1000.2,
+        )
+    )
+    pub(
+        event(
+            EventType.MP_STORE_END,
+            md("cuda:0", num_tokens=512, stored_chunks=2, success=False),
+            "req-1",
+            1000.25,
+        )
+    )
     pub(event(EventType.MP_LOOKUP_START, md(num_tokens=64), "req-2", 1001.0))
     pub(event(EventType.MP_LOOKUP_END, md(num_tokens=64, hit_tokens=32), "req-2", 1001.5))
     pub(event(EventType.MP_RETRIEVE_START, md(num_tokens=8), "req-3", 1002.0))  # never ends

@@ -264,8 +264,9 @@ def test_a_master_killed_mid_loop_never_serves_wrong_bytes_and_every_slot_comes_
         # through A are found through B, including chunks in the slots that moved.
         before = {m: cluster.client(m).dbsize() for m in cluster.masters()}
         fresh = itertools.count(i)  # a new prompt each try: a stored one would be skipped
-        wait_until(lambda: round_trip(next(fresh), settle=True) == CHUNKS * CS, 15,
-                   "whole prompts through B again")
+        wait_until(
+            lambda: round_trip(next(fresh), settle=True) == CHUNKS * CS, 15, "whole prompts through B again"
+        )
         for _ in range(4):
             assert round_trip(next(fresh), settle=True) == CHUNKS * CS
         after = {m: cluster.client(m).dbsize() for m in cluster.masters()}

@@ -40,10 +40,7 @@ class WaitingSink:
     def evicted(self) -> set[int]:
         with self._cond:
             return {
-                k
-                for e in self.events
-                if e.event_type is EventType.L2_KEYS_EVICTED
-                for k in e.metadata.keys
+                k for e in self.events if e.event_type is EventType.L2_KEYS_EVICTED for k in e.metadata.keys
             }
 
     def wait_for(self, done: Callable[[], bool], timeout: float = 10.0) -> bool:

@@ -123,9 +123,7 @@ def test_a_chunk_keeps_the_identity_it_was_written_with(redis_server: LocalRedis
             assert reader.submit_load(k, out, done.append)
         assert reader.flush(10) and done == [True, True]
         assert all(torch.equal(got[k].view(torch.uint8), sent[k].view(torch.uint8)) for k in sent)
-        loaded = {
-            e.metadata.keys[0]: e.metadata.identities for e in sink.of(EventType.L2_LOAD_FINISHED)
-        }
+        loaded = {e.metadata.keys[0]: e.metadata.identities for e in sink.of(EventType.L2_LOAD_FINISHED)}
         assert loaded == {1: [ident], 2: []}  # a chunk written without one: no identities
     finally:
         reader.close()
