@@ -146,6 +146,16 @@ class LimitExceededError(KvcacheError, ValueError):
     wire_code = ErrorCode.LIMIT
 
 
+class PrincipalLimitError(LimitExceededError):
+    """One principal (a tenant) is at a per-principal bound of the daemon (``server.budget``):
+    its request was refused at once, nothing changed, and other principals are unaffected. It
+    travels as ``LIMIT``; the client should back off and retry. ``flag`` names the bound."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
 class DeadlineExceededError(KvcacheError, TimeoutError):
     """The request's deadline passed before its copy could start; no byte was moved."""
 
@@ -225,6 +235,7 @@ __all__ = [
     "KvcacheError",
     "LayoutError",
     "LimitExceededError",
+    "PrincipalLimitError",
     "ProtocolError",
     "RedisURLError",
     "RemoteError",

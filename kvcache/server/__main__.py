@@ -64,6 +64,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
             InstanceRegistry(),
             settings.daemon.heartbeat_timeout_s,
             limits=settings.limits,
+            bus=obs.bus,
         )
         daemon = Daemon(settings.daemon, handlers)
     except (OSError, ValueError) as exc:

@@ -59,6 +59,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             heartbeat_timeout_s=ns.heartbeat_timeout,
             max_message_bytes=int(ns.max_message_mb * 2**20),
             max_in_flight_bytes=int(ns.max_in_flight_mb * 2**20),
+            max_in_flight_requests=ns.max_requests_in_flight,
             drain_timeout_s=ns.drain_timeout,
             # With an L2 tier a lookup may wait (on Redis, or for L1 room held by loads in
             # flight, up to --lookup-wait-timeout): keep it off the I/O thread.
@@ -82,6 +83,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             max_registration_bytes=int(ns.max_registration_gb * GiB),
             max_ids=ns.max_ids,
             max_awaited_tokens=ns.max_awaited_tokens,
+            max_awaiting_retrieves=ns.max_awaiting_retrieves,
         )
         engine = EngineConfig(
             chunk_size=ns.chunk_size,
