@@ -14,8 +14,10 @@ Unix socket and loopback TCP), two principals:
 For each flood it reports the victim's p50/p99 per operation with the flood against the same
 loop without it, measured in the same run, as a ratio (target: L1-hit retrieve p99 within 2x),
 and for awaits how far past its own bound the attacker's last one was answered (target: under
-1 s) and how many were refused by its per-principal bounds. A separate process for the attacker,
-so the victim's timings hold the daemon's cost only, not the bench's own GIL.
+1 s) and how many were refused by its per-principal bounds, and the daemon's resident memory
+growth over its start (L1 fills as the victim and a store flood write, up to ``--l1-size-gb``).
+A separate process for the attacker, so the victim's timings hold the daemon's cost only, not
+the bench's own GIL.
 """
 
 from __future__ import annotations
@@ -143,6 +145,13 @@ def _victim_loop(client: KVCacheClient, samples: int, base: int) -> dict[str, li
     return times
 
 
+def _rss_mib(pid: int) -> float:
+    """The daemon's resident memory now (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
 def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
@@ -157,6 +166,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
             victim.store(_tokens(0, 4), list(range(4 * CHUNK // BLOCK)))
             _victim_loop(victim, 10, 10**8)  # warm up
             base = _victim_loop(victim, ns.samples, 2 * 10**8)
+            results["rss_mib"] = _rss_mib(d.pid)
             results["base"] = {
                 op: {"p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99)} for op, v in base.items()
             }
@@ -167,11 +177,13 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 proc.start()
                 if not sent.wait(300):
                     raise RuntimeError(f"the {kind} flood was never sent")
+                rss = _rss_mib(d.pid)
                 flood = _victim_loop(victim, ns.samples, (3 + k) * 10**8)
+                rss = max(rss, _rss_mib(d.pid))
                 measured.set()
                 report = out.get(timeout=max(600, 4 * ns.await_ms / 1000))
                 proc.join(60)
-                row: dict[str, Any] = {**report}
+                row: dict[str, Any] = {**report, "rss_growth_mib": rss - results["rss_mib"]}
                 for op, v in flood.items():
                     row[op] = {"p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99),
                                "p99_ratio": _pct(v, 0.99) / results["base"][op]["p99_ms"]}  # fmt: skip
@@ -192,12 +204,13 @@ def main(argv: list[str]) -> int:
     print("victim without a flood (ms): " + ", ".join(
         f"{op} p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f}" for op, v in base.items()))  # fmt: skip
     print(f"{'flood':<12} {'retrieve p50/p99 ms':>20} {'p99 x':>6} {'lookup p99 x':>13} {'store p99 x':>12}"
-          f" {'refused':>8} {'late s':>7}")  # fmt: skip
+          f" {'refused':>8} {'late s':>7} {'rss +MiB':>9}")  # fmt: skip
     for kind in ns.floods.split(","):
         r = results[kind]
         print(f"{kind:<12} {r['retrieve']['p50_ms']:>9.2f}/{r['retrieve']['p99_ms']:<10.2f}"
               f" {r['retrieve']['p99_ratio']:>6.2f} {r['lookup']['p99_ratio']:>13.2f}"
-              f" {r['store']['p99_ratio']:>12.2f} {r['refused']:>8} {r['late_s']:>7.2f}")  # fmt: skip
+              f" {r['store']['p99_ratio']:>12.2f} {r['refused']:>8} {r['late_s']:>7.2f}"
+              f" {r['rss_growth_mib']:>9.0f}")  # fmt: skip
     print("target: retrieve p99 x <= 2; an await answered at most 1 s past its bound (late s)")
     med = statistics.median(r["retrieve"]["p99_ratio"] for k, r in results.items() if k in FLOODS)
     print(f"median retrieve p99 ratio over floods: {med:.2f}")
