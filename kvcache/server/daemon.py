@@ -60,7 +60,7 @@ from kvcache.server.deferred import Outbox
 from kvcache.server.fair_queue import FairQueue
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
-from kvcache.server.lanes import lane_of
+from kvcache.server.lanes import FORWARD_EVERY_S, InlineShare, lane_of
 from kvcache.server.unfinished import CHECK_EVERY_S
 from kvcache.transport.curve import load_secret_key
 from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
@@ -297,8 +297,13 @@ class Daemon:
             self._router.send_multipart(frames, copy=False)
 
     def _accept(self, draining: bool) -> None:
-        until = time.monotonic() + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
-        while readable(self._router) and time.monotonic() < until:
+        now = time.monotonic()
+        until = now + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
+        forward_at, inline = now + FORWARD_EVERY_S, InlineShare()
+        while readable(self._router) and (now := time.monotonic()) < until:
+            if now >= forward_at:  # replies never wait out a whole read
+                self._forward_replies()
+                forward_at = now + FORWARD_EVERY_S
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
             frames = self._router.recv_multipart(NOBLOCK, copy=False)
             if not self._guard.admits(frames[-1]):
@@ -327,9 +332,10 @@ class Daemon:
                 continue
             body = envelope.body
             instance_id = getattr(body, "instance_id", None)
-            lane = lane_of(body, self._inline_lookups)
+            lane = inline.lane(principal.name, lane_of(body, self._inline_lookups))
             if lane == "inline":
-                reply = self.handlers.handle(body, principal)
+                with inline.timed(principal.name):
+                    reply = self.handlers.handle(body, principal)
                 self._router.send_multipart([identity, encode_reply(envelope.id, reply)])
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
