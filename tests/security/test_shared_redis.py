@@ -8,7 +8,7 @@ will read. Before records were authenticated the victim served the attacker's by
 KV: here a second daemon stores the same prompt with other KV, and the victim, restarted with
 an empty L1, retrieved the attacker's bytes.
 
-Now a daemon with ``--l2-redis-auth-key-file`` seals each record (keyed BLAKE2b over the Redis
+Now a daemon with ``--l2-redis-auth-key-file`` seals each record (HMAC-SHA256 over the Redis
 key and the record) and serves only records sealed with its key: the attacker's record is a
 miss, counted as ``kvcache_l2_load_failures_total{reason="forged"}`` and deleted, and the
 victim's own records still come back after a restart. ``--l2-redis-trust-all`` keeps the old

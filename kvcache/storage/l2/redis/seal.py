@@ -4,7 +4,7 @@ A Redis tier is shared: by the daemons of one fleet, but also by anyone else the
 write (another operator's daemons on the same server, a tenant given credentials for its own
 daemon, a compromised host). Chunk keys are derived from public facts (model, salt, tokens,
 geometry), so such a writer can put a record under exactly the name a victim will read, and
-the record's CRC (``codec``) only catches accidents. So each record is sealed: a keyed BLAKE2b
+the record's CRC (``codec``) only catches accidents. So each record is sealed: an HMAC-SHA256
 tag over the Redis key name and the whole record (header, meta, payload), with a secret every
 daemon of the fleet reads from the same key file. A record whose tag does not verify (forged,
 altered, moved under another name, written without the key or with another key) raises
@@ -15,8 +15,10 @@ Layout of a sealed value: ``MAGIC`` (4 bytes) | tag (32 bytes) | record. The tag
 name so a record cannot be replayed under another key; a stale record under its own name
 holds the KV of the same prefix (keys name their whole prefix), so replaying it gains nothing.
 
-Keyed BLAKE2b (``hashlib``, a MAC by design, no HMAC construction needed) rather than
-HMAC-SHA256: about twice as fast here, and both release the GIL for large buffers.
+HMAC-SHA256 (``hmac``, OpenSSL's) rather than keyed BLAKE2b: with the SHA extensions of
+current x86 and Arm CPUs it was 2.5x as fast here (0.55 against 0.22 GB/s on a 512 KiB chunk,
+a loaded 2-core machine; CRC32 ran at 1 to 2.7 GB/s there), and both release the GIL for large
+buffers.
 The key file is checked as the disk tier's directory is (``trusted_dir``): a regular file of
 the daemon's uid, mode 0600, no symlink, since whoever can read it can forge records and
 whoever can replace it can make the daemon trust their records.
@@ -42,8 +44,7 @@ MIN_SECRET_BYTES = 32
 """The key file must hold at least this many bytes (``openssl rand -hex 32`` writes 64)."""
 _MAX_KEY_FILE = 4096
 _WHAT = "Redis L2 key file (--l2-redis-auth-key-file)"
-_KEY_PERSON = b"kvc-l2-seal-key"
-_TAG_PERSON = b"kvc-l2-record"
+_TAG_DOMAIN = b"kvcache.l2-record.v1\0"  # sets these tags apart from any other use of the secret
 _U32 = struct.Struct("<I")
 
 BytesLike = bytes | bytearray | memoryview
@@ -57,8 +58,7 @@ class RecordSeal:
             raise ConfigError(
                 f"a Redis L2 record key needs at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
             )
-        # Any length of secret becomes one 64-byte BLAKE2b key.
-        self._key = hashlib.blake2b(secret, digest_size=64, person=_KEY_PERSON).digest()
+        self._key = bytes(secret)
 
     @classmethod
     def from_file(cls, path: str) -> RecordSeal:
@@ -90,7 +90,7 @@ class RecordSeal:
 
     def tag(self, name: bytes, parts: Sequence[BytesLike]) -> bytes:
         """The tag of the record ``parts`` (concatenated) stored under ``name``."""
-        mac = hashlib.blake2b(key=self._key, digest_size=TAG_BYTES, person=_TAG_PERSON)
+        mac = hmac.new(self._key, _TAG_DOMAIN, hashlib.sha256)
         mac.update(_U32.pack(len(name)))
         mac.update(name)
         for part in parts:
