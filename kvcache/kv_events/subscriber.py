@@ -62,7 +62,7 @@ from kvcache.kv_events.messages import (
     EventFactory,
     EventFormat,
 )
-from kvcache.kv_events.publisher import EventPublisher
+from kvcache.kv_events.publisher import REPLAY_METRICS, EventPublisher
 from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import (
     Event,
@@ -369,6 +369,7 @@ class KVEventsSubscriber(EventSubscriber):
             "KV-event batches dropped (publisher queue full or send failed); routers see a seq gap.",
         )
         depth = m.gauge("kvcache_kv_events_queue_depth", "KV-event batches waiting for the publisher thread.")
+        replay = {attr: m.counter(name, doc) for attr, name, doc in REPLAY_METRICS}
         kinds = m.add(
             "kvcache_kv_events_events_total", "KV events built, by vLLM event type.", "counter", ("type",)
         )
@@ -385,6 +386,8 @@ class KVEventsSubscriber(EventSubscriber):
             published.value = self.publisher.published_batches
             dropped.value = self.publisher.dropped_batches
             depth.set(self.publisher.queue_depth)
+            for attr, counter in replay.items():
+                counter.value = getattr(self.publisher, attr)
 
         m.on_collect(refresh)
         return m
