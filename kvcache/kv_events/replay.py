@@ -32,8 +32,10 @@ from kvcache.kv_events.messages import END_SEQ, seq_bytes, seq_from_bytes
 logger = logging.getLogger("kvcache.kv_events.publisher")
 
 DEFAULT_REPLAY_RATE = 10_000.0
-"""Replayed batches a second, all readers together: about a quarter of a core at most (a send
-costs ~20-25 us of Python here), while one full default buffer goes out at once."""
+"""Replayed batches a second, all readers together: at most about a tenth of a core (a replayed
+batch cost ~11 us of Python on a loaded 2-core machine), while one full default buffer goes
+out at once. Measured there, 16 readers x 20 requests against a full 10,000-batch buffer: 36 s
+of CPU before the budget, 3.6 s in 120 s with it."""
 _REPLAYS_PER_TURN = 4  # replay requests answered between two sends at most
 
 Request = tuple[bytes, list[bytes], int]  # reader identity, envelope, first seq
