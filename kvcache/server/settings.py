@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcache.config import EngineConfig, GiB
-from kvcache.errors import UntrustedPathError
 from kvcache.kv_events.config import use_runtime_dir, validate_kv_events_args
 from kvcache.observability.config import ObservabilityConfig
 from kvcache.server.connection_limits import ConnectionLimits
@@ -136,7 +135,7 @@ def _check_redis_trust(parser: argparse.ArgumentParser, ns: argparse.Namespace) 
 
         try:
             RecordSeal.from_file(key)
-        except (ValueError, UntrustedPathError) as exc:
+        except (ValueError, OSError) as exc:  # UntrustedPathError is an OSError too
             parser.error(str(exc))
 
 

@@ -234,10 +234,12 @@ def decoded(
     if reply is None or isinstance(reply, Exception):
         return (False if reply is None else reply), b""
     try:
-        data = memoryview(reply)
-        data = unverified(data) if seal is None else seal.open(name, data)
+        value = memoryview(reply)
+        data = unverified(value)
         header = codec.decode_header(data)
-        codec.check_fits(header, key, out)
+        codec.check_fits(header, key, out)  # first: a value of the wrong size costs no hashing
+        if seal is not None:
+            data = seal.open(name, value)  # nothing of it is used unless this passes
         payload = data[header.header_len :]
         codec.check_payload(header, payload)
     except CorruptChunkError as exc:
