@@ -105,6 +105,13 @@ def _victim_and_attacker(
     return start_daemon(*redis, *victim_args), ours, theirs
 
 
+def _sealed(d: DaemonProcess) -> bool:
+    """Whether the daemon's Redis tier says it seals its records (``status``)."""
+    with KVCacheClient(d.endpoint, 1, "m", timeout_s=30) as c:
+        (tier,) = c.status()["engine"]["l2"]
+    return bool(tier["records_sealed"])
+
+
 def _retrieve(d: DaemonProcess, prompt: list[int]) -> tuple[int, list[torch.Tensor]]:
     kv = _cache(seed=3)
     for t in kv:
@@ -127,6 +134,7 @@ def test_a_record_another_daemon_wrote_is_never_served(
     assert _forged_loads(victim) >= 1
     got, kv = _retrieve(victim, OURS)  # its own sealed records survive its restart
     assert got == CHUNKS * CS and caches_equal(kv, ours)
+    assert _sealed(victim)
 
 
 def test_an_unsealed_record_is_never_served_by_a_daemon_with_a_key(
@@ -149,3 +157,4 @@ def test_control_trust_all_serves_what_anyone_wrote(
     victim, _, theirs = _victim_and_attacker(start_daemon, redis_server, trust, trust)
     got, kv = _retrieve(victim, SHARED)
     assert got == CHUNKS * CS and caches_equal(kv, theirs)
+    assert not _sealed(victim)
