@@ -117,6 +117,12 @@ class CorruptChunkError(StorageError):
     """A stored chunk failed validation (header, size or checksum) and was discarded."""
 
 
+class ForgedRecordError(CorruptChunkError):
+    """A Redis L2 record is not sealed with this daemon's key (``--l2-redis-auth-key-file``):
+    written by someone else who can write to the Redis, altered, or moved under another key.
+    It was refused (a miss) and deleted, never served."""
+
+
 class UnknownInstanceError(KvcacheError, KeyError):
     """A request named an engine instance that is not registered."""
 
@@ -232,6 +238,7 @@ __all__ = [
     "DaemonUnavailableError",
     "DeadlineExceededError",
     "ErrorCode",
+    "ForgedRecordError",
     "KvcacheError",
     "LayoutError",
     "LimitExceededError",

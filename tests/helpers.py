@@ -104,3 +104,13 @@ def start_cluster() -> LocalRedisCluster:
     except BaseException:
         cluster.close()
         raise
+
+
+def sealed_redis_args(directory: Any) -> list[str]:
+    """The daemon flags of a fleet that seals its Redis records: a fresh key file (0600) in
+    ``directory``; every daemon given the same list serves the others' records."""
+    path = os.path.join(str(directory), f"l2-{os.urandom(4).hex()}.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    return ["--l2-redis-auth-key-file", path]

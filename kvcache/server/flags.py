@@ -290,6 +290,19 @@ def build_parser(
         "(every local user reads a command line); default: off",
     )
     st.add_argument(
+        "--l2-redis-auth-key-file",
+        default=None,
+        metavar="FILE",
+        help="secret (32+ bytes, this user's, mode 0600) that seals Redis records; only "
+        "records sealed with it are served, so give every daemon of a fleet the same file",
+    )
+    st.add_argument(
+        "--l2-redis-trust-all",
+        action="store_true",
+        help="instead of a key file: serve whatever anyone who can write to the Redis "
+        "wrote (only for a Redis no one else can write to; docs/cluster.md)",
+    )
+    st.add_argument(
         "--l2-redis-timeout",
         type=float,
         default=defaults.l2_redis_socket_timeout_s,

@@ -32,7 +32,8 @@ def test_defaults_need_no_external_service() -> None:
 def test_storage_flags_reach_the_engine_config() -> None:
     s = parse_settings(
         ["--chunk-size", "128", "--l1-size-gb", "0.5", "--l1-evict-watermark", "0.7",
-         "--l2-disk-path", "/tmp/x", "--l2-disk-size-gb", "3", "--l2-redis-url", "redis://h:1/0"]
+         "--l2-disk-path", "/tmp/x", "--l2-disk-size-gb", "3", "--l2-redis-url", "redis://h:1/0",
+         "--l2-redis-trust-all"]
     )  # fmt: skip
     e = s.engine
     assert (e.chunk_size, e.l1_size_bytes, e.l1_evict_watermark) == (128, GiB // 2, 0.7)

@@ -296,7 +296,7 @@ def test_vllm_slow_l2_load_times_out(
     with LocalRedis() as redis:
         link = SlowLink(redis.port).start()
         try:
-            l2 = ["--l2-redis-url", link.url, "--l2-redis-timeout", "30"]
+            l2 = ["--l2-redis-url", link.url, "--l2-redis-trust-all", "--l2-redis-timeout", "30"]
             filler = start_daemon(tmp_path, None, "filler", l2)
             daemons.append(filler)
             fill_garbage(filler.endpoint, model, prompt[:1024])

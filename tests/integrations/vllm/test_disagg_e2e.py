@@ -36,7 +36,7 @@ import pytest
 
 from kvcache.integrations.vllm.disagg import PARAMS_KEY
 from kvcache.integrations.vllm.proxy.launch import ProxyProcess
-from tests.helpers import start_cluster
+from tests.helpers import sealed_redis_args, start_cluster
 from tests.integrations.vllm.proxy.test_proxy import events, request
 from tests.integrations.vllm.test_connector import Daemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
@@ -79,7 +79,7 @@ def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cluster = start_cluster()
     remote = tmp / "remote"
     remote.mkdir()
-    args = ["--chunk-size", str(CHUNK), "--l2-redis-url", cluster.url]
+    args = ["--chunk-size", str(CHUNK), "--l2-redis-url", cluster.url, *sealed_redis_args(tmp)]
     daemons: list[Daemon] = []
     servers: list[Server] = []
     proxy: ProxyProcess | None = None
