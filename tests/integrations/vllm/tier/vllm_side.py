@@ -177,8 +177,12 @@ class Instance:
         self.manager.on_request_finished(ctx)
 
     def close(self) -> None:
-        self.rows = np.empty(0, np.int8)  # vLLM cannot close its region while a view is out
+        """vLLM's shutdown, which must unmap the region: a view the tier kept would leave it
+        mapped (vLLM only logs that it could not close it)."""
+        self.rows = np.empty(0, np.int8)
         self.manager.shutdown()
+        with open("/proc/self/maps") as maps:
+            assert f"vllm_offload_{self.spec.config.engine_id}" not in maps.read(), "region left mapped"
 
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
