@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvcache.client import KVCacheClient
-from kvcache.errors import DaemonUnavailableError
+from kvcache.errors import DaemonUnavailableError, TransferError
 from kvcache.integrations.vllm.tier.config import TierConfig
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
@@ -55,8 +55,8 @@ def _settled(future: Future[R], timeout: float | None = None) -> R:
         return future.result(timeout)
     except BaseException as err:
         err.__traceback__ = None
-        kind = type(err).__name__
-        raise DaemonUnavailableError(f"{kind}: {err}") from None
+        kind = DaemonUnavailableError if isinstance(err, TimeoutError) else TransferError
+        raise kind(f"{type(err).__name__}: {err}") from None
 
 
 def page_keys(keys: Sequence[bytes]) -> bytes:
@@ -143,6 +143,13 @@ class DaemonLink:
         return client
 
     # -- the page calls (blocking; the tier's threads only) -------------------------------
+    def _batch(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> int:
+        """The batch's size, refused past one staging half (the job threads batch by it)."""
+        if len(keys) != len(chunk_ids) or len(keys) > self.staging_chunks:
+            raise ValueError(f"{len(keys)} keys and {len(chunk_ids)} chunk ids: one each, at most "
+                             f"{self.staging_chunks} (staging_chunks) per batch")  # fmt: skip
+        return len(keys)
+
     def _deadline_ms(self) -> int:
         return int((time.time() + self.config.timeout_s) * 1000)
 
@@ -159,7 +166,7 @@ class DaemonLink:
     def store(self, primary: np.ndarray, chunk_ids: Sequence[int], keys: Sequence[bytes]) -> int:
         """Rows ``chunk_ids`` of ``primary`` stored under ``keys`` (at most ``staging_chunks``);
         how many the daemon now holds (stored, or present already)."""
-        n = len(keys)
+        n = self._batch(keys, chunk_ids)
         client = self.client()
         out = self.stage[:n]
         np.take(primary, np.asarray(chunk_ids, dtype=np.int64), axis=0, out=out)
@@ -172,7 +179,7 @@ class DaemonLink:
         """The leading cached chunks of ``keys`` copied into rows ``chunk_ids`` of ``primary``;
         how many. Rows past that count are untouched. Waits for the daemon's answer (bounded by
         the call's deadline, after which the daemon moves no byte into the staging half)."""
-        n = len(keys)
+        n = self._batch(keys, chunk_ids)
         client = self.client()
         base = self.staging_chunks
         msg = m.PageGet(instance_id=client.instance_id, keys=page_keys(keys),

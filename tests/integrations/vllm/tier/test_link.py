@@ -3,7 +3,10 @@ byte; tenants, scopes and row sizes apart; no daemon is an error, never a wait."
 
 from __future__ import annotations
 
+import threading
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,3 +99,55 @@ def test_no_daemon_fails_calls_without_waiting(tmp_path: object, links: list[Dae
     with pytest.raises(DaemonUnavailableError):
         link.leading_held(keys("x", 1))
     assert not link.connected.wait(3)  # registration runs on its own thread, and fails there
+
+
+def metric(url: str, name: str, model: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'model_name="{model}"' in line)  # fmt: skip
+
+
+def test_the_daemons_metrics_count_the_tiers_pages(
+    start_daemon: Callable[..., DaemonProcess], links: list[DaemonLink]
+) -> None:
+    """The tier's pages go through the daemon's own store/retrieve paths: its metrics, under the
+    tier's scoped model name, count them as they count the connector's chunks."""
+    d = start_daemon("--metrics-sample-rate", "1.0")
+    link = connect(links, d.endpoint, model="vllm-tier:metrics#1")
+    src, ks = rows(2, 4), keys("metrics", 2)
+    with pytest.raises(ValueError, match="staging_chunks"):
+        link.store(rows(3, 4), [0, 1, 2], keys("metrics", 3))  # past one staging half: refused
+    assert link.store(src, [0, 1], ks) == 2
+    assert link.load(np.zeros_like(src), [0, 1], ks) == 2
+    wait = threading.Event()
+    for _ in range(100):  # the bus dispatches on its own thread
+        if metric(d.metrics_url, "kvcache_retrieve_retrieved_tokens_total", link.model_name) == 2:
+            break
+        wait.wait(0.1)
+    assert metric(d.metrics_url, "kvcache_store_stored_chunks_total", link.model_name) == 2
+    assert metric(d.metrics_url, "kvcache_retrieve_retrieved_tokens_total", link.model_name) == 2
+
+
+def test_a_restarted_daemon_is_registered_with_again(
+    start_daemon: Callable[..., DaemonProcess], links: list[DaemonLink], tmp_path: Path
+) -> None:
+    run = str(tmp_path / "run")
+    first = start_daemon(runtime_dir=run)
+    link = connect(links, first.endpoint, timeout_s=1.0)
+    src, ks = rows(2, 5), keys("restart", 2)
+    assert link.store(src, [0, 1], ks) == 2
+    first.kill()
+    with pytest.raises(DaemonUnavailableError):
+        link.store(src, [0, 1], ks)  # times out: the breaker opens
+    second = start_daemon(runtime_dir=run)
+    assert second.endpoint == first.endpoint
+    stored, wait = 0, threading.Event()
+    for _ in range(100):  # fails at once until the breaker's probe hears the new daemon
+        try:
+            stored = link.store(src, [0, 1], ks)
+            break
+        except DaemonUnavailableError:
+            wait.wait(0.1)
+    assert stored == 2  # re-registered: the new daemon (empty L1) stored both
+    dst = np.zeros_like(src)
+    assert link.load(dst, [0, 1], ks) == 2 and np.array_equal(dst, src)
