@@ -43,6 +43,8 @@ log = logging.getLogger("kvcache.integrations.vllm.tier")
 R = TypeVar("R")
 FMT = "NL_X_NB_BS_HS"
 _KEY_TAG = b"vllm-offload-key:"
+LOOKUP_KEYS = 4096
+"""Keys one ``PageExists`` carries at most (a daemon may bound them lower than its ids)."""
 RETRY_REGISTER_S = 2.0
 """How long after a failed registration (no daemon) the next use tries again."""
 
@@ -154,14 +156,20 @@ class DaemonLink:
         return int((time.time() + self.config.timeout_s) * 1000)
 
     def leading_held(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the daemon holds (``PageExists``), within
-        ``lookup_timeout_s`` (or raises)."""
+        """How many leading ``keys`` the daemon holds (``PageExists``, ``LOOKUP_KEYS`` keys a
+        round trip, each within ``lookup_timeout_s``, or raises)."""
         client = self.client()
-        msg = m.PageExists(
-            instance_id=client.instance_id, keys=page_keys(keys), cache_salt=self.config.cache_salt
-        )
-        future = client.session.submit(msg, m.PageExistsResult)
-        return int(_settled(future, self.config.lookup_timeout_s).hit_pages)
+        held = 0
+        for lo in range(0, len(keys), LOOKUP_KEYS):
+            part = keys[lo : lo + LOOKUP_KEYS]
+            msg = m.PageExists(instance_id=client.instance_id, keys=page_keys(part),
+                               cache_salt=self.config.cache_salt)  # fmt: skip
+            future = client.session.submit(msg, m.PageExistsResult)
+            run = int(_settled(future, self.config.lookup_timeout_s).hit_pages)
+            held += run
+            if run < len(part):
+                break
+        return held
 
     def store(self, primary: np.ndarray, chunk_ids: Sequence[int], keys: Sequence[bytes]) -> int:
         """Rows ``chunk_ids`` of ``primary`` stored under ``keys`` (at most ``staging_chunks``);

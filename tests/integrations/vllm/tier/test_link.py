@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvcache.errors import DaemonUnavailableError
+from kvcache.integrations.vllm.tier import link as link_module
 from kvcache.integrations.vllm.tier.config import TierConfig
 from kvcache.integrations.vllm.tier.link import DaemonLink, page_keys
 from kvcache.server.launch import DaemonProcess
@@ -61,6 +62,9 @@ def test_rows_round_trip_byte_for_byte(
     assert a.store(src, [3, 1], ks) == 2
     assert a.store(src, [3, 1], ks) == 2  # held already: skipped, still held
     assert b.leading_held(ks + keys("absent", 1)) == 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(link_module, "LOOKUP_KEYS", 1)  # one key a round trip: the run adds up
+        assert b.leading_held(ks + keys("absent", 1) + ks) == 2
     dst = np.zeros_like(src)
     assert b.load(dst, [0, 2], ks) == 2
     assert np.array_equal(dst[[0, 2]], src[[3, 1]]) and not dst[[1, 3]].any()
