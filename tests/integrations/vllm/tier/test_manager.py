@@ -10,7 +10,7 @@ the daemons are started from here. What is proven (see each check in ``vllm_side
 2. chunks cascaded from vLLM's CPU tier come back byte for byte after that tier is reset, as
    vLLM's own tiering tests' scenarios for a secondary tier ask (lookups, store/load into other
    chunks, jobs tracked apart, a load with a missing chunk, no livelock after a failed load,
-   events);
+   events, vLLM's backpressure detector, vLLM's reset with a cascade in flight);
 3. two instances (two processes) sharing one daemon: the second finds and loads the first's
    chunks byte for byte; another tenant's salt finds nothing;
 4. the daemon stopped and then killed under a load: the load fails, no chunk is reported
