@@ -6,8 +6,9 @@ primary tier (``lookup`` then ``submit_load``). Every method runs on vLLM's sche
 must not block, so here:
 
 * ``lookup`` answers from vLLM's own ``AsyncLookupManager``: the first ask of a chunk is
-  ``RETRY``; the step's asks go to the daemon as one ``PageExists`` round trip per request on the
-  lookup thread (``presence.py``); the answer is there for the next step's ask.
+  ``RETRY``; the step's asks go to the daemon from the lookup thread, a few ``PageExists``
+  round trips per request and KV cache group (``presence.py``); the answer is there for the
+  next step's ask.
 * ``submit_store`` / ``submit_load`` queue a job (``jobs.py``); the store and load threads copy
   rows through the staging buffer and call the daemon (``link.py``); ``get_finished_jobs``
   hands back what ended. A load that got fewer chunks than asked reports the leading ones as
@@ -48,7 +49,7 @@ from kvcache.errors import LayoutError
 from kvcache.integrations.vllm.tier.config import TierConfig
 from kvcache.integrations.vllm.tier.jobs import Finished, Job, JobRunner
 from kvcache.integrations.vllm.tier.link import DaemonLink
-from kvcache.integrations.vllm.tier.presence import presence, prompt_order
+from kvcache.integrations.vllm.tier.presence import presence_by_group
 from kvcache.integrations.vllm.tier.scope import scope_fields, scoped_model_name
 
 log = logging.getLogger("kvcache.integrations.vllm.tier")
@@ -75,19 +76,16 @@ class _DaemonLookups(AsyncLookupManager):
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        order = prompt_order(keys, req_context.get_offload_key_position)
-        ordered = [keys[i] for i in order]
+        """Per KV cache group (a hybrid model's groups hold different chunks at one position),
+        the group's keys in prompt order, answered by leading runs (``presence.py``)."""
         try:
-            held = presence(ordered, self._link.leading_held)
+            out = presence_by_group(keys, req_context.get_offload_key_position, self._link.leading_held)
             self._outage_logged = False
         except Exception as err:  # no daemon, or too slow: every chunk is a miss
             if not self._outage_logged:
                 log.warning("kvcache tier: lookups count as misses (%s: %s)", type(err).__name__, err)
                 self._outage_logged = True
             return [False] * len(keys)
-        out = [False] * len(keys)
-        for rank, i in enumerate(order):
-            out[i] = held[rank]
         return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcache.integrations.vllm.tier.presence import presence, prompt_order
+from kvcache.integrations.vllm.tier.presence import presence, presence_by_group, prompt_order
 
 
 def held_by(stored: set[str]) -> tuple[list[int], Callable[[Sequence[str]], int]]:
@@ -29,10 +29,10 @@ def test_a_whole_prefix_is_one_round_trip() -> None:
     assert asks == [3]
 
 
-def test_nothing_held_is_one_round_trip() -> None:
+def test_nothing_held_is_two_round_trips() -> None:
     asks, fn = held_by(set())
     assert presence(["a", "b", "c", "d"], fn) == [False] * 4
-    assert asks == [4]
+    assert asks == [4, 4]  # forward, then the trailing run
 
 
 def test_a_gap_of_one_does_not_hide_what_follows() -> None:
@@ -41,11 +41,18 @@ def test_a_gap_of_one_does_not_hide_what_follows() -> None:
     assert asks == [6, 3]  # the answer for "d" on says "f" is missing too
 
 
-def test_a_run_of_misses_ends_the_scan_as_misses() -> None:
-    """Cheap over exact: what follows two misses in a row is answered absent (a recompute)."""
-    asks, fn = held_by({"a", "d"})
-    assert presence(["a", "b", "c", "d"], fn) == [True, False, False, False]
-    assert asks == [4, 2]
+def test_a_run_of_misses_ends_the_forward_scan_and_the_tail_is_asked() -> None:
+    """Cheap over exact: between the forward runs and the trailing run, keys are answered
+    absent (a recompute, never wrong bytes)."""
+    asks, fn = held_by({"a", "d", "f", "g"})
+    assert presence(["a", "b", "c", "d", "e", "f", "g"], fn) == [True, False, False, False, False, True, True]
+    assert asks == [7, 5, 5]
+
+
+def test_a_sliding_window_holds_the_end() -> None:
+    asks, fn = held_by({"e", "f"})
+    assert presence(["a", "b", "c", "d", "e", "f"], fn) == [False] * 4 + [True, True]
+    assert asks == [6, 6]
 
 
 def test_an_answer_longer_than_asked_is_clamped() -> None:
@@ -57,3 +64,26 @@ def test_prompt_order_follows_recorded_positions() -> None:
     pos = {"c": 48, "a": 16, "b": 32}
     assert prompt_order(["c", "x", "a", "b", "y"], pos.get) == [2, 3, 0, 1, 4]
     assert prompt_order([], pos.get) == []
+
+
+def test_groups_are_asked_apart_in_prompt_order() -> None:
+    """A hybrid model: group 1 (sliding window) lacks the first chunk group 0 holds; asked
+    together, the run would stop there; apart, group 0's prefix is whole."""
+    g0 = [bytes([i]) * 4 + b"\0\0\0\0" for i in range(3)]
+    g1 = [bytes([i]) * 4 + b"\0\0\0\1" for i in range(3)]
+    stored = {*g0, g1[1], g1[2]}
+    position = {k: 16 * (i + 1) for group in (g0, g1) for i, k in enumerate(group)}
+    asked: list[list[bytes]] = []
+
+    def leading_held(keys: Sequence[bytes]) -> int:
+        asked.append(list(keys))
+        run = 0
+        for k in keys:
+            if k not in stored:
+                break
+            run += 1
+        return run
+
+    keys = [g0[2], g1[0], g0[0], g1[2], g0[1], g1[1]]  # interleaved, out of order
+    assert presence_by_group(keys, position.get, leading_held) == [True, False, True, True, True, True]
+    assert asked == [g0, g1, g1[::-1]]  # group 0 whole; group 1 forward, then from its end
