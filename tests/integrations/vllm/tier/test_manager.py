@@ -7,7 +7,8 @@ the daemons are started from here. What is proven (see each check in ``vllm_side
 
 1. vLLM's factory loads the tier from ``{"type": "KVCacheTier", "module_path": ...}``, and a
    bad key fails the spec with ``ConfigError``;
-2. chunks cascaded from vLLM's CPU tier come back byte for byte after that tier is reset, as
+2. chunks cascaded from vLLM's CPU tier come back byte for byte after that tier is reset, or
+   after its LRU evicted them (a working set twice its size), as
    vLLM's own tiering tests' scenarios for a secondary tier ask (lookups, store/load into other
    chunks, jobs tracked apart, a load with a missing chunk, no livelock after a failed load,
    events, vLLM's backpressure detector, vLLM's reset with a cascade in flight);
@@ -52,7 +53,7 @@ def test_tier_contract_under_vllm(
 ) -> None:
     daemon = start_daemon()
     out = vllm_side(vllm_python, "unit", daemon.endpoint, str(tmp_path))
-    assert "passed 4 checks" in out, out
+    assert "passed 5 checks" in out, out
     assert daemon.proc.poll() is None
 
 

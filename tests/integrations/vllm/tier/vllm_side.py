@@ -259,6 +259,29 @@ def check_round_trip(endpoint: str) -> None:
     ok("round_trip")
 
 
+def check_evicted_come_back(endpoint: str) -> None:
+    """A working set twice vLLM's CPU tier: what its LRU evicted is promoted back from kvcache,
+    byte for byte, while the newest chunks are still served from the CPU tier itself."""
+    inst = Instance(endpoint, staging_chunks=3)
+    batches = [(keys_of(f"evict-{b}", 8), data_of(10 + b, 8)) for b in range(4)]  # 32 chunks, 16 rows
+    for keys, data in batches:
+        ctx = inst.request(keys)
+        wait_for(lambda keys=keys, ctx=ctx: inst.asked(ctx, keys)[0] is MISS, "the miss")
+        inst.store(ctx, keys, data)
+        inst.settle()
+        inst.finish(ctx)
+    newest, _ = batches[-1]
+    assert all(inst.manager.primary_tier.lookup(k, ReqContext(req_id="probe")) is HIT for k in newest)
+    for keys, data in batches[:2]:  # evicted from the CPU tier
+        assert inst.manager.primary_tier.lookup(keys[0], ReqContext(req_id="probe")) is MISS
+        ctx = inst.request(keys)
+        assert inst.resolve(ctx, keys) == [HIT] * 8
+        assert np.array_equal(inst.read(ctx, keys), data)
+        inst.finish(ctx)
+    inst.close()
+    ok("evicted_come_back")
+
+
 def check_tier_jobs(endpoint: str) -> None:
     """vLLM's fs-tier scenarios on this tier: empty lookups, store/load into other chunks,
     jobs tracked apart, a load with a missing chunk, failed keys marked missed, events."""
@@ -345,6 +368,7 @@ def check_no_daemon(run_dir: str) -> None:
 def unit(endpoint: str, run_dir: str) -> None:
     check_factory(endpoint)
     check_round_trip(endpoint)
+    check_evicted_come_back(endpoint)
     check_tier_jobs(endpoint)
     check_no_daemon(run_dir)
 
