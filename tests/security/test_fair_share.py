@@ -66,7 +66,8 @@ def test_an_await_flood_never_holds_another_principals_l1_hits_and_ends_at_its_b
                 assert sock.poll(30_000), f"only {refused} awaits refused"
                 reply = decode_reply(sock.recv())
                 assert isinstance(reply.body, m.Error), f"an await answered before its bound: {reply.body}"
-                assert reply.body.code is m.ErrorCode.LIMIT and "--max-awaiting-retrieves" in reply.body.message
+                assert reply.body.code is m.ErrorCode.LIMIT
+                assert "--max-awaiting-retrieves" in reply.body.message
                 refused += 1
             # Every held await still waits (its bound is seconds away): the victim's L1 hits
             # must all be answered before any of them.
