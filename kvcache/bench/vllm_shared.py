@@ -94,7 +94,7 @@ def sizes(a: argparse.Namespace, model: ModelSpec) -> dict[str, float]:
             "disk_gb": 1.5 * per_round * (a.rounds + a.warmup) + 0.1}  # fmt: skip
 
 
-class Daemon:
+class RoundDaemon:
     """The daemon over one disk directory and one socket directory, restarted between the
     store and the timed phase of each round (so its L1 starts empty)."""
 
@@ -155,7 +155,7 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
                               kv_cache_mb=int(size["kv_cache_mb"]), name=m)  # fmt: skip
     raw: dict[str, Any] = {"model": model.label(), "sizes": size, "rounds": []}
     env["KVCACHE_RUNTIME_DIR"] = str(runtime)  # the connector's default: the Unix socket there
-    daemon = Daemon(flags, str(runtime), disk)
+    daemon = RoundDaemon(flags, str(runtime), disk)
     try:
         with engines(python, specs, env, work, a.timeout) as (running, ready):
             raw["ready"] = msgspec.to_builtins(ready)
@@ -170,7 +170,7 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     return raw
 
 
-def _round(a: argparse.Namespace, r: int, running: dict[str, EngineProcess], daemon: Daemon,
+def _round(a: argparse.Namespace, r: int, running: dict[str, EngineProcess], daemon: RoundDaemon,
            ids: set[int]) -> dict[str, Any]:  # fmt: skip
     """One round (module docstring): store, restart, then each mode's lone and group runs."""
     lone_seed, group_seed = 2 * r + 1, 2 * r + 2
