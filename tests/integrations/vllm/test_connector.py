@@ -214,8 +214,8 @@ def test_vllm_prefix_served_from_kvcache(
     computed, loaded = min(ttft["computed_s"]), min(ttft["loaded_s"])
     print(f"\nTTFT of a 1064-token prompt, best of 5: computed {computed * 1e3:.1f} ms, "
           f"prefix loaded from kvcache {loaded * 1e3:.1f} ms")  # fmt: skip
-    # No timed assert: on a loaded machine either figure can lose; `python -m kvcache.bench
-    # vllm` measures TTFT, interleaved against the same engine without the connector.
+    # No timed assert: on a loaded machine either figure can lose; `python -m benchmarks.vllm`
+    # (from a checkout) measures TTFT, interleaved against the same engine without the connector.
 
     d2 = start_daemon(tmp_path, l2, "daemon2")  # empty L1: the prefix comes from disk
     daemons.append(d2)
