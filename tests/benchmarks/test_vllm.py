@@ -84,7 +84,7 @@ for line in sys.stdin.buffer:
     if cmd.seed == 1:
         out.write(msgspec.json.encode(Failed("boom")) + b"\\n")
     elif cmd.seed == 2:
-        time.sleep(30)
+        time.sleep(30)  # on purpose: a child that never answers (the reply deadline is tested)
     elif cmd.seed == 3:
         sys.exit(4)
     else:
