@@ -58,6 +58,7 @@ def _run_inner(
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a venv made and a pytest started per case
 @pytest.mark.parametrize(("fixture", "venv_variable"), ENGINES)
 def test_an_engine_that_cannot_be_installed_skips_outside_ci(
     tmp_path: Path, fixture: str, venv_variable: str
@@ -68,6 +69,7 @@ def test_an_engine_that_cannot_be_installed_skips_outside_ci(
     assert "cannot be installed here" in out, out[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fixture", "venv_variable"), ENGINES)
 def test_an_engine_that_cannot_be_installed_fails_under_require_engines(
     tmp_path: Path, fixture: str, venv_variable: str
