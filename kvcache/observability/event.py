@@ -15,11 +15,10 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 
-from kvcache.deprecated import renamed
 from kvcache.records import BlockAllocationRecord, ChunkIdentity, ChunkKey
 
 
@@ -325,12 +324,6 @@ class NullEventBus:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-if TYPE_CHECKING:
-    NullEventSink = NullEventBus  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"NullEventSink": "NullEventBus"})
 
 
 __all__ = [

@@ -230,7 +230,7 @@ class Handlers:
         hit = self.engine.lookup_tiers(
             req.instance_id, unpacked(req.token_ids), key_scope=scope, request_id=req.request_id
         )
-        return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_tokens)
+        return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_hit_tokens)
 
     def lookup_batch(self, req: m.LookupBatch, principal: Principal) -> m.ReplyBody:
         """Every item is checked as ``lookup`` checks its request (ids, tenant salt, key
@@ -249,7 +249,7 @@ class Handlers:
                 )
             checked.append((checked_packed(ids, max_ids), scope, item.request_id))
         hits = self.engine.lookup_many(req.instance_id, checked)
-        return m.LookupBatchResult(hits=[m.LookupHit(h.hit_tokens, h.l2_tokens) for h in hits])
+        return m.LookupBatchResult(hits=hits)
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
         return self.store_async(req, principal).result()

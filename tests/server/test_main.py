@@ -26,7 +26,7 @@ def test_defaults_need_no_external_service() -> None:
     assert s.engine.l2_disk_path is None and s.engine.l2_redis_url is None
     assert s.engine.chunk_size == 256 and s.engine.l1_size_bytes == 2 * GiB
     assert s.daemon.inline_lookups is True
-    assert s.observability.enabled and s.observability.prometheus_port == 9090
+    assert s.observability.enabled and s.observability.prometheus_port == 9259
 
 
 def test_storage_flags_reach_the_engine_config() -> None:

@@ -1,4 +1,4 @@
-"""``python -m kvcache.bench vllm``: the connector in a real vLLM, end to end (issue 12).
+"""``python -m benchmarks.vllm``: the connector in a real vLLM, end to end (issue 12).
 
 Two questions, each answered by runs interleaved in one session: on a shared machine only a
 ratio of runs measured back to back means anything, so every figure is one.
@@ -50,9 +50,9 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
-from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
-from kvcache.bench.vllm_messages import (
+from benchmarks.engine_args import add_engine_args, add_model_args, model_spec, work_dir
+from benchmarks.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
+from benchmarks.vllm_messages import (
     OUR_CONNECTOR,
     Command,
     Decode,
@@ -63,7 +63,8 @@ from kvcache.bench.vllm_messages import (
     TtftResult,
     ZeroKV,
 )
-from kvcache.bench.vllm_report import summarize_decode, summarize_ttft, table
+from benchmarks.vllm_report import summarize_decode, summarize_ttft, table
+from kvcache.bench.args import parse_quick
 from kvcache.integrations.vllm.config import ConnectorConfig
 from kvcache.server.launch import DaemonProcess
 
@@ -94,7 +95,7 @@ MODES: dict[str, Mode] = {
     "noop": Mode(
         {},
         "a connector whose methods do nothing (vLLM's plumbing alone)",
-        "kvcache.bench.vllm_noop:NoopConnector",
+        "benchmarks.vllm_noop:NoopConnector",
     ),
 }
 
@@ -110,7 +111,7 @@ def unavailable(name: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvcache.bench vllm", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a short smoke run: toy model, 2 pairs, small sizes")
     p.add_argument("--pairs", type=int, default=7, help="decode pairs and TTFT rounds (>= 5 for a figure)")
@@ -328,3 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["MODES", "build_parser", "main", "parse_args", "summarize", "unavailable"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

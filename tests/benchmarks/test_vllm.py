@@ -15,10 +15,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcache.bench import vllm as bench
-from kvcache.bench.vllm_engines import EngineProcess
-from kvcache.bench.vllm_messages import Decode, DecodeResult, EngineSpec, ModelSpec, Ready, Ttft, TtftResult
-from kvcache.bench.vllm_report import (
+from benchmarks import vllm as bench
+from benchmarks.vllm_engines import EngineProcess
+from benchmarks.vllm_messages import Decode, DecodeResult, EngineSpec, ModelSpec, Ready, Ttft, TtftResult
+from benchmarks.vllm_report import (
     connector_ms_per_step,
     cpu_per_step,
     summarize_decode,
@@ -71,7 +71,7 @@ def test_messages_cross_the_pipe_as_one_json_line() -> None:
 
 FAKE_DRIVER = """
 import os, sys, time, msgspec
-from kvcache.bench.vllm_messages import *
+from benchmarks.vllm_messages import *
 fd = int(sys.argv[sys.argv.index("--reply-fd") + 1])
 out = os.fdopen(fd, "wb", buffering=0)
 print("vLLM logs go to stdout", flush=True)
@@ -84,7 +84,7 @@ for line in sys.stdin.buffer:
     if cmd.seed == 1:
         out.write(msgspec.json.encode(Failed("boom")) + b"\\n")
     elif cmd.seed == 2:
-        time.sleep(30)
+        time.sleep(30)  # on purpose: a child that never answers (the reply deadline is tested)
     elif cmd.seed == 3:
         sys.exit(4)
     else:
@@ -174,7 +174,7 @@ def test_the_noop_connector_mode_loads_another_class_and_is_not_expected_to_stor
     """``noop`` (vLLM's connector plumbing alone) names its own class, and a run of it that
     stored nothing is no problem: only our connector's modes must store."""
     noop = bench.MODES["noop"]
-    assert noop.connector_class == "kvcache.bench.vllm_noop:NoopConnector"
+    assert noop.connector_class == "benchmarks.vllm_noop:NoopConnector"
     assert bench.MODES["connector"].connector_class == "kvcache.integrations.vllm:KVCacheConnector"
     a = bench.parse_args(["--decode-modes", "none,noop,connector", "--ttft-modes", ""])
     rnd = {"none": _decode(100, 5.0), "noop": _decode(99, 5.0, calls=True, stats={}),

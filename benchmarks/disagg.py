@@ -1,4 +1,4 @@
-"""``python -m kvcache.bench disagg``: prefill/decode disaggregation through kvcache against
+"""``python -m benchmarks.disagg``: prefill/decode disaggregation through kvcache against
 one vLLM instance doing both, on the same workload, in one run (issue 23).
 
 The split: a prefill vLLM server and a decode vLLM server, both with kvcache's connector and
@@ -41,12 +41,13 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
-from kvcache.bench.disagg_client import Stream, Workload
-from kvcache.bench.disagg_client import run as run_workload
-from kvcache.bench.disagg_report import TARGETS, summarize, table
-from kvcache.bench.disagg_servers import VllmServer, connector_config, total
-from kvcache.bench.vllm_engines import find_vllm_python
+from benchmarks.disagg_client import Stream, Workload
+from benchmarks.disagg_client import run as run_workload
+from benchmarks.disagg_report import TARGETS, summarize, table
+from benchmarks.disagg_servers import VllmServer, connector_config, total
+from benchmarks.engine_args import add_engine_args, add_model_args, model_spec, work_dir
+from benchmarks.vllm_engines import find_vllm_python, with_checkout
+from kvcache.bench.args import parse_quick
 from kvcache.integrations.vllm.proxy.launch import ProxyProcess
 from kvcache.server.launch import DaemonProcess
 
@@ -61,7 +62,7 @@ def computed(samples: dict[str, float]) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kvcache.bench disagg",
+        prog="python -m benchmarks.disagg",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -169,12 +170,12 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     """Start the daemon, the three servers and the proxy; run the rounds; the raw records."""
     model = model_spec(a)
     model_dir = work / f"model-{a.layers}x{a.hidden}-{a.heads}h{a.kv_heads}kv"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(a.torch_threads))
+    env = with_checkout(dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(a.torch_threads)))
     subprocess.run(
         [
             python,
             "-m",
-            "kvcache.bench.vllm_driver",
+            "benchmarks.vllm_driver",
             "make-model",
             "--dir",
             str(model_dir),
@@ -310,3 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["build_parser", "main", "parse_args", "summarize", "table"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""Runs inside the vLLM venv: the ``SharedPrefix`` command of ``python -m kvcache.bench
-vllm-shared`` on a warm ``vllm_driver`` engine.
+"""Runs inside the vLLM venv: the ``SharedPrefix`` command of ``python -m benchmarks.vllm_shared``
+on a warm ``vllm_driver`` engine.
 
 Separate from ``vllm_driver.py`` (which dispatches to it) to keep that module one size; it
 only drives the engine through the methods every command uses (add, step, settle, the
@@ -12,7 +12,7 @@ import random
 import time
 from typing import Any, Protocol
 
-from kvcache.bench.vllm_messages import Calls, EngineSpec, SharedPrefix, SharedResult
+from benchmarks.vllm_messages import Calls, EngineSpec, SharedPrefix, SharedResult
 
 
 class ConnectorTimes(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcache.bench.disagg_client import Stream
+from benchmarks.disagg_client import Stream
 from kvcache.bench.workload_report import _pct
 
 TARGETS = ("split", "single")

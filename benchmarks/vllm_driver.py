@@ -1,5 +1,5 @@
 """Runs inside the vLLM venv: one warm in-process vLLM engine in one connector mode, serving
-the ``python -m kvcache.bench vllm`` commands it reads on stdin.
+the ``python -m benchmarks.vllm`` commands it reads on stdin.
 
 Separate from the benchmark because it is the only part that imports vLLM (lazily, so the
 project's venv can import this module for its tests). ``make-model`` writes the random model
@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.vllm_messages import (
+from benchmarks.vllm_messages import (
     Calls,
     Command,
     Decode,
@@ -45,7 +45,7 @@ from kvcache.bench.vllm_messages import (
     Zeroed,
     ZeroKV,
 )
-from kvcache.bench.vllm_shared_driver import shared_prefix
+from benchmarks.vllm_shared_driver import shared_prefix
 
 TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "start_load_kv", "wait_for_layer_load",
@@ -362,7 +362,7 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcache.bench.vllm_driver")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_driver")
     sub = p.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-model", help="write the random model (once)")
     mk.add_argument("--dir", required=True)

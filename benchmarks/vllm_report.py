@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kvcache.bench.vllm_messages import Calls, DecodeResult, TtftResult
+from benchmarks.vllm_messages import Calls, DecodeResult, TtftResult
 from kvcache.bench.workload_report import _median, _ratio
 
 DECODE_TARGET = 0.95

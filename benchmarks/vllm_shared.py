@@ -1,4 +1,4 @@
-"""``python -m kvcache.bench vllm-shared``: N requests sharing a prefix held only in L2 (disk),
+"""``python -m benchmarks.vllm_shared``: N requests sharing a prefix held only in L2 (disk),
 arriving together, through the real vLLM (issue 22).
 
 Each round, every mode's engine (one per mode for the session, ``vllm_driver`` processes in
@@ -16,7 +16,7 @@ the vLLM venv, all on one daemon with a disk L2):
    The daemon's counters are read around each of the two runs: lookups found in L1 / L2, the
    tokens retrieved from L2, the chunks read from disk (target: one read per chunk).
 
-Modes (``--modes``, of ``kvcache.bench.vllm.MODES``): ``none`` is vLLM with its own prefix
+Modes (``--modes``, of ``benchmarks.vllm.MODES``): ``none`` is vLLM with its own prefix
 cache only (the group's first request computes the prefix, the others find it in vLLM's
 prefix cache once it is computed); ``connector`` the connector with its defaults (the
 pipelined client, ``window`` 32); ``window-1`` the connector with one call at a time;
@@ -37,17 +37,18 @@ from typing import Any
 
 import msgspec
 
-from kvcache.bench.args import add_engine_args, add_model_args, model_spec, parse_quick, work_dir
-from kvcache.bench.vllm import MODES, _rotated, unavailable
-from kvcache.bench.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
-from kvcache.bench.vllm_messages import EngineSpec, ModelSpec, SharedPrefix, SharedResult, ZeroKV
-from kvcache.bench.vllm_shared_report import COUNTERS, summarize, table
+from benchmarks.engine_args import add_engine_args, add_model_args, model_spec, work_dir
+from benchmarks.vllm import MODES, _rotated, unavailable
+from benchmarks.vllm_engines import EngineProcess, engine_env, engines, find_vllm_python, make_model
+from benchmarks.vllm_messages import EngineSpec, ModelSpec, SharedPrefix, SharedResult, ZeroKV
+from benchmarks.vllm_shared_report import COUNTERS, summarize, table
+from kvcache.bench.args import parse_quick
 from kvcache.bench.workload import scrape
 from kvcache.server.launch import DaemonProcess
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvcache.bench vllm-shared", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_shared", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a short run: 2 rounds (the sizes of the target)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (>= 5 for a figure)")
@@ -94,7 +95,7 @@ def sizes(a: argparse.Namespace, model: ModelSpec) -> dict[str, float]:
             "disk_gb": 1.5 * per_round * (a.rounds + a.warmup) + 0.1}  # fmt: skip
 
 
-class Daemon:
+class RoundDaemon:
     """The daemon over one disk directory and one socket directory, restarted between the
     store and the timed phase of each round (so its L1 starts empty)."""
 
@@ -155,7 +156,7 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
                               kv_cache_mb=int(size["kv_cache_mb"]), name=m)  # fmt: skip
     raw: dict[str, Any] = {"model": model.label(), "sizes": size, "rounds": []}
     env["KVCACHE_RUNTIME_DIR"] = str(runtime)  # the connector's default: the Unix socket there
-    daemon = Daemon(flags, str(runtime), disk)
+    daemon = RoundDaemon(flags, str(runtime), disk)
     try:
         with engines(python, specs, env, work, a.timeout) as (running, ready):
             raw["ready"] = msgspec.to_builtins(ready)
@@ -170,7 +171,7 @@ def run(a: argparse.Namespace, python: str, work: Path) -> dict[str, Any]:
     return raw
 
 
-def _round(a: argparse.Namespace, r: int, running: dict[str, EngineProcess], daemon: Daemon,
+def _round(a: argparse.Namespace, r: int, running: dict[str, EngineProcess], daemon: RoundDaemon,
            ids: set[int]) -> dict[str, Any]:  # fmt: skip
     """One round (module docstring): store, restart, then each mode's lone and group runs."""
     lone_seed, group_seed = 2 * r + 1, 2 * r + 2
@@ -227,3 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["build_parser", "main", "parse_args", "sizes"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.bench import sglang as bench
+from benchmarks import sglang as bench
 from tests.helpers import bench_quick_run
 
 REPO = Path(__file__).resolve().parents[2]

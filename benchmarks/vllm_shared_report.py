@@ -1,4 +1,4 @@
-"""The figures of ``python -m kvcache.bench vllm-shared``, derived from its raw rounds.
+"""The figures of ``python -m benchmarks.vllm_shared``, derived from its raw rounds.
 
 Separate from the run so that every figure comes from one place and is testable without vLLM.
 Ratios are within one round (the runs seconds apart): each mode's group TTFT p50 over its own
@@ -12,7 +12,7 @@ import statistics
 from itertools import combinations
 from typing import Any
 
-from kvcache.bench.vllm_report import _fmt, _range, _spread
+from benchmarks.vllm_report import _fmt, _range, _spread
 from kvcache.bench.workload_report import _median, _ratio
 
 TARGET = 1.3

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import msgspec
 
-import kvcache
-from kvcache.bench.vllm_messages import Command, EngineSpec, Failed, ModelSpec, Quit, Ready, Reply
+from benchmarks.vllm_messages import Command, EngineSpec, Failed, ModelSpec, Quit, Ready, Reply
 
-REPO = Path(kvcache.__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: scripts/ lives there
 
 
 def find_vllm_python() -> str:
@@ -35,16 +34,24 @@ def find_vllm_python() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def with_checkout(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with this checkout first on ``PYTHONPATH``: the drivers run in the engine's venv
+    (from ``/``) and import ``benchmarks`` and ``kvcache`` from here, whichever checkout the
+    venv was linked to."""
+    path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path}
+
+
 def engine_env(torch_threads: int) -> dict[str, str]:
     """The engines' environment: in-process engine core, offline, ``torch_threads`` for torch."""
-    return dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-                OMP_NUM_THREADS=str(torch_threads))  # fmt: skip
+    return with_checkout(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+                              OMP_NUM_THREADS=str(torch_threads)))  # fmt: skip
 
 
 def make_model(python: str, model: ModelSpec, work: Path, env: Mapping[str, str]) -> Path:
     """The seeded random model of ``model`` under ``work`` (built once, by the vLLM venv)."""
     model_dir = work / f"model-{model.layers}x{model.hidden}-{model.heads}h{model.kv_heads}kv"
-    subprocess.run([python, "-m", "kvcache.bench.vllm_driver", "make-model", "--dir", str(model_dir),
+    subprocess.run([python, "-m", "benchmarks.vllm_driver", "make-model", "--dir", str(model_dir),
                     "--spec", msgspec.json.encode(model).decode()], check=True, env=dict(env), cwd="/",
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
     return model_dir
@@ -58,7 +65,7 @@ class EngineProcess:
         read_fd, write_fd = os.pipe()
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
-        argv = [python, "-m", "kvcache.bench.vllm_driver", "serve",
+        argv = [python, "-m", "benchmarks.vllm_driver", "serve",
                 "--spec", msgspec.json.encode(spec).decode(), "--reply-fd", str(write_fd)]  # fmt: skip
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=self._log,

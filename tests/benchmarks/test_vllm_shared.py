@@ -1,4 +1,4 @@
-"""``python -m kvcache.bench vllm-shared`` without vLLM: arguments, sizes, prompts, the figures.
+"""``python -m benchmarks.vllm_shared`` without vLLM: arguments, sizes, prompts, the figures.
 
 A real run needs the vLLM venv and minutes: ``test_quick_run`` does one, by hand
 (``KVCACHE_BENCH_QUICK_RUNS=1``), never in CI.
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvcache.bench import vllm_shared as bench
-from kvcache.bench.vllm_messages import ModelSpec, SharedPrefix
-from kvcache.bench.vllm_shared_driver import prompts
-from kvcache.bench.vllm_shared_report import COUNTERS, summarize, table
+from benchmarks import vllm_shared as bench
+from benchmarks.vllm_messages import ModelSpec, SharedPrefix
+from benchmarks.vllm_shared_driver import prompts
+from benchmarks.vllm_shared_report import COUNTERS, summarize, table
 from tests.helpers import bench_quick_run
 
 

@@ -1,5 +1,5 @@
 """A vLLM KV connector whose every method does nothing: the floor of vLLM's own connector
-plumbing, for ``python -m kvcache.bench vllm --decode-modes none,noop,connector`` (issue 22
+plumbing, for ``python -m benchmarks.vllm --decode-modes none,noop,connector`` (issue 22
 item 4).
 
 vLLM runs extra code in every step once any connector is configured (the per-layer attention

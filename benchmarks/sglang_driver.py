@@ -1,6 +1,6 @@
-"""The SGLang side of ``python -m kvcache.bench sglang``: runs in SGLang's venv, never in kvcache's.
+"""The SGLang side of ``python -m benchmarks.sglang``: runs in SGLang's venv, never in kvcache's.
 
-``python -m kvcache.bench.sglang_driver SPEC_JSON`` measures, on SGLang's own CPU host pools,
+``python -m benchmarks.sglang_driver SPEC_JSON`` measures, on SGLang's own CPU host pools,
 pages per second set and got through each path, and prints one JSON line (``Figures``):
 
 * ``kvcache in place``: a ``layer_first`` pool in kvcache memfds (``shared_pool.install()``), the
@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from kvcache.bench.sglang import Spec
+from benchmarks.sglang import Spec
 from kvcache.integrations.sglang import shared_pool
 from kvcache.integrations.sglang.host import canonical_view
 

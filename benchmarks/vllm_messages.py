@@ -1,4 +1,4 @@
-"""What ``python -m kvcache.bench vllm`` and its vLLM-side driver say to each other.
+"""What ``python -m benchmarks.vllm`` and its vLLM-side driver say to each other.
 
 Separate from both ends because they run in different venvs (the project's and vLLM's): this
 module imports neither vLLM nor torch, so each side imports it as the one definition of the

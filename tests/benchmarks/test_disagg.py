@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.bench import disagg
-from kvcache.bench.disagg_client import Stream, Workload, run
+from benchmarks import disagg
+from benchmarks.disagg_client import Stream, Workload, run
 from tests.helpers import bench_quick_run
 from tests.integrations.vllm.proxy.upstream import Call, FakeVllm
 

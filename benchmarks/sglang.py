@@ -1,4 +1,4 @@
-"""``python -m kvcache.bench sglang``: SGLang HiCache pages through the daemon, against SGLang's
+"""``python -m benchmarks.sglang``: SGLang HiCache pages through the daemon, against SGLang's
 own file backend, on the same machine in one run.
 
 SGLang's third cache tier takes any ``HiCacheStorage``; the one it ships for a single host is
@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,10 +33,9 @@ from typing import Any
 
 import msgspec
 
-import kvcache
 from kvcache.server.launch import DaemonProcess
 
-REPO = Path(kvcache.__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: scripts/ lives there
 RATIOS = {"in place / file, layer_first": ("kvcache in place", "file layer_first"),
           "staged / file, page_first": ("kvcache staged", "file page_first")}  # fmt: skip
 
@@ -56,7 +56,7 @@ class Spec(msgspec.Struct, frozen=True):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvcache.bench sglang", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sglang", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small geometry, 64 pages, one round")
     p.add_argument("--pages", type=int, default=512, help="pages set and got per path and round")
     p.add_argument("--batch", type=int, default=128, help="pages per call (SGLang's controller: 128)")
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     with DaemonProcess(flags) as daemon:
         spec = Spec(daemon.endpoint, a.file_dir, a.pages, a.batch, a.rounds, a.warmup, a.layers, a.heads,
                     a.head_size, a.page_size)  # fmt: skip
-        argv = [python, "-m", "kvcache.bench.sglang_driver", msgspec.json.encode(spec).decode()]
+        argv = [python, "-m", "benchmarks.sglang_driver", msgspec.json.encode(spec).decode()]
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd="/", timeout=3600)
         rc = daemon.stop()
     if proc.returncode != 0:
@@ -146,3 +146,7 @@ def main(argv: list[str]) -> int:
 
 
 __all__ = ["main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
