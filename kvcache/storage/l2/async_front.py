@@ -49,6 +49,7 @@ from kvcache.observability.event import (
     NullEventBus,
 )
 from kvcache.records import ChunkIdentity, ChunkKey
+from kvcache.storage.admission import AdmissionPolicy, AlwaysAdmit
 from kvcache.storage.l2.base import L2Adapter, failure_reason, failure_scope, storage_error
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,11 @@ class AsyncL2:
         retry_interval_s: float = 5.0,
         bus: EventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         self.adapter = adapter
+        self.admission: AdmissionPolicy = admission if admission is not None else AlwaysAdmit()
+        """Which stored (or hit) chunks this tier takes (``kvcache.engine.admission`` asks it)."""
         self.backend = adapter.backend
         self.max_inflight = max_inflight
         self.retry_interval_s = retry_interval_s
@@ -188,6 +192,7 @@ class AsyncL2:
             info.update(self.counters)
             info["inflight"] = dict(self._inflight)
         info["available"] = self.available
+        info["admission"] = self.admission.name
         return info
 
     def close(self) -> None:

@@ -139,6 +139,12 @@ class L2Adapter(ABC):
         except Exception as exc:
             return [exc] * len(keys)
 
+    def victim_for(self, nbytes: int) -> ChunkKey | None:
+        """The chunk this tier would evict to make room for ``nbytes`` more (what an admission
+        policy weighs a candidate against), or None when there is room or the tier cannot say
+        (Redis evicts by itself). Must be cheap: it is asked once per stored chunk."""
+        return None
+
     def info(self) -> dict[str, Any]:
         """JSON-able description for ``CacheEngine.status()``."""
         return {"backend": self.backend}

@@ -242,6 +242,12 @@ class DiskL2Adapter(L2Adapter):
             _unlink(self._rel(key), self._root)
         return len(removed)
 
+    def victim_for(self, nbytes: int) -> ChunkKey | None:
+        with self._lock:
+            if self.used_bytes + nbytes <= self.capacity_bytes:
+                return None
+            return next(iter(self._index), None)
+
     def info(self) -> dict[str, Any]:
         with self._lock:
             return {

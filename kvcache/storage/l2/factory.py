@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from kvcache.config import EngineConfig
 from kvcache.observability.event import EventSink
+from kvcache.storage.admission import AdmissionPolicy, create_admission
 from kvcache.storage.l2.base import EvictionPolicy, L2Adapter
 from kvcache.storage.l2.redis.url import parse_redis_url
 
@@ -58,7 +59,15 @@ EVICTION_POLICIES.register("lru", "kvcache.storage.l1.lru", "LRUPolicy")
 
 
 def create_policy(name: str = "lru") -> EvictionPolicy:
+    """A fresh eviction policy by name (``EngineConfig.l1_eviction``, ``l2_disk_eviction``)."""
     return EVICTION_POLICIES.create(name)
+
+
+def admission_for(config: EngineConfig, backend: str) -> AdmissionPolicy:
+    """The admission policy ``config`` names for the tier of ``backend`` (a fresh one per
+    tier: each counts its own sightings)."""
+    name = config.l2_disk_admission if backend == "disk" else config.l2_redis_admission
+    return create_admission(name, config.l2_admission_window)
 
 
 def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adapter]:
@@ -89,4 +98,4 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
     return tiers
 
 
-__all__ = ["EVICTION_POLICIES", "L2_ADAPTERS", "create_policy", "l2_adapters_from_config"]
+__all__ = ["EVICTION_POLICIES", "L2_ADAPTERS", "admission_for", "create_policy", "l2_adapters_from_config"]

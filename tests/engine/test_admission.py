@@ -1,0 +1,87 @@
+"""L2 admission through the engine: what a store writes, what a hit promotes, what is declined."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcache.config import EngineConfig
+from kvcache.engine import CacheEngine
+from kvcache.errors import ConfigError
+from kvcache.layouts import KVFormat
+from kvcache.observability.event import EventType
+from kvcache.testing import caches_equal, make_kv_caches
+from tests.helpers import RecordingSink as Sink
+
+BS, CS = 16, 32
+FMT = KVFormat.NL_X_NB_TWO_BS_NH_HS
+TOKENS = list(range(500, 500 + 8 * BS))  # 4 chunks
+IDS = list(range(8))
+
+
+def engine(sink: Sink | None = None, **kw: Any) -> CacheEngine:
+    cfg = EngineConfig(chunk_size=CS, l1_size_bytes=1 << 22, l1_extent_bytes=1 << 16, **kw)
+    return CacheEngine(cfg, bus=sink)
+
+
+def reg(e: CacheEngine, iid: int, seed: int) -> Any:
+    caches = make_kv_caches(FMT, num_blocks=8, block_size=BS, seed=seed)
+    e.register(iid, "m", caches)
+    return caches
+
+
+def disk_chunks(e: CacheEngine) -> int:
+    assert e.flush(10)
+    n: int = e.status()["l2"][0]["num_chunks"]
+    return n
+
+
+def test_always_writes_every_stored_chunk(tmp_path: Path) -> None:
+    sink = Sink()
+    with engine(sink, l2_disk_path=str(tmp_path)) as e:
+        reg(e, 1, seed=1)
+        e.store(1, TOKENS, IDS)
+        assert disk_chunks(e) == 4
+        assert not sink.of(EventType.L2_STORE_DECLINED)
+        assert e.status()["l2"][0]["admission"] == "always"
+
+
+@pytest.mark.parametrize("policy", ["second-hit", "tinylfu"])
+def test_a_chunk_stored_once_stays_off_disk_until_it_is_hit(tmp_path: Path, policy: str) -> None:
+    sink = Sink()
+    with engine(sink, l2_disk_path=str(tmp_path), l2_disk_admission=policy) as a:
+        src = reg(a, 1, seed=1)
+        a.store(1, TOKENS, IDS)
+        assert disk_chunks(a) == 0  # one sighting: nothing written
+        (declined,) = sink.of(EventType.L2_STORE_DECLINED)
+        assert declined.metadata.backend == "disk" and declined.metadata.policy == policy
+        assert len(declined.metadata.keys) == 4 and declined.metadata.num_bytes > 0
+        reg(a, 2, seed=2)
+        assert a.retrieve(2, TOKENS, IDS) == 128  # the second sighting: an L1 hit
+        assert disk_chunks(a) == 4
+        assert a.retrieve(2, TOKENS, IDS) == 128  # a third: nothing new to write
+        assert disk_chunks(a) == 4
+        stored = sum(len(ev.metadata.keys) for ev in sink.of(EventType.L2_STORE_FINISHED))
+        assert stored == 4
+    with engine(l2_disk_path=str(tmp_path), l2_disk_admission=policy) as b:  # promoted = durable
+        dst = reg(b, 3, seed=3)
+        assert b.retrieve(3, TOKENS, IDS) == 128 and caches_equal(src, dst)
+
+
+def test_second_hit_writes_a_chunk_stored_twice(tmp_path: Path) -> None:
+    with engine(l2_disk_path=str(tmp_path), l2_disk_admission="second-hit") as e:
+        reg(e, 1, seed=1)
+        e.store(1, TOKENS, IDS)
+        assert disk_chunks(e) == 0
+        e._pool.clear()  # L1 lost them; the next store is their second sighting
+        e.store(1, TOKENS, IDS)
+        assert disk_chunks(e) == 4
+
+
+def test_a_bad_admission_name_is_refused() -> None:
+    with pytest.raises(ConfigError, match="l2_disk_admission must be one of"):
+        EngineConfig(l2_disk_admission="often")
+    with pytest.raises(ConfigError, match="l2_admission_window"):
+        EngineConfig(l2_admission_window=0)
