@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 #: L2 admission policies (``kvcache.storage.admission``), by the name flags and config use.
 ADMISSION_NAMES = ("always", "second-hit", "tinylfu")
-#: Eviction policies of L1 and the disk tier (``kvcache.storage.eviction``), by name.
+#: Eviction policies of L1 and the disk tier (``kvcache.storage.l2.factory.EVICTION_POLICIES``).
 EVICTION_NAMES = ("lru", "s3fifo")
 
 

@@ -80,6 +80,15 @@ def test_second_hit_writes_a_chunk_stored_twice(tmp_path: Path) -> None:
         assert disk_chunks(e) == 4
 
 
+def test_s3fifo_l1_serves_what_it_stored() -> None:
+    with engine(l1_eviction="s3fifo") as e:
+        src = reg(e, 1, seed=1)
+        e.store(1, TOKENS, IDS)
+        dst = reg(e, 2, seed=2)
+        assert e.retrieve(2, TOKENS, IDS) == 128 and caches_equal(src, dst)
+        assert e.status()["l1"]["evictable_chunks"] == 4
+
+
 def test_a_bad_admission_name_is_refused() -> None:
     with pytest.raises(ConfigError, match="l2_disk_admission must be one of"):
         EngineConfig(l2_disk_admission="often")

@@ -7,9 +7,9 @@ Slots come from the ``SlabAllocator`` (``slab``: one slab per slot shape, grown 
 when it is full, extents left wholly free by another slot shape are released first, then the LRU
 victims (of any slot shape) evicted.
 
-Eviction is LRU with one twist for prefixes: the chunks of one operation are marked used tail
-first, so the head of a prompt is the most recent and the tail leaves first (a prefix cache that
-lost its first chunk has lost everything after it).
+Eviction is the policy's (``--l1-eviction``: LRU, or S3-FIFO), with one twist for prefixes: the
+chunks of one operation are marked used tail first, so under LRU the head of a prompt is the
+most recent and the tail leaves first (a prefix that lost its first chunk lost everything).
 
 Entries (``entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
 evicted: the policy only ever holds READY, unpinned keys. This module holds the operations

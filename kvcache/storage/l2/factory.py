@@ -56,6 +56,7 @@ L2_ADAPTERS.register("redis-cluster", "kvcache.storage.l2.redis.cluster", "Redis
 
 EVICTION_POLICIES: _Registry[EvictionPolicy] = _Registry("eviction policy", EvictionPolicy)
 EVICTION_POLICIES.register("lru", "kvcache.storage.l1.lru", "LRUPolicy")
+EVICTION_POLICIES.register("s3fifo", "kvcache.storage.l1.s3fifo", "S3FIFOPolicy")
 
 
 def create_policy(name: str = "lru") -> EvictionPolicy:
