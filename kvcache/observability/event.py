@@ -43,6 +43,7 @@ class EventType(enum.Enum):
     L2_STORE_DECLINED = "l2.store.declined"
     L2_LOAD_FINISHED = "l2.load.finished"
     L2_LOAD_FAILED = "l2.load.failed"
+    L2_CHECKSUM_FAILED = "l2.checksum.failed"
     L2_KEYS_EVICTED = "l2.keys.evicted"
     L2_KEYS_FOUND = "l2.keys.found"
     L2_CLEARED = "l2.cleared"
@@ -176,6 +177,13 @@ class L2StoreFailed(L2Meta, frozen=True, gc=False):
     reason: str
 
 
+class L2ChecksumFailed(L2Meta, frozen=True, gc=False):
+    """A chunk whose bytes did not match its checksum: removed, a miss (never served)."""
+
+    keys: list[ChunkKey]
+    detail: str
+
+
 class L2StoreDeclined(L2Meta, frozen=True, gc=False):
     """Stored chunks the tier's admission policy did not take (``kvcache.storage.admission``)."""
 
@@ -244,6 +252,7 @@ EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
         EventType.L2_STORE_DECLINED: L2StoreDeclined,
         EventType.L2_LOAD_FINISHED: L2LoadFinished,
         EventType.L2_LOAD_FAILED: L2LoadFailed,
+        EventType.L2_CHECKSUM_FAILED: L2ChecksumFailed,
         EventType.L2_KEYS_EVICTED: L2KeysEvicted,
         EventType.L2_KEYS_FOUND: L2KeysFound,
         EventType.L2_CLEARED: L2Cleared,
@@ -347,6 +356,7 @@ __all__ = [
     "L1KeysEvicted",
     "L1ReadFinished",
     "L1WriteFinished",
+    "L2ChecksumFailed",
     "L2Cleared",
     "L2KeysEvicted",
     "L2KeysFound",

@@ -38,10 +38,12 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
+from kvcache.errors import ChecksumMismatchError
 from kvcache.observability.event import (
     Event,
     EventSink,
     EventType,
+    L2ChecksumFailed,
     L2LoadFailed,
     L2LoadFinished,
     L2StoreFailed,
@@ -371,6 +373,9 @@ class AsyncL2:
         else:
             loaded = L2LoadFailed(backend=self.backend, keys=[key], reason=reason)
             self._bus.publish(Event(EventType.L2_LOAD_FAILED, loaded))
+            if isinstance(exc, ChecksumMismatchError):  # also its own series: never served
+                bad = L2ChecksumFailed(backend=self.backend, keys=[key], detail=str(exc))
+                self._bus.publish(Event(EventType.L2_CHECKSUM_FAILED, bad))
         self._log_failure(exc, op, "L2 %s %s of %032x failed (%s): %s", self.backend, op, key, reason, exc)
 
     def _complete(self, op: str, job: _Job, ok: bool) -> None:

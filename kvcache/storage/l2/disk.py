@@ -7,7 +7,13 @@ rebuilt by scanning the directory) and never hands back a damaged chunk (header 
 Atomicity: a chunk is written to a temp file in its final directory and ``os.replace``d into
 place, so a reader sees the whole record or none (a crash leaves only ``*.tmp`` files, removed
 on the next start). No fsync: this is a cache; after a power loss a torn file fails its CRC and
-is dropped like any other corrupt record.
+is dropped like any other corrupt record. Integrity lives twice: the payload's CRC32 is in the
+record's header *and* in the tier's metadata (the file name, kept in the index), and a read
+serves a chunk only when the header, the index and the payload agree; a mismatch raises
+``ChecksumMismatchError`` (a miss, counted in ``kvcache_l2_checksum_failures_total``) and the
+file is removed. A restart rebuilds the index from whole, consistent files only
+(``disk_files.scan_subdir``). Which file leaves first is the ``EvictionPolicy``'s (LRU, or
+S3-FIFO: ``--l2-disk-eviction``).
 
 Privacy and trust: cached KV is as sensitive as the prompts it came from, and a chunk file
 another user could replace is served as KV (its CRC is no MAC). So the tier directory and each
@@ -26,57 +32,62 @@ space is freed, and every ``_PROBE_EVERY`` writes otherwise (someone else may fi
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import logging
 import os
 import shutil
-import stat
 import threading
+import time
 import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import torch
 
-from kvcache.errors import CorruptChunkError
+from kvcache.errors import ChecksumMismatchError, CorruptChunkError
 from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventBus
 from kvcache.records import ChunkIdentity, ChunkKey
+from kvcache.storage.l1.lru import LRUPolicy
 from kvcache.storage.l2 import codec
-from kvcache.storage.l2.base import Announce, L2Adapter, StoreItem, storage_error
-from kvcache.trusted_dir import check_mode, open_private_dir
+from kvcache.storage.l2.base import Announce, EvictionPolicy, L2Adapter, StoreItem, storage_error
+from kvcache.storage.l2.disk_files import WHAT, Found, open_record, rel_name, scan_subdir, unlink
+from kvcache.trusted_dir import open_private_dir
 
-_SUFFIX = ".kvc"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_EVERY = 64
-_WHAT = "disk tier (--l2-disk-path)"
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO planted there never blocks
 log = logging.getLogger(__name__)
 
 
 class DiskL2Adapter(L2Adapter):
-    """Chunk files under ``path``; at most ``size_bytes`` of them (LRU beyond that)."""
+    """Chunk files under ``path``; at most ``size_bytes`` of them (``policy`` picks who leaves)."""
 
     backend = "disk"
     keeps_meta = True
 
-    def __init__(self, path: str, size_bytes: int, bus: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        size_bytes: int,
+        bus: EventSink | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         self.path = os.path.abspath(path)
         self.size_bytes = size_bytes
         self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._lock = threading.Lock()
-        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._index: dict[ChunkKey, tuple[int, int]] = {}  # key -> (file bytes, payload CRC32)
+        self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self.recovery: dict[str, float] = {}
+        """What the last start's scan found: files kept, damaged files removed, seconds."""
         self.used_bytes = 0
         self.capacity_bytes = size_bytes
         """The bound in force: ``size_bytes``, or less while the disk has less free."""
         self._writes = 0
         self._full_logged = False
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._root = open_private_dir(self.path, _WHAT)
+        self._root = open_private_dir(self.path, WHAT)
         """Every file is reached relative to this descriptor of the checked directory."""
         weakref.finalize(self, os.close, self._root)  # never while a method may still use it
         self._subdirs: set[str] = set()
@@ -104,24 +115,25 @@ class DiskL2Adapter(L2Adapter):
         """``store``, with ``meta`` in the record's header (``codec``, version 2)."""
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
+                self._policy.touch(key)
                 if announce is not None:
                     announce(0)
                 return 0
         payload = codec.tensor_bytes(chunk)
         header = codec.encode_header(key, chunk, payload, meta)
+        crc = codec.decode_header(header).crc32
         size = len(header) + len(payload)
         if size > self.size_bytes:
             raise storage_error(f"chunk of {size} bytes exceeds the disk tier ({self.size_bytes})", "io")
         try:
-            self._write(key, header, payload, size, announce)
+            self._write(key, crc, header, payload, size, announce)
         except OSError as err:
             if err.errno not in _FULL:  # EFBIG: this file is too big, evicting will not help
                 reason = "full" if err.errno == errno.EFBIG else "io"
                 raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
             self._shrink_to_disk(size)  # evict our oldest chunks, bound ourselves by the disk
             try:
-                self._write(key, header, payload, size, announce)
+                self._write(key, crc, header, payload, size, announce)
             except OSError as again:
                 reason = "full" if again.errno in (*_FULL, errno.EFBIG) else "io"
                 raise storage_error(f"disk write of {key:032x} failed: {again}", reason) from again
@@ -129,9 +141,15 @@ class DiskL2Adapter(L2Adapter):
         return size
 
     def _write(
-        self, key: ChunkKey, header: bytes, payload: memoryview, size: int, announce: Announce | None
+        self,
+        key: ChunkKey,
+        crc: int,
+        header: bytes,
+        payload: memoryview,
+        size: int,
+        announce: Announce | None,
     ) -> None:
-        final = self._rel(key)
+        final = rel_name(key, crc)
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             self._subdir(final[:2])
@@ -151,9 +169,15 @@ class DiskL2Adapter(L2Adapter):
             # NOTE: rename, index, events and evictions happen under one lock, so the index,
             # the files and the published events agree even with several writer threads.
             with self._lock:
-                os.replace(tmp, final, src_dir_fd=self._root, dst_dir_fd=self._root)
-                if key not in self._index:
-                    self._index[key] = size
+                there = self._index.get(key)
+                if there is not None and there[1] != crc:  # stored meanwhile, other bytes: keep it
+                    unlink(tmp, self._root)
+                    size = 0
+                else:
+                    os.replace(tmp, final, src_dir_fd=self._root, dst_dir_fd=self._root)
+                if there is None:
+                    self._index[key] = (size, crc)
+                    self._policy.add(key)
                     self.used_bytes += size
                 if announce is not None:
                     announce(size)
@@ -162,7 +186,7 @@ class DiskL2Adapter(L2Adapter):
                     self._probe_capacity(0)
                 self._evict_over_limit()
         except BaseException:
-            _unlink(tmp, self._root)
+            unlink(tmp, self._root)
             raise
 
     def _shrink_to_disk(self, need: int) -> None:
@@ -194,13 +218,19 @@ class DiskL2Adapter(L2Adapter):
 
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
         with self._lock:
-            if key not in self._index:
+            there = self._index.get(key)
+            if there is None:
                 return False
-            self._index.move_to_end(key)
+            self._policy.touch(key)
+        crc = there[1]
         try:
-            with self._open(key) as f:
+            with open_record(rel_name(key, crc), self._root, self._file(key)) as f:
                 head = f.read(codec.MAX_HEADER)
                 header = codec.decode_header(head)
+                if header.crc32 != crc:
+                    raise ChecksumMismatchError(
+                        f"record checksum {header.crc32:08x}, tier metadata {crc:08x}"
+                    )
                 codec.check_fits(header, key, out)
                 buf = codec.out_buffer(out)
                 if header.header_len > len(head):  # a long meta: the payload starts further on
@@ -221,7 +251,7 @@ class DiskL2Adapter(L2Adapter):
                     raise CorruptChunkError(
                         f"file holds {filled}+ payload bytes, header says {header.nbytes}"
                     )
-                codec.check_payload(header, buf)
+                codec.check_payload(header, buf)  # the payload against the record's CRC = the index's
         except FileNotFoundError:  # deleted behind our back: a miss
             self._forget([key])
             return False
@@ -238,15 +268,15 @@ class DiskL2Adapter(L2Adapter):
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         removed = self._forget(keys)
-        for key in removed:
-            _unlink(self._rel(key), self._root)
+        for key, crc in removed:
+            unlink(rel_name(key, crc), self._root)
         return len(removed)
 
     def victim_for(self, nbytes: int) -> ChunkKey | None:
         with self._lock:
             if self.used_bytes + nbytes <= self.capacity_bytes:
                 return None
-            return next(iter(self._index), None)
+            return self._policy.victim()
 
     def info(self) -> dict[str, Any]:
         with self._lock:
@@ -257,108 +287,67 @@ class DiskL2Adapter(L2Adapter):
                 "used_bytes": self.used_bytes,
                 "capacity_bytes": self.capacity_bytes,
                 "configured_bytes": self.size_bytes,
+                "recovery": dict(self.recovery),
             }
 
     # -- internals ------------------------------------------------------------------------
     def _file(self, key: ChunkKey) -> str:
-        """The chunk's file, as a path (for messages and tests; the adapter uses ``_rel``)."""
-        return os.path.join(self.path, self._rel(key))
-
-    @staticmethod
-    def _rel(key: ChunkKey) -> str:
-        """The chunk's file relative to the tier directory: ``ab/ab12...ef.kvc``."""
-        name = f"{key:032x}"
-        return f"{name[:2]}/{name}{_SUFFIX}"
+        """The chunk's file, as a path (for messages and tests; the adapter uses ``rel_name``)."""
+        there = self._index.get(key)
+        return os.path.join(self.path, rel_name(key, there[1] if there is not None else 0))
 
     def _subdir(self, name: str) -> None:
         """Make ``name`` (or check it once, if it exists) a private directory of ours."""
         if name not in self._subdirs:
             shown = os.path.join(self.path, name)
-            os.close(open_private_dir(name, f"{_WHAT} subdirectory", self._root, shown))
+            os.close(open_private_dir(name, f"{WHAT} subdirectory", self._root, shown))
             self._subdirs.add(name)
 
-    def _open(self, key: ChunkKey) -> io.FileIO:
-        """The chunk's file for reading; a symlink there (``O_NOFOLLOW``: ELOOP), or anything
-        but a regular file (a FIFO would block its reader for good), is corrupt."""
-        try:
-            fd = os.open(self._rel(key), _READ, dir_fd=self._root)
-        except OSError as err:
-            if err.errno != errno.ELOOP:
-                raise
-            raise CorruptChunkError(f"{self._file(key)} is a symlink, not a chunk file") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptChunkError(f"{self._file(key)} is not a regular file")
-        return open(fd, "rb", buffering=0)
-
     def _scan(self) -> None:
-        """Rebuild the index from the files present, oldest modification first (LRU order)."""
-        found: list[tuple[float, ChunkKey, int]] = []
+        """Rebuild the index from the whole, consistent files present, oldest modification
+        first (the policy's insertion order); damaged ones are removed (``disk_files``)."""
+        start = time.perf_counter()
+        found: list[Found] = []
+        dropped = 0
         with os.scandir(self._root) as entries:
             subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()]
         for name in subdirs:
             self._subdir(name)  # raises for a symlink or a directory another user could write
-            found += self._scan_subdir(name)
-        found.sort()
+            kept, bad = scan_subdir(self._root, name, self.path)
+            found += kept
+            dropped += bad
+        found.sort(key=lambda f: (f.mtime, f.key))
+        metas: dict[ChunkKey, bytes] = {}
         with self._lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self.used_bytes += size
+            for f in found:
+                if f.key in self._index:  # two names for one key: the newer stays
+                    old_size, old_crc = self._index.pop(f.key)
+                    self._policy.discard(f.key)
+                    self.used_bytes -= old_size
+                    unlink(rel_name(f.key, old_crc), self._root)
+                self._index[f.key] = (f.size, f.crc)
+                self._policy.add(f.key)
+                self.used_bytes += f.size
+                metas[f.key] = f.meta
             self._evict_over_limit()  # the limit may have shrunk since last run
             keys = list(self._index)
             used = self.used_bytes
+        self.recovery = {"files": len(keys), "dropped": dropped, "seconds": time.perf_counter() - start}
+        if dropped:
+            log.warning("disk tier %s: removed %d damaged chunk files at start", self.path, dropped)
         if keys:  # tell holdings trackers (KV events) what survived the restart, and as what
-            identities = [] if isinstance(self._bus, NullEventBus) else [self._identity(k) for k in keys]
+            identities = [] if isinstance(self._bus, NullEventBus) else [_identity(metas[k]) for k in keys]
             meta = L2KeysFound(backend=self.backend, keys=keys, num_bytes=used, identities=identities)
             self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 
-    def _scan_subdir(self, name: str) -> list[tuple[float, ChunkKey, int]]:
-        """(mtime, key, size) of the chunk files in one (checked) subdirectory; refuses one
-        that is not a regular file of ours closed to others, removes crashed writes."""
-        found: list[tuple[float, ChunkKey, int]] = []
-        fd = os.open(name, _READ | os.O_DIRECTORY, dir_fd=self._root)
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    if entry.name.endswith(".tmp"):
-                        _unlink(entry.name, fd)  # a write interrupted by a crash
-                        continue
-                    if not entry.name.endswith(_SUFFIX):
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                    shown = os.path.join(self.path, name, entry.name)
-                    check_mode(st, shown, os.getuid(), f"{_WHAT} chunk file", stat.S_IFREG)
-                    try:
-                        key = int(entry.name[: -len(_SUFFIX)], 16)
-                    except ValueError:
-                        continue
-                    found.append((st.st_mtime, key, st.st_size))
-        finally:
-            os.close(fd)
-        return found
-
-    def _identity(self, key: ChunkKey) -> ChunkIdentity | None:
-        """How KV events announced ``key`` before the restart (its file's meta); None for a
-        file without one (written by an older build) or one that cannot be read."""
-        try:
-            with self._open(key) as f:
-                head = f.read(codec.MAX_HEADER)
-                header = codec.decode_header(head)
-                if header.header_len > len(head):
-                    head += f.read(header.header_len - len(head))
-                meta = codec.decode_meta(head, header)
-            return msgspec.msgpack.decode(meta, type=ChunkIdentity) if meta else None
-        except (OSError, CorruptChunkError, msgspec.DecodeError) as exc:
-            log.debug("disk tier %s: no identity for %032x: %s", self.path, key, exc)
-            return None
-
     def _evict_over_limit(self) -> None:
-        """Drop least-recently-used files until the tier fits; the caller holds the lock."""
+        """Drop the policy's victims until the tier fits; the caller holds the lock."""
         evicted: list[tuple[ChunkKey, int]] = []
-        while self.used_bytes > self.capacity_bytes and self._index:
-            key, size = self._index.popitem(last=False)
+        while self.used_bytes > self.capacity_bytes and (key := self._policy.victim()) is not None:
+            size, crc = self._index.pop(key)
+            self._policy.discard(key)
             self.used_bytes -= size
-            _unlink(self._rel(key), self._root)
+            unlink(rel_name(key, crc), self._root)
             evicted.append((key, size))
         if evicted:
             meta = L2KeysEvicted(
@@ -368,17 +357,29 @@ class DiskL2Adapter(L2Adapter):
             )
             self._bus.publish(Event(EventType.L2_KEYS_EVICTED, meta))
 
-    def _forget(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+    def _forget(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, int]]:
+        """Drop ``keys`` from the index; (key, crc) of those that were there."""
+        removed: list[tuple[ChunkKey, int]] = []
         with self._lock:
-            removed = [k for k in keys if k in self._index]
-            for key in removed:
-                self.used_bytes -= self._index.pop(key)
+            for key in keys:
+                there = self._index.pop(key, None)
+                if there is not None:
+                    self._policy.discard(key)
+                    self.used_bytes -= there[0]
+                    removed.append((key, there[1]))
         return removed
 
 
-def _unlink(path: str, dir_fd: int) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path, dir_fd=dir_fd)
+def _identity(meta: bytes) -> ChunkIdentity | None:
+    """How KV events announced a chunk before the restart (its file's meta); None for a file
+    without one (written by an older build, or promoted by a hit) or one that does not decode."""
+    if not meta:
+        return None
+    try:
+        return msgspec.msgpack.decode(meta, type=ChunkIdentity)
+    except msgspec.DecodeError as exc:
+        log.debug("disk tier: undecodable chunk identity: %s", exc)
+        return None
 
 
 __all__ = ["DiskL2Adapter"]

@@ -78,7 +78,11 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
     if config.l2_disk_path is not None:
         tiers.append(
             L2_ADAPTERS.create(
-                "disk", path=config.l2_disk_path, size_bytes=config.l2_disk_size_bytes, bus=bus
+                "disk",
+                path=config.l2_disk_path,
+                size_bytes=config.l2_disk_size_bytes,
+                bus=bus,
+                policy=create_policy(config.l2_disk_eviction),
             )
         )
     if config.l2_redis_url is not None:

@@ -60,3 +60,12 @@ def test_declined_chunks_and_bytes_per_backend(bus: EventBus, registry: Collecto
     assert v("kvcache_l2_declined_chunks_total", DISK) == 3
     assert v("kvcache_l2_declined_bytes_total", DISK) == 3072
     assert v("kvcache_l2_store_bytes_total", DISK) == 0  # declined is not written
+
+
+def test_checksum_failures_per_backend(bus: EventBus, registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    bus.register_subscriber(L2MetricsSubscriber(registry, backends=["disk"]))
+    assert v("kvcache_l2_checksum_failures_total", DISK) == 0
+    bus.publish(event(EventType.L2_CHECKSUM_FAILED, {"backend": "disk", "keys": [4], "detail": "payload"}))
+    assert bus.flush(5)
+    assert v("kvcache_l2_checksum_failures_total", DISK) == 1
