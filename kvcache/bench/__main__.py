@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "shared": ("kvcache.bench.shared_prefix", "main", "N requests sharing a prefix on disk, at once"),
     "pipeline": ("kvcache.bench.pipeline", "main", "small retrieve after a large store: window 1 vs N"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
+    "trace": ("kvcache.bench.workload_trace", "main", "one chat trace per L2 admission/eviction policy"),
     "vllm": ("kvcache.bench.vllm", "main", "vLLM end to end: decode tokens/s and loaded-prefix TTFT"),
     "vllm-shared": ("kvcache.bench.vllm_shared", "main", "vLLM: 8 requests sharing a disk-only prefix, TTFT"),
     "sglang": ("kvcache.bench.sglang", "main", "SGLang HiCache pages/s: daemon vs its file backend"),

@@ -141,7 +141,11 @@ class FrequencySketch:
 class TinyLFUAdmission(AdmissionPolicy):
     """Admit over the would-be victim only if sighted more often (TinyLFU), never on a first
     sighting (doorkeeper); with no victim (room in the tier, or a tier that cannot say), a
-    chunk sighted twice is admitted."""
+    chunk sighted twice is admitted.
+
+    A hit promotes a chunk the first time it wins (it may lose to the victim on its second
+    sighting and win on its third); the last ``window`` chunks admitted are remembered so a
+    chunk already written is not written again on its next hits."""
 
     name = "tinylfu"
 
@@ -149,21 +153,28 @@ class TinyLFUAdmission(AdmissionPolicy):
         if window <= 0:
             raise ConfigError(f"admission window must be a positive integer, got {window!r}")
         self._sketch = FrequencySketch(window)
+        self._written: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._window = window
         self._lock = threading.Lock()
 
-    def _decide(self, est: int, victim: ChunkKey | None) -> bool:
-        if est < 2:
+    def _decide(self, key: ChunkKey, est: int, victim: ChunkKey | None) -> bool:
+        if est < 2 or (victim is not None and est <= self._sketch.estimate(victim)):
             return False
-        return victim is None or est > self._sketch.estimate(victim)
+        written = self._written
+        written[key] = None
+        written.move_to_end(key)
+        if len(written) > self._window:
+            written.popitem(last=False)
+        return True
 
     def on_store(self, key: ChunkKey, victim: ChunkKey | None) -> bool:
         with self._lock:
-            return self._decide(self._sketch.increment(key), victim)
+            return self._decide(key, self._sketch.increment(key), victim)
 
     def on_hit(self, key: ChunkKey, victim: ChunkKey | None) -> bool:
         with self._lock:
             est = self._sketch.increment(key)
-            return est == 2 and self._decide(est, victim)
+            return key not in self._written and self._decide(key, est, victim)
 
     def estimate(self, key: ChunkKey) -> int:
         with self._lock:

@@ -73,6 +73,16 @@ def test_tinylfu_doorkeeper_then_frequency_against_the_victim() -> None:
     assert p.on_hit(9, None) is False
 
 
+def test_tinylfu_hit_that_loses_to_the_victim_can_win_on_a_later_hit() -> None:
+    p = TinyLFUAdmission(window=1 << 10)
+    for _ in range(2):
+        p.on_store(50, None)  # the victim: sighted twice
+    assert not p.on_store(1, 50)  # first sighting
+    assert not p.on_hit(1, 50)  # second: a tie with the victim is not enough
+    assert p.on_hit(1, 50)  # third: more frequent, written now
+    assert not p.on_hit(1, 50)  # and not again
+
+
 def test_unknown_policy_and_bad_window_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="unknown L2 admission policy 'lfu'"):
         create_admission("lfu")
