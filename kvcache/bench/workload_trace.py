@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engine")
     e.add_argument("--chunk-size", type=int, default=64, help="tokens per chunk (32 KiB each here)")
-    e.add_argument("--l1-mb", type=float, default=8.0)
-    e.add_argument("--l2-mb", type=float, default=24.0)
+    e.add_argument("--l1-mb", type=float, default=16.0)
+    e.add_argument("--l2-mb", type=float, default=16.0)
     e.add_argument("--window", type=int, default=0,
                    help="--l2-admission-window (default: the disk tier's capacity in chunks)")  # fmt: skip
     p.add_argument("--policies", default=",".join(f"{a}/{e}" for a, e in POLICIES),

@@ -29,7 +29,7 @@ def admitted_on_store(tier: AsyncL2, entries: Sequence[L1Entry], bus: EventSink)
     policy = tier.admission
     if isinstance(policy, AlwaysAdmit):
         return list(entries)
-    victim_for = tier.adapter.victim_for
+    victim_for = tier.adapter.victim_for if policy.uses_victim else _no_victim
     taken: list[L1Entry] = []
     declined: list[L1Entry] = []
     for entry in entries:
@@ -43,6 +43,10 @@ def admitted_on_store(tier: AsyncL2, entries: Sequence[L1Entry], bus: EventSink)
         )
         bus.publish(Event(EventType.L2_STORE_DECLINED, meta))
     return taken
+
+
+def _no_victim(nbytes: int) -> None:
+    return None
 
 
 class HitPromoter:
@@ -69,7 +73,8 @@ class HitPromoter:
             return
         pool = self._pool
         for tier in self._tiers:
-            policy, victim_for = tier.admission, tier.adapter.victim_for
+            policy = tier.admission
+            victim_for = tier.adapter.victim_for if policy.uses_victim else _no_victim
             chosen = [e for e in fresh if policy.on_hit(e.key, victim_for(e.nbytes))]
             if not chosen:
                 continue

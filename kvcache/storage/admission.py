@@ -35,6 +35,9 @@ class AdmissionPolicy(ABC):
     """Decides, per tier, which sighted chunks are written to it. Thread-safe."""
 
     name: str = ""
+    #: Whether decisions weigh the tier's would-be victim (else callers pass None and skip
+    #: asking the tier, which takes its lock).
+    uses_victim: bool = False
 
     @abstractmethod
     def on_store(self, key: ChunkKey, victim: ChunkKey | None) -> bool:
@@ -148,6 +151,7 @@ class TinyLFUAdmission(AdmissionPolicy):
     chunk already written is not written again on its next hits."""
 
     name = "tinylfu"
+    uses_victim = True
 
     def __init__(self, window: int = 1 << 16) -> None:
         if window <= 0:

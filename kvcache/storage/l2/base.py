@@ -7,7 +7,9 @@ Life of a chunk, in call order:
 
 1. ``L1Pool.begin_write`` reserves pinned slots; the engine copies engine blocks into them.
 2. ``L1Pool.finish_write`` makes them visible and tells the ``EvictionPolicy`` (``add``).
-3. ``L2Adapter.store`` runs on an I/O thread (write-through) while the L1 slot stays pinned.
+3. ``L2Adapter.store`` runs on an I/O thread (write-through) while the L1 slot stays pinned,
+   for each tier whose admission policy takes the chunk (``kvcache.storage.admission``; a
+   chunk declined then may be written when an L1 read makes it worth it).
 4. A lookup that misses L1 asks ``L2Adapter.contains``; a hit is prefetched with
    ``L2Adapter.load`` straight into a fresh L1 slot (``L1Pool.begin_load``/``finish_load``).
 5. ``L1Pool`` evicts ``EvictionPolicy.victim()`` when it needs room; the L2 copy stays.
