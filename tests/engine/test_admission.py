@@ -94,3 +94,27 @@ def test_a_bad_admission_name_is_refused() -> None:
         EngineConfig(l2_disk_admission="often")
     with pytest.raises(ConfigError, match="l2_admission_window"):
         EngineConfig(l2_admission_window=0)
+
+
+def test_each_tier_has_its_own_policy_disk_always_redis_second_hit(tmp_path: Path, redis_server: Any) -> None:
+    """Disk takes every chunk at its store; Redis, shared by hosts, only on a hit: a second
+    engine on the same Redis finds nothing until the first engine's chunks were read."""
+    kw = {"l2_redis_url": redis_server.url, "l2_redis_key_prefix": "adm:", "l2_redis_admission": "second-hit"}
+    sink = Sink()
+    with engine(sink, l2_disk_path=str(tmp_path), **kw) as a:
+        src = reg(a, 1, seed=1)
+        a.store(1, TOKENS, IDS)
+        assert a.flush(10)
+        disk, redis = a.status()["l2"]
+        assert (disk["num_chunks"], disk["admission"], redis["admission"]) == (4, "always", "second-hit")
+        (declined,) = sink.of(EventType.L2_STORE_DECLINED)
+        assert declined.metadata.backend == "redis" and len(declined.metadata.keys) == 4
+        with engine(**kw) as b:  # Redis only: nothing there yet
+            reg(b, 2, seed=2)
+            assert b.lookup(2, TOKENS) == 0
+        reg(a, 3, seed=3)
+        assert a.retrieve(3, TOKENS, IDS) == 128  # the hit that promotes them to Redis
+        assert a.flush(10)
+    with engine(**kw) as c:
+        dst = reg(c, 4, seed=4)
+        assert c.retrieve(4, TOKENS, IDS) == 128 and caches_equal(src, dst)
