@@ -17,6 +17,11 @@ from kvcache.errors import ConfigError  # re-exported: its public home before kv
 GiB = 1 << 30
 MiB = 1 << 20
 
+#: L2 admission policies (``kvcache.storage.admission``), by the name flags and config use.
+ADMISSION_NAMES = ("always", "second-hit", "tinylfu")
+#: Eviction policies of L1 and the disk tier (``kvcache.storage.l2.factory.EVICTION_POLICIES``).
+EVICTION_NAMES = ("lru", "s3fifo")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -37,10 +42,22 @@ class EngineConfig:
     quarter of ``l1_size_bytes`` so several chunk geometries can share a small pool)."""
     l1_pin_memory: bool | None = None
     """Pin L1 memory (page-locked). None = pin exactly when CUDA is available (needs a driver)."""
+    l1_eviction: str = "lru"
+    """Which L1 chunk leaves first: ``"lru"`` or ``"s3fifo"`` (``EVICTION_NAMES``)."""
     l2_disk_path: str | None = None
     """Directory of the disk tier; None = no disk tier."""
     l2_disk_size_bytes: int = 16 * GiB
-    """Bound of the disk tier; least recently used files are deleted beyond it."""
+    """Bound of the disk tier; files chosen by ``l2_disk_eviction`` are deleted beyond it."""
+    l2_disk_eviction: str = "lru"
+    """Which disk-tier chunk leaves first: ``"lru"`` or ``"s3fifo"``."""
+    l2_disk_admission: str = "always"
+    """Which stored chunks the disk tier takes (``ADMISSION_NAMES``, see
+    ``kvcache.storage.admission``): ``"always"``, ``"second-hit"`` or ``"tinylfu"``."""
+    l2_redis_admission: str = "always"
+    """The same, for the Redis tier."""
+    l2_admission_window: int = 1 << 16
+    """Chunks an admission policy remembers: ``second-hit``'s window of distinct keys, the
+    width of ``tinylfu``'s sketch (halved every ten times that many sightings)."""
     l2_redis_url: str | None = None
     """``redis://host:port/db`` (or ``rediss://``, ``unix://``) for one server,
     ``redis+cluster://host:port,host:port,...`` for a Redis / Valkey Cluster (docs/cluster.md);
@@ -85,6 +102,15 @@ class EngineConfig:
         _positive_int(self, "l2_max_inflight")
         _positive_int(self, "l2_workers")
         _positive_int(self, "max_report_records")
+        _positive_int(self, "l2_admission_window")
+        for name in ("l2_disk_admission", "l2_redis_admission"):
+            if getattr(self, name) not in ADMISSION_NAMES:
+                known = ", ".join(ADMISSION_NAMES)
+                raise ConfigError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
+        for name in ("l1_eviction", "l2_disk_eviction"):
+            if getattr(self, name) not in EVICTION_NAMES:
+                known = ", ".join(EVICTION_NAMES)
+                raise ConfigError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
         w = self.l1_evict_watermark
         if not isinstance(w, (int, float)) or not (0.0 < w <= 1.0) or math.isnan(w):
             raise ConfigError(f"l1_evict_watermark must be in (0, 1], got {w!r}")
@@ -128,4 +154,4 @@ def _positive_int(cfg: EngineConfig, name: str) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
-__all__ = ["ConfigError", "EngineConfig"]
+__all__ = ["ADMISSION_NAMES", "EVICTION_NAMES", "ConfigError", "EngineConfig"]

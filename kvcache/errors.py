@@ -11,6 +11,7 @@ Each error also derives from the matching builtin, so callers that already catch
     │   └── CudaUnavailableError          a CUDA path on a build or machine without CUDA
     ├── StorageError (RuntimeError)       a tier failed (disk, Redis); translated at the adapter edge
     │   └── CorruptChunkError             a stored chunk failed its header or checksum check
+    │       └── ChecksumMismatchError     its bytes do not match its checksum (record or tier metadata)
     ├── UnknownInstanceError (KeyError)   a request names an instance that never registered
     ├── AccessDeniedError (PermissionError)  a wrong registration token, an unknown peer, a tenant limit
     │   └── UntrustedPathError            a directory, file or socket another user could have planted
@@ -124,6 +125,11 @@ class ForgedRecordError(CorruptChunkError):
     """A Redis L2 record is not sealed with this daemon's key (``--l2-redis-auth-key-file``):
     written by someone else who can write to the Redis, altered, or moved under another key.
     It was refused (a miss) and deleted, never served."""
+
+
+class ChecksumMismatchError(CorruptChunkError):
+    """A stored chunk's bytes do not match its checksum (the record's, or the one the tier's
+    metadata keeps): a miss, counted in ``kvcache_l2_checksum_failures_total``, never served."""
 
 
 class UnknownInstanceError(KvcacheError, KeyError):
@@ -264,6 +270,7 @@ class UpstreamError(ProxyError, RuntimeError):
 __all__ = [
     "AccessDeniedError",
     "BlockIdError",
+    "ChecksumMismatchError",
     "ChunkMismatchError",
     "ConfigError",
     "CorruptChunkError",

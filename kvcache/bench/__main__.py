@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "pipeline": ("kvcache.bench.pipeline", "main", "small retrieve after a large store: window 1 vs N"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
     "noisy": ("kvcache.bench.noisy", "main", "a tenant's latency while another floods: ratio to no flood"),
+    "trace": ("kvcache.bench.workload_trace", "main", "one chat trace per L2 admission/eviction policy"),
 }
 
 

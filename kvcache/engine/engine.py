@@ -46,6 +46,7 @@ from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
 from kvcache.engine import retrieve as retrieve_path
 from kvcache.engine import store as store_path
+from kvcache.engine.admission import HitPromoter
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.lookup import LookupHit
 from kvcache.engine.op_events import OpEvents
@@ -63,7 +64,7 @@ from kvcache.records import BlockAllocationRecord, RetrieveResult, StoreResult
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
-from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
+from kvcache.storage.l2.factory import admission_for, create_policy, l2_adapters_from_config
 
 _T = TypeVar("_T")
 
@@ -79,7 +80,7 @@ class CacheEngine:
             watermark=config.l1_evict_watermark,
             extent_bytes=config.l1_extent_bytes,
             pin_memory=config.l1_pin_memory,
-            policy=create_policy("lru"),
+            policy=create_policy(config.l1_eviction),
             bus=self._bus,
         )
         self._tiers = [
@@ -89,9 +90,13 @@ class CacheEngine:
                 max_inflight=config.l2_max_inflight,
                 retry_interval_s=config.l2_retry_interval_s,
                 bus=self._bus,
+                admission=admission_for(config, adapter.backend),
             )
             for adapter in l2_adapters_from_config(config, self._bus)
         ]
+        promoter = HitPromoter(self._pool, self._tiers)
+        if promoter.active:  # a tier writes chunks on a hit: the pool tells it of reads
+            self._pool.watch_reads(promoter)
         self._stats = OffloadStatsCollector()
         self._instances: dict[int, InstanceState] = {}
         self._lock = threading.Lock()

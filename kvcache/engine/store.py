@@ -1,4 +1,5 @@
-"""The store path: engine blocks -> fresh L1 slots, then written through to every L2 tier.
+"""The store path: engine blocks -> fresh L1 slots, then written through to the L2 tiers that
+admit them (``admission``).
 
 Separate from the engine facade because it is the one path that reserves memory and owns the
 write-through pins: each chunk newly written to L1 stays pinned once per tier until that tier's
@@ -21,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvcache.deadline import Deadline
+from kvcache.engine.admission import admitted_on_store
 from kvcache.engine.alarms import Alarm
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
@@ -33,6 +35,7 @@ from kvcache.observability.event import EventType, MpStoreStart
 from kvcache.records import ChunkKey, StoreResult
 from kvcache.request import StoreRequest
 from kvcache.storage.l1.entry import L1Entry
+from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.transfer.base import Direction, TransferResult
 
 
@@ -283,8 +286,11 @@ class _StoreOp:
                 self._fail(result.error)
                 return
             ctx = self.inst.ctx
-            for _tier in parts.tiers:  # the write-through pins, taken before the slots go public
-                parts.pool.pin(new)
+            # Each tier's admission picks what it takes; the write-through pins (one per tier
+            # that takes a chunk) are taken before the slots go public.
+            plans = [(tier, admitted_on_store(tier, new, parts.events.bus)) for tier in parts.tiers]
+            for _tier, taken in plans:
+                parts.pool.pin(taken)
             cs = ctx.chunk_size
             bpc, bs = ctx.blocks_per_chunk, ctx.block_size
             tokens, hashes = self.req.token_ids.values, self.req.block_hashes
@@ -295,7 +301,8 @@ class _StoreOp:
             with self.lock:
                 self.stored += len(new)
             keep = any(tier.adapter.keeps_meta for tier in parts.tiers)
-            _write_through(parts, new, self.deadline, chunk_identities(extra, cs) if keep else [])
+            metas = chunk_identities(extra, cs) if keep else []
+            _write_through(parts, new, plans, self.deadline, metas)
         except Exception as err:  # never leave the future unresolved
             self._fail(err)
         finally:
@@ -334,19 +341,25 @@ class _StoreOp:
 
 
 def _write_through(
-    parts: EngineParts, entries: list[L1Entry], deadline: Deadline, metas: list[bytes]
+    parts: EngineParts,
+    entries: list[L1Entry],
+    plans: list[tuple[AsyncL2, list[L1Entry]]],
+    deadline: Deadline,
+    metas: list[bytes],
 ) -> None:
-    """Queue each new chunk to every tier; a busy tier gets until ``deadline`` (the store's
-    own wait bound) to make room, so a burst of stores is slowed down rather than dropped.
-    ``metas`` (aligned with ``entries``, or empty) go to the tiers that keep them."""
-    for tier in parts.tiers:
-        for i, entry in enumerate(entries):
+    """Queue each tier the chunks its admission took (``plans``, pinned once per tier); a
+    busy tier gets until ``deadline`` (the store's own wait bound) to make room, so a burst
+    of stores is slowed down rather than dropped. ``metas`` (aligned with ``entries``, or
+    empty) go to the tiers that keep them."""
+    index = {id(e): i for i, e in enumerate(entries)} if metas else {}
+    for tier, taken in plans:
+        for entry in taken:
 
             def done(ok: bool, entry: L1Entry = entry) -> None:
                 parts.pool.release([entry])
 
             wait_s = deadline.left()
-            meta = metas[i] if metas and tier.adapter.keeps_meta else b""
+            meta = metas[index[id(entry)]] if metas and tier.adapter.keeps_meta else b""
             if not tier.submit_store(entry.key, entry.tensor, done, wait_s, meta):
                 parts.pool.release([entry])
 

@@ -39,8 +39,10 @@ class EventType(enum.Enum):
     # -- L2: disk / Redis (publisher: L2 adapters via CacheEngine) ----------------------
     L2_STORE_FINISHED = "l2.store.finished"
     L2_STORE_FAILED = "l2.store.failed"
+    L2_STORE_DECLINED = "l2.store.declined"
     L2_LOAD_FINISHED = "l2.load.finished"
     L2_LOAD_FAILED = "l2.load.failed"
+    L2_CHECKSUM_FAILED = "l2.checksum.failed"
     L2_KEYS_EVICTED = "l2.keys.evicted"
     L2_KEYS_FOUND = "l2.keys.found"
     L2_CLEARED = "l2.cleared"
@@ -176,6 +178,21 @@ class L2StoreFailed(L2Meta, frozen=True, gc=False):
     reason: str
 
 
+class L2ChecksumFailed(L2Meta, frozen=True, gc=False):
+    """A chunk whose bytes did not match its checksum: removed, a miss (never served)."""
+
+    keys: list[ChunkKey]
+    detail: str
+
+
+class L2StoreDeclined(L2Meta, frozen=True, gc=False):
+    """Stored chunks the tier's admission policy did not take (``kvcache.storage.admission``)."""
+
+    keys: list[ChunkKey]
+    num_bytes: int
+    policy: str
+
+
 class L2LoadFinished(L2Meta, frozen=True, gc=False):
     keys: list[ChunkKey]
     num_bytes: int
@@ -242,8 +259,10 @@ EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
         EventType.L1_CLEARED: L1Cleared,
         EventType.L2_STORE_FINISHED: L2StoreFinished,
         EventType.L2_STORE_FAILED: L2StoreFailed,
+        EventType.L2_STORE_DECLINED: L2StoreDeclined,
         EventType.L2_LOAD_FINISHED: L2LoadFinished,
         EventType.L2_LOAD_FAILED: L2LoadFailed,
+        EventType.L2_CHECKSUM_FAILED: L2ChecksumFailed,
         EventType.L2_KEYS_EVICTED: L2KeysEvicted,
         EventType.L2_KEYS_FOUND: L2KeysFound,
         EventType.L2_CLEARED: L2Cleared,
@@ -342,12 +361,14 @@ __all__ = [
     "L1KeysEvicted",
     "L1ReadFinished",
     "L1WriteFinished",
+    "L2ChecksumFailed",
     "L2Cleared",
     "L2KeysEvicted",
     "L2KeysFound",
     "L2LoadFailed",
     "L2LoadFinished",
     "L2Meta",
+    "L2StoreDeclined",
     "L2StoreFailed",
     "L2StoreFinished",
     "MpLookupEnd",

@@ -20,6 +20,7 @@ from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 from kvcache.server.connection_limits import ConnectionLimits
 from kvcache.server.daemon_config import DaemonConfig
 from kvcache.server.handlers import Limits
+from kvcache.server.policy_flags import add_policy_args
 
 DESCRIPTION = """\
 Run the kvcache daemon: serving engines on this host connect to it over ZMQ, share their
@@ -349,6 +350,7 @@ def build_parser(
         "loads in flight to load its L2 chunks into, before its prefix ends there "
         "(default %(default)s; 0 = never wait)",
     )
+    add_policy_args(st, defaults)
     dests["storage"] = _dests(parser) - before
 
     before = _dests(parser)

@@ -99,6 +99,11 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             l2_retry_interval_s=ns.l2_retry_interval,
             store_wait_timeout_s=ns.store_wait_timeout,
             lookup_wait_timeout_s=ns.lookup_wait_timeout,
+            l1_eviction=ns.l1_eviction,
+            l2_disk_eviction=ns.l2_disk_eviction,
+            l2_disk_admission=ns.l2_disk_admission,
+            l2_redis_admission=ns.l2_redis_admission,
+            l2_admission_window=ns.l2_admission_window,
         )
         obs = ObservabilityConfig.from_args(ns)
         use_runtime_dir(ns, runtime_dir)

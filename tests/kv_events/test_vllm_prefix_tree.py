@@ -181,7 +181,7 @@ class Script:
         inc.engine.store(0, toks, list(range(NB)), block_hashes=hashes)
 
     def truth(self, inc: Incarnation, disk: Path, raw: redis.Redis) -> Tree:
-        on_disk = {int(p.name.removesuffix(".kvc"), 16) for p in disk.rglob("*.kvc")}
+        on_disk = {int(p.name.split(".")[0], 16) for p in disk.rglob("*.kvc")}
         in_redis = {int(n.decode()[len(PREFIX) :], 16) for n in raw.scan_iter(match=f"{PREFIX}*")}
         # NOTE: no public per-key L1 readback yet (as in test_router_follows_engine).
         in_l1 = {k for k in self.expected if k in inc.engine._pool}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,12 +59,44 @@ def _chunk_files(tier: Path) -> set[Path]:
     return {p for p in tier.glob("*/*.kvc")}
 
 
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC = _crc_table()
+_CRC_BY_TOP = {c >> 24: i for i, c in enumerate(_CRC)}
+
+
+def _with_crc(data: bytes, crc: int) -> bytes:
+    """``data`` with its last 4 bytes replaced so that its CRC32 is ``crc``: a CRC is no MAC,
+    so the checksum the tier keeps in the file name does not stop a forger."""
+    want, steps = crc ^ 0xFFFFFFFF, []
+    for _ in range(4):  # the table entries that lead to ``want``, found backwards
+        i = _CRC_BY_TOP[want >> 24]
+        steps.append(i)
+        want = ((want ^ _CRC[i]) << 8) & 0xFFFFFFFF
+    reg, tail = zlib.crc32(data[:-4]) ^ 0xFFFFFFFF, bytearray()
+    for i in reversed(steps):
+        tail.append((reg ^ i) & 0xFF)
+        reg = (reg >> 8) ^ _CRC[i]
+    return data[:-4] + bytes(tail)
+
+
 def _forge(real: Path, dest: Path) -> None:
-    """A chunk file under ``real``'s name, valid header and CRC, holding ones (fp16 1.0)."""
+    """A chunk file under ``real``'s name, valid header, holding ones (fp16 1.0) but for its
+    last 4 bytes, which give it ``real``'s CRC32: the one the name (the tier's index) holds."""
     header = codec.decode_header(real.read_bytes()[: codec.MAX_HEADER])
-    evil = torch.ones(header.shape, dtype=torch.float16)
-    payload = codec.tensor_bytes(evil)
-    dest.write_bytes(codec.encode_header(header.key, evil, payload) + payload.tobytes())
+    payload = _with_crc(
+        codec.tensor_bytes(torch.ones(header.shape, dtype=torch.float16)).tobytes(), header.crc32
+    )
+    evil = torch.frombuffer(bytearray(payload), dtype=torch.float16).view(header.shape)
+    dest.write_bytes(codec.encode_header(header.key, evil, memoryview(payload)) + payload)
     dest.chmod(0o600)
 
 
@@ -86,7 +119,8 @@ def test_a_subdirectory_swapped_for_a_symlink_is_not_followed(
             assert c.store([50_000 + 1_000 * i + t for t in range(CHUNKS * CS)], BLOCKS).failed_chunks == 0
             _drained(c)
         # The swap: each subdirectory holding a victim chunk becomes a link to the forger's
-        # directory, which holds a well-formed chunk file of other KV under each name.
+        # directory, which holds a well-formed chunk file of other KV under each name, with the
+        # CRC32 the name carries.
         for sub in {p.parent for p in victims}:
             (evil / sub.name).mkdir(parents=True, mode=0o700)
             for f in victims:

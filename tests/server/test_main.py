@@ -53,6 +53,26 @@ def test_redis_timeouts_back_off_and_store_wait_are_flags() -> None:
     assert (d.l2_redis_socket_timeout_s, d.l2_retry_interval_s, d.store_wait_timeout_s) == (1.0, 5.0, 5.0)
 
 
+def test_admission_and_eviction_policies_are_flags() -> None:
+    e = parse_settings(["--l2-disk-admission", "second-hit", "--l2-redis-admission", "tinylfu",
+                        "--l2-admission-window", "512", "--l1-eviction", "s3fifo",
+                        "--l2-disk-eviction", "s3fifo"]).engine  # fmt: skip
+    assert (e.l2_disk_admission, e.l2_redis_admission, e.l2_admission_window) == (
+        "second-hit",
+        "tinylfu",
+        512,
+    )
+    assert (e.l1_eviction, e.l2_disk_eviction) == ("s3fifo", "s3fifo")
+    d = parse_settings([]).engine
+    assert (d.l2_disk_admission, d.l2_redis_admission, d.l1_eviction, d.l2_disk_eviction) == (
+        "always",
+    ) * 2 + ("lru",) * 2
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse_settings(["--l2-disk-admission", "often"])
+    with pytest.raises(SystemExit):
+        parse_settings(["--l2-admission-window", "0"])
+
+
 def test_security_and_limit_flags_reach_the_daemon() -> None:
     s = parse_settings(["--runtime-dir", "/run/kvc", "--no-ipc", "--tcp", "--max-ids", "99", "--max-tensors",
                         "7", "--max-instances", "3", "--max-registration-gb", "2"])  # fmt: skip

@@ -35,6 +35,7 @@ class L1Entry:
         "_extent",
         "_offset",
         "from_l2",
+        "in_l2",
         "key",
         "ok",
         "pins",
@@ -54,6 +55,7 @@ class L1Entry:
         self.pins = 1
         self.ok = True
         self.from_l2 = False  # brought up by a prefetch and not yet read by a retrieve
+        self.in_l2 = False  # loaded from an L2 tier: a hit on it never promotes it to one
         self._extent = extent
         self._offset = offset
         self._done = threading.Event()

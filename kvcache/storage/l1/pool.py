@@ -7,9 +7,9 @@ Slots come from the ``SlabAllocator`` (``slab``: one slab per slot shape, grown 
 when it is full, extents left wholly free by another slot shape are released first, then the LRU
 victims (of any slot shape) evicted.
 
-Eviction is LRU with one twist for prefixes: the chunks of one operation are marked used tail
-first, so the head of a prompt is the most recent and the tail leaves first (a prefix cache that
-lost its first chunk has lost everything after it).
+Eviction is the policy's (``--l1-eviction``: LRU, or S3-FIFO), with one twist for prefixes: the
+chunks of one operation are marked used tail first, so under LRU the head of a prompt is the
+most recent and the tail leaves first (a prefix that lost its first chunk lost everything).
 
 Entries (``entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
 evicted: the policy only ever holds READY, unpinned keys. This module holds the operations
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -75,6 +75,7 @@ class L1Pool(SlotTable):
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
         self._waiting_writers = 0
         self._waiting_loaders = 0
+        self._read_watcher: Callable[[list[L1Entry]], None] | None = None
 
     # -- reservations ---------------------------------------------------------------------
     def begin_write(
@@ -154,6 +155,11 @@ class L1Pool(SlotTable):
         self._publish(events)
         return WriteReservation(new, present, failed, settled, loading)
 
+    def watch_reads(self, watcher: Callable[[list[L1Entry]], None] | None) -> None:
+        """Call ``watcher(entries)`` on each retrieve's read (``release`` with ``read_bytes``),
+        entries still pinned: L2 admission on a hit (``kvcache.engine.admission``)."""
+        self._read_watcher = watcher
+
     def wake_writers(self) -> None:
         """Wake every ``begin_write`` waiting for room, so one whose ``stop`` is set sees it."""
         with self._lock:
@@ -195,7 +201,7 @@ class L1Pool(SlotTable):
                         events.append(self._alloc_failed_event(n, n * slot_shape.nbytes))
                     break
                 entry.state = EntryState.LOADING
-                entry.from_l2 = True
+                entry.from_l2 = entry.in_l2 = True
                 out.append(entry)
         self._publish(events)
         return out
@@ -310,8 +316,11 @@ class L1Pool(SlotTable):
                 self._pin(entry)
 
     def release(self, entries: Iterable[L1Entry], *, read_bytes: int | None = None) -> None:
-        """Drop one pin per entry; with ``read_bytes`` publish ``L1_READ_FINISHED`` for them."""
+        """Drop one pin per entry; with ``read_bytes`` (a retrieve read them) hand them to the
+        read watcher first, while still pinned, then publish ``L1_READ_FINISHED`` for them."""
         entries = list(entries)
+        if read_bytes is not None and entries and self._read_watcher is not None:
+            self._read_watcher(entries)
         with self._lock:
             for entry in reversed(entries):  # head of the prefix = most recently used
                 self._unpin(entry)

@@ -38,10 +38,12 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
+from kvcache.errors import ChecksumMismatchError
 from kvcache.observability.event import (
     Event,
     EventSink,
     EventType,
+    L2ChecksumFailed,
     L2LoadFailed,
     L2LoadFinished,
     L2StoreFailed,
@@ -49,6 +51,7 @@ from kvcache.observability.event import (
     NullEventBus,
 )
 from kvcache.records import ChunkIdentity, ChunkKey
+from kvcache.storage.admission import AdmissionPolicy, AlwaysAdmit
 from kvcache.storage.l2.base import L2Adapter, failure_reason, failure_scope, storage_error
 
 logger = logging.getLogger(__name__)
@@ -75,8 +78,11 @@ class AsyncL2:
         retry_interval_s: float = 5.0,
         bus: EventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         self.adapter = adapter
+        self.admission: AdmissionPolicy = admission if admission is not None else AlwaysAdmit()
+        """Which stored (or hit) chunks this tier takes (``kvcache.engine.admission`` asks it)."""
         self.backend = adapter.backend
         self.max_inflight = max_inflight
         self.retry_interval_s = retry_interval_s
@@ -188,6 +194,7 @@ class AsyncL2:
             info.update(self.counters)
             info["inflight"] = dict(self._inflight)
         info["available"] = self.available
+        info["admission"] = self.admission.name
         return info
 
     def close(self) -> None:
@@ -366,6 +373,9 @@ class AsyncL2:
         else:
             loaded = L2LoadFailed(backend=self.backend, keys=[key], reason=reason)
             self._bus.publish(Event(EventType.L2_LOAD_FAILED, loaded))
+            if isinstance(exc, ChecksumMismatchError):  # also its own series: never served
+                bad = L2ChecksumFailed(backend=self.backend, keys=[key], detail=str(exc))
+                self._bus.publish(Event(EventType.L2_CHECKSUM_FAILED, bad))
         self._log_failure(exc, op, "L2 %s %s of %032x failed (%s): %s", self.backend, op, key, reason, exc)
 
     def _complete(self, op: str, job: _Job, ok: bool) -> None:

@@ -7,7 +7,9 @@ Life of a chunk, in call order:
 
 1. ``L1Pool.begin_write`` reserves pinned slots; the engine copies engine blocks into them.
 2. ``L1Pool.finish_write`` makes them visible and tells the ``EvictionPolicy`` (``add``).
-3. ``L2Adapter.store`` runs on an I/O thread (write-through) while the L1 slot stays pinned.
+3. ``L2Adapter.store`` runs on an I/O thread (write-through) while the L1 slot stays pinned,
+   for each tier whose admission policy takes the chunk (``kvcache.storage.admission``; a
+   chunk declined then may be written when an L1 read makes it worth it).
 4. A lookup that misses L1 asks ``L2Adapter.contains``; a hit is prefetched with
    ``L2Adapter.load`` straight into a fresh L1 slot (``L1Pool.begin_load``/``finish_load``).
 5. ``L1Pool`` evicts ``EvictionPolicy.victim()`` when it needs room; the L2 copy stays.
@@ -138,6 +140,12 @@ class L2Adapter(ABC):
             return list(self.contains(keys))
         except Exception as exc:
             return [exc] * len(keys)
+
+    def victim_for(self, nbytes: int) -> ChunkKey | None:
+        """The chunk this tier would evict to make room for ``nbytes`` more (what an admission
+        policy weighs a candidate against), or None when there is room or the tier cannot say
+        (Redis evicts by itself). Must be cheap: it is asked once per stored chunk."""
+        return None
 
     def info(self) -> dict[str, Any]:
         """JSON-able description for ``CacheEngine.status()``."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.errors import CorruptChunkError
+from kvcache.errors import ChecksumMismatchError, CorruptChunkError
 from kvcache.records import ChunkKey, dtype_name
 
 MAGIC = b"KVC\x01"
@@ -144,7 +144,7 @@ def check_payload(header: ChunkHeader, payload: memoryview | bytes) -> None:
     if len(payload) != header.nbytes:
         raise CorruptChunkError(f"payload is {len(payload)} bytes, header says {header.nbytes}")
     if zlib.crc32(payload) != header.crc32:
-        raise CorruptChunkError("payload checksum mismatch")
+        raise ChecksumMismatchError("payload checksum mismatch")
 
 
 def out_buffer(out: torch.Tensor) -> memoryview:

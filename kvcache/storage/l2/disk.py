@@ -2,12 +2,19 @@
 
 The embedded default tier: it needs no server, survives a restart of the process (the index is
 rebuilt by scanning the directory) and never hands back a damaged chunk (header + CRC, see
-``codec``). Files live in 256 sub-directories (``ab/ab12...ef.kvc``) so no directory grows huge.
+``codec``). Files live in 256 sub-directories (``ab/ab12...ef.<crc32>.kvc``) so no directory grows
+huge.
 
 Atomicity: a chunk is written to a temp file in its final directory and ``os.replace``d into
 place, so a reader sees the whole record or none (a crash leaves only ``*.tmp`` files, removed
 on the next start). No fsync: this is a cache; after a power loss a torn file fails its CRC and
-is dropped like any other corrupt record.
+is dropped like any other corrupt record. Integrity lives twice: the payload's CRC32 is in the
+record's header *and* in the tier's metadata (the file name, kept in the index), and a read
+serves a chunk only when the header, the index and the payload agree; a mismatch raises
+``ChecksumMismatchError`` (a miss, counted in ``kvcache_l2_checksum_failures_total``) and the
+file is removed. A restart rebuilds the index from whole, consistent files only
+(``disk_scan``). Which file leaves first is the ``EvictionPolicy``'s (LRU, or
+S3-FIFO: ``--l2-disk-eviction``).
 
 Privacy and trust: cached KV is as sensitive as the prompts it came from, and a chunk file
 another user could replace is served as KV (its CRC is no MAC). So the tier directory and each
@@ -17,8 +24,9 @@ at start with a message that says how to fix it, never loosened or tightened sil
 the check every file is reached relative to a descriptor of the checked directory, opened with
 ``O_NOFOLLOW``: nobody else can add an entry in it, and renaming a directory above it changes
 nothing. Only the daemon's uid (or root) can then swap a subdirectory for a symlink while it
-runs, and even that is not followed (``disk_files``). Files are created 0600 and directories
-0700 whatever the umask.
+runs, and even that is not followed: every read, write, rename, unlink and the restart scan
+opens the subdirectory itself without following a link and works relative to it
+(``disk_access``). Files are created 0600 and directories 0700 whatever the umask.
 
 A full disk (ENOSPC, EDQUOT) is not the end of the tier: it evicts its own oldest chunks and
 retries once, and from then on bounds itself by what the disk really has free: re-read at every
@@ -32,24 +40,25 @@ import errno
 import logging
 import os
 import shutil
-import stat
 import threading
+import time
 import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import torch
 
-from kvcache.errors import CorruptChunkError
+from kvcache.errors import ChecksumMismatchError, CorruptChunkError
 from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventBus
 from kvcache.records import ChunkIdentity, ChunkKey
+from kvcache.storage.l1.lru import LRUPolicy
 from kvcache.storage.l2 import codec
-from kvcache.storage.l2.base import Announce, L2Adapter, StoreItem, storage_error
-from kvcache.storage.l2.disk_files import SUFFIX, WHAT, ChunkFiles, names, unlink
-from kvcache.trusted_dir import check_mode, open_private_dir
+from kvcache.storage.l2.base import Announce, EvictionPolicy, L2Adapter, StoreItem, storage_error
+from kvcache.storage.l2.disk_access import WHAT, ChunkFiles, unlink
+from kvcache.storage.l2.disk_scan import Found, names, scan_subdir
+from kvcache.trusted_dir import open_private_dir
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_EVERY = 64
@@ -57,17 +66,26 @@ log = logging.getLogger(__name__)
 
 
 class DiskL2Adapter(L2Adapter):
-    """Chunk files under ``path``; at most ``size_bytes`` of them (LRU beyond that)."""
+    """Chunk files under ``path``; at most ``size_bytes`` of them (``policy`` picks who leaves)."""
 
     backend = "disk"
     keeps_meta = True
 
-    def __init__(self, path: str, size_bytes: int, bus: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        size_bytes: int,
+        bus: EventSink | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         self.path = os.path.abspath(path)
         self.size_bytes = size_bytes
         self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._lock = threading.Lock()
-        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._index: dict[ChunkKey, tuple[int, int]] = {}  # key -> (file bytes, payload CRC32)
+        self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self.recovery: dict[str, float] = {}
+        """What the last start's scan found: files kept, damaged files removed, seconds."""
         self.used_bytes = 0
         self.capacity_bytes = size_bytes
         """The bound in force: ``size_bytes``, or less while the disk has less free."""
@@ -101,24 +119,25 @@ class DiskL2Adapter(L2Adapter):
         """``store``, with ``meta`` in the record's header (``codec``, version 2)."""
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
+                self._policy.touch(key)
                 if announce is not None:
                     announce(0)
                 return 0
         payload = codec.tensor_bytes(chunk)
         header = codec.encode_header(key, chunk, payload, meta)
+        crc = codec.decode_header(header).crc32
         size = len(header) + len(payload)
         if size > self.size_bytes:
             raise storage_error(f"chunk of {size} bytes exceeds the disk tier ({self.size_bytes})", "io")
         try:
-            self._write(key, header, payload, size, announce)
+            self._write(key, crc, header, payload, size, announce)
         except OSError as err:
             if err.errno not in _FULL:  # EFBIG: this file is too big, evicting will not help
                 reason = "full" if err.errno == errno.EFBIG else "io"
                 raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
             self._shrink_to_disk(size)  # evict our oldest chunks, bound ourselves by the disk
             try:
-                self._write(key, header, payload, size, announce)
+                self._write(key, crc, header, payload, size, announce)
             except OSError as again:
                 reason = "full" if again.errno in (*_FULL, errno.EFBIG) else "io"
                 raise storage_error(f"disk write of {key:032x} failed: {again}", reason) from again
@@ -126,18 +145,25 @@ class DiskL2Adapter(L2Adapter):
         return size
 
     def _write(
-        self, key: ChunkKey, header: bytes, payload: memoryview, size: int, announce: Announce | None
+        self,
+        key: ChunkKey,
+        crc: int,
+        header: bytes,
+        payload: memoryview,
+        size: int,
+        announce: Announce | None,
     ) -> None:
-        sub, final = names(key)
+        sub, final = names(key, crc)
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         # Made if missing (removed behind our back: ``rm -rf tier/*``), refused if a link.
         with self._files.subdir(sub, create=True) as dir_fd:
-            self._write_in(dir_fd, key, tmp, final, header, payload, size, announce)
+            self._write_in(dir_fd, key, crc, tmp, final, header, payload, size, announce)
 
     def _write_in(
         self,
         dir_fd: int,
         key: ChunkKey,
+        crc: int,
         tmp: str,
         final: str,
         header: bytes,
@@ -158,9 +184,15 @@ class DiskL2Adapter(L2Adapter):
             # NOTE: rename, index, events and evictions happen under one lock, so the index,
             # the files and the published events agree even with several writer threads.
             with self._lock:
-                os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                if key not in self._index:
-                    self._index[key] = size
+                there = self._index.get(key)
+                if there is not None and there[1] != crc:  # stored meanwhile, other bytes: keep it
+                    unlink(tmp, dir_fd)
+                    size = 0
+                else:
+                    os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                if there is None:
+                    self._index[key] = (size, crc)
+                    self._policy.add(key)
                     self.used_bytes += size
                 if announce is not None:
                     announce(size)
@@ -201,13 +233,19 @@ class DiskL2Adapter(L2Adapter):
 
     def load(self, key: ChunkKey, out: torch.Tensor) -> bool:
         with self._lock:
-            if key not in self._index:
+            there = self._index.get(key)
+            if there is None:
                 return False
-            self._index.move_to_end(key)
+            self._policy.touch(key)
+        crc = there[1]
         try:
-            with self._files.open(key) as f:
+            with self._files.open(*names(key, crc)) as f:
                 head = f.read(codec.MAX_HEADER)
                 header = codec.decode_header(head)
+                if header.crc32 != crc:
+                    raise ChecksumMismatchError(
+                        f"record checksum {header.crc32:08x}, tier metadata {crc:08x}"
+                    )
                 codec.check_fits(header, key, out)
                 buf = codec.out_buffer(out)
                 if header.header_len > len(head):  # a long meta: the payload starts further on
@@ -228,7 +266,7 @@ class DiskL2Adapter(L2Adapter):
                     raise CorruptChunkError(
                         f"file holds {filled}+ payload bytes, header says {header.nbytes}"
                     )
-                codec.check_payload(header, buf)
+                codec.check_payload(header, buf)  # the payload against the record's CRC = the index's
         except FileNotFoundError:  # deleted behind our back: a miss
             self._forget([key])
             return False
@@ -245,9 +283,15 @@ class DiskL2Adapter(L2Adapter):
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         removed = self._forget(keys)
-        for key in removed:
-            self._files.unlink_chunk(key)
+        for key, crc in removed:
+            self._files.unlink(*names(key, crc))
         return len(removed)
+
+    def victim_for(self, nbytes: int) -> ChunkKey | None:
+        with self._lock:
+            if self.used_bytes + nbytes <= self.capacity_bytes:
+                return None
+            return self._policy.victim()
 
     def info(self) -> dict[str, Any]:
         with self._lock:
@@ -258,81 +302,60 @@ class DiskL2Adapter(L2Adapter):
                 "used_bytes": self.used_bytes,
                 "capacity_bytes": self.capacity_bytes,
                 "configured_bytes": self.size_bytes,
+                "recovery": dict(self.recovery),
             }
 
     # -- internals ------------------------------------------------------------------------
     def _file(self, key: ChunkKey) -> str:
-        """The chunk's file, as a path (for messages and tests)."""
-        return self._files.file(key)
+        """The chunk's file, as a path (for messages and tests; the adapter never opens it)."""
+        there = self._index.get(key)
+        return self._files.shown(*names(key, there[1] if there is not None else 0))
 
     def _scan(self) -> None:
-        """Rebuild the index from the files present, oldest modification first (LRU order)."""
-        found: list[tuple[float, ChunkKey, int]] = []
+        """Rebuild the index from the whole, consistent files present, oldest modification
+        first (the policy's insertion order); damaged ones are removed (``disk_scan``)."""
+        start = time.perf_counter()
+        found: list[Found] = []
+        dropped = 0
         with os.scandir(self._root) as entries:
             subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()]
         for name in subdirs:
-            found += self._scan_subdir(name)
-        found.sort()
+            # Raises for a symlink or a directory another user could write: the tier stops.
+            kept, bad = scan_subdir(self._files, name)
+            found += kept
+            dropped += bad
+        found.sort(key=lambda f: (f.mtime, f.key))
+        metas: dict[ChunkKey, bytes] = {}
         with self._lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self.used_bytes += size
+            for f in found:
+                if f.key in self._index:  # two names for one key: the newer stays
+                    old_size, old_crc = self._index.pop(f.key)
+                    self._policy.discard(f.key)
+                    self.used_bytes -= old_size
+                    self._files.unlink(*names(f.key, old_crc))
+                self._index[f.key] = (f.size, f.crc)
+                self._policy.add(f.key)
+                self.used_bytes += f.size
+                metas[f.key] = f.meta
             self._evict_over_limit()  # the limit may have shrunk since last run
             keys = list(self._index)
             used = self.used_bytes
+        self.recovery = {"files": len(keys), "dropped": dropped, "seconds": time.perf_counter() - start}
+        if dropped:
+            log.warning("disk tier %s: removed %d damaged chunk files at start", self.path, dropped)
         if keys:  # tell holdings trackers (KV events) what survived the restart, and as what
-            identities = [] if isinstance(self._bus, NullEventBus) else [self._identity(k) for k in keys]
+            identities = [] if isinstance(self._bus, NullEventBus) else [_identity(metas[k]) for k in keys]
             meta = L2KeysFound(backend=self.backend, keys=keys, num_bytes=used, identities=identities)
             self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 
-    def _scan_subdir(self, name: str) -> list[tuple[float, ChunkKey, int]]:
-        """(mtime, key, size) of the chunk files in one (checked) subdirectory; refuses one
-        that is not a regular file of ours closed to others, removes crashed writes."""
-        found: list[tuple[float, ChunkKey, int]] = []
-        # Raises for a symlink or a directory another user could write.
-        fd = open_private_dir(name, f"{WHAT} subdirectory", self._root, os.path.join(self.path, name))
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    if entry.name.endswith(".tmp"):
-                        unlink(entry.name, fd)  # a write interrupted by a crash
-                        continue
-                    if not entry.name.endswith(SUFFIX):
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                    shown = os.path.join(self.path, name, entry.name)
-                    check_mode(st, shown, os.getuid(), f"{WHAT} chunk file", stat.S_IFREG)
-                    try:
-                        key = int(entry.name[: -len(SUFFIX)], 16)
-                    except ValueError:
-                        continue
-                    found.append((st.st_mtime, key, st.st_size))
-        finally:
-            os.close(fd)
-        return found
-
-    def _identity(self, key: ChunkKey) -> ChunkIdentity | None:
-        """How KV events announced ``key`` before the restart (its file's meta); None for a
-        file without one (written by an older build) or one that cannot be read."""
-        try:
-            with self._files.open(key) as f:
-                head = f.read(codec.MAX_HEADER)
-                header = codec.decode_header(head)
-                if header.header_len > len(head):
-                    head += f.read(header.header_len - len(head))
-                meta = codec.decode_meta(head, header)
-            return msgspec.msgpack.decode(meta, type=ChunkIdentity) if meta else None
-        except (OSError, CorruptChunkError, msgspec.DecodeError) as exc:
-            log.debug("disk tier %s: no identity for %032x: %s", self.path, key, exc)
-            return None
-
     def _evict_over_limit(self) -> None:
-        """Drop least-recently-used files until the tier fits; the caller holds the lock."""
+        """Drop the policy's victims until the tier fits; the caller holds the lock."""
         evicted: list[tuple[ChunkKey, int]] = []
-        while self.used_bytes > self.capacity_bytes and self._index:
-            key, size = self._index.popitem(last=False)
+        while self.used_bytes > self.capacity_bytes and (key := self._policy.victim()) is not None:
+            size, crc = self._index.pop(key)
+            self._policy.discard(key)
             self.used_bytes -= size
-            self._files.unlink_chunk(key)
+            self._files.unlink(*names(key, crc))
             evicted.append((key, size))
         if evicted:
             meta = L2KeysEvicted(
@@ -342,12 +365,29 @@ class DiskL2Adapter(L2Adapter):
             )
             self._bus.publish(Event(EventType.L2_KEYS_EVICTED, meta))
 
-    def _forget(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+    def _forget(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, int]]:
+        """Drop ``keys`` from the index; (key, crc) of those that were there."""
+        removed: list[tuple[ChunkKey, int]] = []
         with self._lock:
-            removed = [k for k in keys if k in self._index]
-            for key in removed:
-                self.used_bytes -= self._index.pop(key)
+            for key in keys:
+                there = self._index.pop(key, None)
+                if there is not None:
+                    self._policy.discard(key)
+                    self.used_bytes -= there[0]
+                    removed.append((key, there[1]))
         return removed
+
+
+def _identity(meta: bytes) -> ChunkIdentity | None:
+    """How KV events announced a chunk before the restart (its file's meta); None for a file
+    without one (written by an older build, or promoted by a hit) or one that does not decode."""
+    if not meta:
+        return None
+    try:
+        return msgspec.msgpack.decode(meta, type=ChunkIdentity)
+    except msgspec.DecodeError as exc:
+        log.debug("disk tier: undecodable chunk identity: %s", exc)
+        return None
 
 
 __all__ = ["DiskL2Adapter"]

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from kvcache.config import EngineConfig
 from kvcache.observability.event import EventSink
+from kvcache.storage.admission import AdmissionPolicy, create_admission
 from kvcache.storage.l2.base import EvictionPolicy, L2Adapter
 from kvcache.storage.l2.redis.url import parse_redis_url
 
@@ -55,10 +56,19 @@ L2_ADAPTERS.register("redis-cluster", "kvcache.storage.l2.redis.cluster", "Redis
 
 EVICTION_POLICIES: _Registry[EvictionPolicy] = _Registry("eviction policy", EvictionPolicy)
 EVICTION_POLICIES.register("lru", "kvcache.storage.l1.lru", "LRUPolicy")
+EVICTION_POLICIES.register("s3fifo", "kvcache.storage.l1.s3fifo", "S3FIFOPolicy")
 
 
 def create_policy(name: str = "lru") -> EvictionPolicy:
+    """A fresh eviction policy by name (``EngineConfig.l1_eviction``, ``l2_disk_eviction``)."""
     return EVICTION_POLICIES.create(name)
+
+
+def admission_for(config: EngineConfig, backend: str) -> AdmissionPolicy:
+    """The admission policy ``config`` names for the tier of ``backend`` (a fresh one per
+    tier: each counts its own sightings)."""
+    name = config.l2_disk_admission if backend == "disk" else config.l2_redis_admission
+    return create_admission(name, config.l2_admission_window)
 
 
 def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adapter]:
@@ -68,7 +78,11 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
     if config.l2_disk_path is not None:
         tiers.append(
             L2_ADAPTERS.create(
-                "disk", path=config.l2_disk_path, size_bytes=config.l2_disk_size_bytes, bus=bus
+                "disk",
+                path=config.l2_disk_path,
+                size_bytes=config.l2_disk_size_bytes,
+                bus=bus,
+                policy=create_policy(config.l2_disk_eviction),
             )
         )
     if config.l2_redis_url is not None:
@@ -94,4 +108,4 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
     return tiers
 
 
-__all__ = ["EVICTION_POLICIES", "L2_ADAPTERS", "create_policy", "l2_adapters_from_config"]
+__all__ = ["EVICTION_POLICIES", "L2_ADAPTERS", "admission_for", "create_policy", "l2_adapters_from_config"]

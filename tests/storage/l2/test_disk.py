@@ -209,7 +209,7 @@ def test_concurrent_writers_events_agree_with_the_files(tmp_path: Path) -> None:
     held: set[int] = set()
     for kind, key in log:
         (held.add if kind == "store" else held.discard)(key)
-    on_disk = {int(p.name.removesuffix(".kvc"), 16) for p in (tmp_path / "l2").rglob("*.kvc")}
+    on_disk = {int(p.name.split(".")[0], 16) for p in (tmp_path / "l2").rglob("*.kvc")}
     assert held == on_disk
     assert d.contains(sorted(on_disk)) == [True] * len(on_disk)
 
@@ -274,7 +274,7 @@ needs_root = pytest.mark.skipif(os.getuid() != 0, reason="plays another user wit
 def _plant(root: Path, how: str) -> None:
     """Leave ``root`` (a tier with chunk 0xab.. stored) as another user could have."""
     sub = root / "ab"
-    chunk_file = sub / f"ab{'0' * 30}.kvc"
+    (chunk_file,) = sub.glob(f"ab{'0' * 30}.*.kvc")
     if how == "foreign-owner":
         os.chown(root, NOBODY, NOBODY)
     elif how == "group-writable":
@@ -377,7 +377,7 @@ def test_a_restart_reads_back_each_chunks_identity_and_old_files_still_load(tmp_
     first.store_with_meta(2, chunk(2), None, msgspec.msgpack.encode(short_ident))
     old = chunk(3)  # written as a build without meta wrote it: version 1, no meta
     first.store(3, old)
-    assert (tmp_path / f"{3:032x}"[:2] / f"{3:032x}.kvc").read_bytes()[4:6] == (1).to_bytes(2, "little")
+    assert Path(first._file(3)).read_bytes()[4:6] == (1).to_bytes(2, "little")
     assert (
         len(
             codec.encode_header(1, chunk(1), codec.tensor_bytes(chunk(1)), msgspec.msgpack.encode(long_ident))
@@ -393,3 +393,23 @@ def test_a_restart_reads_back_each_chunks_identity_and_old_files_still_load(tmp_
     for key, want in ((1, chunk(1)), (2, chunk(2)), (3, old)):
         out = torch.empty_like(want)
         assert again.load(key, out) and torch.equal(out, want)
+
+
+def test_s3fifo_disk_tier_keeps_a_reused_chunk_through_one_hit_chunks(tmp_path: Path) -> None:
+    """Under LRU ten one-hit chunks push out a chunk read once; under S3-FIFO it moved to the
+    main queue when read, and the one-hit chunks leave from the small queue instead."""
+    from kvcache.storage.l1.lru import LRUPolicy
+    from kvcache.storage.l1.s3fifo import S3FIFOPolicy
+
+    size = DiskL2Adapter(str(tmp_path / "probe"), 1 << 20).store(0, chunk(0))
+    kept = {}
+    for name, policy in (("lru", LRUPolicy()), ("s3fifo", S3FIFOPolicy())):
+        d = DiskL2Adapter(str(tmp_path / name), 5 * size, policy=policy)
+        for k in range(5):
+            d.store(k, chunk(k))
+        assert d.load(0, torch.empty_like(chunk(0)))
+        for k in range(100, 110):
+            d.store(k, chunk(k))
+        kept[name] = d.contains([0])[0]
+        assert d.info()["used_bytes"] <= 5 * size and len(files(tmp_path / name)) == 5
+    assert kept == {"lru": False, "s3fifo": True}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.config import EngineConfig
+from kvcache.config import EVICTION_NAMES, EngineConfig
 from kvcache.storage.l1.lru import LRUPolicy
+from kvcache.storage.l1.s3fifo import S3FIFOPolicy
 from kvcache.storage.l2.factory import EVICTION_POLICIES, L2_ADAPTERS, create_policy, l2_adapters_from_config
 from tests.helpers import RecordingSink
 
@@ -13,6 +14,8 @@ from tests.helpers import RecordingSink
 def test_names_and_lazy_load() -> None:
     assert L2_ADAPTERS.names() == ["disk", "redis", "redis-cluster"]
     assert isinstance(create_policy("lru"), LRUPolicy)
+    assert isinstance(create_policy("s3fifo"), S3FIFOPolicy)
+    assert tuple(EVICTION_POLICIES.names()) == tuple(sorted(EVICTION_NAMES))  # the flags' choices
     with pytest.raises(ValueError, match="unknown eviction policy 'arc'"):
         create_policy("arc")
     with pytest.raises(ValueError, match="already registered"):

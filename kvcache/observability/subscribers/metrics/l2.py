@@ -19,10 +19,12 @@ from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import (
     Event,
     EventType,
+    L2ChecksumFailed,
     L2KeysEvicted,
     L2LoadFailed,
     L2LoadFinished,
     L2Meta,
+    L2StoreDeclined,
     L2StoreFailed,
     L2StoreFinished,
 )
@@ -38,6 +40,9 @@ _COUNTERS = (
     ("evicted_chunks", "kvcache_l2_evicted_chunks_total", "Chunks evicted from L2."),
     ("evicted_bytes", "kvcache_l2_evicted_bytes_total", "Bytes freed by L2 evictions."),
     ("clears", "kvcache_l2_clears_total", "Times an L2 backend was cleared."),
+    ("declined_chunks", "kvcache_l2_declined_chunks_total", "Stored chunks admission kept off L2."),
+    ("checksum_failures", "kvcache_l2_checksum_failures_total", "Chunks whose checksum failed (a miss)."),
+    ("declined_bytes", "kvcache_l2_declined_bytes_total", "Bytes of stored chunks kept off L2 by admission."),
 )
 
 
@@ -74,6 +79,8 @@ class L2MetricsSubscriber(EventSubscriber):
         return {
             EventType.L2_STORE_FINISHED: self._on_store,
             EventType.L2_STORE_FAILED: self._on_store_failed,
+            EventType.L2_STORE_DECLINED: self._on_declined,
+            EventType.L2_CHECKSUM_FAILED: self._on_checksum,
             EventType.L2_LOAD_FINISHED: self._on_load,
             EventType.L2_LOAD_FAILED: self._on_load_failed,
             EventType.L2_KEYS_EVICTED: self._on_evict,
@@ -94,6 +101,16 @@ class L2MetricsSubscriber(EventSubscriber):
         c["store_chunks"].value += len(md.keys)
         c["store_bytes"].value += md.num_bytes
         c["store_seconds"].value += md.duration_s
+
+    def _on_declined(self, event: Event) -> None:
+        md = cast(L2StoreDeclined, event.metadata)
+        c = self._backend(md.backend)
+        c["declined_chunks"].value += len(md.keys)
+        c["declined_bytes"].value += md.num_bytes
+
+    def _on_checksum(self, event: Event) -> None:
+        md = cast(L2ChecksumFailed, event.metadata)
+        self._backend(md.backend)["checksum_failures"].value += len(md.keys)
 
     def _on_load(self, event: Event) -> None:
         md = cast(L2LoadFinished, event.metadata)

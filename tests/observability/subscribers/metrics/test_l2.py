@@ -48,3 +48,24 @@ def test_l2_counters_per_backend(bus: EventBus, registry: CollectorRegistry) -> 
     assert v("kvcache_l2_evicted_bytes_total", DISK) == 1024
     assert v("kvcache_l2_clears_total", DISK) == 1
     assert v("kvcache_l2_clears_total", REDIS) == 0  # created with the backend's first event
+
+
+def test_declined_chunks_and_bytes_per_backend(bus: EventBus, registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    bus.register_subscriber(L2MetricsSubscriber(registry, backends=["disk"]))
+    assert v("kvcache_l2_declined_chunks_total", DISK) == 0
+    meta = {"backend": "disk", "keys": [1, 2, 3], "num_bytes": 3072, "policy": "second-hit"}
+    bus.publish(event(EventType.L2_STORE_DECLINED, meta))
+    assert bus.flush(5)
+    assert v("kvcache_l2_declined_chunks_total", DISK) == 3
+    assert v("kvcache_l2_declined_bytes_total", DISK) == 3072
+    assert v("kvcache_l2_store_bytes_total", DISK) == 0  # declined is not written
+
+
+def test_checksum_failures_per_backend(bus: EventBus, registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    bus.register_subscriber(L2MetricsSubscriber(registry, backends=["disk"]))
+    assert v("kvcache_l2_checksum_failures_total", DISK) == 0
+    bus.publish(event(EventType.L2_CHECKSUM_FAILED, {"backend": "disk", "keys": [4], "detail": "payload"}))
+    assert bus.flush(5)
+    assert v("kvcache_l2_checksum_failures_total", DISK) == 1
