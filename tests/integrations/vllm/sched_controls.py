@@ -23,8 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.client.session import Session
 from kvcache.integrations.vllm import connector as connector_mod
+from kvcache.integrations.vllm import scheduler_side
 from kvcache.integrations.vllm.dropped_loads import DroppedLoads
 from kvcache.integrations.vllm.plan import Planner
+from kvcache.integrations.vllm.retrieve_timing import RetrieveTiming
 from kvcache.integrations.vllm.shared_loads import SharedLoads
 from kvcache.integrations.vllm.worker import ConnectorWorker
 from kvcache.protocol.breaker import CircuitBreaker
@@ -53,7 +55,7 @@ def _tokens_only(request: Any) -> str | None:
 @contextmanager
 def no_key_extra() -> Iterator[None]:
     with (
-        patched(connector_mod, "request_key_extra", _tokens_only),
+        patched(scheduler_side, "request_key_extra", _tokens_only),
         patched(sched_world, "request_key_extra", _tokens_only),
     ):
         yield
@@ -62,7 +64,7 @@ def no_key_extra() -> Iterator[None]:
 @contextmanager
 def embeds_keyed_by_tokens() -> Iterator[None]:
     with (
-        patched(connector_mod, "request_key_extra", lambda r: ""),
+        patched(scheduler_side, "request_key_extra", lambda r: ""),
         patched(sched_world, "request_key_extra", lambda r: ""),
     ):
         yield
@@ -88,7 +90,7 @@ def no_store_cut() -> Iterator[None]:
 
 @contextmanager
 def no_lookup_cache() -> Iterator[None]:
-    cls = connector_mod.KVCacheConnector
+    cls = scheduler_side.SchedulerSide
     lookup = cls.get_num_new_matched_tokens
 
     def every_step(self: Any, request: Any, num_computed_tokens: int) -> Any:
@@ -101,12 +103,14 @@ def no_lookup_cache() -> Iterator[None]:
 
 @contextmanager
 def sync_loads_under_async() -> Iterator[None]:
-    cls = connector_mod.KVCacheConnector
+    cls = scheduler_side.SchedulerSide
     init = cls.__init__
 
     def sync_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self._async_retrieves = False
+        # The timing took its own copy of the setting at construction.
+        self._timing = RetrieveTiming(False, False)
 
     with patched(cls, "__init__", sync_init):
         yield
@@ -138,15 +142,15 @@ def loads_reported_when_issued() -> Iterator[None]:
 def loading_released_too() -> Iterator[None]:
     """``request_finished`` blind to unreported loads: a request with earlier stores is held
     for them even while vLLM holds it for its load."""
-    cls = connector_mod.KVCacheConnector
+    cls = scheduler_side.SchedulerSide
     finished = cls.request_finished
 
     def unguarded(self: Any, request: Any, block_ids: list[int]) -> Any:
-        loading, self._retrieving = self._retrieving, set()
+        loading, self._loading = self._loading, set()
         try:
             return finished(self, request, block_ids)
         finally:
-            self._retrieving = loading
+            self._loading = loading
 
     with patched(cls, "request_finished", unguarded):
         yield
