@@ -5,10 +5,9 @@ importable on a machine without the daemon's or the observability side's depende
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvcache.context import CacheContext
-from kvcache.deprecated import renamed
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
@@ -49,19 +48,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    return _renamed(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-# Old names, one release: each use warns (DeprecationWarning) and names the new one.
-_renamed = renamed(
-    __name__,
-    {"GPUCacheContext": "CacheContext", "GPUKVFormat": "KVFormat", "KVShape": "Geometry"},
-    stacklevel=3,
-)
-if TYPE_CHECKING:
-    GPUCacheContext = CacheContext
-    GPUKVFormat = KVFormat
-    KVShape = Geometry
 
 __all__ = [
     "BlockIdError",

@@ -46,6 +46,9 @@ class EngineConfig:
     ``redis+cluster://host:port,host:port,...`` for a Redis / Valkey Cluster (docs/cluster.md);
     None = no Redis tier. Checked by ``kvcache.storage.l2.redis.url.parse_redis_url``."""
     l2_redis_key_prefix: str = "kvcache:"
+    l2_redis_auth_key_file: str | None = None
+    """File with the secret that seals Redis records (``storage.l2.redis.seal``): only records
+    sealed with it are served. None = every writer of the Redis is trusted (docs/cluster.md)."""
     l2_redis_socket_timeout_s: float = 1.0
     l2_redis_connect_timeout_s: float = 1.0
     l2_redis_ttl_s: int | None = None

@@ -12,13 +12,12 @@ several threads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvcache import _native
 from kvcache.deadline import Deadline
-from kvcache.deprecated import renamed
 from kvcache.errors import CudaUnavailableError, LayoutError
 from kvcache.geometry import DEFAULT_MAX_BLOCK_IDS, Geometry
 from kvcache.layouts import (
@@ -277,10 +276,5 @@ class CacheContext:
             f"chunk_size={self._geometry.chunk_size})"
         )
 
-
-if TYPE_CHECKING:
-    GPUCacheContext = CacheContext  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"GPUCacheContext": "CacheContext"})
 
 __all__ = ["DEFAULT_MAX_BLOCK_IDS", "CacheContext"]

@@ -23,12 +23,6 @@ class Deadline:
         """The moment ``seconds`` from now."""
         return cls(time.monotonic() + seconds)
 
-    @classmethod
-    def of(cls, at: float | None) -> Deadline | None:
-        """A monotonic moment (or None: no deadline) as a ``Deadline``: for callers that still
-        pass the deprecated ``copy_by`` float (``CacheEngine``, until kvcache 0.2.0)."""
-        return None if at is None else cls(at)
-
     def passed(self) -> bool:
         return time.monotonic() > self.at
 

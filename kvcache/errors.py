@@ -25,7 +25,10 @@ Each error also derives from the matching builtin, so callers that already catch
     ├── DaemonStartError (RuntimeError)   a daemon child process died or stayed silent before ready
     ├── DaemonUnavailableError (TimeoutError)  no reply from the daemon in time
     │   └── ShuttingDownError             the daemon refused new work because it is stopping
-    └── RemoteError (RuntimeError)        the daemon failed in a way no class above describes
+    ├── RemoteError (RuntimeError)        the daemon failed in a way no class above describes
+    └── ProxyError                        the disaggregation proxy answers a client with an error
+        ├── ProxyRequestError (ValueError)  a client request refused before any upstream call (400)
+        └── UpstreamError (RuntimeError)  an upstream call gave no answer to relay as a success
 
 The wire code is a class attribute, ``wire_code``, inherited like any other: a new subclass
 answers with its parent's code unless it names its own. ``kvcache.protocol.errors`` derives
@@ -117,6 +120,12 @@ class CorruptChunkError(StorageError):
     """A stored chunk failed validation (header, size or checksum) and was discarded."""
 
 
+class ForgedRecordError(CorruptChunkError):
+    """A Redis L2 record is not sealed with this daemon's key (``--l2-redis-auth-key-file``):
+    written by someone else who can write to the Redis, altered, or moved under another key.
+    It was refused (a miss) and deleted, never served."""
+
+
 class UnknownInstanceError(KvcacheError, KeyError):
     """A request named an engine instance that is not registered."""
 
@@ -144,6 +153,16 @@ class LimitExceededError(KvcacheError, ValueError):
     registered instances, descriptors); nothing was changed."""
 
     wire_code = ErrorCode.LIMIT
+
+
+class PrincipalLimitError(LimitExceededError):
+    """One principal (a tenant) is at a per-principal bound of the daemon (``server.budget``):
+    its request was refused at once, nothing changed, and other principals are unaffected. It
+    travels as ``LIMIT``; the client should back off and retry. ``flag`` names the bound."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 class DeadlineExceededError(KvcacheError, TimeoutError):
@@ -210,6 +229,38 @@ class RemoteError(KvcacheError, RuntimeError):
         self.code = code
 
 
+class ProxyError(KvcacheError):
+    """The disaggregation proxy (``kvcache.integrations.vllm.proxy``) answers a client's request
+    with an error instead of relaying an instance's answer; ``status`` is the HTTP status the
+    client gets. Never sent on the daemon's wire."""
+
+    status: int = 502
+
+
+class ProxyRequestError(ProxyError, ValueError):
+    """A client request the proxy refuses before calling any instance (answered with 400)."""
+
+    wire_code = ErrorCode.BAD_REQUEST
+    status = 400
+
+
+class UpstreamError(ProxyError, RuntimeError):
+    """An upstream (prefill or decode) call that produced no answer to relay as a success.
+
+    Carries the answer the client gets instead: ``status``, ``body`` and ``headers``, either
+    the instance's own error answer passed through or the proxy's own (502 for an instance that
+    failed or could not be reached, 504 for one that stayed silent past its timeout). Plain
+    data, so this module needs no HTTP library; the proxy turns it into its response."""
+
+    def __init__(
+        self, message: str, status: int = 502, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.headers = dict(headers or {})
+
+
 __all__ = [
     "AccessDeniedError",
     "BlockIdError",
@@ -222,10 +273,14 @@ __all__ = [
     "DaemonUnavailableError",
     "DeadlineExceededError",
     "ErrorCode",
+    "ForgedRecordError",
     "KvcacheError",
     "LayoutError",
     "LimitExceededError",
+    "PrincipalLimitError",
     "ProtocolError",
+    "ProxyError",
+    "ProxyRequestError",
     "RedisURLError",
     "RemoteError",
     "ShuttingDownError",
@@ -235,4 +290,5 @@ __all__ = [
     "UnknownInstanceError",
     "UnknownTransferError",
     "UntrustedPathError",
+    "UpstreamError",
 ]

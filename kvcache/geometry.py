@@ -6,7 +6,7 @@ engine's tensors, ``CacheContext`` keeps it (and so does the daemon's registrati
 request is checked against it (``CacheEngine.geometry``, in the daemon the record's), the
 transfer handlers check every job against it, and the engine keys chunks by its chunk shape. It
 used to be three (``KVShape`` for the tensors, ``ChunkGeometry`` for the copy contract, the
-context's own fields) that had to agree; those names stay one release as deprecated aliases.
+context's own fields) that had to agree.
 
 A leaf: torch and the error tree only, so every layer can import it.
 """

@@ -14,12 +14,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvcache import _native
-from kvcache.deprecated import renamed
 from kvcache.errors import LayoutError
 from kvcache.geometry import DEFAULT_MAX_BLOCK_IDS, Geometry
 
@@ -238,12 +236,6 @@ def _describe_pages(
         raise LayoutError(f"a page of {per_block} elements does not split into {block_size} tokens")
     return len(tensors), shape[0], block_size, 1, per_block // block_size, 1  # NL NB BS NH HS KV
 
-
-if TYPE_CHECKING:
-    GPUKVFormat = KVFormat  # deprecated: the runtime aliases below warn
-    KVShape = Geometry
-else:
-    __getattr__ = renamed(__name__, {"GPUKVFormat": "KVFormat", "KVShape": "Geometry"})
 
 __all__ = [
     "ENGINES",

@@ -40,6 +40,15 @@ class BlockAllocationRecord(msgspec.Struct, frozen=True, gc=False):
     new_token_ids: list[int]
 
 
+class LookupHit(msgspec.Struct, frozen=True, gc=False, array_like=True, omit_defaults=True):
+    """A lookup's answer, the engine's and the wire's (one item of ``LookupBatchResult``): the
+    cached prefix in tokens, and how much of it is in L2 (loading into L1 now). Per-tier hits
+    are what a serving engine's metrics show about the tiers."""
+
+    hit_tokens: int
+    l2_hit_tokens: int = 0
+
+
 class ChunkIdentity(msgspec.Struct, frozen=True, gc=False, array_like=True, omit_defaults=True):
     """What KV events announce one chunk as, kept with the chunk by a tier that persists it
     (the disk tier's record header) so a restarted daemon announces it as before.

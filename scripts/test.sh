@@ -23,7 +23,7 @@ if ! command -v redis-server >/dev/null || ! command -v promtool >/dev/null; the
   fi
 fi
 bash scripts/setup.sh test
-.venv/bin/ruff check kvcache tests setup.py
-.venv/bin/ruff format --check kvcache tests setup.py
+.venv/bin/ruff check kvcache benchmarks tests setup.py
+.venv/bin/ruff format --check kvcache benchmarks tests setup.py
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"

@@ -7,7 +7,9 @@
   (``daemon_spawn``; ``KVCACHE_TEST_EXEC_DAEMONS=1`` execs each one instead).
 - The serving engines' venvs (``vllm_python``, ``sglang_python``) come from one place, and the
   test modules that need them run last: ``scripts/test.sh`` builds those venvs in the background
-  while everything else runs.
+  while everything else runs. Where an engine cannot be installed (no network, no wheel for this
+  platform) its tests skip; ``KVCACHE_REQUIRE_ENGINES=1`` (set by ``.ci/run``) turns that skip
+  into a failure, so that CI cannot pass with the engine tests skipped by a network blip.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -39,13 +42,22 @@ def daemon_spawn() -> Iterator[Spawn | None]:
         yield zygote.spawn
 
 
+def _engine_missing(reason: str) -> NoReturn:
+    """Skip an engine's tests, or fail them under ``KVCACHE_REQUIRE_ENGINES=1`` (CI), where a
+    skipped engine test would let the suite pass without running what it exists to run."""
+    if os.environ.get("KVCACHE_REQUIRE_ENGINES") == "1":
+        pytest.fail(f"KVCACHE_REQUIRE_ENGINES=1 but the engine's tests cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def _engine_python(script: str, skip_variable: str, engine: str) -> str:
     """The python of an engine's venv, built by ``scripts/<script>`` (a no-op once built; waits
-    for a build already running). Skips where the engine cannot be installed (exit status 3).
+    for a build already running). Skips where the engine cannot be installed (exit status 3),
+    fails there under ``KVCACHE_REQUIRE_ENGINES=1``.
     ``KVCACHE_<ENGINE>_PYTHON`` names a venv's python built elsewhere (by another checkout),
     so that the script, which links the venv to its own checkout, is not run."""
     if os.environ.get(skip_variable) == "1":
-        pytest.skip(f"{skip_variable}=1")
+        _engine_missing(f"{skip_variable}=1")
     given = os.environ.get(f"KVCACHE_{script.split('_')[0].upper()}_PYTHON")
     if given:
         return given
@@ -53,7 +65,7 @@ def _engine_python(script: str, skip_variable: str, engine: str) -> str:
         ["bash", str(REPO / "scripts" / script)], capture_output=True, text=True, timeout=1800
     )
     if proc.returncode == 3:
-        pytest.skip(f"{engine} cannot be installed here:\n{proc.stderr[-2000:]}")
+        _engine_missing(f"{engine} cannot be installed here:\n{proc.stderr[-2000:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout.strip().splitlines()[-1]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -13,6 +14,17 @@ import pytest
 from kvcache.observability.event import EVENT_META, Event, EventMeta, EventType
 from kvcache.server.launch import DaemonProcess, Spawn
 from kvcache.testing.redis_cluster_local import LocalRedisCluster
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``check`` (every 10 ms) until it holds, failing the test naming ``what`` after
+    ``timeout_s``: for a state that has no event to wait on, rather than a sleep that may end
+    before the state is reached on a slow machine (and the test then proves nothing)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
 
 
 class RecordingSink:
@@ -104,3 +116,13 @@ def start_cluster() -> LocalRedisCluster:
     except BaseException:
         cluster.close()
         raise
+
+
+def sealed_redis_args(directory: Any) -> list[str]:
+    """The daemon flags of a fleet that seals its Redis records: a fresh key file (0600) in
+    ``directory``; every daemon given the same list serves the others' records."""
+    path = os.path.join(str(directory), f"l2-{os.urandom(4).hex()}.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    return ["--l2-redis-auth-key-file", path]

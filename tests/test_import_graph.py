@@ -1,5 +1,6 @@
-"""The kvcache package's modules import one another without circles, and the client and the
-daemon stand side by side: neither imports the other, even through a third module.
+"""The kvcache package's modules (and the checkout's ``benchmarks/``) import one another without
+circles, the client and the daemon stand side by side: neither imports the other, even through
+a third module, and kvcache never imports ``benchmarks`` (an installed kvcache has none).
 
 A circle means two modules cannot be read, tested or moved apart, and it is usually
 hidden rather than absent: an import moved into a function or under ``if TYPE_CHECKING:``
@@ -24,7 +25,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "kvcache"
+REPO = Path(__file__).resolve().parent.parent
+ROOTS = (REPO / "kvcache", REPO / "benchmarks")
 
 # Circles fixed on another branch, tolerated here until it merges. Each entry is the set of
 # modules in one circle; the lead deletes an entry once its fix is on main.
@@ -35,12 +37,12 @@ SEPARATE: list[tuple[str, str]] = [("kvcache.client", "kvcache.server")]
 
 
 def _module_names() -> dict[str, Path]:
-    """Dotted name of every module in the package, ``.pyi`` stubs (the native module) included."""
+    """Dotted name of every module in the packages, ``.pyi`` stubs (the native module) included."""
     out: dict[str, Path] = {}
-    for path in sorted(PACKAGE_ROOT.rglob("*.py*")):
+    for path in sorted(p for root in ROOTS for p in root.rglob("*.py*")):
         if path.suffix not in (".py", ".pyi"):
             continue
-        parts = list(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts)
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out.setdefault(".".join(parts), path)
@@ -200,3 +202,9 @@ def test_client_and_server_do_not_import_each_other() -> None:
         for source, target in ((a, b), (b, a)):
             chain = crossing(graph, source, target)
             assert chain is None, f"{source} imports {target}: " + " -> ".join(chain or [])
+
+
+def test_kvcache_does_not_import_the_checkouts_benchmarks() -> None:
+    graph = import_graph()
+    assert any(_inside(m, "benchmarks") for m in graph)
+    assert crossing(graph, "kvcache", "benchmarks") is None

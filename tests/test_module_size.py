@@ -1,4 +1,4 @@
-"""No module of the kvcache package (the benches included) grows past 400 lines.
+"""No module of the kvcache package or of the checkout's ``benchmarks/`` grows past 400 lines.
 
 A module that long usually holds more than one job, and its reader has to hold all of them
 at once (issue 21, item 6). The fix is a split by responsibility, each part with a docstring
@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "kvcache"
+REPO = Path(__file__).resolve().parent.parent
+ROOTS = (REPO / "kvcache", REPO / "benchmarks")
 MAX_LINES = 400
 
 
 def test_no_module_is_over_the_limit() -> None:
     sizes = {
-        str(path.relative_to(PACKAGE_ROOT.parent)): len(path.read_text().splitlines())
-        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        str(path.relative_to(REPO)): len(path.read_text().splitlines())
+        for root in ROOTS
+        for path in sorted(root.rglob("*.py"))
     }
     assert len(sizes) > 100  # the walk found the package
     long = {name: n for name, n in sizes.items() if n > MAX_LINES}

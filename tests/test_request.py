@@ -134,4 +134,3 @@ def test_ids_slices_stay_checked_and_deadlines_compare() -> None:
     soon, later = Deadline.within(1.0), Deadline.within(5.0)
     assert soon.earliest(later) is soon and later.earliest(soon) is soon and soon.earliest(None) is soon
     assert not soon.passed() and 0 < soon.left() <= 1.0 and Deadline(0.0).left() == 0.0
-    assert Deadline.of(None) is None and Deadline.of(2.0) == Deadline(2.0)

@@ -2,7 +2,9 @@
 
 Each benchmark lives in its own module and is imported only when asked for, so the
 transfer benchmark runs on a GPU machine that has torch but none of the daemon's
-dependencies.
+dependencies. The serving engines' harnesses (vLLM, SGLang, disaggregation) need a checkout
+(their venv scripts, their drivers): they live in the checkout's ``benchmarks/`` package,
+``python -m benchmarks.vllm`` and so on.
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "shared": ("kvcache.bench.shared_prefix", "main", "N requests sharing a prefix on disk, at once"),
     "pipeline": ("kvcache.bench.pipeline", "main", "small retrieve after a large store: window 1 vs N"),
     "workload": ("kvcache.bench.workload", "main", "multi-turn chat workload through the daemon"),
-    "vllm": ("kvcache.bench.vllm", "main", "vLLM end to end: decode tokens/s and loaded-prefix TTFT"),
-    "vllm-shared": ("kvcache.bench.vllm_shared", "main", "vLLM: 8 requests sharing a disk-only prefix, TTFT"),
-    "sglang": ("kvcache.bench.sglang", "main", "SGLang HiCache pages/s: daemon vs its file backend"),
-    "disagg": ("kvcache.bench.disagg", "main", "prefill/decode split behind the proxy vs one vLLM"),
+    "noisy": ("kvcache.bench.noisy", "main", "a tenant's latency while another floods: ratio to no flood"),
 }
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.bench.args import parse_quick
-from kvcache.bench.workload_daemon import DaemonProcess
+from kvcache.bench.workload_daemon import WorkloadDaemon
 from kvcache.bench.workload_report import render
 from kvcache.bench.workload_result import RunResult
 
@@ -134,7 +134,7 @@ def run_once(
         log_path = str(Path(args.out) / f"daemon-kv-events-{'on' if kv_events else 'off'}.log")
         if kv_events and not args.kv_events_token_ids:
             flags.append("--no-kv-events-token-ids")
-        daemon = DaemonProcess(flags, endpoint, log_path=log_path)
+        daemon = WorkloadDaemon(flags, endpoint, log_path=log_path)
         counter = None
         try:
             daemon.wait_ready()

@@ -38,8 +38,9 @@ def server_knows_kv_events() -> bool:
     return "--kv-events-endpoint" in parser._option_string_actions
 
 
-class DaemonProcess:
-    """One daemon subprocess on free ports; ``endpoint`` for clients, ``metrics_url`` to scrape."""
+class WorkloadDaemon:
+    """One daemon subprocess for the workload benchmark, on free ports, KV events on or off;
+    ``endpoint`` for clients, ``metrics_url`` to scrape."""
 
     def __init__(
         self, flags: Sequence[str], kv_events_endpoint: str | None = None, log_path: str | None = None

@@ -42,7 +42,6 @@ from typing import Any, TypeVar
 from kvcache.config import EngineConfig
 from kvcache.context import CacheContext
 from kvcache.deadline import Deadline
-from kvcache.deprecated import renamed_keyword
 from kvcache.engine import lookup as lookup_path
 from kvcache.engine import pages as pages_path
 from kvcache.engine import retrieve as retrieve_path
@@ -67,7 +66,6 @@ from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.factory import create_policy, l2_adapters_from_config
 
 _T = TypeVar("_T")
-_copy_by = renamed_keyword("copy_by", "deadline", Deadline.of)  # until kvcache 0.2.0
 
 
 class CacheEngine:
@@ -234,8 +232,7 @@ class CacheEngine:
             return failed(err)
         return retrieve_path.retrieve_async(self._parts, inst, req)
 
-    # Argument-list forms: build the request (``copy_by``, a float, is the deprecated ``deadline``).
-    @_copy_by
+    # Argument-list forms: build the request.
     def store_async(
         self,
         instance_id: int,
@@ -259,7 +256,6 @@ class CacheEngine:
             return failed(err)
         return self.submit_store(req)
 
-    @_copy_by
     def store(
         self,
         instance_id: int,
@@ -279,7 +275,6 @@ class CacheEngine:
         )  # fmt: skip
         return self._wait(instance_id, future)
 
-    @_copy_by
     def retrieve_async(
         self,
         instance_id: int,
@@ -301,7 +296,6 @@ class CacheEngine:
             return failed(err)
         return self.submit_retrieve(req)
 
-    @_copy_by
     def retrieve(
         self,
         instance_id: int,

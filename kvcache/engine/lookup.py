@@ -9,7 +9,6 @@ retrieve that follows waits for those loads (``retrieve``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from kvcache.deadline import Deadline
 from kvcache.engine.instance import InstanceState
@@ -18,15 +17,7 @@ from kvcache.engine.retrieve import prefetch
 from kvcache.ids import Packed, RawIds, id_count, is_packed, unpacked
 from kvcache.keys import KeyScope, u32_bytes
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart
-from kvcache.records import ChunkKey
-
-
-class LookupHit(NamedTuple):
-    """A lookup's answer: the cached prefix in tokens, and how much of it is in L2 (loading
-    into L1 now). Per-tier hits are what a serving engine's metrics show about the tiers."""
-
-    hit_tokens: int
-    l2_tokens: int
+from kvcache.records import ChunkKey, LookupHit
 
 
 def lookup(

@@ -75,12 +75,12 @@ def prefetch(
 
         def done(ok: bool, entry: L1Entry = entry) -> None:
             parts.pool.finish([entry], ok)
-            notify_settled(parts.loads_settled)  # a retrieve waiting for it looks again
+            notify_settled(parts.loads_settled, (entry.key,), parts.waiting)  # its waiters look again
 
         wait_s = 0.0 if deadline is None else deadline.left()
         if not src.submit_load(entry.key, entry.tensor, done, wait_s):
             parts.pool.finish(entries[i:], False)
-            notify_settled(parts.loads_settled)
+            notify_settled(parts.loads_settled, [e.key for e in entries[i:]], parts.waiting)
             return i
     return len(entries)
 
@@ -258,6 +258,14 @@ class _RetrieveOp:
             if not more:
                 return False
             entries += more
+
+    def waits_on(self) -> ChunkKey | None:
+        """(``loads_settled`` held, after ``settled`` said False) The pinned chunk still
+        loading, else the awaited chunk not yet stored: the one whose change may settle it."""
+        entries = self.pinned
+        if self.settled_upto < len(entries):
+            return entries[self.settled_upto].key
+        return self.keys[len(entries)] if len(entries) < len(self.keys) else None
 
     def polls(self) -> bool:
         """(``loads_settled`` held) Awaited chunks are missing and an L2 tier may bring them

@@ -18,24 +18,13 @@ from __future__ import annotations
 
 import bisect
 import threading
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.deprecated import REMOVED_IN
-
 KiB = 1 << 10
 #: Upper bounds (bytes) of the per-operation size histogram; a last bucket catches the rest.
 SIZE_BUCKETS_BYTES: tuple[int, ...] = tuple(4**k * KiB for k in range(1, 13))  # 4 KiB .. 16 GiB
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is deprecated and will be removed in kvcache {REMOVED_IN}; use {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 def _zeros() -> list[int]:
@@ -113,18 +102,6 @@ class OffloadStats:
         return self.retrieve.seconds_per_token
 
     @property
-    def load(self) -> TransferStats:
-        """Deprecated (until kvcache 0.2.0): ``retrieve``."""
-        _deprecated("OffloadStats.load", "OffloadStats.retrieve")
-        return self.retrieve
-
-    @property
-    def avg_load_seconds_per_token(self) -> float:
-        """Deprecated (until kvcache 0.2.0): ``avg_retrieve_seconds_per_token``."""
-        _deprecated("OffloadStats.avg_load_seconds_per_token", "OffloadStats.avg_retrieve_seconds_per_token")
-        return self.retrieve.seconds_per_token
-
-    @property
     def lookup_hit_rate(self) -> float:
         """Hit tokens over queried tokens (0.0 when nothing was asked)."""
         return self.lookup_hit_tokens / self.lookup_query_tokens if self.lookup_query_tokens else 0.0
@@ -157,10 +134,9 @@ class OffloadStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OffloadStats:
-        """Also reads a dict written before the rename (``"load"`` for ``"retrieve"``)."""
         return cls(
             TransferStats.from_dict(d["store"]),
-            TransferStats.from_dict(d["retrieve"] if "retrieve" in d else d["load"]),
+            TransferStats.from_dict(d["retrieve"]),
             int(d["lookups"]),
             int(d["lookup_query_tokens"]),
             int(d["lookup_hit_tokens"]),

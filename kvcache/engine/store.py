@@ -26,6 +26,7 @@ from kvcache.engine.instance import InstanceState
 from kvcache.engine.op_events import chunk_identities, chunk_write_metadata
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.records import CopyTally
+from kvcache.engine.waiting import notify_settled
 from kvcache.errors import DeadlineExceededError
 from kvcache.futures import failed
 from kvcache.observability.event import EventType, MpStoreStart
@@ -289,8 +290,8 @@ class _StoreOp:
             tokens, hashes = self.req.token_ids.values, self.req.block_hashes
             extra = chunk_write_metadata(self.keys, indices, bpc, bs, cs, tokens, hashes)
             parts.pool.finish(new, True, extra)
-            with parts.loads_settled:  # a retrieve awaiting these chunks (``await_chunks``) looks
-                parts.loads_settled.notify_all()
+            # a retrieve awaiting these chunks (``await_chunks``) looks again
+            notify_settled(parts.loads_settled, [e.key for e in new], parts.waiting)
             with self.lock:
                 self.stored += len(new)
             keep = any(tier.adapter.keeps_meta for tier in parts.tiers)

@@ -14,7 +14,8 @@ waiting for room (nor behind its own instance's: a store's ``block_ids`` are the
 keep until its future resolves, and a retrieve reads only chunks already visible, so it has
 nothing to wait for there but would inherit up to ``store_wait_timeout_s`` of latency).
 Stores keep their per-instance FIFO (``only_behind``); retrieves take no place in any
-instance's order: they are FIFO among themselves only, and a retrieve pass that waits for
+instance's store order. Each waiter serves the instances in turn, one job each, so no
+instance's backlog delays another's by more than one job; and a retrieve pass that waits for
 loads serves every waiting retrieve whose chunks settled (``waiting.WaitingRetrieves``), so a
 retrieve never waits behind another one's loads. NOTE: a retrieve whose chunks must still be
 looked up in L2 (no lookup began them) waits for the passes before it to do that; never for
@@ -48,14 +49,56 @@ class _Job:
     handed: bool = False  # it ran once and handed the thread on (``hand_over``): not fresh
 
 
+class _RoundRobin:
+    """The waiter's queue: a FIFO per instance, served one job per instance in turn.
+
+    ``pop`` is O(1); ``fresh`` counts the jobs that never ran (``hand_over`` asks it on every
+    pass, so it must not scan a backlog)."""
+
+    def __init__(self) -> None:
+        self._by_instance: dict[int, deque[_Job]] = {}  # insertion order: the turn order
+        self._len = 0
+        self.fresh = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, job: _Job) -> None:
+        self._by_instance.setdefault(job.instance_id, deque()).append(job)
+        self._len += 1
+        self.fresh += not job.handed
+
+    def pop(self) -> _Job:
+        """The next instance's oldest job; that instance goes to the back of the turn."""
+        instance_id = next(iter(self._by_instance))
+        jobs = self._by_instance.pop(instance_id)
+        job = jobs.popleft()
+        if jobs:
+            self._by_instance[instance_id] = jobs  # re-inserted: last in turn
+        self._len -= 1
+        self.fresh -= not job.handed
+        return job
+
+    def take_all(self, instance_id: int | None) -> list[_Job]:
+        """Remove and return ``instance_id``'s jobs (every job with None), oldest first."""
+        ids = list(self._by_instance) if instance_id is None else [instance_id]
+        out = [job for i in ids for job in self._by_instance.pop(i, ())]
+        self._len -= len(out)
+        self.fresh -= sum(not job.handed for job in out)
+        return out
+
+
 class Waiter:
-    """Runs operations' waiting parts one at a time, in the order they were handed over.
+    """Runs operations' waiting parts one at a time: each instance's in the order they were
+    handed over, the instances in turn.
 
     One per kind of operation and engine. The thread starts on the first ``add`` and leaves
     after ``idle_exit_s`` without work (or once the main thread has ended), so an engine whose
-    operations never wait holds no thread. One thread, FIFO: stores waiting for room get it in
-    arrival order, and an operation never waits behind one that arrived later. A running
-    job may give the thread to a newer one and queue itself again (``hand_over``).
+    operations never wait holds no thread. One thread; each instance has its own FIFO and the
+    thread takes one job from each instance with work in turn (round robin), so an instance
+    that queued thousands of jobs (a flood of awaiting retrieves) delays another instance's
+    next job by at most one of its own, not by its whole backlog. A running job may give the
+    thread to a newer one and queue itself again (``hand_over``).
 
     Ordering per instance: while an instance has a job queued or running, ``add(...,
     only_behind=True)`` queues its next store too, so a later store cannot take the room an
@@ -80,7 +123,7 @@ class Waiter:
         self._name = name
         self._idle_exit_s = idle_exit_s
         self._cv = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        self._queue = _RoundRobin()
         self._running: _Job | None = None
         self._waiting: Counter[int] = Counter()  # instance id -> its jobs queued or running
         self._thread: threading.Thread | None = None
@@ -128,7 +171,7 @@ class Waiter:
             job = self._running
             if job is None or job.stop is not stop or stop.is_set() or self._closed:
                 return False
-            if all(queued.handed for queued in self._queue):
+            if not self._queue.fresh:
                 return False
             job.handed = True
             self._queue.append(job)
@@ -143,9 +186,7 @@ class Waiter:
         """Stop the waits of ``instance_id``'s jobs (every job's with None) and return once
         they all ran: each takes what is there now and settles its operation."""
         with self._cv:
-            mine = [j for j in self._queue if instance_id is None or j.instance_id == instance_id]
-            for job in mine:
-                self._queue.remove(job)
+            mine = self._queue.take_all(instance_id)
             running = self._running
             if running is not None and instance_id is not None and running.instance_id != instance_id:
                 running = None
@@ -179,7 +220,7 @@ class Waiter:
                     self._thread = None
                     self._cv.notify_all()
                     return
-                job = self._running = self._queue.popleft()
+                job = self._running = self._queue.pop()
             self._run(job)
 
     def _run(self, job: _Job) -> None:

@@ -21,6 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvcache.kv_events.factory import default_factory
 from kvcache.kv_events.messages import FORMATS
+from kvcache.kv_events.replay import DEFAULT_REPLAY_RATE
 from kvcache.kv_events.subscriber import KVEventsSubscriber
 from kvcache.kv_events.zmq_publisher import DEFAULT_BATCH_WINDOW_S, DEFAULT_BUFFER_STEPS, should_bind
 from kvcache.netaddr import ZMQ_TRANSPORTS, endpoint_host, endpoint_is_local
@@ -44,6 +45,17 @@ def non_negative_ms(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_rate(text: str) -> float:
+    """argparse type for a rate a second (> 0, finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -110,6 +122,14 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="batches kept for replay (default %(default)s)",
     )
     g.add_argument(
+        "--kv-events-replay-rate",
+        type=positive_rate,
+        default=DEFAULT_REPLAY_RATE,
+        metavar="BATCHES",
+        help="replayed batches a second, all readers together; a flood of replay requests "
+        "costs the daemon no more (one whole buffer may go at once; default %(default)g)",
+    )
+    g.add_argument(
         "--kv-events-batch-window-ms",
         type=non_negative_ms,
         default=DEFAULT_BATCH_WINDOW_S * 1000,
@@ -152,6 +172,7 @@ def build_kv_events_subscriber(
         curve_keys=load_secret_key(key_file) if key_file else None,
         topic=getattr(ns, "kv_events_topic", DEFAULT_TOPIC),
         buffer_steps=getattr(ns, "kv_events_buffer_steps", DEFAULT_BUFFER_STEPS),
+        replay_rate=getattr(ns, "kv_events_replay_rate", DEFAULT_REPLAY_RATE),
         batch_window_s=getattr(ns, "kv_events_batch_window_ms", DEFAULT_BATCH_WINDOW_S * 1000) / 1000,
     )
     try:

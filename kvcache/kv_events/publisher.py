@@ -51,6 +51,28 @@ class EventPublisher(abc.ABC):
         """Accepted batches waiting for the publisher thread."""
         return 0
 
+    @property
+    def replay_requests(self) -> int:
+        """Replay requests taken from readers (malformed ones too)."""
+        return 0
+
+    @property
+    def replayed_batches(self) -> int:
+        """Batches sent in answer to replay requests."""
+        return 0
+
+    @property
+    def replays_cut(self) -> int:
+        """Replay answers stopped early because their reader did not read them (or left)."""
+        return 0
+
+
+REPLAY_METRICS = (  # the publisher's replay counters as metrics: property, metric, help
+    ("replay_requests", "kvcache_kv_events_replay_requests_total", "KV-event replay requests taken."),
+    ("replayed_batches", "kvcache_kv_events_replayed_batches_total", "KV-event batches sent as replays."),
+    ("replays_cut", "kvcache_kv_events_replays_cut_total", "Replays stopped: the reader did not read."),
+)
+
 
 class NullEventPublisher(EventPublisher):
     """What you get when KV events are off: ``publish`` is one empty call."""
@@ -62,4 +84,4 @@ class NullEventPublisher(EventPublisher):
         return None
 
 
-__all__ = ["EventPublisher", "NullEventPublisher"]
+__all__ = ["REPLAY_METRICS", "EventPublisher", "NullEventPublisher"]

@@ -12,7 +12,8 @@ the wire with its neighbours, in order; nothing is sent for an event that change
 * ``L2_STORE_FINISHED`` (and ``L2_KEYS_FOUND``, a restarted disk tier's contents, and
   ``L2_LOAD_FINISHED``, a chunk found in a tier shared with other daemons, which this one
   can load too) -> ``BlockStored(medium="STORAGE")`` for keys no L2 backend held yet;
-  ``L2_KEYS_EVICTED`` (and ``L2_LOAD_FAILED`` with reason ``"corrupt"``, after which the tier drops the chunk)
+  ``L2_KEYS_EVICTED`` (and ``L2_LOAD_FAILED`` with reason ``"corrupt"`` or ``"forged"``,
+  after which the tier drops the chunk)
   -> ``BlockRemoved(medium="STORAGE")`` for keys no backend holds any more. Several L2
   backends (disk + Redis) share the one ``STORAGE`` medium.
 * ``L1_CLEARED`` / ``L2_CLEARED`` -> ``AllBlocksCleared`` followed, in the same batch, by
@@ -61,7 +62,7 @@ from kvcache.kv_events.messages import (
     EventFactory,
     EventFormat,
 )
-from kvcache.kv_events.publisher import EventPublisher
+from kvcache.kv_events.publisher import REPLAY_METRICS, EventPublisher
 from kvcache.observability.bus import Callback, EventSubscriber
 from kvcache.observability.event import (
     Event,
@@ -204,7 +205,7 @@ class KVEventsSubscriber(EventSubscriber):
         self._forget(keys)
 
     def _on_l2_load_failed(self, event: Event) -> None:
-        if cast(L2LoadFailed, event.metadata).reason == "corrupt":  # the tier deleted the chunk
+        if cast(L2LoadFailed, event.metadata).reason in ("corrupt", "forged"):  # the tier deleted it
             self._on_l2_evicted(event)
 
     def _on_l1_cleared(self, event: Event) -> None:
@@ -368,6 +369,7 @@ class KVEventsSubscriber(EventSubscriber):
             "KV-event batches dropped (publisher queue full or send failed); routers see a seq gap.",
         )
         depth = m.gauge("kvcache_kv_events_queue_depth", "KV-event batches waiting for the publisher thread.")
+        replay = {attr: m.counter(name, doc) for attr, name, doc in REPLAY_METRICS}
         kinds = m.add(
             "kvcache_kv_events_events_total", "KV events built, by vLLM event type.", "counter", ("type",)
         )
@@ -384,6 +386,8 @@ class KVEventsSubscriber(EventSubscriber):
             published.value = self.publisher.published_batches
             dropped.value = self.publisher.dropped_batches
             depth.set(self.publisher.queue_depth)
+            for attr, counter in replay.items():
+                counter.value = getattr(self.publisher, attr)
 
         m.on_collect(refresh)
         return m

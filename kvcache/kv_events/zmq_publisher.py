@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from kvcache.kv_events.messages import END_SEQ, EventBatch, seq_bytes, seq_from_bytes
+from kvcache.kv_events.messages import EventBatch, seq_bytes
 from kvcache.kv_events.publisher import EventPublisher
+from kvcache.kv_events.replay import DEFAULT_REPLAY_RATE, ReplayBudget, ReplayServer
 from kvcache.netaddr import unix_socket_live
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ DEFAULT_BATCH_WINDOW_S = 0.010
 10 ms is within a serving engine's scheduler step, the granularity vLLM publishes at."""
 DEFAULT_MAX_MERGE = 1024  # accepted batches per wire batch at most (bounds message size)
 _IDLE_POLL_S = 0.005  # replay requests wait at most this long while no batch arrives
-_REPLAYS_PER_TURN = 4  # replay requests answered between two sends at most
 _REPLAY_FRAME_MAX = 4096  # bytes in a frame of a replay request (8 used; ZMTP commands too)
 _COPY_BELOW = 65_536  # ZMQ: copying a small frame is cheaper than tracking a zero-copy one
 
@@ -79,7 +79,8 @@ class ZmqEventPublisher(EventPublisher):
     delimiter frame first, as REQ does); it receives ``[topic, seq, payload]`` for every
     buffered wire batch with ``seq >= start`` (the last ``buffer_steps`` sent) and then the
     end marker ``[b"", END_SEQ, b""]`` (vLLM's replay shape), each reply prefixed by the
-    empty delimiter when the request had one.
+    empty delimiter when the request had one. Replays draw on a budget of ``replay_rate``
+    batches a second, all readers together (``replay``: what a flood of requests costs).
 
     Readers: with ``readers`` given, every socket this publisher binds asks ZAP (answered
     by that ``AccessPolicy`` on this publisher's own ZMQ context) about each connection:
@@ -103,11 +104,13 @@ class ZmqEventPublisher(EventPublisher):
         max_merge: int = DEFAULT_MAX_MERGE,
         readers: AccessPolicy | None = None,
         curve_keys: tuple[bytes, bytes] | None = None,
+        replay_rate: float = DEFAULT_REPLAY_RATE,
     ) -> None:
         if buffer_steps < 1 or max_queue_size < 1 or hwm < 0 or max_merge < 1 or batch_window_s < 0:
             raise ValueError(
                 "buffer_steps, max_queue_size and max_merge must be >= 1, hwm and batch_window_s >= 0"
             )
+        budget = ReplayBudget(replay_rate, buffer_steps)  # raises ValueError for a bad rate
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
         self.batch_window_s = batch_window_s
@@ -126,7 +129,6 @@ class ZmqEventPublisher(EventPublisher):
         self._failed = 0
         self._done_cond = threading.Condition()
         self._published = 0
-        self._replays = 0  # replay requests taken (malformed ones too)
         self._flush_upto = 0  # a flush waits for the batches accepted up to here: no window
         self._skip = False  # a batch was dropped since the last send: consume a seq for it
         self._closed = False
@@ -138,6 +140,7 @@ class ZmqEventPublisher(EventPublisher):
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._replay: zmq.Socket[Any] | None = None
+        self._replayer: ReplayServer | None = None
         try:
             if readers is not None:
                 from kvcache.server.auth import ZapHandler
@@ -164,6 +167,7 @@ class ZmqEventPublisher(EventPublisher):
                     self._replay.setsockopt(zmq.IPV6, 1)
                 self._guard(self._replay, replay_endpoint)
                 self._replay.bind(replay_endpoint)
+                self._replayer = ReplayServer(self._replay, self._topic, self._buffer, budget)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._close_sockets(0)
@@ -240,7 +244,21 @@ class ZmqEventPublisher(EventPublisher):
 
     @property
     def replay_requests_served(self) -> int:
-        return self._replays
+        """Replay requests taken (malformed ones too)."""
+        return self._replayer.requests if self._replayer is not None else 0
+
+    @property
+    def replay_requests(self) -> int:
+        return self.replay_requests_served
+
+    @property
+    def replayed_batches(self) -> int:
+        return self._replayer.batches if self._replayer is not None else 0
+
+    @property
+    def replays_cut(self) -> int:
+        """Replies stopped early because their reader did not read them (or left)."""
+        return self._replayer.cut if self._replayer is not None else 0
 
     @property
     def queue_depth(self) -> int:
@@ -256,11 +274,11 @@ class ZmqEventPublisher(EventPublisher):
         encode = msgspec.msgpack.Encoder().encode
         pending = self._pending
         window = self.batch_window_s
-        idle_wait = _IDLE_POLL_S if self._replay is not None else None
+        idle_wait = _IDLE_POLL_S if self._replayer is not None else None
         last_send = 0.0
         try:
             while True:
-                more = self._replay is not None and self._serve_replay()
+                more = self._replayer is not None and self._replayer.serve() == 0.0
                 if not pending:
                     if self._closed:
                         break
@@ -316,35 +334,6 @@ class ZmqEventPublisher(EventPublisher):
         with self._done_cond:
             self._done += len(batches)
             self._done_cond.notify_all()
-
-    def _serve_replay(self) -> bool:
-        """Answer up to ``_REPLAYS_PER_TURN`` replay requests; True when more are waiting. A
-        few a turn, between sends: a reader that floods requests (each answered with up to
-        the whole buffer) must not hold back the live batches every router follows."""
-        assert self._replay is not None
-        for _ in range(_REPLAYS_PER_TURN):
-            if not self._replay.poll(0):
-                return False
-            frames = self._replay.recv_multipart()
-            self._replays += 1
-            if len(frames) == 2:
-                ident, envelope, start = frames[0], [], frames[1]
-            elif len(frames) == 3 and frames[1] == b"":
-                ident, envelope, start = frames[0], [b""], frames[2]
-            else:
-                logger.warning("KV events: ignoring a malformed replay request (%d frames)", len(frames))
-                continue
-            if len(start) != 8:
-                logger.warning("KV events: replay start must be 8 bytes, got %d", len(start))
-                continue
-            first = seq_from_bytes(start)
-            # vLLM's replay shape: [topic, seq, payload] per batch, then [b"", END_SEQ, b""].
-            for seq, payload in list(self._buffer):
-                if seq >= first:  # zero-copy: the frames keep the buffered bytes, not a copy
-                    frames = [ident, *envelope, self._topic, seq_bytes(seq), payload]
-                    self._replay.send_multipart(frames, copy=False)
-            self._replay.send_multipart([ident, *envelope, b"", END_SEQ, b""])
-        return bool(self._replay.poll(0))
 
     def _close_sockets(self, linger_ms: int) -> None:
         self._pub.close(linger=linger_ms)

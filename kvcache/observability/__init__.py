@@ -13,8 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvcache.deprecated import renamed
-
 if TYPE_CHECKING:  # the real names for type checkers; at run time they load on first use
     from kvcache.observability.bus import EventBus
     from kvcache.observability.config import ObservabilityConfig, add_observability_args
@@ -51,19 +49,11 @@ _HOME = {
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
     if home is None:
-        return _renamed(name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"kvcache.observability.{home}"), name)
     globals()[name] = value
     return value
 
-
-# Old names, one release: each use warns (DeprecationWarning) and names the new one.
-_renamed = renamed(
-    __name__, {"DisabledEventBus": "NullEventBus", "NullEventSink": "NullEventBus"}, stacklevel=3
-)
-if TYPE_CHECKING:
-    DisabledEventBus = NullEventBus
-    NullEventSink = NullEventBus
 
 __all__ = [
     "BlockAllocationRecord",

@@ -28,11 +28,9 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 from prometheus_client.registry import CollectorRegistry
 
-from kvcache.deprecated import renamed
 from kvcache.observability.bus_metrics import BusMetrics, BusSnapshot
 from kvcache.observability.event import Event, EventType, NullEventBus  # the null twin, re-exported
 from kvcache.observability.instruments import MetricSet
@@ -296,10 +294,5 @@ class EventBus:
             dict(self._errors),
         )
 
-
-if TYPE_CHECKING:
-    DisabledEventBus = NullEventBus  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"DisabledEventBus": "NullEventBus"})
 
 __all__ = ["Callback", "EventBus", "EventSubscriber", "NullEventBus"]

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 DEFAULT_PROMETHEUS_HOST = "127.0.0.1"
-DEFAULT_PROMETHEUS_PORT = 9090
+# Not Prometheus' own 9090: a host that runs Prometheus next to the daemon would clash. 9259 is in
+# the exporters' range of Prometheus' default port allocations (wiki "Default port allocations"),
+# whose 9100-9999 block is fully allocated: 9259 was reserved for a PCP exporter that never used
+# it (PCP serves its metrics on 44323), and nothing that runs on an inference host (node 9100,
+# DCGM 9400, Redis exporter 9121) sits on it.
+DEFAULT_PROMETHEUS_PORT = 9259
 DEFAULT_SAMPLE_RATE = 0.01
 DEFAULT_QUEUE_SIZE = 10_000
 

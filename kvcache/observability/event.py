@@ -15,11 +15,10 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 
-from kvcache.deprecated import renamed
 from kvcache.records import BlockAllocationRecord, ChunkIdentity, ChunkKey
 
 
@@ -49,6 +48,8 @@ class EventType(enum.Enum):
     MP_VLLM_BLOCK_ALLOCATION = "mp.vllm.block_allocation"
     MP_VLLM_END_SESSION = "mp.vllm.end_session"
     INSTANCE_UNREGISTERED = "instance.unregistered"
+    # -- the daemon's admission (publisher: daemon) ------------------------------------
+    REQUEST_REFUSED = "daemon.request.refused"
 
 
 class EventMeta(msgspec.Struct, frozen=True, gc=False):
@@ -217,6 +218,15 @@ class InstanceUnregistered(InstanceMeta, frozen=True, gc=False):
     pass
 
 
+class RequestRefused(EventMeta, frozen=True, gc=False):
+    """A request the daemon refused (``LIMIT``) because its sender was at one of its bounds:
+    the client should back off; other principals were not affected."""
+
+    principal: str
+    limit: str
+    request: str
+
+
 EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
     {
         EventType.MP_STORE_START: MpStoreStart,
@@ -240,6 +250,7 @@ EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
         EventType.MP_VLLM_BLOCK_ALLOCATION: MpVllmBlockAllocation,
         EventType.MP_VLLM_END_SESSION: MpVllmEndSession,
         EventType.INSTANCE_UNREGISTERED: InstanceUnregistered,
+        EventType.REQUEST_REFUSED: RequestRefused,
     }
 )
 """The metadata Struct each event type carries (EVENTS.md, one section each)."""
@@ -315,12 +326,6 @@ class NullEventBus:
         return None
 
 
-if TYPE_CHECKING:
-    NullEventSink = NullEventBus  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"NullEventSink": "NullEventBus"})
-
-
 __all__ = [
     "EVENT_META",
     "BlockAllocationRecord",
@@ -355,4 +360,5 @@ __all__ = [
     "MpVllmEndSession",
     "NullEventBus",
     "OperationMeta",
+    "RequestRefused",
 ]

@@ -62,6 +62,7 @@ def _subscribers(config: ObservabilityConfig, registry: CollectorRegistry) -> li
             s.L1MetricsSubscriber(registry),
             s.L2MetricsSubscriber(registry),
             s.TierMetricsSubscriber(registry),
+            s.AdmissionMetricsSubscriber(registry),
         ]
     if config.lifecycle_metrics:
         subs += [

@@ -56,8 +56,9 @@ def readable(sock: zmq.Socket[Any]) -> bool:
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
-class DaemonProcess(Protocol):
-    """What a channel may know of the daemon's process (``peer_check.DaemonUidCheck``)."""
+class DaemonWatch(Protocol):
+    """What a channel may know of the daemon's process: the pid it last approved and whether
+    a pid has exited (``peer_check.DaemonUidCheck``)."""
 
     pid: int | None
 
@@ -94,7 +95,7 @@ class Channel:
         sockopts: Mapping[int, int | bytes] | None = None,
         peer_refusal: Callable[[], str | None] | None = None,
         heard: Callable[[], None] | None = None,
-        daemon: DaemonProcess | None = None,
+        daemon: DaemonWatch | None = None,
     ) -> None:
         """``sockopts`` are set before connecting (the CURVE client keys, for one).
         ``peer_refusal``: why this client refused the daemon's end of a handshake, if it did

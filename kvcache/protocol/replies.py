@@ -14,7 +14,7 @@ from typing import Any
 
 from kvcache.errors import ErrorCode
 from kvcache.protocol.wire import Wire as _Wire
-from kvcache.records import Reply, RetrieveResult, StoreResult
+from kvcache.records import LookupHit, Reply, RetrieveResult, StoreResult
 
 
 class Error(Reply, tag="error"):
@@ -44,13 +44,6 @@ class Done(Reply, tag="done"):
 
 class LookupResult(Reply, tag="lookup"):
     """``l2_hit_tokens``: how much of the hit is in L2 (being loaded into L1 now)."""
-
-    hit_tokens: int
-    l2_hit_tokens: int = 0
-
-
-class LookupHit(_Wire, array_like=True):
-    """One item's answer in a ``LookupBatchResult``: the fields of ``LookupResult``."""
 
     hit_tokens: int
     l2_hit_tokens: int = 0

@@ -64,6 +64,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kvcache.serve
             InstanceRegistry(),
             settings.daemon.heartbeat_timeout_s,
             limits=settings.limits,
+            bus=obs.bus,
         )
         daemon = Daemon(settings.daemon, handlers)
     except (OSError, ValueError) as exc:
@@ -133,7 +134,8 @@ def _l2_summary(cfg: EngineConfig) -> str:
     if cfg.l2_disk_path:
         tiers.append(f"disk {cfg.l2_disk_path} ({cfg.l2_disk_size_bytes / GiB:.3g} GiB)")
     if cfg.l2_redis_url:
-        tiers.append(f"redis {redact_url(cfg.l2_redis_url)}")
+        trust = "records sealed" if cfg.l2_redis_auth_key_file else "trusting every writer"
+        tiers.append(f"redis {redact_url(cfg.l2_redis_url)} ({trust})")
     return ", ".join(tiers) or "off"
 
 

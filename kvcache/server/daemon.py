@@ -17,7 +17,9 @@ Threads and ordering:
   inline, because a thread hand-off costs about as much as the lookup itself (``lanes``), and
   queues the rest on a lane, each within its client's in-flight budget (``budget``);
 * the **fast lane** (status, remote lookups) and the **bulk lane** (register, unregister,
-  store, retrieve) each have their own threads, so a slow store never delays a lookup; each
+  store, retrieve) each have their own threads, so a slow store never delays a lookup; a
+  lane's workers take one request of each principal in turn (``fair_queue``), so no
+  principal's backlog delays another's requests by more than one request each; each
   worker sends its reply back over its own inproc PUSH socket (ZMQ sockets are not
   thread-safe), and the I/O thread forwards it to the client;
 * a store or retrieve holds its worker only until its copies are submitted
@@ -34,7 +36,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import queue
 import shutil
 import tempfile
 import threading
@@ -45,28 +46,27 @@ from typing import Any
 
 import zmq
 
-from kvcache.errors import AccessDeniedError, LimitExceededError
+from kvcache.errors import AccessDeniedError, PrincipalLimitError
 from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.channel import NOBLOCK, readable
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.protocol.errors import error_from_exception
 from kvcache.server import auth
-from kvcache.server.budget import REQUEST_FLOOR, in_flight_bytes
+from kvcache.server.budget import REQUEST_FLOOR, give_each, in_flight_bytes, in_flight_requests, take_each
 from kvcache.server.connections import ConnectionGuard
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
+from kvcache.server.fair_queue import FairQueue
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
-from kvcache.server.lanes import lane_of
+from kvcache.server.lanes import FORWARD_EVERY_S, InlineShare, lane_of
 from kvcache.server.unfinished import CHECK_EVERY_S
 from kvcache.transport.curve import load_secret_key
 from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
 from kvcache.trusted_dir import ensure_private_dir
 
 log = logging.getLogger("kvcache.server")
-
-_STOP = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +130,8 @@ class Daemon:
         self._stop = threading.Event()
         self._in_flight = 0
         self._budget = in_flight_bytes(config.max_in_flight_bytes)  # per client (``budget``)
-        self._lanes: dict[str, queue.SimpleQueue[_Job | None]] = {
-            "fast": queue.SimpleQueue(),
-            "bulk": queue.SimpleQueue(),
-        }
+        self._requests = in_flight_requests(config.max_in_flight_requests)
+        self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(), "bulk": FairQueue()}  # per principal
         self._threads: list[threading.Thread] = []
         self._inline_lookups = config.inline_lookups
 
@@ -214,12 +212,12 @@ class Daemon:
         reaper = threading.Thread(target=self._reap, name="kvcache-reaper", daemon=True)
         reaper.start()
 
-    def _work(self, lane: queue.SimpleQueue[_Job | None]) -> None:
+    def _work(self, lane: FairQueue[_Job]) -> None:
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, -1)
         push.connect(self._reply_addr)
         try:
-            while (item := lane.get()) is not _STOP:
+            while (item := lane.get()) is not None:
                 identity, request_id, body, principal, hold = item
                 pending = self.handlers.submit(body, principal)
                 if pending.done():
@@ -238,7 +236,7 @@ class Daemon:
         return [identity, encode_reply(request_id, done.result())]
 
     def _release(self, hold: _Hold) -> None:
-        self._budget.give(hold.principal, hold.cost)
+        give_each(hold.principal, ((self._requests, 1), (self._budget, hold.cost)))
         if hold.pinned is not None:
             self.handlers.registry.end(*hold.pinned)
 
@@ -299,8 +297,13 @@ class Daemon:
             self._router.send_multipart(frames, copy=False)
 
     def _accept(self, draining: bool) -> None:
-        until = time.monotonic() + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
-        while readable(self._router) and time.monotonic() < until:
+        now = time.monotonic()
+        until = now + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
+        forward_at, inline = now + FORWARD_EVERY_S, InlineShare()
+        while readable(self._router) and (now := time.monotonic()) < until:
+            if now >= forward_at:  # replies never wait out a whole read
+                self._forward_replies()
+                forward_at = now + FORWARD_EVERY_S
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
             frames = self._router.recv_multipart(NOBLOCK, copy=False)
             if not self._guard.admits(frames[-1]):
@@ -329,17 +332,20 @@ class Daemon:
                 continue
             body = envelope.body
             instance_id = getattr(body, "instance_id", None)
-            lane = lane_of(body, self._inline_lookups)
+            lane = inline.lane(principal.name, lane_of(body, self._inline_lookups))
             if lane == "inline":
-                reply = self.handlers.handle(body, principal)
+                with inline.timed(principal.name):
+                    reply = self.handlers.handle(body, principal)
                 self._router.send_multipart([identity, encode_reply(envelope.id, reply)])
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
             cost = max(len(frames[1]), REQUEST_FLOOR)
+            takes = ((self._requests, 1), (self._budget, cost))
             try:  # a client reading faster than it is served must not grow the daemon
-                self._budget.take(principal.name, cost)
-            except LimitExceededError as exc:
+                take_each(principal.name, takes)
+            except PrincipalLimitError as exc:
+                self.handlers.refused(principal.name, exc.flag, str(body.__struct_config__.tag))
                 self._reply_now(identity, envelope.id, error_from_exception(exc))
                 continue
             pinned = None  # only a request that may speak for the instance keeps it alive
@@ -348,21 +354,13 @@ class Daemon:
                 pinned = None if generation is None else (instance_id, generation)
             self._in_flight += 1
             hold = _Hold(principal.name, cost, pinned)
-            self._lanes[lane].put((identity, envelope.id, body, principal, hold))
+            self._lanes[lane].put(principal.name, (identity, envelope.id, body, principal, hold))
 
     def _refuse_queued(self) -> None:
         """Answer every request still waiting for a worker with ``SHUTTING_DOWN`` at once, so
         its client does not wait out its timeout for a reply that will never come."""
         for lane in self._lanes.values():
-            while True:
-                try:
-                    item = lane.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    lane.put(_STOP)
-                    break
-                identity, request_id, _, _, hold = item
+            for identity, request_id, _, _, hold in lane.take_all():
                 self._in_flight -= 1
                 self._release(hold)
                 self._reply_now(identity, request_id, _SHUTTING_DOWN)
@@ -372,10 +370,8 @@ class Daemon:
 
     def _shutdown_threads(self, deadline: float | None) -> None:
         self._stop.set()
-        for lane, q in self._lanes.items():
-            count = self.config.fast_workers if lane == "fast" else self.config.bulk_workers
-            for _ in range(count):
-                q.put(_STOP)
+        for q in self._lanes.values():
+            q.stop()
         for t in self._threads:
             t.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
             if t.is_alive():

@@ -44,6 +44,8 @@ class DaemonConfig:
     """Request bytes one client may have read by the daemon and not yet answered (``budget``):
     past it a request is refused at once (``LIMIT``) instead of queued. At least
     ``max_message_bytes``, so any one request fits."""
+    max_in_flight_requests: int = 16384
+    """Requests one client may have read and not yet answered, by number (``budget``)."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long in-flight requests may take before the daemon stops anyway."""
     inline_lookups: bool = True
@@ -60,6 +62,8 @@ class DaemonConfig:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_in_flight_requests < 1:
+            raise ValueError(f"max_in_flight_requests must be >= 1, got {self.max_in_flight_requests}")
         if self.max_in_flight_bytes < self.max_message_bytes:
             raise ValueError(
                 f"max_in_flight_bytes ({self.max_in_flight_bytes}) must be >= max_message_bytes "

@@ -18,6 +18,7 @@ from kvcache.observability.subscribers.logging.request_trace import add_request_
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 from kvcache.server.connection_limits import ConnectionLimits
+from kvcache.server.daemon_config import DaemonConfig
 from kvcache.server.handlers import Limits
 
 DESCRIPTION = """\
@@ -160,6 +161,13 @@ def build_parser(
         "(await_chunks) hold at once (default %(default)s)",
     )
     srv.add_argument(
+        "--max-awaiting-retrieves",
+        type=int,
+        default=lim.max_awaiting_retrieves,
+        help="retrieves awaiting a prefill's chunks (await_chunks) one client may have at "
+        "once; each is answered at its own bound (default %(default)s)",
+    )
+    srv.add_argument(
         "--workers", type=int, default=4, help="threads for register/store/retrieve (default %(default)s)"
     )
     srv.add_argument(
@@ -188,6 +196,13 @@ def build_parser(
         default=16 * DEFAULT_MAX_MESSAGE_BYTES / 2**20,
         help="request bytes one client may have sent and not had answered; past it "
         "a request is refused (LIMIT) instead of queued (default %(default)g)",
+    )
+    srv.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=DaemonConfig().max_in_flight_requests,
+        help="requests one client may have sent and not had answered, by number; past it "
+        "a request is refused (LIMIT) instead of queued (default %(default)s)",
     )
     conn = ConnectionLimits()
     srv.add_argument(
@@ -273,6 +288,19 @@ def build_parser(
         "server, redis+cluster://host:port,host:port,... for a Redis/Valkey "
         "Cluster (docs/cluster.md); a URL with a password belongs in --config "
         "(every local user reads a command line); default: off",
+    )
+    st.add_argument(
+        "--l2-redis-auth-key-file",
+        default=None,
+        metavar="FILE",
+        help="secret (32+ bytes, this user's, mode 0600) that seals Redis records; only "
+        "records sealed with it are served, so give every daemon of a fleet the same file",
+    )
+    st.add_argument(
+        "--l2-redis-trust-all",
+        action="store_true",
+        help="instead of a key file: serve whatever anyone who can write to the Redis "
+        "wrote (only for a Redis no one else can write to; docs/cluster.md)",
     )
     st.add_argument(
         "--l2-redis-timeout",

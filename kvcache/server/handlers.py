@@ -25,16 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvcache.errors import AccessDeniedError, LimitExceededError
+from kvcache.errors import AccessDeniedError, LimitExceededError, PrincipalLimitError
 from kvcache.futures import resolved, then
 from kvcache.ids import Packed, check_count, checked_packed, unpacked
 from kvcache.keys import KeyScope
+from kvcache.observability.event import Event, EventSink, EventType, NullEventBus, RequestRefused
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import whole_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.budget import awaited_tokens
+from kvcache.server.budget import awaited_tokens, awaiting_retrieves, give_each, take_each
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
@@ -63,12 +64,16 @@ class Handlers:
         *,
         limits: Limits | None = None,
         fd_inbox: FdInbox | None = None,
+        bus: EventSink | None = None,
     ) -> None:
         self.engine = engine
+        self.bus: EventSink = bus if bus is not None else NullEventBus()
+        """Where the daemon's own facts go (``REQUEST_REFUSED``); the engine has its own."""
         self.registry = registry
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits if limits is not None else Limits()
         self._awaits = awaited_tokens(self.limits.max_awaited_tokens)
+        self._awaiting = awaiting_retrieves(self.limits.max_awaiting_retrieves)
         self.fd_inbox = fd_inbox
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
@@ -225,7 +230,7 @@ class Handlers:
         hit = self.engine.lookup_tiers(
             req.instance_id, unpacked(req.token_ids), key_scope=scope, request_id=req.request_id
         )
-        return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_tokens)
+        return m.LookupResult(hit_tokens=hit.hit_tokens, l2_hit_tokens=hit.l2_hit_tokens)
 
     def lookup_batch(self, req: m.LookupBatch, principal: Principal) -> m.ReplyBody:
         """Every item is checked as ``lookup`` checks its request (ids, tenant salt, key
@@ -244,7 +249,7 @@ class Handlers:
                 )
             checked.append((checked_packed(ids, max_ids), scope, item.request_id))
         hits = self.engine.lookup_many(req.instance_id, checked)
-        return m.LookupBatchResult(hits=[m.LookupHit(h.hit_tokens, h.l2_tokens) for h in hits])
+        return m.LookupBatchResult(hits=hits)
 
     def store(self, req: m.Store, principal: Principal) -> m.ReplyBody:
         return self.store_async(req, principal).result()
@@ -288,14 +293,24 @@ class Handlers:
         if not request.await_chunks:
             return self.engine.submit_retrieve(request)
         held = len(request.token_ids)  # held up to the wait bound: counted (``server.budget``)
-        self._awaits.take(principal.name, held)
+        takes = ((self._awaiting, 1), (self._awaits, held))
+        try:
+            take_each(principal.name, takes)
+        except PrincipalLimitError as exc:
+            self.refused(principal.name, exc.flag, "retrieve")
+            raise
         try:
             future = self.engine.submit_retrieve(request)
         except BaseException:
-            self._awaits.give(principal.name, held)
+            give_each(principal.name, takes)
             raise
-        future.add_done_callback(lambda _f: self._awaits.give(principal.name, held))
+        future.add_done_callback(lambda _f: give_each(principal.name, takes))
         return future
+
+    def refused(self, principal: str, flag: str, request: str) -> None:
+        """Publish that ``principal``'s ``request`` was refused at the bound ``flag``."""
+        meta = RequestRefused(principal=principal, limit=flag, request=request)
+        self.bus.publish(Event(EventType.REQUEST_REFUSED, meta))
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)

@@ -43,10 +43,13 @@ class Limits:
     max_awaited_tokens: int = 1 << 26
     """Token ids one client's retrieves awaiting a prefill's chunks hold at once (64 Mi;
     ``server.budget``)."""
+    max_awaiting_retrieves: int = 2048
+    """Retrieves awaiting a prefill's chunks one client may have at once (``server.budget``):
+    a decode instance awaits one per request it holds blocks for."""
 
     def __post_init__(self) -> None:
-        for name in ("max_instances", "max_instances_per_client", "max_tensors",
-                     "max_registration_bytes", "max_ids", "max_awaited_tokens"):  # fmt: skip
+        for name in ("max_instances", "max_instances_per_client", "max_tensors", "max_registration_bytes",
+                     "max_ids", "max_awaited_tokens", "max_awaiting_retrieves"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tensors > m.MAX_REGISTER_TENSORS:  # the wire refuses more before we see them

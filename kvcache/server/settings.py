@@ -59,6 +59,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             heartbeat_timeout_s=ns.heartbeat_timeout,
             max_message_bytes=int(ns.max_message_mb * 2**20),
             max_in_flight_bytes=int(ns.max_in_flight_mb * 2**20),
+            max_in_flight_requests=ns.max_requests_in_flight,
             drain_timeout_s=ns.drain_timeout,
             # With an L2 tier a lookup may wait (on Redis, or for L1 room held by loads in
             # flight, up to --lookup-wait-timeout): keep it off the I/O thread.
@@ -82,6 +83,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             max_registration_bytes=int(ns.max_registration_gb * GiB),
             max_ids=ns.max_ids,
             max_awaited_tokens=ns.max_awaited_tokens,
+            max_awaiting_retrieves=ns.max_awaiting_retrieves,
         )
         engine = EngineConfig(
             chunk_size=ns.chunk_size,
@@ -90,6 +92,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             l2_disk_path=ns.l2_disk_path,
             l2_disk_size_bytes=int(ns.l2_disk_size_gb * GiB),
             l2_redis_url=ns.l2_redis_url,
+            l2_redis_auth_key_file=ns.l2_redis_auth_key_file,
             l2_redis_socket_timeout_s=ns.l2_redis_timeout,
             l2_redis_connect_timeout_s=ns.l2_redis_connect_timeout,
             l2_redis_ttl_s=ns.l2_redis_ttl,
@@ -102,12 +105,40 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
         validate_kv_events_args(ns)  # refuse an exposed KV-events bind before anything binds
     except ValueError as exc:
         parser.error(str(exc))
+    _check_redis_trust(parser, ns)  # after the URL's own checks
     if not obs.enabled and (ns.kv_events_endpoint or ns.request_trace_file or ns.subscriber):
         parser.error(
             "--disable-observability turns the event bus off; KV events, the request trace "
             "and --subscriber plug-ins need it"
         )
     return Settings(daemon, limits, engine, obs, ns.log_level, ns)
+
+
+def _check_redis_trust(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """A Redis tier needs a stated trust: a key file (its records are sealed, nobody else's
+    are served) or ``--l2-redis-trust-all``; never both, and neither without a Redis tier.
+    The key file is read here so a bad one stops the daemon before it binds anything."""
+    key, trust_all = ns.l2_redis_auth_key_file, ns.l2_redis_trust_all
+    if ns.l2_redis_url is None:
+        if key is not None or trust_all:
+            parser.error("--l2-redis-auth-key-file and --l2-redis-trust-all need --l2-redis-url")
+        return
+    if key is None and not trust_all:
+        parser.error(
+            "--l2-redis-url needs --l2-redis-auth-key-file FILE (records sealed with a key "
+            "every daemon of the fleet shares; make one with: (umask 077; openssl rand -hex 32 "
+            "> FILE)), or --l2-redis-trust-all to serve whatever anyone who can write to that "
+            "Redis wrote (docs/cluster.md, Who a shared Redis trusts)"
+        )
+    if key is not None and trust_all:
+        parser.error("--l2-redis-auth-key-file and --l2-redis-trust-all exclude each other")
+    if key is not None:
+        from kvcache.storage.l2.redis.seal import RecordSeal
+
+        try:
+            RecordSeal.from_file(key)
+        except (ValueError, OSError) as exc:  # UntrustedPathError is an OSError too
+            parser.error(str(exc))
 
 
 __all__ = ["Settings", "parse_settings"]

@@ -5,18 +5,10 @@ checks every backend shares, ``cpu`` and ``cuda`` one handler each. The CUDA han
 imported only when a CUDA cache is registered (``kvcache.transfer.cuda``).
 """
 
-from typing import TYPE_CHECKING
-
-from kvcache.deprecated import renamed
 from kvcache.geometry import Geometry
 from kvcache.transfer.base import BlockIds, Direction, TransferHandler, TransferJob, TransferResult
 from kvcache.transfer.cpu import CpuTransferHandler
 from kvcache.transfer.validate import block_id_array
-
-if TYPE_CHECKING:
-    ChunkGeometry = Geometry  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"ChunkGeometry": "Geometry"})
 
 __all__ = [
     "BlockIds",

@@ -14,13 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvcache import _native
-from kvcache.deprecated import renamed
 from kvcache.errors import (
     BlockIdError,
     ChunkMismatchError,
@@ -198,11 +196,6 @@ def cuda_errors(doing: str) -> Iterator[None]:
     except Exception as err:
         raise cuda_error(err, doing) from err
 
-
-if TYPE_CHECKING:
-    ChunkGeometry = Geometry  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"ChunkGeometry": "Geometry"})
 
 __all__ = [
     "CheckedJob",

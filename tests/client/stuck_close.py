@@ -63,6 +63,9 @@ def main() -> int:
             errors.append(f"close took {took:.1f} s with the thread stuck")
     # The first daemon is gone; a second listens where the stuck thread's socket points.
     with DaemonProcess(ARGS, runtime_dir=runtime_dir):
+        # A sleep on purpose: the check below is that the handler is *not* stopped, by close or
+        # by anything it left behind, while the stuck thread's socket is open; an absence has
+        # no event to wait on.
         time.sleep(0.5)
         if threads(CHECK) != 1:
             errors.append("the ZAP handler was stopped while the stuck thread's socket was still open")

@@ -107,20 +107,3 @@ def test_a_deadline_in_the_past_moves_nothing(tmp_path: Path) -> None:
         e.store(1, [t + 1 for t in TOKENS], IDS, deadline=Deadline.within(-1))
     assert caches_equal(caches, before) and e.lookup(1, [t + 1 for t in TOKENS]) == 0
     e.close()
-
-
-def test_the_deprecated_copy_by_float_is_still_the_deadline(tmp_path: Path) -> None:
-    """``copy_by`` (a monotonic float) was the argument-list forms' deadline before the
-    glossary made it a ``Deadline``: for one release it still works, and warns."""
-    e, caches = _engine(tmp_path, None)
-    e.store(1, TOKENS, IDS)
-    before = clone_caches(caches)
-    warning = r"copy_by=\.\.\.\) is deprecated.*use deadline="
-    with pytest.warns(DeprecationWarning, match=warning), pytest.raises(DeadlineExceededError):
-        e.retrieve(1, TOKENS, IDS, copy_by=time.monotonic() - 1)
-    with pytest.warns(DeprecationWarning), pytest.raises(DeadlineExceededError):
-        e.store_async(1, [t + 1 for t in TOKENS], IDS, copy_by=time.monotonic() - 1).result(10)
-    with pytest.raises(TypeError, match="both"):
-        e.retrieve(1, TOKENS, IDS, copy_by=time.monotonic() + 60, deadline=Deadline.within(60))
-    assert caches_equal(caches, before) and e.lookup(1, [t + 1 for t in TOKENS]) == 0
-    e.close()

@@ -13,6 +13,7 @@ from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
+from kvcache.records import LookupHit
 from kvcache.testing import caches_equal, make_kv_caches
 from kvcache.testing.redis_local import LocalRedis
 from tests.helpers import RecordingSink as Sink
@@ -44,7 +45,7 @@ def test_disk_write_through_restart_and_prefetch(tmp_path: Path) -> None:
     with engine(sink, l2_disk_path=str(tmp_path)) as b:  # a restarted process: empty L1
         dst = reg(b, 2, seed=2)
         assert b.status()["l1"]["num_chunks"] == 0
-        assert b.lookup_tiers(2, TOKENS) == (128, 128)  # all of it from L2
+        assert b.lookup_tiers(2, TOKENS) == LookupHit(128, 128)  # all of it from L2
         end = sink.of(EventType.MP_LOOKUP_END)[-1].metadata
         assert (end.l1_hit_tokens, end.l2_hit_tokens) == (0, 128)
         assert b.retrieve(2, TOKENS, IDS) == 128
@@ -52,7 +53,7 @@ def test_disk_write_through_restart_and_prefetch(tmp_path: Path) -> None:
         r_end = sink.of(EventType.MP_RETRIEVE_END)[-1].metadata
         assert (r_end.l1_tokens, r_end.l2_tokens) == (0, 128)
         assert len(sink.of(EventType.L2_LOAD_FINISHED)) == 4
-        assert b.lookup_tiers(2, TOKENS) == (128, 0)  # now from L1
+        assert b.lookup_tiers(2, TOKENS) == LookupHit(128, 0)  # now from L1
         assert sink.of(EventType.MP_LOOKUP_END)[-1].metadata.l1_hit_tokens == 128
 
 

@@ -35,7 +35,7 @@ from kvcache.layouts import KVFormat
 from kvcache.observability.event import Event, EventType
 from kvcache.request import RetrieveRequest
 from kvcache.testing import caches_equal, make_kv_caches
-from tests.helpers import RecordingSink
+from tests.helpers import RecordingSink, wait_until
 
 BS, CS = 16, 32
 FMT = KVFormat.NL_X_NB_TWO_BS_NH_HS
@@ -211,6 +211,12 @@ def test_the_deadline_passing_while_waiting_fails_it_and_writes_nothing(
         assert e.status()["l1"]["pinned_chunks"] == 0
 
 
+def _running_instance(waiter: Any) -> int | None:
+    """The instance whose job holds the waiter's thread now (None: none does)."""
+    with waiter._cv:
+        return None if waiter._running is None else int(waiter._running.instance_id)
+
+
 @pytest.mark.parametrize("how", ["close", "unregister"])
 def test_close_or_unregister_resolves_a_waiting_retrieve(
     tmp_path: Path, on_disk: list[torch.Tensor], sink: HeldLoads, how: str
@@ -250,7 +256,8 @@ def test_a_long_await_hands_the_waiter_to_later_retrieves_and_still_ends_on_unre
         never = [t + 10_000 for t in TOKENS]
         req = RetrieveRequest.build(3, e.geometry(3), never, IDS, await_chunks=4, await_s=60.0)
         waiting = e.submit_retrieve(req)
-        time.sleep(0.2)  # its pass is waiting on the waiter thread
+        waiter = e._parts.retrieve_waiter  # no public view of it: the state itself, read
+        wait_until(lambda: _running_instance(waiter) == 3, 10, "the await's pass on the waiter thread")
         sink.allow(4)
         honest = e.retrieve_async(2, TOKENS, IDS)  # nothing looked up: its pass prefetches
         assert honest.result(10).retrieved_tokens == ALL and caches_equal(on_disk, dst)

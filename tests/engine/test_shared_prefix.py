@@ -178,7 +178,7 @@ def test_a_steps_lookups_in_one_call_answer_as_single_lookups_and_read_once(
         e.register(2, "m", caches(seed=2))
         hits = e.lookup_many(2, [(np.asarray(t, dtype=np.uint32), KeyScope(s), r) for t, s, r in queries])
         assert [h.hit_tokens for h in hits] == [ALL, 5 * CS, 0, 0, ALL]
-        assert hits[0].l2_tokens == ALL  # the first read it; the last found it in L1
+        assert hits[0].l2_hit_tokens == ALL  # the first read it; the last found it in L1
         assert reads(e) == CHUNKS
         again = [e.lookup_tiers(2, t, cache_salt=s, request_id=r) for t, s, r in queries]
         assert [h.hit_tokens for h in again] == [h.hit_tokens for h in hits]

@@ -24,7 +24,7 @@ def test_defaults() -> None:
         True,
         False,
     )
-    assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 9090)
+    assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 9259)
     assert cfg.metrics_sample_rate == 0.01
     assert cfg.event_bus_queue_size == 10_000
 

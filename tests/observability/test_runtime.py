@@ -37,6 +37,7 @@ def test_full_wiring_serves_metrics_on_the_configured_port() -> None:
             "L1MetricsSubscriber",
             "L2MetricsSubscriber",
             "TierMetricsSubscriber",
+            "AdmissionMetricsSubscriber",
             "L0LifecycleSubscriber",
             "L1LifecycleSubscriber",
             "LoggingSubscriber",

@@ -14,9 +14,10 @@ import zmq
 
 from kvcache.errors import ProtocolError
 from kvcache.protocol import messages as m
-from kvcache.protocol.channel import Channel
+from kvcache.protocol.channel import Channel, readable
 from kvcache.protocol.codec import decode_request, encode_reply
 from kvcache.protocol.errors import DaemonUnavailableError
+from tests.helpers import wait_until
 from tests.security import zmtp
 
 
@@ -233,7 +234,9 @@ def test_a_reply_that_came_before_the_connection_ended_is_still_received(tmp_pat
     identity, _ = router.recv_multipart()
     router.send_multipart([identity, encode_reply(sent, m.LookupResult(hit_tokens=1))])
     router.close(linger=1000)  # the reply leaves first
-    time.sleep(0.3)  # both the reply and the connection's end wait for the owner
+    # Both the reply and the connection's end wait for the owner (read on the channel's own
+    # sockets: the owner's next receive must find them both).
+    wait_until(lambda: readable(chan._sock) and readable(chan._monitor), 10, "the reply and the end")
     got: list[int] = []
     _pump(chan, lambda: bool(got.extend(e.id for e in chan.receive(0.05)) or got), limit_s=2)
     assert got == [sent]

@@ -192,7 +192,8 @@ def test_a_flood_of_whole_requests_on_one_connection_does_not_hold_off_the_cut(
         zmtp.handshake(endless)
         before = _rss(d.pid)
         thread.start()
-        time.sleep(0.5)  # the daemon's loop is busy with the flood by now
+        flooder.settimeout(10)
+        assert flooder.recv(1), "the daemon never answered the flood"  # its loop is on it now
         endless.settimeout(2.0)
         frame = zmtp.frame_header(MiB - 64, more=True) + bytes(MiB - 64)
         sent = _sent_until_cut(endless, frame, 256)

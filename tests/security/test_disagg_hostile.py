@@ -28,7 +28,7 @@ from kvcache.protocol.codec import pack_ids
 from kvcache.server.keygen import main as keygen
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
-from tests.helpers import daemon_starter
+from tests.helpers import daemon_starter, wait_until
 
 from .conftest import BASE_ARGS, raw_call
 
@@ -70,7 +70,7 @@ def test_a_wait_for_chunks_that_never_come_does_not_hold_back_other_retrieves(da
         assert honest.store(mine[:64], BLOCKS[:16]).stored_chunks == 4
         never = [t + 900 for t in TOKENS]  # nobody stores these
         waits = [hostile.retrieve_reply_async(never, BLOCKS, awaited=(8, LONG_MS)) for _ in range(2)]
-        time.sleep(0.3)  # the waits are on the waiter now
+        wait_until(lambda: honest.status()["in_flight"] == 2, 10, "the daemon to hold both waits")
         assert not any(w.done() for w in waits)
         start = time.monotonic()
         into = BLOCKS[16:] + BLOCKS[:16]  # the cached half lands in blocks 16..31

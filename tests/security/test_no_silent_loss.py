@@ -59,7 +59,7 @@ def test_twelve_prompts_stored_at_once_through_an_l1_of_three_are_all_found_whol
     start_daemon: Callable[..., DaemonProcess], redis_server: LocalRedis
 ) -> None:
     l1_gb = 3 * CHUNKS * CHUNK_BYTES / GiB  # room for about 3 prompts of 4 chunks
-    d = start_daemon("--l1-size-gb", repr(l1_gb), "--l2-redis-url", redis_server.url,
+    d = start_daemon("--l1-size-gb", repr(l1_gb), "--l2-redis-url", redis_server.url, "--l2-redis-trust-all",
                      "--store-wait-timeout", "30", "--workers", "4")  # fmt: skip
     kv = to_shared(_cache())
     want = clone_caches(kv)

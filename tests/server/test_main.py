@@ -26,13 +26,14 @@ def test_defaults_need_no_external_service() -> None:
     assert s.engine.l2_disk_path is None and s.engine.l2_redis_url is None
     assert s.engine.chunk_size == 256 and s.engine.l1_size_bytes == 2 * GiB
     assert s.daemon.inline_lookups is True
-    assert s.observability.enabled and s.observability.prometheus_port == 9090
+    assert s.observability.enabled and s.observability.prometheus_port == 9259
 
 
 def test_storage_flags_reach_the_engine_config() -> None:
     s = parse_settings(
         ["--chunk-size", "128", "--l1-size-gb", "0.5", "--l1-evict-watermark", "0.7",
-         "--l2-disk-path", "/tmp/x", "--l2-disk-size-gb", "3", "--l2-redis-url", "redis://h:1/0"]
+         "--l2-disk-path", "/tmp/x", "--l2-disk-size-gb", "3", "--l2-redis-url", "redis://h:1/0",
+         "--l2-redis-trust-all"]
     )  # fmt: skip
     e = s.engine
     assert (e.chunk_size, e.l1_size_bytes, e.l1_evict_watermark) == (128, GiB // 2, 0.7)

@@ -4,7 +4,7 @@ vLLM caches the blocks of an asynchronous load only once the load is reported do
 (``delay_cache_blocks``), so N requests that arrive together sharing a prefix held by the
 daemon would each be given blocks of their own and each load the same chunks: N copies of
 the same bytes, made one after another, the last request's first token N copies late
-(measured by ``python -m kvcache.bench vllm-shared``). The scheduler half instead answers
+(measured by ``python -m benchmarks.vllm_shared``). The scheduler half instead answers
 "not known yet" (``None``) for a request whose next chunk another admitted request is loading
 now; vLLM leaves it waiting, and once that load is reported done and vLLM cached its blocks,
 the request finds the prefix in vLLM's own prefix cache and loads at most what lies beyond it.

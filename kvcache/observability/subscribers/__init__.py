@@ -7,6 +7,7 @@ OpenTelemetry only when constructed.
 from kvcache.observability.subscribers.lifecycle import L0LifecycleSubscriber, L1LifecycleSubscriber
 from kvcache.observability.subscribers.logging import LoggingSubscriber, RequestTraceSubscriber
 from kvcache.observability.subscribers.metrics import (
+    AdmissionMetricsSubscriber,
     EngineMetricsSubscriber,
     L1MetricsSubscriber,
     L2MetricsSubscriber,
@@ -16,6 +17,7 @@ from kvcache.observability.subscribers.metrics import (
 from kvcache.observability.subscribers.tracing import TracingSubscriber
 
 __all__ = [
+    "AdmissionMetricsSubscriber",
     "EngineMetricsSubscriber",
     "L0LifecycleSubscriber",
     "L1LifecycleSubscriber",

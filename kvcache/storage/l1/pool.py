@@ -22,12 +22,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
 
-from kvcache.deprecated import renamed
 from kvcache.observability.event import (
     Event,
     EventSink,
@@ -379,12 +378,6 @@ class L1Pool(SlotTable):
                 "allocation_failures": self.allocation_failures,
                 "slabs": self._slabs.slab_info(),
             }
-
-
-if TYPE_CHECKING:
-    SlotGeometry = SlotShape  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"SlotGeometry": "SlotShape"})
 
 
 __all__ = ["SLOT_ALIGN", "EntryState", "L1Entry", "L1Pool", "SlotShape", "WriteReservation"]

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-
-from kvcache.deprecated import renamed
 
 SLOT_ALIGN = 256
 #: An extent is at most ``capacity_bytes // EXTENT_SHARE`` (but always at least one slot).
@@ -150,10 +148,5 @@ class SlabAllocator:
             self.allocated_bytes -= ext.nslots * slab.slot_shape.stride
         return bool(freed)
 
-
-if TYPE_CHECKING:
-    SlotGeometry = SlotShape  # deprecated: the runtime alias below warns
-else:
-    __getattr__ = renamed(__name__, {"SlotGeometry": "SlotShape"})
 
 __all__ = ["EXTENT_SHARE", "SLOT_ALIGN", "SlabAllocator", "Slot", "SlotShape"]

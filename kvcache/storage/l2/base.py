@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.errors import CorruptChunkError, ForgedRecordError, StorageError
 from kvcache.records import ChunkKey
 
 #: Called by ``L2Adapter.store`` with the bytes written, at the moment the chunk is visible.
 Announce = Callable[[int], None]
 
 #: Failure reasons carried by ``StorageError.reason`` and published in ``L2_*_FAILED`` events.
-REASONS = ("corrupt", "timeout", "unavailable", "io", "full", "busy")
+REASONS = ("corrupt", "forged", "timeout", "unavailable", "io", "full", "busy")
 #: How much of a tier a failure speaks for (``StorageError.scope``): the whole tier, or one
 #: shard of it (the other shards still answer, so the tier must not be skipped as a whole).
 SCOPES = ("tier", "shard")
@@ -194,6 +194,8 @@ def storage_error(message: str, reason: str, scope: str = "tier") -> StorageErro
 
 def failure_reason(exc: BaseException) -> str:
     """The ``REASONS`` entry for an adapter failure (``"io"`` when untagged)."""
+    if isinstance(exc, ForgedRecordError):  # a corrupt record, but maybe an attack: told apart
+        return "forged"
     if isinstance(exc, CorruptChunkError):
         return "corrupt"
     reason = getattr(exc, "reason", None)

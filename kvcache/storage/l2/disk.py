@@ -16,7 +16,9 @@ file a regular file of that uid, 0600 (``kvcache.trusted_dir``); anything else s
 at start with a message that says how to fix it, never loosened or tightened silently. After
 the check every file is reached relative to a descriptor of the checked directory, opened with
 ``O_NOFOLLOW``: nobody else can add an entry in it, and renaming a directory above it changes
-nothing. Files are created 0600 and directories 0700 whatever the umask.
+nothing. Only the daemon's uid (or root) can then swap a subdirectory for a symlink while it
+runs, and even that is not followed (``disk_files``). Files are created 0600 and directories
+0700 whatever the umask.
 
 A full disk (ENOSPC, EDQUOT) is not the end of the tier: it evicts its own oldest chunks and
 retries once, and from then on bounds itself by what the disk really has free: re-read at every
@@ -26,9 +28,7 @@ space is freed, and every ``_PROBE_EVERY`` writes otherwise (someone else may fi
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import logging
 import os
 import shutil
@@ -48,13 +48,11 @@ from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvict
 from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage.l2 import codec
 from kvcache.storage.l2.base import Announce, L2Adapter, StoreItem, storage_error
+from kvcache.storage.l2.disk_files import SUFFIX, WHAT, ChunkFiles, names, unlink
 from kvcache.trusted_dir import check_mode, open_private_dir
 
-_SUFFIX = ".kvc"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _PROBE_EVERY = 64
-_WHAT = "disk tier (--l2-disk-path)"
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO planted there never blocks
 log = logging.getLogger(__name__)
 
 
@@ -76,11 +74,10 @@ class DiskL2Adapter(L2Adapter):
         self._writes = 0
         self._full_logged = False
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._root = open_private_dir(self.path, _WHAT)
+        self._root = open_private_dir(self.path, WHAT)
         """Every file is reached relative to this descriptor of the checked directory."""
         weakref.finalize(self, os.close, self._root)  # never while a method may still use it
-        self._subdirs: set[str] = set()
-        """Subdirectories checked (or made) by this adapter."""
+        self._files = ChunkFiles(self.path, self._root)
         self._scan()
 
     # -- L2Adapter ------------------------------------------------------------------------
@@ -131,17 +128,27 @@ class DiskL2Adapter(L2Adapter):
     def _write(
         self, key: ChunkKey, header: bytes, payload: memoryview, size: int, announce: Announce | None
     ) -> None:
-        final = self._rel(key)
+        sub, final = names(key)
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+        # Made if missing (removed behind our back: ``rm -rf tier/*``), refused if a link.
+        with self._files.subdir(sub, create=True) as dir_fd:
+            self._write_in(dir_fd, key, tmp, final, header, payload, size, announce)
+
+    def _write_in(
+        self,
+        dir_fd: int,
+        key: ChunkKey,
+        tmp: str,
+        final: str,
+        header: bytes,
+        payload: memoryview,
+        size: int,
+        announce: Announce | None,
+    ) -> None:
+        """``_write`` in the subdirectory ``dir_fd``: ``tmp`` written, then renamed ``final``."""
         try:
-            self._subdir(final[:2])
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            try:
-                fd = os.open(tmp, flags, 0o600, dir_fd=self._root)
-            except FileNotFoundError:  # its subdirectory was removed behind our back: again
-                self._subdirs.discard(final[:2])
-                self._subdir(final[:2])
-                fd = os.open(tmp, flags, 0o600, dir_fd=self._root)
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
             with open(fd, "wb", buffering=0) as f:  # the slow part, outside the lock
                 f.write(header)
                 view = payload
@@ -151,7 +158,7 @@ class DiskL2Adapter(L2Adapter):
             # NOTE: rename, index, events and evictions happen under one lock, so the index,
             # the files and the published events agree even with several writer threads.
             with self._lock:
-                os.replace(tmp, final, src_dir_fd=self._root, dst_dir_fd=self._root)
+                os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 if key not in self._index:
                     self._index[key] = size
                     self.used_bytes += size
@@ -162,7 +169,7 @@ class DiskL2Adapter(L2Adapter):
                     self._probe_capacity(0)
                 self._evict_over_limit()
         except BaseException:
-            _unlink(tmp, self._root)
+            unlink(tmp, dir_fd)
             raise
 
     def _shrink_to_disk(self, need: int) -> None:
@@ -198,7 +205,7 @@ class DiskL2Adapter(L2Adapter):
                 return False
             self._index.move_to_end(key)
         try:
-            with self._open(key) as f:
+            with self._files.open(key) as f:
                 head = f.read(codec.MAX_HEADER)
                 header = codec.decode_header(head)
                 codec.check_fits(header, key, out)
@@ -239,7 +246,7 @@ class DiskL2Adapter(L2Adapter):
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         removed = self._forget(keys)
         for key in removed:
-            _unlink(self._rel(key), self._root)
+            self._files.unlink_chunk(key)
         return len(removed)
 
     def info(self) -> dict[str, Any]:
@@ -255,35 +262,8 @@ class DiskL2Adapter(L2Adapter):
 
     # -- internals ------------------------------------------------------------------------
     def _file(self, key: ChunkKey) -> str:
-        """The chunk's file, as a path (for messages and tests; the adapter uses ``_rel``)."""
-        return os.path.join(self.path, self._rel(key))
-
-    @staticmethod
-    def _rel(key: ChunkKey) -> str:
-        """The chunk's file relative to the tier directory: ``ab/ab12...ef.kvc``."""
-        name = f"{key:032x}"
-        return f"{name[:2]}/{name}{_SUFFIX}"
-
-    def _subdir(self, name: str) -> None:
-        """Make ``name`` (or check it once, if it exists) a private directory of ours."""
-        if name not in self._subdirs:
-            shown = os.path.join(self.path, name)
-            os.close(open_private_dir(name, f"{_WHAT} subdirectory", self._root, shown))
-            self._subdirs.add(name)
-
-    def _open(self, key: ChunkKey) -> io.FileIO:
-        """The chunk's file for reading; a symlink there (``O_NOFOLLOW``: ELOOP), or anything
-        but a regular file (a FIFO would block its reader for good), is corrupt."""
-        try:
-            fd = os.open(self._rel(key), _READ, dir_fd=self._root)
-        except OSError as err:
-            if err.errno != errno.ELOOP:
-                raise
-            raise CorruptChunkError(f"{self._file(key)} is a symlink, not a chunk file") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptChunkError(f"{self._file(key)} is not a regular file")
-        return open(fd, "rb", buffering=0)
+        """The chunk's file, as a path (for messages and tests)."""
+        return self._files.file(key)
 
     def _scan(self) -> None:
         """Rebuild the index from the files present, oldest modification first (LRU order)."""
@@ -291,7 +271,6 @@ class DiskL2Adapter(L2Adapter):
         with os.scandir(self._root) as entries:
             subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()]
         for name in subdirs:
-            self._subdir(name)  # raises for a symlink or a directory another user could write
             found += self._scan_subdir(name)
         found.sort()
         with self._lock:
@@ -310,20 +289,21 @@ class DiskL2Adapter(L2Adapter):
         """(mtime, key, size) of the chunk files in one (checked) subdirectory; refuses one
         that is not a regular file of ours closed to others, removes crashed writes."""
         found: list[tuple[float, ChunkKey, int]] = []
-        fd = os.open(name, _READ | os.O_DIRECTORY, dir_fd=self._root)
+        # Raises for a symlink or a directory another user could write.
+        fd = open_private_dir(name, f"{WHAT} subdirectory", self._root, os.path.join(self.path, name))
         try:
             with os.scandir(fd) as entries:
                 for entry in entries:
                     if entry.name.endswith(".tmp"):
-                        _unlink(entry.name, fd)  # a write interrupted by a crash
+                        unlink(entry.name, fd)  # a write interrupted by a crash
                         continue
-                    if not entry.name.endswith(_SUFFIX):
+                    if not entry.name.endswith(SUFFIX):
                         continue
                     st = entry.stat(follow_symlinks=False)
                     shown = os.path.join(self.path, name, entry.name)
-                    check_mode(st, shown, os.getuid(), f"{_WHAT} chunk file", stat.S_IFREG)
+                    check_mode(st, shown, os.getuid(), f"{WHAT} chunk file", stat.S_IFREG)
                     try:
-                        key = int(entry.name[: -len(_SUFFIX)], 16)
+                        key = int(entry.name[: -len(SUFFIX)], 16)
                     except ValueError:
                         continue
                     found.append((st.st_mtime, key, st.st_size))
@@ -335,7 +315,7 @@ class DiskL2Adapter(L2Adapter):
         """How KV events announced ``key`` before the restart (its file's meta); None for a
         file without one (written by an older build) or one that cannot be read."""
         try:
-            with self._open(key) as f:
+            with self._files.open(key) as f:
                 head = f.read(codec.MAX_HEADER)
                 header = codec.decode_header(head)
                 if header.header_len > len(head):
@@ -352,7 +332,7 @@ class DiskL2Adapter(L2Adapter):
         while self.used_bytes > self.capacity_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.used_bytes -= size
-            _unlink(self._rel(key), self._root)
+            self._files.unlink_chunk(key)
             evicted.append((key, size))
         if evicted:
             meta = L2KeysEvicted(
@@ -368,11 +348,6 @@ class DiskL2Adapter(L2Adapter):
             for key in removed:
                 self.used_bytes -= self._index.pop(key)
         return removed
-
-
-def _unlink(path: str, dir_fd: int) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path, dir_fd=dir_fd)
 
 
 __all__ = ["DiskL2Adapter"]

@@ -78,7 +78,12 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
             "socket_timeout_s": config.l2_redis_socket_timeout_s,
             "connect_timeout_s": config.l2_redis_connect_timeout_s,
             "ttl_s": config.l2_redis_ttl_s,
+            "seal": None,
         }
+        if config.l2_redis_auth_key_file is not None:
+            from kvcache.storage.l2.redis.seal import RecordSeal
+
+            options["seal"] = RecordSeal.from_file(config.l2_redis_auth_key_file)
         # Both also report what the servers expire or evict by themselves.
         if parse_redis_url(config.l2_redis_url).cluster:
             # A dead shard fails fast for as long as a dead tier is skipped.

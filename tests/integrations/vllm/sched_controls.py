@@ -1,17 +1,20 @@
 """Negative controls for the scheduler harness: each fix switched off, its scenarios must fail.
 
-Run by hand in the vLLM venv (not in CI: it doubles the harness's time)::
+Run in the vLLM venv, by ``test_sched_controls.py`` in the suite (and so in CI), or by hand::
 
-    .vllm-venv/bin/python tests/integrations/vllm/sched_controls.py [NAME ...]
+    .vllm-venv/bin/python tests/integrations/vllm/sched_controls.py [--out FILE] [NAME ...]
 
 Each control patches one safeguard out of the connector or the client, runs the scenarios
 that guard it (``sched_scenarios.SCENARIOS``; a name ending in ``/sync_loads`` runs with the
 connector's ``async_loads: false``) and reports whether they failed; the exit status is 1 if
-any scenario still passed (it would not prove its safeguard).
+any scenario still passed (it would not prove its safeguard). ``--out`` writes each verdict
+as JSON (``{"control / scenario": {"verdict": "failed" | "passed" | "skipped", "detail": ...}}``).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -235,11 +238,17 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
 
 
 def main(argv: list[str]) -> int:
-    proven = True
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write every verdict as JSON")
+    parser.add_argument("names", nargs="*", metavar="NAME", help="controls to run (default: all)")
+    args = parser.parse_args(argv)
+    if unknown := sorted(set(args.names) - set(CONTROLS)):
+        parser.error(f"unknown controls {unknown}; known: {sorted(CONTROLS)}")
+    verdicts: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvc-sched-controls-") as tmp, Zygote() as zygote:
         workdir = Path(tmp)
         write_model_config(str(workdir / "model"))
-        for name in argv or list(CONTROLS):
+        for name in args.names or list(CONTROLS):
             make, scenarios = CONTROLS[name]
             for spec in scenarios:
                 scenario, _, mode = spec.partition("/")
@@ -247,14 +256,17 @@ def main(argv: list[str]) -> int:
                     try:
                         with harness(scenario, workdir, zygote.spawn, async_loads=mode != "sync_loads") as h:
                             SCENARIOS[scenario](h)
-                        verdict, proven = "PASSED (proves nothing)", False
+                        verdict, detail = "passed", "proves nothing"
                     except ScenarioSkipped as exc:
-                        verdict = f"skipped: {exc}"
+                        verdict, detail = "skipped", str(exc)
                     except Exception as exc:
                         last = str(exc).strip().splitlines()
-                        verdict = f"failed as it must: {type(exc).__name__}: {last[0] if last else ''}"[:200]
-                print(f"{name} / {spec}: {verdict}", flush=True)
-    return 0 if proven else 1
+                        verdict, detail = "failed", f"{type(exc).__name__}: {last[0] if last else ''}"[:200]
+                verdicts[f"{name} / {spec}"] = {"verdict": verdict, "detail": detail}
+                print(f"{name} / {spec}: {verdict}: {detail}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(verdicts, indent=1))
+    return 1 if any(v["verdict"] == "passed" for v in verdicts.values()) else 0
 
 
 if __name__ == "__main__":

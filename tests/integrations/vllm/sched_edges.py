@@ -151,7 +151,8 @@ def _redis_l2(h: Harness) -> tuple[RedisReadGate, Any]:
     h.cleanups.append(server.close)
     gate = RedisReadGate(server)
     h.cleanups.insert(0, gate.close)
-    h.replace_daemon(["--l2-redis-url", gate.url, "--l2-redis-timeout", "30", "--l2-retry-interval", "0.2"])
+    h.replace_daemon(["--l2-redis-url", gate.url, "--l2-redis-trust-all", "--l2-redis-timeout", "30",
+                      "--l2-retry-interval", "0.2"])  # fmt: skip
     return gate, redis_py.Redis.from_url(server.url)
 
 

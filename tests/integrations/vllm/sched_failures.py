@@ -58,7 +58,7 @@ def _slow_redis(h: Harness) -> SlowLink:
     h.cleanups.append(redis.close)
     link = SlowLink(redis.port).start()
     h.cleanups.insert(0, link.close)
-    h.replace_daemon(["--l2-redis-url", link.url, "--l2-redis-timeout", "30"])
+    h.replace_daemon(["--l2-redis-url", link.url, "--l2-redis-trust-all", "--l2-redis-timeout", "30"])
     return link
 
 

@@ -396,7 +396,7 @@ def stalled(h: Harness, what: str) -> None:
         h.cleanups.append(redis.close)
         gate = RedisReadGate(redis)
         h.cleanups.append(gate.close)
-        h.replace_daemon(["--l2-redis-url", gate.url, "--l2-redis-timeout", "30"])
+        h.replace_daemon(["--l2-redis-url", gate.url, "--l2-redis-trust-all", "--l2-redis-timeout", "30"])
         assert _stall_once(h, what, gate.hold, gate.release), "the stalled load did not fail"
         return
     pids: list[int] = []

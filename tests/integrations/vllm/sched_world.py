@@ -1,6 +1,6 @@
 """The world a scheduler-harness scenario runs in (vLLM venv only): daemons, a reader engine.
 
-``Daemon`` can be killed, stopped and started again in place; ``Reader`` is a third engine on
+``RestartableDaemon`` can be killed, stopped and started again in place; ``Reader`` is a third engine on
 the same model that asks the daemon for a request's tokens and compares every byte it is
 served with the oracle; ``Harness`` holds a scenario's engines and runs the common checks
 (``check``). Not collected by pytest (no ``test_`` prefix).
@@ -54,7 +54,7 @@ def stored_tokens(seq_len: int) -> int:
     return (seq_len - 1) // CHUNK * CHUNK
 
 
-class Daemon:
+class RestartableDaemon:
     """A daemon in a fixed runtime directory (so at a fixed ipc:// endpoint), so that it can
     be killed and started again in place."""
 
@@ -133,7 +133,7 @@ class Harness:
 
     def __init__(self, name: str, workdir: Path, spawn: Spawn | None, *, async_loads: bool = True) -> None:
         self.name, self.workdir, self.spawn = name, workdir, spawn
-        self.daemon = Daemon(spawn)
+        self.daemon = RestartableDaemon(spawn)
         self.async_loads = async_loads
         """The connector's ``async_loads`` for this run's engines (async scheduling forces it).
         Every load of an asynchronous run is asynchronous (``sync_lone_loads: false``) unless a
@@ -145,10 +145,10 @@ class Harness:
         self.cleanups: list[Callable[[], None]] = []
         self._reader: Reader | None = None
 
-    def replace_daemon(self, extra: Sequence[str]) -> Daemon:
+    def replace_daemon(self, extra: Sequence[str]) -> RestartableDaemon:
         """The harness's daemon closed and replaced by one started with ``extra`` flags."""
         self.daemon.close()
-        self.daemon = Daemon(self.spawn, extra)
+        self.daemon = RestartableDaemon(self.spawn, extra)
         return self.daemon
 
     def engine(
@@ -287,7 +287,7 @@ def first_step(eng: Engine, pick: Callable[[StepLog], bool]) -> int:
     return next((s.step for s in eng.steps if pick(s)), -1)
 
 
-def wait_for_log(daemon: Daemon, text: str, within_s: float = 30.0) -> None:
+def wait_for_log(daemon: RestartableDaemon, text: str, within_s: float = 30.0) -> None:
     """Until the daemon has logged ``text`` (bounded): its work is done, whatever it was."""
     deadline = time.monotonic() + within_s
     while not any(text in line for line in daemon.proc.lines):

@@ -54,7 +54,9 @@ def _free_port() -> int:
 
 
 @dataclass
-class Daemon:
+class ScrapedDaemon:
+    """A daemon subprocess whose log goes to a file and whose metrics a test scrapes."""
+
     endpoint: str
     metrics_url: str
     proc: subprocess.Popen[str]
@@ -75,7 +77,7 @@ class Daemon:
         assert self.proc.returncode == 0, self.log.read_text()[-3000:]
 
 
-def start_daemon(tmp: Path, l2: Path | None, name: str, extra: Sequence[str] = ()) -> Daemon:
+def start_daemon(tmp: Path, l2: Path | None, name: str, extra: Sequence[str] = ()) -> ScrapedDaemon:
     """A daemon with a disk L2 at ``l2`` (None: no disk tier; ``extra`` may name another)."""
     mport = _free_port()
     log = tmp / f"{name}.log"
@@ -90,12 +92,12 @@ def start_daemon(tmp: Path, l2: Path | None, name: str, extra: Sequence[str] = (
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "daemon did not start:\n" + log.read_text()
         time.sleep(0.1)
-    return Daemon(ipc_endpoint(str(tmp / "run")), f"http://127.0.0.1:{mport}/metrics", proc, log)
+    return ScrapedDaemon(ipc_endpoint(str(tmp / "run")), f"http://127.0.0.1:{mport}/metrics", proc, log)
 
 
 @pytest.fixture
-def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
+def daemons(tmp_path: Path) -> Iterator[list[ScrapedDaemon]]:
+    started: list[ScrapedDaemon] = []
     yield started
     for d in started:
         if d.proc.poll() is None:
@@ -176,7 +178,11 @@ def reference(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def test_vllm_prefix_served_from_kvcache(
-    vllm_python: str, tmp_path: Path, daemons: list[Daemon], tracker: TierTracker, reference: dict[str, Any]
+    vllm_python: str,
+    tmp_path: Path,
+    daemons: list[ScrapedDaemon],
+    tracker: TierTracker,
+    reference: dict[str, Any],
 ) -> None:
     """The default (asynchronous loads and stores) mode end to end."""
     l2 = tmp_path / "l2"
@@ -208,8 +214,8 @@ def test_vllm_prefix_served_from_kvcache(
     computed, loaded = min(ttft["computed_s"]), min(ttft["loaded_s"])
     print(f"\nTTFT of a 1064-token prompt, best of 5: computed {computed * 1e3:.1f} ms, "
           f"prefix loaded from kvcache {loaded * 1e3:.1f} ms")  # fmt: skip
-    # No timed assert: on a loaded machine either figure can lose; `python -m kvcache.bench
-    # vllm` measures TTFT, interleaved against the same engine without the connector.
+    # No timed assert: on a loaded machine either figure can lose; `python -m benchmarks.vllm`
+    # (from a checkout) measures TTFT, interleaved against the same engine without the connector.
 
     d2 = start_daemon(tmp_path, l2, "daemon2")  # empty L1: the prefix comes from disk
     daemons.append(d2)
@@ -231,7 +237,7 @@ def test_vllm_prefix_served_from_kvcache(
 
 @pytest.mark.parametrize("flag", ["--sync-stores", "--sync-loads"])
 def test_vllm_synchronous_modes(
-    vllm_python: str, tmp_path: Path, daemons: list[Daemon], reference: dict[str, Any], flag: str
+    vllm_python: str, tmp_path: Path, daemons: list[ScrapedDaemon], reference: dict[str, Any], flag: str
 ) -> None:
     """``async_stores: false`` (every store is waited for in ``wait_for_save``) and
     ``async_loads: false`` (every load is done in ``start_load_kv``, before the forward that
@@ -276,7 +282,7 @@ def fill_garbage(endpoint: str, model: str, tokens: list[int]) -> None:
 
 
 def test_vllm_slow_l2_load_times_out(
-    vllm_python: str, tmp_path: Path, daemons: list[Daemon], reference: dict[str, Any]
+    vllm_python: str, tmp_path: Path, daemons: list[ScrapedDaemon], reference: dict[str, Any]
 ) -> None:
     """Issue 26 end to end, under the connector's defaults (asynchronous loads): the prompt's
     1,024-token prefix sits only in a Redis L2 whose values arrive 1.5 s late (``SlowLink``),
@@ -296,7 +302,7 @@ def test_vllm_slow_l2_load_times_out(
     with LocalRedis() as redis:
         link = SlowLink(redis.port).start()
         try:
-            l2 = ["--l2-redis-url", link.url, "--l2-redis-timeout", "30"]
+            l2 = ["--l2-redis-url", link.url, "--l2-redis-trust-all", "--l2-redis-timeout", "30"]
             filler = start_daemon(tmp_path, None, "filler", l2)
             daemons.append(filler)
             fill_garbage(filler.endpoint, model, prompt[:1024])

@@ -36,9 +36,9 @@ import pytest
 
 from kvcache.integrations.vllm.disagg import PARAMS_KEY
 from kvcache.integrations.vllm.proxy.launch import ProxyProcess
-from tests.helpers import start_cluster
+from tests.helpers import sealed_redis_args, start_cluster
 from tests.integrations.vllm.proxy.test_proxy import events, request
-from tests.integrations.vllm.test_connector import Daemon, start_daemon
+from tests.integrations.vllm.test_connector import ScrapedDaemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
 from tests.integrations.vllm.vllm_server import (
     BLOCK,
@@ -61,10 +61,10 @@ LENGTHS = (300, 555, 640, 777)  # a tail of 1, 1, 4 and 0 whole blocks after the
 class Split:
     prefill: Server
     decode: Server
-    daemon: Daemon
+    daemon: ScrapedDaemon
     remote_decode: Server
     """A ``kv_consumer`` on ``remote_daemon``: the split across hosts."""
-    remote_daemon: Daemon
+    remote_daemon: ScrapedDaemon
     proxy: ProxyProcess
     model: str
     tmp: Path
@@ -79,8 +79,8 @@ def split(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cluster = start_cluster()
     remote = tmp / "remote"
     remote.mkdir()
-    args = ["--chunk-size", str(CHUNK), "--l2-redis-url", cluster.url]
-    daemons: list[Daemon] = []
+    args = ["--chunk-size", str(CHUNK), "--l2-redis-url", cluster.url, *sealed_redis_args(tmp)]
+    daemons: list[ScrapedDaemon] = []
     servers: list[Server] = []
     proxy: ProxyProcess | None = None
     try:

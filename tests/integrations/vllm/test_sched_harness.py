@@ -16,8 +16,8 @@ daemon): the fixture runs them all once with asynchronous loads (the default) an
 ``async_loads: false`` (``SYNC_LOADS``: all but those that need a load to outlive its step,
 and the one that runs vLLM alone), and each test reads its scenario's result. Skipped with
 ``KVCACHE_SKIP_VLLM_E2E=1``.
-``sched_controls.py`` (by hand, not here) switches each safeguard off in turn and checks that
-its scenarios then fail.
+``sched_controls.py`` (run by ``test_sched_controls.py``) switches each safeguard off in turn and
+checks that its scenarios then fail.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.test_connector import Daemon, start_daemon
+from tests.integrations.vllm.test_connector import ScrapedDaemon, start_daemon
 from tests.integrations.vllm.vllm_driver import prompts
 from tests.integrations.vllm.vllm_server import make_model, post, scrape, start_server, total
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def server(vllm_python: str, tmp_path: Path) -> Iterator[tuple[str, Daemon]]:
+def server(vllm_python: str, tmp_path: Path) -> Iterator[tuple[str, ScrapedDaemon]]:
     make_model(vllm_python, tmp_path / "model")
     daemon = start_daemon(tmp_path, tmp_path / "l2", "daemon", ["--metrics-sample-rate", "1"])
     vllm = start_server(vllm_python, tmp_path / "model", tmp_path / "run", tmp_path / "vllm-server.log",
@@ -39,7 +39,7 @@ def server(vllm_python: str, tmp_path: Path) -> Iterator[tuple[str, Daemon]]:
         print(vllm.log.read_text()[-3000:])
 
 
-def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, Daemon], tmp_path: Path) -> None:
+def test_vllm_metrics_show_what_the_daemon_did(server: tuple[str, ScrapedDaemon], tmp_path: Path) -> None:
     base, daemon = server
     prompt = prompts(0, 1024, 1, 40)[0]
     model = str(tmp_path / "model")

@@ -25,9 +25,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvcache.errors import ProxyRequestError, UpstreamError
 from kvcache.integrations.vllm.proxy.routing import (
     GENERATE_PATHS,
-    BadRequest,
     Pool,
     ProxyConfig,
     decode_body,
@@ -44,28 +44,6 @@ log = logging.getLogger("kvcache.proxy")
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 """Client headers both instances get: the API key, and one request id for both halves (the
 proxy makes one when the client sent none), so the two servers' logs name the same request."""
-
-
-class UpstreamFailed(Exception):
-    """An upstream call that produced no answer to relay as a success; carries what the
-    client gets instead."""
-
-    def __init__(self, response: web.Response) -> None:
-        super().__init__(response.status)
-        self.response = response
-
-    @classmethod
-    def error(cls, status: int, message: str, kind: str) -> UpstreamFailed:
-        log.warning("%s", message)
-        return cls(
-            web.Response(
-                status=status, body=error_body(message, kind, status), content_type="application/json"
-            )
-        )
-
-    @classmethod
-    def passthrough(cls, resp: aiohttp.ClientResponse, raw: bytes) -> UpstreamFailed:
-        return cls(_copy(resp, raw))
 
 
 class Proxy:
@@ -98,9 +76,9 @@ class Proxy:
         """``/v1/completions`` and ``/v1/chat/completions``: prefill, then decode."""
         try:
             body = parse_request(await request.read())
-        except BadRequest as exc:
+        except ProxyRequestError as exc:
             return web.Response(
-                status=400,
+                status=exc.status,
                 body=error_body(str(exc), "invalid_request_error", 400),
                 content_type="application/json",
             )
@@ -111,8 +89,8 @@ class Proxy:
             params = await self._prefill(request.path, body, headers)
             timing = f"prefill;dur={(time.perf_counter() - t0) * 1e3:.1f}"
             return await self._decode(request, body, params, headers, timing)
-        except UpstreamFailed as exc:
-            return exc.response
+        except UpstreamError as exc:
+            return web.Response(status=exc.status, body=exc.body, headers=exc.headers)
 
     async def _prefill(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -129,15 +107,13 @@ class Proxy:
                 ) as resp:
                     raw = await resp.read()
                     if resp.status >= 400:
-                        raise UpstreamFailed.passthrough(resp, raw)
+                        raise _passed_through(resp, raw)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise _failed("prefill", up.url, exc) from None
         try:
             return transfer_params(raw)
         except ValueError as exc:
-            raise UpstreamFailed.error(
-                502, f"prefill instance {up.url}: {exc}", "upstream_bad_answer"
-            ) from None
+            raise _upstream_error(502, f"prefill instance {up.url}: {exc}", "upstream_bad_answer") from None
 
     async def _decode(
         self,
@@ -167,7 +143,7 @@ class Proxy:
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     raise _failed("decode", up.url, exc) from None
                 if resp.status >= 400:
-                    raise UpstreamFailed.passthrough(resp, raw)
+                    raise _passed_through(resp, raw)
                 return _copy(resp, raw, timing)
 
     async def _relay(
@@ -245,21 +221,36 @@ class Proxy:
             return f"unreachable: {_describe(exc)}"
 
 
-def _failed(kind: str, url: str, exc: BaseException) -> UpstreamFailed:
+def _failed(kind: str, url: str, exc: BaseException) -> UpstreamError:
     """504 for an instance that stayed silent past its timeout, 502 for any other failure."""
     if isinstance(exc, TimeoutError):
-        return UpstreamFailed.error(504, f"{kind} instance {url} timed out", "upstream_timeout")
-    return UpstreamFailed.error(
-        502, f"{kind} instance {url} failed: {_describe(exc)}", "upstream_unreachable"
-    )
+        return _upstream_error(504, f"{kind} instance {url} timed out", "upstream_timeout")
+    return _upstream_error(502, f"{kind} instance {url} failed: {_describe(exc)}", "upstream_unreachable")
+
+
+def _upstream_error(status: int, message: str, kind: str) -> UpstreamError:
+    """The proxy's own answer for a failed upstream call (logged: the client sees only it)."""
+    log.warning("%s", message)
+    body = error_body(message, kind, status)
+    return UpstreamError(message, status, body, {"Content-Type": "application/json"})
+
+
+def _passed_through(resp: aiohttp.ClientResponse, raw: bytes) -> UpstreamError:
+    """An instance's own error answer (4xx/5xx), relayed as it came."""
+    message = f"upstream answered {resp.status}"
+    return UpstreamError(message, resp.status, raw, _copied_headers(resp))
 
 
 def _copy(resp: aiohttp.ClientResponse, raw: bytes, timing: str | None = None) -> web.Response:
     """An upstream answer as the client gets it: status, body and content type."""
-    headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
+    headers = _copied_headers(resp)
     if timing is not None:
         headers["Server-Timing"] = timing
     return web.Response(status=resp.status, body=raw, headers=headers)
+
+
+def _copied_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    return {"Content-Type": resp.headers.get("Content-Type", "application/json")}
 
 
 def _auth(request: web.Request) -> dict[str, str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvcache.errors import ConfigError
+from kvcache.errors import ConfigError, ProxyRequestError
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -110,20 +110,16 @@ class Pool:
             chosen.in_flight -= 1
 
 
-class BadRequest(ValueError):
-    """A client request the proxy refuses before calling any instance (answered with 400)."""
-
-
 def parse_request(raw: bytes) -> dict[str, Any]:
     """The client's JSON body; the proxy reads only ``stream`` and leaves the rest to vLLM."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"the request body is not JSON: {exc}") from None
+        raise ProxyRequestError(f"the request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise ProxyRequestError("the request body must be a JSON object")
     if not isinstance(body.get("stream", False), bool):
-        raise BadRequest("'stream' must be true or false")
+        raise ProxyRequestError("'stream' must be true or false")
     return body
 
 

@@ -19,7 +19,8 @@ serving everything else. So this tier
   (``redis_cluster_notify``), as the one-server tier does.
 
 Values use the one-server record format (``redis.encode_or_error``/``decoded``): header + CRC,
-so a chunk from another build or geometry is refused, never served.
+so a chunk from another build or geometry is refused, never served; sealed (``seal``) as
+there, so a record the fleet's key did not seal is refused too.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvcache.observability.event import EventSink, NullEventBus
 from kvcache.records import ChunkKey
 from kvcache.storage.l2.base import failure_reason, storage_error
 from kvcache.storage.l2.redis.cluster_notify import ClusterEvictionWatcher
+from kvcache.storage.l2.redis.seal import RecordSeal
 from kvcache.storage.l2.redis.single import DEFAULT_MAX_BATCH, PipelinedChunks, storage_failure
 from kvcache.storage.l2.redis.url import parse_redis_url
 
@@ -123,11 +125,13 @@ class RedisClusterL2Adapter(PipelinedChunks):
         max_batch: int = DEFAULT_MAX_BATCH,
         clock: Callable[[], float] = time.monotonic,
         bus: EventSink | None = None,
+        seal: RecordSeal | None = None,
     ) -> None:
         target = parse_redis_url(url)
         if not target.cluster:
             raise RedisURLError(f"a cluster tier needs a redis+cluster:// URL, got {target.redacted()!r}")
         self.target = target
+        self.seal = seal
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.max_batch = max_batch
@@ -180,6 +184,7 @@ class RedisClusterL2Adapter(PipelinedChunks):
             "backend": self.backend,
             "url": self.target.redacted(),
             "key_prefix": self.key_prefix,
+            "records_sealed": self.seal is not None,
             "masters": masters,
             "shards_down": self.shards.down(),
             "evictions_watched": self._watcher.watched() if self._watcher is not None else "off",

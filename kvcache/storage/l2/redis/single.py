@@ -5,7 +5,9 @@ error is translated here (``storage_failure``, also used by the cluster tier) in
 ``StorageError`` tagged ``timeout``/``unavailable``/``full``/``busy``/``io`` so the engine can
 back off and keep serving from L1; records use the same header + CRC as the disk tier
 (``codec``), so a value truncated by ``maxmemory`` games or written by another build is a miss,
-never garbage. Batches go in one pipelined round trip (``max_batch`` chunks).
+never garbage; given a ``RecordSeal`` (``seal``), every record is also sealed with the fleet's
+key, and one that is not (written by anyone else who can write to the Redis) is a miss too.
+Batches go in one pipelined round trip (``max_batch`` chunks).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvcache.records import ChunkKey
 from kvcache.storage.l2 import codec
 from kvcache.storage.l2.base import Announce, L2Adapter, LoadItem, StoreItem, storage_error
 from kvcache.storage.l2.redis.notify import RedisEvictionWatcher
+from kvcache.storage.l2.redis.seal import RecordSeal, unverified
 from kvcache.storage.l2.redis.url import redact
 
 #: Chunks per pipelined batch: a prompt of 16 chunks (4k tokens at 256) goes in one round trip.
@@ -43,6 +46,8 @@ class PipelinedChunks(L2Adapter):
     keeps_meta = True  # another daemon that loads the chunk announces it as its writer did
     key_prefix: str
     ttl_s: int | None
+    seal: RecordSeal | None = None
+    """Seals written records and refuses unsealed ones; None: every writer is trusted."""
 
     @abstractmethod
     def _run(self, op: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]: ...
@@ -69,7 +74,8 @@ class PipelinedChunks(L2Adapter):
         self, items: Sequence[StoreItem], metas: Sequence[bytes]
     ) -> list[int | Exception]:
         values = [
-            encode_or_error(key, chunk, meta) for (key, chunk, _), meta in zip(items, metas, strict=True)
+            encode_or_error(key, chunk, meta, self.seal, self._name(key))
+            for (key, chunk, _), meta in zip(items, metas, strict=True)
         ]
         ex = ("EX", self.ttl_s) if self.ttl_s else ()
         commands = [
@@ -87,8 +93,9 @@ class PipelinedChunks(L2Adapter):
         return self.load_many_with_meta(items)[0]
 
     def load_many_with_meta(self, items: Sequence[LoadItem]) -> tuple[list[bool | Exception], list[bytes]]:
-        replies = self._run("load", [("GET", self._name(key)) for key, _ in items])
-        out, metas = decoded_all(items, replies)
+        names = [self._name(key) for key, _ in items]
+        replies = self._run("load", [("GET", name) for name in names])
+        out, metas = decoded_all(items, replies, self.seal, names)
         corrupt = [key for (key, _), r in zip(items, out, strict=True) if isinstance(r, CorruptChunkError)]
         if corrupt:
             self._drop_corrupt(corrupt)
@@ -115,8 +122,10 @@ class RedisL2Adapter(PipelinedChunks):
         max_connections: int = 32,
         max_batch: int = DEFAULT_MAX_BATCH,
         bus: EventSink | None = None,
+        seal: RecordSeal | None = None,
     ) -> None:
         self.url = url
+        self.seal = seal
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.max_batch = max_batch
@@ -149,6 +158,7 @@ class RedisL2Adapter(PipelinedChunks):
             "backend": self.backend,
             "url": redact(self.url),
             "key_prefix": self.key_prefix,
+            "records_sealed": self.seal is not None,
             "evictions_watched": watched,
         }
 
@@ -189,12 +199,17 @@ def chunk_name(prefix: str, key: ChunkKey) -> bytes:
     return f"{prefix}{key:032x}".encode()
 
 
-def encode_or_error(key: ChunkKey, chunk: torch.Tensor, meta: bytes = b"") -> bytes | Exception:
-    """The record (header, ``meta`` if any, payload) of ``chunk``, or the error that one item
-    fails with."""
+def encode_or_error(
+    key: ChunkKey, chunk: torch.Tensor, meta: bytes = b"", seal: RecordSeal | None = None, name: bytes = b""
+) -> bytes | Exception:
+    """The value of ``chunk`` under ``name``: its record (header, ``meta`` if any, payload),
+    sealed if ``seal`` is given; or the error that one item fails with."""
     try:
         payload = codec.tensor_bytes(chunk)
-        return codec.encode_header(key, chunk, payload, meta) + payload.tobytes()
+        header = codec.encode_header(key, chunk, payload, meta)
+        if seal is not None:
+            return seal.seal(name, (header, payload))
+        return b"".join((header, payload))
     except (ValueError, UnicodeError) as exc:
         return storage_error(f"chunk {key:032x} cannot be encoded: {exc}", "io")
 
@@ -208,16 +223,23 @@ def stored(reply: Any, value: bytes, announce: Announce | None) -> int | Excepti
     return len(value)
 
 
-def decoded(reply: Any, key: ChunkKey, out: torch.Tensor) -> tuple[bool | Exception, bytes]:
-    """The outcome of one GET: a miss, its error, ``CorruptChunkError``, or ``out`` filled;
-    and the record's meta (``b""`` unless filled; also when only the meta fails its CRC:
-    the chunk's bytes are still good, only how it was announced is lost)."""
+def decoded(
+    reply: Any, key: ChunkKey, out: torch.Tensor, seal: RecordSeal | None = None, name: bytes = b""
+) -> tuple[bool | Exception, bytes]:
+    """The outcome of one GET of ``name``: a miss, its error, ``CorruptChunkError`` (its
+    subclass ``ForgedRecordError`` if ``seal`` is given and the value is not sealed with it
+    under ``name``), or ``out`` filled; and the record's meta (``b""`` unless filled; also when
+    only the meta fails its CRC: the chunk's bytes are still good, only how it was announced
+    is lost)."""
     if reply is None or isinstance(reply, Exception):
         return (False if reply is None else reply), b""
     try:
-        data = memoryview(reply)
+        value = memoryview(reply)
+        data = unverified(value)
         header = codec.decode_header(data)
-        codec.check_fits(header, key, out)
+        codec.check_fits(header, key, out)  # first: a value of the wrong size costs no hashing
+        if seal is not None:
+            data = seal.open(name, value)  # nothing of it is used unless this passes
         payload = data[header.header_len :]
         codec.check_payload(header, payload)
     except CorruptChunkError as exc:
@@ -230,13 +252,13 @@ def decoded(reply: Any, key: ChunkKey, out: torch.Tensor) -> tuple[bool | Except
 
 
 def decoded_all(
-    items: Sequence[LoadItem], replies: Sequence[Any]
+    items: Sequence[LoadItem], replies: Sequence[Any], seal: RecordSeal | None, names: Sequence[bytes]
 ) -> tuple[list[bool | Exception], list[bytes]]:
-    """``decoded`` for each GET reply of a batch: the outcomes, and the metas."""
+    """``decoded`` for each GET reply of a batch (of ``names``): the outcomes, and the metas."""
     out: list[bool | Exception] = []
     metas: list[bytes] = []
-    for (key, tensor), reply in zip(items, replies, strict=True):
-        result, meta = decoded(reply, key, tensor)
+    for (key, tensor), reply, name in zip(items, replies, names, strict=True):
+        result, meta = decoded(reply, key, tensor, seal, name)
         out.append(result)
         metas.append(meta)
     return out, metas

@@ -57,11 +57,11 @@ def test_prefill_answers_must_be_objects() -> None:
 
 
 def test_the_proxy_stays_outside_kvcache_core() -> None:
-    """Only the benchmarks reach the proxy, and only its standard-library launcher: the
-    aiohttp modules are loaded by ``python -m kvcache.integrations.vllm.proxy`` alone."""
+    """Only the checkout's benchmarks reach the proxy, and only its standard-library launcher:
+    the aiohttp modules are loaded by ``python -m kvcache.integrations.vllm.proxy`` alone."""
     proxy = "kvcache.integrations.vllm.proxy"
     for module, deps in import_graph().items():
         if module.startswith(proxy):
             continue
         reached = {d for d in deps if d.startswith(proxy)}
-        assert not reached or (module.startswith("kvcache.bench.") and reached <= {f"{proxy}.launch"}), module
+        assert not reached or (module.startswith("benchmarks.") and reached <= {f"{proxy}.launch"}), module

@@ -12,12 +12,13 @@ import redis
 import torch
 from redis.crc import key_slot
 
-from kvcache.errors import CorruptChunkError, StorageError
+from kvcache.errors import CorruptChunkError, ForgedRecordError, StorageError
 from kvcache.observability.event import EventType
 from kvcache.storage.l2 import codec
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.base import failure_reason, failure_scope
 from kvcache.storage.l2.redis.cluster import RedisClusterL2Adapter, ShardHealth
+from kvcache.storage.l2.redis.seal import RecordSeal
 from kvcache.storage.l2.redis.single import chunk_name
 from kvcache.testing import random_fill
 from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
@@ -251,3 +252,33 @@ def test_start_cluster_helper_skips_with_the_reason(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(pytest.skip.Exception, match="redis-server not found"):
         start_cluster()
+
+
+def test_records_sealed_with_another_key_are_refused_on_every_shard(
+    shared_cluster: LocalRedisCluster,
+) -> None:
+    """Another writer of the cluster (no key, or its own) overwrites some of a fleet's
+    records, on every master: only the fleet's own sealed records are served (``seal``)."""
+    victim = adapter(shared_cluster, seal=RecordSeal(b"v" * 32))
+    attackers = [
+        RedisClusterL2Adapter(shared_cluster.url, key_prefix=victim.key_prefix, seal=seal)
+        for seal in (None, RecordSeal(b"a" * 32))
+    ]
+    keys = [(i + 1) << 64 | i for i in range(24)]
+    victim.store_many([(k, chunk(i), None) for i, k in enumerate(keys)])
+    forged = {k: attackers[i % 2] for i, k in enumerate(keys) if i % 3 == 0}
+    for k, attacker in forged.items():
+        attacker.store(k, chunk(99))
+    shards = {shared_cluster.owner_of(key_slot(chunk_name(victim.key_prefix, k))) for k in forged}
+    assert len(shards) == 3  # forged records on every master
+    outs = [torch.empty_like(chunk(0)) for _ in keys]
+    results = victim.load_many(list(zip(keys, outs, strict=True)))
+    for i, (k, result) in enumerate(zip(keys, results, strict=True)):
+        if k in forged:
+            assert isinstance(result, ForgedRecordError), result
+            assert not same(outs[i], chunk(99))
+        else:
+            assert result is True and same(outs[i], chunk(i))
+    assert victim.contains_many(list(forged)) == [False] * len(forged)  # deleted, as corrupt ones are
+    for a in (victim, *attackers):
+        a.close()

@@ -25,6 +25,7 @@ from kvcache.layouts import KVCaches, KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches, random_fill
 from kvcache.testing.redis_cluster_local import LocalRedisCluster, wait_until
+from tests.helpers import sealed_redis_args
 from tests.server.helpers import free_port, scrape
 
 CS, BS = 16, 4  # 16-token chunks of 4 blocks: small, so every prompt touches every shard
@@ -68,7 +69,7 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(shared_cluster: LocalRedisCluster) -> Iterator[Fleet]:
+def fleet(shared_cluster: LocalRedisCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two daemons (as on two machines) on one cluster; a router-side SUB socket that both
     publish their KV events to, each under its own topic."""
     port = free_port()
@@ -77,6 +78,7 @@ def fleet(shared_cluster: LocalRedisCluster) -> Iterator[Fleet]:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")
     args = ["--chunk-size", str(CS), "--l1-size-gb", "0.2", "--l2-redis-url", shared_cluster.url,
+            *sealed_redis_args(tmp_path_factory.mktemp("fleet")),
             "--l2-retry-interval", "0.3", "--l2-redis-timeout", "2", "--l2-redis-connect-timeout", "0.5",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{port}",
             "--kv-events-batch-window-ms", "0"]  # fmt: skip

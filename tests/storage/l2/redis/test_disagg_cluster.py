@@ -16,14 +16,18 @@ from kvcache.layouts import KVFormat
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from kvcache.testing.redis_cluster_local import LocalRedisCluster
+from tests.helpers import sealed_redis_args
 
 CS, BS, CHUNKS = 16, 4, 8
 TOKENS, BLOCKS = [5000 + t for t in range(CS * CHUNKS)], list(range(CS * CHUNKS // BS))
 
 
 @pytest.fixture(scope="module")
-def daemons(shared_cluster: LocalRedisCluster) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
-    args = ["--chunk-size", str(CS), "--l1-size-gb", "0.2", "--l2-redis-url", shared_cluster.url]
+def daemons(
+    shared_cluster: LocalRedisCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    args = ["--chunk-size", str(CS), "--l1-size-gb", "0.2", "--l2-redis-url", shared_cluster.url,
+            *sealed_redis_args(tmp_path_factory.mktemp("disagg"))]  # fmt: skip
     with ThreadPoolExecutor(2) as pool:  # start both at once: each takes seconds to import
         fa, fb = pool.submit(DaemonProcess, args), pool.submit(DaemonProcess, args)
         a, b = fa.result(), fb.result()

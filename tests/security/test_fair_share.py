@@ -1,0 +1,96 @@
+"""One principal's flood never holds another principal's requests: against a real daemon.
+
+The daemon is shared by tenants; each is a principal (the daemon's own user on the Unix
+socket, plain loopback TCP, a listed CURVE client). Before the fair share, one tenant that
+pipelined 15,000 retrieves awaiting a chunk nobody stores made another tenant's L1-hit
+retrieve take 7.7 s (4 ms without the flood; 10 s and a timeout in the issue's runs), and
+its own awaits were answered 10 s past their bound: the worker lanes were one FIFO, and
+every wake-up looked at every waiting retrieve. The victim here asserts an order, not a
+speed: its retrieves are all answered while every one of the attacker's awaits is still
+held (they end at their bound, seconds later), and the awaits past the attacker's count
+bound are refused at once, typed, and counted under its principal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from kvcache.client import KVCacheClient, to_shared
+from kvcache.layouts import KVFormat
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
+from kvcache.server.launch import DaemonProcess
+from kvcache.testing import make_kv_caches
+from tests.server.helpers import scrape
+
+TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens
+AWAITING = 1000  # --max-awaiting-retrieves for the test
+FLOOD = 3000  # the attacker's pipelined awaits: AWAITING held, the rest refused
+AWAIT_MS = 6000
+LATE_S = 5.0  # how far past its bound an await may be answered on a loaded CI machine
+
+
+def _kv(seed: int) -> list[torch.Tensor]:
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=32,
+                                    block_size=4, num_heads=2, head_size=8, dtype=torch.float16,
+                                    seed=seed))  # fmt: skip
+
+
+def test_an_await_flood_never_holds_another_principals_l1_hits_and_ends_at_its_bound(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--max-awaiting-retrieves", str(AWAITING), tcp=True)
+    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
+    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    with victim, attacker:
+        kv_victim = _kv(1)
+        victim.register_kv_caches(kv_victim)
+        attacker.register_kv_caches(_kv(2))
+        assert victim.store(TOKENS, BLOCKS).stored_chunks == 8
+        held = m.Retrieve(instance_id=2, token_ids=pack_ids([t + 9000 for t in TOKENS]),
+                          block_ids=pack_ids(BLOCKS), token=attacker.session.token,
+                          await_chunks=1, await_ms=AWAIT_MS)  # fmt: skip
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.endpoint)
+        try:
+            sent_at = time.monotonic()
+            for i in range(FLOOD):
+                sock.send(encode_request(i, held))
+            refused, answered, late = 0, 0, 0.0
+            while refused < FLOOD - AWAITING:  # past the count bound: LIMIT at once
+                assert sock.poll(30_000), f"only {refused} awaits refused"
+                reply = decode_reply(sock.recv())
+                assert isinstance(reply.body, m.Error), f"an await answered before its bound: {reply.body}"
+                assert reply.body.code is m.ErrorCode.LIMIT
+                assert "--max-awaiting-retrieves" in reply.body.message
+                refused += 1
+            # Every held await still waits (its bound is seconds away): the victim's L1 hits
+            # must all be answered before any of them.
+            for _ in range(20):
+                assert victim.retrieve(TOKENS, BLOCKS) == 128
+            assert not sock.poll(0), "an attacker's await was answered before the victim's hits"
+            while answered < AWAITING:
+                assert sock.poll(30_000), f"{answered} of {AWAITING} held awaits answered"
+                reply = decode_reply(sock.recv())
+                assert isinstance(reply.body, m.RetrieveResult) and reply.body.retrieved_tokens == 0
+                answered += 1
+                late = max(late, time.monotonic() - sent_at - AWAIT_MS / 1000)
+            assert late < LATE_S, f"the last await was answered {late:.1f} s past its bound"
+        finally:
+            sock.close()
+        # The refusals are counted under the attacker's principal, with the bound's flag.
+        refusals = [
+            line
+            for line in scrape(d.metrics_url).splitlines()
+            if line.startswith("kvcache_requests_refused_total{")
+        ]
+        assert len(refusals) == 1, refusals
+        assert 'limit="--max-awaiting-retrieves"' in refusals[0]
+        assert float(refusals[0].rsplit(" ", 1)[1]) == FLOOD - AWAITING
+        # Its awaits all answered, the attacker's budget is whole again.
+        assert victim.retrieve(TOKENS, BLOCKS) == 128
