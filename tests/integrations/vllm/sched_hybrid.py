@@ -66,13 +66,13 @@ from tests.integrations.vllm.sched_hybrid_model import (
     hybrid_kv_config,
 )
 from tests.integrations.vllm.sched_model import BLOCK, HEAD, KV_HEADS, WIDTH, Oracle
-from tests.integrations.vllm.sched_world import Daemon, Reader, prompts
+from tests.integrations.vllm.sched_world import Reader, RestartableDaemon, prompts
 
 
 class HybridEngine:
     """vLLM's scheduler (connector: scheduler half) and one worker rank on hybrid groups."""
 
-    def __init__(self, daemon: Daemon, model_dir: str, *, async_scheduling: bool = False,
+    def __init__(self, daemon: RestartableDaemon, model_dir: str, *, async_scheduling: bool = False,
                  num_blocks: int = 96, max_batched: int = 96) -> None:  # fmt: skip
         init_none_hash(sha256)
         extra = {"endpoint": daemon.endpoint, "model_name": "harness-hybrid", "timeout_s": 10.0}
@@ -301,7 +301,7 @@ class World:
 
     def __init__(self, workdir: Path) -> None:
         self.model_dir = str(workdir / "model")
-        self.daemon = Daemon(None)
+        self.daemon = RestartableDaemon(None)
         self.reader = Reader(self.daemon.endpoint, "harness-hybrid")
         self.engines: list[HybridEngine] = []
 
