@@ -46,8 +46,6 @@ class Tracked:
 
     request: Any
     """vLLM's ``Request`` (its tokens, hashes and computed count are read each step)."""
-    key_extra: str
-    """Its key scope beyond the salt (``request_keys``)."""
     stores_planned: bool = False
     """Stores were planned for it under ``async_stores``: at its end vLLM keeps its blocks
     until the workers report them settled."""
@@ -155,9 +153,8 @@ class SchedulerSide:
         if key_extra is None:  # never stored either
             self.tally.count("requests_not_cached")
             return
-        tracked = self._requests.get(req_id)
-        if tracked is None:
-            self._requests[req_id] = Tracked(request, key_extra)
+        if req_id not in self._requests:  # a resumed request keeps its record
+            self._requests[req_id] = Tracked(request)
         local = self._lookups.admitted(req_id, request.num_computed_tokens)
         loaded_into = block_ids if num_external_tokens else []
         whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
