@@ -48,10 +48,12 @@ from benchmarks.vllm_messages import (
 from benchmarks.vllm_shared_driver import shared_prefix
 
 TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "start_load_kv", "wait_for_layer_load",
-         "save_kv_layer", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
-         "build_connector_worker_meta", "get_kv_connector_stats")  # fmt: skip
-"""Every connector method vLLM calls while serving (the per-layer no-ops included)."""
+         "update_connector_output", "request_finished", "request_finished_all_groups", "start_load_kv",
+         "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+         "get_block_ids_with_load_errors", "build_connector_worker_meta",
+         "get_kv_connector_stats")  # fmt: skip
+"""Every connector method vLLM calls while serving (the per-layer no-ops included); vLLM calls
+``request_finished_all_groups`` instead of ``request_finished`` on a ``SupportsHMA`` connector."""
 
 
 def make_model(path: Path, spec: ModelSpec, seed: int = 0) -> None:
@@ -100,7 +102,8 @@ class ConnectorTimer:
         module, name = connector_class.split(":")
         cls = getattr(importlib.import_module(module), name)
         for method in TIMED:
-            setattr(cls, method, self._wrap(method, getattr(cls, method)))
+            if hasattr(cls, method):  # ``request_finished_all_groups``: HMA connectors only
+                setattr(cls, method, self._wrap(method, getattr(cls, method)))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         acc = self._calls.setdefault(name, [0, 0.0])

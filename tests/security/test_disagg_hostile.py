@@ -20,7 +20,7 @@ import torch
 from kvcache.client import KVCacheClient, to_shared
 from kvcache.errors import ChunkMismatchError, LimitExceededError
 from kvcache.integrations.vllm.disagg import PARAMS_KEY, SplitRequests
-from kvcache.integrations.vllm.plan import Planner, RetrieveSpec
+from kvcache.integrations.vllm.plan import Admission, Planner, RetrieveSpec
 from kvcache.integrations.vllm.stats import ConnectorTally
 from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
@@ -143,7 +143,9 @@ def test_every_token_a_decode_request_is_promised_holds_its_own_kv(daemon: Daemo
         c_blocks = list(range(-(-promised // bs)))
         got = c_split.get("c")
         first = min(promised, got.whole) if got.tail else promised
-        c_planner.on_alloc("c", prompt, c_blocks, 0, first, "", "", True, (got.whole, 1000))
+        c_planner.on_alloc(
+            Admission("c", prompt, c_blocks, 0, first, is_async=True, awaited_tokens=got.whole, wait_ms=1000)
+        )
         c_split.tail_load(c_planner, c_req, c_blocks, 0, "", 1000)
         for load in c_planner.step([])[0].retrieves:
             _load(consumer, load)

@@ -85,6 +85,27 @@ class StepPlan:
     may block briefly on their loads in flight (``ConnectorWorker.take_finished_recving``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """vLLM admitted a request and gave it blocks (``Planner.on_alloc``)."""
+
+    req_id: str
+    prompt: Sequence[int]
+    block_ids: Sequence[int]
+    """The blocks a load fills (empty when nothing is loaded)."""
+    local_hit: int
+    """Tokens vLLM's own prefix cache holds (a load skips them)."""
+    external: int
+    """Tokens promised to a load beyond ``local_hit`` (0: none)."""
+    cache_salt: str = ""
+    key_extra: str = ""
+    is_async: bool = False
+    awaited_tokens: int = 0
+    """A decode request's leading prompt tokens a prefill instance is storing (``disagg``)."""
+    wait_ms: int = 0
+    """How long the daemon may wait for them."""
+
+
 @dataclass(slots=True)
 class _Request:
     cache_salt: str
@@ -117,34 +138,26 @@ class Planner:
         usable = min(daemon_hit, num_prompt_tokens - 1)
         return max(0, usable - local_hit)
 
-    def on_alloc(
-        self,
-        req_id: str,
-        prompt: Sequence[int],
-        block_ids: Sequence[int],
-        local_hit: int,
-        external: int,
-        cache_salt: str = "",
-        key_extra: str = "",
-        is_async: bool = False,
-        awaited: tuple[int, int] = (0, 0),
-    ) -> None:
-        """A request got its blocks; queue its load (if any) for the next step's plan.
-        ``awaited``: (tokens, ms) of a decode request's transfer parameters (``disagg``)."""
-        state = self._reqs.get(req_id)
-        if state is None or external:
-            state = self._reqs[req_id] = _Request(cache_salt, key_extra)
-        if external <= 0:
+    def on_alloc(self, admission: Admission) -> None:
+        """A request got its blocks; queue its load (if any) for the next step's plan."""
+        a = admission
+        state = self._reqs.get(a.req_id)
+        if state is None or a.external:
+            state = self._reqs[a.req_id] = _Request(a.cache_salt, a.key_extra)
+        if a.external <= 0:
             return
-        hit = local_hit + external
+        hit = a.local_hit + a.external
         # Whole chunks: the daemon copies chunk by chunk; the tail of the last one lands in
         # slots vLLM allocated for the tokens it will compute and then overwrites.
         end = -(-hit // self.chunk_size) * self.chunk_size
-        end = min(end, len(prompt))
+        end = min(end, len(a.prompt))
         nblocks = -(-end // self.block_size)
-        tokens, blocks = list(prompt[:end]), list(block_ids[:nblocks])
-        wait = (min(awaited[0], end) // self.chunk_size, awaited[1], min(awaited[0], end))
-        spec = RetrieveSpec(req_id, tokens, blocks, local_hit, cache_salt, key_extra, is_async, wait)
+        tokens, blocks = list(a.prompt[:end]), list(a.block_ids[:nblocks])
+        awaited = min(a.awaited_tokens, end)
+        wait = (awaited // self.chunk_size, a.wait_ms, awaited)
+        spec = RetrieveSpec(
+            a.req_id, tokens, blocks, a.local_hit, a.cache_salt, a.key_extra, a.is_async, wait
+        )
         self._retrieves.append(spec)
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size
 
@@ -265,4 +278,4 @@ class Planner:
         return len(self._reqs)
 
 
-__all__ = ["Planner", "RetrieveSpec", "StepPlan", "StoreSpec", "block_hash_to_int"]
+__all__ = ["Admission", "Planner", "RetrieveSpec", "StepPlan", "StoreSpec", "block_hash_to_int"]

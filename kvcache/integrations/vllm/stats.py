@@ -63,7 +63,7 @@ PROM_SERIES: list[tuple[str, str, str, str]] = [
     ("vllm:kvcache_store_jobs_settled", "counter",
      "Stores that finished or failed (their blocks may be freed).", "store_jobs_settled"),
     ("vllm:kvcache_requests_not_cached", "counter",
-     "Requests kvcache cannot key faithfully (prompt embeddings): never offered or stored.",
+     "Admissions not served (prompt embeddings; a model not offloaded): never offered or stored.",
      "requests_not_cached"),
     ("vllm:kvcache_transfer_requests", "counter",
      "Decode requests that came with a prefill instance's kvcache transfer parameters.", "transfer_requests"),

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvcache.client.session import Session
 from kvcache.integrations.vllm import connector as connector_mod
+from kvcache.integrations.vllm import scheduler_side
 from kvcache.integrations.vllm.dropped_loads import DroppedLoads
 from kvcache.integrations.vllm.plan import Planner
 from kvcache.integrations.vllm.retrieve_timing import RetrieveTiming
@@ -57,7 +58,7 @@ def _tokens_only(request: Any) -> str | None:
 @contextmanager
 def no_key_extra() -> Iterator[None]:
     with (
-        patched(connector_mod, "request_key_extra", _tokens_only),
+        patched(scheduler_side, "request_key_extra", _tokens_only),
         patched(sched_world, "request_key_extra", _tokens_only),
     ):
         yield
@@ -66,7 +67,7 @@ def no_key_extra() -> Iterator[None]:
 @contextmanager
 def embeds_keyed_by_tokens() -> Iterator[None]:
     with (
-        patched(connector_mod, "request_key_extra", lambda r: ""),
+        patched(scheduler_side, "request_key_extra", lambda r: ""),
         patched(sched_world, "request_key_extra", lambda r: ""),
     ):
         yield
@@ -92,7 +93,7 @@ def no_store_cut() -> Iterator[None]:
 
 @contextmanager
 def no_lookup_cache() -> Iterator[None]:
-    cls = connector_mod.KVCacheConnector
+    cls = scheduler_side.SchedulerSide
     lookup = cls.get_num_new_matched_tokens
 
     def every_step(self: Any, request: Any, num_computed_tokens: int) -> Any:
@@ -105,7 +106,7 @@ def no_lookup_cache() -> Iterator[None]:
 
 @contextmanager
 def sync_loads_under_async() -> Iterator[None]:
-    cls = connector_mod.KVCacheConnector
+    cls = scheduler_side.SchedulerSide
     init = cls.__init__
 
     def sync_init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -144,15 +145,15 @@ def loads_reported_when_issued() -> Iterator[None]:
 def loading_released_too() -> Iterator[None]:
     """``request_finished`` blind to unreported loads: a request with earlier stores is held
     for them even while vLLM holds it for its load."""
-    cls = connector_mod.KVCacheConnector
+    cls = scheduler_side.SchedulerSide
     finished = cls.request_finished
 
     def unguarded(self: Any, request: Any, block_ids: list[int]) -> Any:
-        loading, self._retrieving = self._retrieving, set()
+        loading, self._loading = self._loading, set()
         try:
             return finished(self, request, block_ids)
         finally:
-            self._retrieving = loading
+            self._loading = loading
 
     with patched(cls, "request_finished", unguarded):
         yield

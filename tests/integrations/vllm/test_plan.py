@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.integrations.vllm.plan import Planner, block_hash_to_int
+from kvcache.integrations.vllm.plan import Admission, Planner, block_hash_to_int
 
 BS, CS = 32, 128
 PROMPT = list(range(1000, 1000 + 300))  # 2 full chunks + 44 tokens
@@ -21,7 +21,7 @@ def test_external_tokens_leave_the_last_prompt_token_to_vllm() -> None:
 def test_load_plan_covers_whole_chunks_and_skips_the_local_hit() -> None:
     p = Planner(BS, CS)
     blocks = list(range(50, 60))
-    p.on_alloc("r", PROMPT, blocks, local_hit=64, external=192)
+    p.on_alloc(Admission("r", PROMPT, blocks, local_hit=64, external=192))
     plan, _ = p.step([])
     (load,) = plan.retrieves
     assert load.token_ids == PROMPT[:256] and load.block_ids == blocks[:8] and load.skip_tokens == 64
@@ -31,7 +31,7 @@ def test_load_plan_covers_whole_chunks_and_skips_the_local_hit() -> None:
 def test_whole_prompt_hit_loads_its_last_chunk_whole() -> None:
     p = Planner(BS, CS)
     prompt = PROMPT[:256]
-    p.on_alloc("r", prompt, list(range(8)), local_hit=0, external=255)
+    p.on_alloc(Admission("r", prompt, list(range(8)), local_hit=0, external=255))
     (load,) = p.step([])[0].retrieves
     assert load.token_ids == prompt and load.block_ids == list(range(8))
 
@@ -40,7 +40,7 @@ def test_stores_advance_by_whole_chunks_once_each() -> None:
     p = Planner(BS, CS)
     blocks = list(range(10))
     hashes = [bytes([i]) * 32 for i in range(10)]
-    p.on_alloc("r", PROMPT, [], 0, 0)
+    p.on_alloc(Admission("r", PROMPT, [], 0, 0))
     plan, _ = p.step([("r", 0, 100, PROMPT, blocks[:4], hashes[:3])])
     assert plan.stores == []  # 100 tokens: no full chunk yet
     plan, _ = p.step([("r", 100, 200, PROMPT, blocks, hashes[:9])])
@@ -53,21 +53,21 @@ def test_stores_advance_by_whole_chunks_once_each() -> None:
 
 def test_loaded_chunks_are_not_stored_again() -> None:
     p = Planner(BS, CS)
-    p.on_alloc("r", PROMPT, list(range(10)), local_hit=0, external=256)
+    p.on_alloc(Admission("r", PROMPT, list(range(10)), local_hit=0, external=256))
     plan, _ = p.step([("r", 256, 44, PROMPT, list(range(10)), [])])
     assert len(plan.retrieves) == 1 and plan.stores == []
 
 
 def test_missing_hashes_are_sent_as_none() -> None:
     p = Planner(BS, CS)
-    p.on_alloc("r", PROMPT, [], 0, 0)
+    p.on_alloc(Admission("r", PROMPT, [], 0, 0))
     (store,) = p.step([("r", 0, 300, PROMPT, list(range(10)), [b"x"])])[0].stores
     assert store.block_hashes is None
 
 
 def test_allocation_records_name_each_block_once_with_its_tokens() -> None:
     p = Planner(BS, CS)
-    p.on_alloc("r", PROMPT, [], 0, 0)
+    p.on_alloc(Admission("r", PROMPT, [], 0, 0))
     _, (rec,) = p.step([("r", 0, 40, PROMPT, [7, 8], [])])
     assert rec.req_id == "r" and rec.new_block_ids == [7, 8] and rec.new_token_ids == PROMPT[:40]
     _, recs = p.step([("r", 40, 20, PROMPT, [7, 8], [])])
@@ -78,7 +78,7 @@ def test_allocation_records_name_each_block_once_with_its_tokens() -> None:
 
 def test_unknown_and_finished_requests_are_ignored() -> None:
     p = Planner(BS, CS)
-    p.on_alloc("r", PROMPT, [], 0, 0)
+    p.on_alloc(Admission("r", PROMPT, [], 0, 0))
     assert len(p) == 1 and p.finish("r") and not p.finish("r")
     plan, recs = p.step([("r", 0, 300, PROMPT, list(range(10)), [])])
     assert plan.stores == [] and recs == []
@@ -98,7 +98,7 @@ def test_block_hash_to_int_matches_vllm_int_hashes() -> None:
 def test_chunks_the_workers_did_not_store_are_planned_again() -> None:
     p = Planner(BS, CS)
     blocks = list(range(10))
-    p.on_alloc("r", PROMPT, blocks, local_hit=0, external=0)
+    p.on_alloc(Admission("r", PROMPT, blocks, local_hit=0, external=0))
     plan, _ = p.step([("r", 0, 300, PROMPT, blocks, [])])
     (store,) = plan.stores
     assert len(store.token_ids) == 256 and store.stored_before == 0
@@ -110,7 +110,7 @@ def test_chunks_the_workers_did_not_store_are_planned_again() -> None:
 
 def test_a_resumed_request_reports_its_new_blocks() -> None:
     p = Planner(BS, CS)
-    p.on_alloc("r", PROMPT, [1, 2, 3], local_hit=0, external=0)
+    p.on_alloc(Admission("r", PROMPT, [1, 2, 3], local_hit=0, external=0))
     _, records = p.step([("r", 0, 96, PROMPT, [1, 2, 3], [])])
     assert [r.new_block_ids for r in records] == [[1, 2, 3]]
     p.preempted("r")  # vLLM freed blocks 1-3; the request comes back with other blocks
@@ -123,7 +123,7 @@ def test_a_finished_request_stores_its_last_chunk_in_the_next_step() -> None:
     by a request's last step is stored once the request has finished, from blocks vLLM keeps."""
     p = Planner(BS, CS)
     blocks = list(range(10))
-    p.on_alloc("r", PROMPT, blocks, local_hit=0, external=0)
+    p.on_alloc(Admission("r", PROMPT, blocks, local_hit=0, external=0))
     p.step([("r", 0, 300, PROMPT, blocks, [])])  # stores chunks 1-2 (256 tokens)
     tokens = PROMPT + list(range(90))  # 89 outputs fed: 389 tokens with KV, chunk 3 complete
     assert p.final_store("r", tokens, [*blocks, 10, 11, 12], 389, [])
