@@ -158,7 +158,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"samples": ns.samples, "requests": ns.requests, "await_ms": ns.await_ms}
-    d = DaemonProcess(["--chunk-size", str(CHUNK)], tcp=True, prometheus_port=None)
+    d = DaemonProcess(["--chunk-size", str(CHUNK)], tcp=True)  # metrics on a free port
     try:
         assert d.ipc_endpoint is not None
         with KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=120) as victim:

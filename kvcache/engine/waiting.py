@@ -164,6 +164,9 @@ class WaitingRetrieves:
             del self._ops[op]
             self._forget(op)
             op.claimed = True
+        if len(self._deadlines) > 2 * len(self._ops) + 64:  # served early: drop their entries
+            self._deadlines = [entry for entry in self._deadlines if entry[2] in self._ops]
+            heapq.heapify(self._deadlines)
         return list(due)
 
     def _forget(self, op: WaitingOp) -> None:

@@ -114,3 +114,18 @@ def test_a_discarded_retrieve_is_forgotten_by_the_index() -> None:
         assert not gone.copied and len(waiting) == 0
     finally:
         server.join(10)
+
+
+def test_retrieves_served_before_their_deadline_do_not_stay_in_the_deadline_heap() -> None:
+    """Served early, an op's heap entry would otherwise be kept (with the op, its keys and
+    block ids) until its deadline, up to the retrieve wait bound."""
+    lock = threading.Condition()
+    waiting = WaitingRetrieves(lock)
+    ops = [FakeOp(key=i) for i in range(1000)]
+    with lock:
+        for op in ops:
+            op.ready = True
+            waiting.add(op)
+        due = waiting._take_due(None)
+    assert len(due) == 1000 and len(waiting) == 0
+    assert len(waiting._deadlines) <= 64
