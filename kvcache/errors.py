@@ -166,7 +166,7 @@ class PrincipalLimitError(LimitExceededError):
     its request was refused at once, nothing changed, and other principals are unaffected. It
     travels as ``LIMIT``; the client should back off and retry. ``flag`` names the bound."""
 
-    def __init__(self, message: str, flag: str) -> None:
+    def __init__(self, message: str, flag: str = "") -> None:
         super().__init__(message)
         self.flag = flag
 

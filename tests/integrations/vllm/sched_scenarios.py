@@ -371,6 +371,14 @@ def daemon_killed(h: Harness) -> None:
     assert sends["scheduler"] <= 2 and sends["worker"] <= eng.worker.client.session.window, sends
     assert after_open == {"scheduler": 0, "worker": 0}, f"sent to a dead daemon, breaker open: {after_open}"
     assert eng.tally().get("store_failures", 0) + eng.tally().get("lookup_failures", 0) >= 2
+    # One more request while the daemon is still dead: its lookup meets the open breaker
+    # (refused, never sent) however few steps ran after the kill on a loaded machine, so this
+    # check cannot pass without a breaker (control ``no_breaker``), where the counts above may.
+    eng.add("dead", prompts(8, 150, [70])[0], 3)
+    eng.run()
+    check_outputs(eng)
+    assert after_open == {"scheduler": 0, "worker": 0}, f"sent to a dead daemon, breaker open: {after_open}"
+    assert eng.sched_connector.client.breaker.short_circuited > 0, "no call met the open breaker"
     h.daemon.proc = h.daemon.start()
     for client in (eng.sched_connector.client, eng.worker.client):
         wait_closed(client)
