@@ -158,7 +158,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"samples": ns.samples, "requests": ns.requests, "await_ms": ns.await_ms}
-    d = DaemonProcess(["--chunk-size", str(CHUNK)], tcp=True)  # metrics on a free port
+    # No log line per operation: the daemon's stderr is read by a thread of this (the
+    # victim's) process, and 20,000 lines would time the bench's own GIL, not the daemon.
+    d = DaemonProcess(["--chunk-size", str(CHUNK), "--disable-logging"], tcp=True)  # metrics on a free port
     try:
         assert d.ipc_endpoint is not None
         with KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=120) as victim:
