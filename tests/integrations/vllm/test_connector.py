@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.storage.l2 import codec
+from kvcache.storage.l2 import codec, disk_scan
 from kvcache.transport.endpoints import ipc_endpoint
 from tests.integrations.vllm.tier_tracker import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, TierTracker
 from tests.integrations.vllm.vllm_driver import prompts
@@ -129,7 +129,8 @@ def drive(py: str, tmp: Path, name: str, *args: str) -> dict[str, Any]:
 
 
 def rewrite_chunks(l2: Path) -> list[Path]:
-    """Negate the values of every stored chunk and fix its checksum: valid, but wrong, bytes.
+    """Negate the values of every stored chunk and fix its checksums (the record's, and the
+    one the file's name carries: the tier's metadata): valid, but wrong, bytes.
 
     Every file, not one picked by age: which file holds which chunk is the disk tier's
     business (a header may also carry the chunk's identity), and one chunk's effect on a tiny
@@ -142,7 +143,9 @@ def rewrite_chunks(l2: Path) -> list[Path]:
         chunk = torch.frombuffer(bytearray(data[header.header_len :]), dtype=torch.float32)
         chunk = (-chunk).reshape(header.shape).contiguous()
         payload = codec.tensor_bytes(chunk)
-        path.write_bytes(codec.encode_header(header.key, chunk, payload) + bytes(payload))
+        data = codec.encode_header(header.key, chunk, payload) + bytes(payload)
+        path.write_bytes(data)
+        path.rename(l2 / disk_scan.rel_name(header.key, codec.decode_header(data).crc32))
     return files
 
 
