@@ -45,5 +45,5 @@ def test_unit_tier_against_sglang_classes(
 ) -> None:
     daemon = start_daemon()
     out = run_sglang(sglang_python, daemon.endpoint)
-    assert "passed 8 checks" in out, out
+    assert "passed 10 checks" in out, out
     assert daemon.proc.poll() is None
