@@ -2,7 +2,8 @@
 
 Everything here is SGLang's own: ``StorageBackendFactory`` with a real ``HiCacheStorageConfig``
 builds the backend, real CPU host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) in
-every layout hold the bytes, and ``get_hash_str`` makes the page keys. The daemon is real (its
+every layout hold the bytes, a hybrid model's pools are grouped by ``HostPoolGroup`` with a real
+``MambaPoolHost``, and ``get_hash_str`` makes the page keys. The daemon is real (its
 endpoint is argv[1]). Each check prints one ``ok NAME`` line; any failure exits non-zero.
 (Pages per second against SGLang's file backend: ``python -m benchmarks.sglang``.)
 """

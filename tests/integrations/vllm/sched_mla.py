@@ -35,6 +35,7 @@ from kvcache.integrations.vllm import connector as connector_mod
 from kvcache.integrations.vllm.worker_side import WorkerSide
 from kvcache.protocol import messages as m
 from tests.integrations.vllm.sched_engine import vllm_config, write_model_config
+from tests.integrations.vllm.sched_invariants import RUN_BOUND_S
 from tests.integrations.vllm.sched_tp_engine import TPEngine
 from tests.integrations.vllm.sched_world import CHUNK, Harness, Reader, check_outputs, prompts, stored_tokens
 
@@ -83,7 +84,7 @@ def distinct_chunks(token_lists: list[list[int]]) -> int:
 def run_all(eng: TPEngine, reqs: list[tuple[str, list[int]]], max_tokens: int) -> list[list[int]]:
     for req_id, prompt in reqs:
         eng.add(req_id, prompt, max_tokens)
-    eng.run()
+    eng.run(within_s=len(eng.ranks) * RUN_BOUND_S)  # each step runs every rank's forward and copies
     for rank in eng.ranks:
         assert rank.worker.wait_for_stores(10), "stores still in flight"
     return [list(eng.requests[r].prompt_token_ids or []) + eng.outputs(r) for r, _ in reqs]
