@@ -5,7 +5,9 @@ then hands it the host pool (``register_mem_pool_host``); from then on its cache
 calls, from its own I/O threads: ``batch_exists`` (the leading run of pages held),
 ``batch_set_v1`` / ``batch_get_v1`` (pages by host index, with ``interface_v1``), or the v2
 (``PoolTransfer``) and legacy entry points. Every call is one daemon request per batch of pages
-(``staging_pages``), never one per page.
+(``staging_pages``), never one per page. A hybrid model's other host pools (Mamba state, ...)
+arrive through ``register_mem_host_pool_v2`` and are kept as side pools (``sidecars.py``), each
+keyed apart; a prefix is a hit only as far as every pool the caller names restores it.
 
 Keys: SGLang's page hashes (``keys``), scoped on the daemon by model (with the tensor-parallel
 rank for MHA: ``config.scoped_model_name``), the page geometry and dtype, and the tenant's
@@ -24,6 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
@@ -33,6 +36,7 @@ from kvcache.client import KVCacheClient
 from kvcache.integrations.sglang.config import StorageConfig, scoped_model_name
 from kvcache.integrations.sglang.host import HostPages
 from kvcache.integrations.sglang.keys import pack_page_keys
+from kvcache.integrations.sglang.sidecars import SidePool
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import pack_ids
 
@@ -55,9 +59,18 @@ class KVCacheStorage(HiCacheStorage):
             is_mla=self.is_mla, pp_rank=sc.pp_rank, pp_size=sc.pp_size, cp_rank=sc.attn_cp_rank,
             cp_size=sc.attn_cp_size,
         )  # fmt: skip
+        self.side_model_name = scoped_model_name(
+            self.config.model_name or sc.model_name or "model", tp_rank=sc.tp_rank, tp_size=sc.tp_size,
+            is_mla=False, pp_rank=sc.pp_rank, pp_size=sc.pp_size, cp_rank=sc.attn_cp_rank,
+            cp_size=sc.attn_cp_size,
+        )  # fmt: skip
+        """Side pools (Mamba state, ...) are per rank even for MLA: their state is sharded by
+        heads, and every rank writes its own (SGLang's controller picks which transfers reach
+        each rank)."""
         self.client: KVCacheClient | None = None
         self.pages: HostPages | None = None
         self.page_size = 0
+        self.side_pools: dict[str, SidePool] = {}
 
     # -- registration ---------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -154,37 +167,89 @@ class KVCacheStorage(HiCacheStorage):
                 break
         return out
 
-    # -- v2 (PoolTransfer): the KV pool only ----------------------------------------------
+    # -- v2 (PoolTransfer): the KV pool and the side pools -------------------------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A host pool of a hybrid model's group (SGLang calls it for every entry, the KV
+        anchor included, which ``register_mem_pool_host`` registered already)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV) or name in self.side_pools:
+            return
+        cfg = self.config
+        client = KVCacheClient(
+            cfg.endpoint, model_name=f"{self.side_model_name}|pool={name}", timeout_s=cfg.timeout_s,
+            daemon_uid=cfg.daemon_uid, curve_server_key=cfg.curve_server_key,
+            curve_secret_key=cfg.curve_secret_key,
+        )  # fmt: skip
+        try:
+            pool = SidePool(name, host_pool, client, cfg.timeout_s, cfg.cache_salt)
+        except BaseException:
+            client.close(unregister=False)
+            raise
+        self.side_pools[name] = pool
+        log.info("kvcache: host pool %r (%d-byte pages) registered as %s", name, pool.page_bytes,
+                 client.model_name)  # fmt: skip
+
     def batch_exists_v2(
         self,
         keys: list[str],
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        if any(t.name != PoolName.KV for t in pool_transfers or []):
-            return PoolTransferResult.empty()  # no other pool is kept: no prefix is whole
-        hit = self.batch_exists(keys, extra_info)
-        return PoolTransferResult(hit, {PoolName.KV: hit} if hit else {}, list(range(1, hit + 1)))
+        """The longest prefix of ``keys`` for which the KV pages and every named pool's pages
+        (by its hit policy) are held; ``restorable_prefix_pages`` lists every such length
+        found. A pool kvcache does not hold, or a policy it does not serve, is no hit at all."""
+        kv = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {PoolName.KV: kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        for t in pool_transfers or []:
+            if t.name == PoolName.KV or not restorable:
+                continue
+            pool = self.side_pools.get(str(t.name))
+            if pool is None or t.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                return PoolTransferResult.empty()
+            try:
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    found = set(range(1, pool.leading(keys[:kv]) + 1))
+                else:
+                    found = pool.restorable(keys[:kv], max(1, len(t.keys or ())))
+            except Exception as exc:  # the daemon did not answer: no prefix is whole
+                log.warning("kvcache: exists on host pool %r failed: %s", pool.name, exc)
+                return PoolTransferResult.empty()
+            if found:
+                hits[str(t.name)] = max(found)
+            restorable &= found
+        final = max(restorable, default=0)
+        return PoolTransferResult(final, hits, sorted(restorable))
 
-    def _v2(self, transfers: list[PoolTransfer], op: Any, extra_info: Any) -> dict[str, list[bool]]:
+    def _v2(
+        self, transfers: list[PoolTransfer], kv_op: Any, side: str, extra_info: Any
+    ) -> dict[str, list[bool]]:
         results: dict[str, list[bool]] = {}
         for t in transfers:
-            keys = t.keys or []
-            if t.name != PoolName.KV or t.host_indices is None:
-                results[str(t.name)] = [False] * len(keys)
+            keys, name = t.keys or [], str(t.name)
+            pool = self.side_pools.get(name)
+            if t.host_indices is None or (t.name != PoolName.KV and pool is None):
+                results[name] = [False] * len(keys)
+            elif pool is None:
+                results[name] = kv_op(keys, t.host_indices, extra_info)
             else:
-                results[str(t.name)] = op(keys, t.host_indices, extra_info)
+                try:
+                    results[name] = getattr(pool, side)(keys, t.host_indices)
+                except Exception as exc:  # a miss for SGLang, never an error
+                    log.warning("kvcache: %s of %d %r pages failed: %s", side, len(keys), name, exc)
+                    results[name] = [False] * len(keys)
         return results
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2(transfers, self.batch_get_v1, extra_info)
+        return self._v2(transfers, self.batch_get_v1, "get", extra_info)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2(transfers, self.batch_set_v1, extra_info)
+        return self._v2(transfers, self.batch_set_v1, "set", extra_info)
 
     # -- legacy (flat pages) --------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -243,6 +308,9 @@ class KVCacheStorage(HiCacheStorage):
         client, self.client = self.client, None
         if client is not None:
             client.close()
+        pools, self.side_pools = self.side_pools, {}
+        for pool in pools.values():
+            pool.close()
 
 
 __all__ = ["KVCacheStorage"]

@@ -28,7 +28,8 @@ class ConnectorConfig:
     * ``instance_id``: this engine's id at the daemon; tensor-parallel rank ``r`` uses
       ``instance_id + r``. Default: derived from vLLM's ``engine_id``.
     * ``model_name``: scopes the cache keys (default: vLLM's served model name). Engines that
-      should share cached prefixes must use the same name.
+      should share cached prefixes must use the same name. Under tensor parallelism each
+      group of ranks holding the same bytes gets its own scope (``TPGroup``).
     * ``timeout_s``: bound on every daemon call; on a timeout the connector carries on
       without the cache (lookups count as misses, stores are dropped).
     * ``window``: asynchronous calls (stores, asynchronous loads, notices) each worker keeps
@@ -127,10 +128,57 @@ class ConnectorConfig:
         base = int.from_bytes(digest, "little") % _MAX_INSTANCE_BASE
         return base * 64 + rank  # room for 64 ranks per engine
 
-    def resolve_model_name(self, served: str, rank: int = 0, world_size: int = 1) -> str:
-        """Ranks hold different heads of the same shape: give each its own key scope."""
-        name = self.model_name or served
-        return name if world_size == 1 else f"{name}@tp{rank}of{world_size}"
+    def resolve_model_name(self, served: str, rank: int = 0, world_size: int = 1, replicas: int = 1) -> str:
+        """The key scope of tensor-parallel ``rank`` (``TPGroup``): ranks holding different
+        heads of the same shape get scopes of their own; ``replicas`` consecutive ranks that
+        hold the same bytes (MLA's latent) share one, so a chunk is stored once for them."""
+        return TPGroup(rank, world_size, replicas).model_name(self.model_name or served)
+
+
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    """Which tensor-parallel ranks hold the same KV bytes, and which of them writes.
+
+    vLLM 0.32 states it in ``KVCacheConfig.kv_tp_replicas``: the number of consecutive ranks
+    holding identical KV for every layer (``world_size`` for an MLA model, whose latent cache
+    is computed from replicated weights on every rank; 1 when each rank holds its own heads).
+    Ranks ``[s * replicas, (s + 1) * replicas)`` form shard ``s``: they share one key scope,
+    so every one of them reads the chunks of the shard, and only the first of them stores
+    (``writes``), so L1 holds each chunk once instead of once per rank. A replica count that
+    does not divide the world (no vLLM layout gives one) is taken as 1: per-rank scopes, a
+    miss at worst, never one rank handed another's heads.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.world_size % self.replicas:
+            object.__setattr__(self, "replicas", 1)
+
+    @property
+    def shard(self) -> int:
+        """The index of the group of ranks holding this rank's bytes."""
+        return self.rank // self.replicas
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank stores: the first rank of its shard (every rank when unreplicated)."""
+        return self.rank % self.replicas == 0
+
+    def model_name(self, name: str) -> str:
+        """``name`` scoped to this rank's shard: ``name`` alone at TP=1, ``name@tpRofN`` for rank
+        R of N ranks with their own heads (the scope of every release so far), and
+        ``name@tpSofGxR`` for shard S of G shards of R replicas each (MLA at TP=N: ``@tp0of1xN``).
+        The world size is in every scope, so ranks of another TP size never read these chunks
+        (their bytes differ in rounding: the all-reduces that feed each layer sum in another
+        order); the chunk geometry and dtype the daemon adds keep other shapes apart too."""
+        if self.world_size == 1:
+            return name
+        if self.replicas == 1:
+            return f"{name}@tp{self.rank}of{self.world_size}"
+        return f"{name}@tp{self.shard}of{self.world_size // self.replicas}x{self.replicas}"
 
 
 def tp_rank_world() -> tuple[int, int]:
@@ -147,4 +195,4 @@ def tp_rank_world() -> tuple[int, int]:
         return 0, 1
 
 
-__all__ = ["ConnectorConfig", "tp_rank_world"]
+__all__ = ["ConnectorConfig", "TPGroup", "tp_rank_world"]

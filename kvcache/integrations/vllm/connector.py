@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
-from kvcache.integrations.vllm.config import ConnectorConfig, tp_rank_world
+from kvcache.integrations.vllm.config import ConnectorConfig, TPGroup, tp_rank_world
 from kvcache.integrations.vllm.disagg import resolve_role
 from kvcache.integrations.vllm.hybrid import describe, offloadable
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
@@ -63,8 +63,11 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
         served = vllm_config.model_config.served_model_name
         served = served[0] if isinstance(served, list) else served
         served = served or vllm_config.model_config.model
+        self.tp_group = TPGroup(rank, world, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
+        """Which ranks hold this rank's bytes: they share a key scope and one of them stores
+        (MLA at TP=N: one copy of each chunk for all N ranks)."""
         self.instance_id = self.config.resolve_instance_id(tc.engine_id, rank)
-        self.model_name = self.config.resolve_model_name(str(served), rank, world)
+        self.model_name = self.config.resolve_model_name(str(served), rank, world, self.tp_group.replicas)
         self.client = KVCacheClient(
             self.config.endpoint,
             self.instance_id,
@@ -99,11 +102,13 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             is_cpu = vllm_config.device_config.device_type == "cpu"
             self.worker_side = WorkerSide(
-                self.config, self.client, self.block_size, is_cpu=is_cpu, offloads=self.offloads
-            )
+                self.config, self.client, self.block_size, is_cpu=is_cpu, offloads=self.offloads,
+                writes=self.tp_group.writes,
+            )  # fmt: skip
         log.info(
-            "kvcache connector (%s): daemon %s, instance %d, model %r",
+            "kvcache connector (%s): daemon %s, instance %d, model %r%s",
             role.name, self.client.endpoint, self.instance_id, self.model_name,
+            "" if self.tp_group.writes else " (reads only: its shard's first rank stores)",
         )  # fmt: skip
 
     @property

@@ -45,11 +45,15 @@ class WorkerSide:
         *,
         is_cpu: bool,
         offloads: bool = True,
+        writes: bool = True,
     ) -> None:
         self.config = config
         self.offloads = offloads
         """False: the model's KV cache layout is not offloaded (``hybrid.py``); nothing is
         registered, so the daemon holds no view of its tensors."""
+        self.writes = writes
+        """False: another rank holds the same bytes and stores them (``config.TPGroup``); this
+        one registers and loads, and stores nothing."""
         self.client = client
         self._is_cpu = is_cpu
         self.transfers = ConnectorWorker(
@@ -89,9 +93,9 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         if not plan.stores:
             return
-        if self.transfers.registered:
+        if self.transfers.registered and self.writes:
             self.transfers.store(plan)
-        else:  # finished requests' blocks must still be released
+        else:  # finished requests' blocks must still be released (vLLM waits for every rank)
             self._finished_sending.update(s.req_id for s in plan.stores if s.final)
 
     def get_finished(self, plan: StepPlan | None) -> tuple[set[str] | None, set[str] | None]:

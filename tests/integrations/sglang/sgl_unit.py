@@ -2,7 +2,8 @@
 
 Everything here is SGLang's own: ``StorageBackendFactory`` with a real ``HiCacheStorageConfig``
 builds the backend, real CPU host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) in
-every layout hold the bytes, and ``get_hash_str`` makes the page keys. The daemon is real (its
+every layout hold the bytes, a hybrid model's pools are grouped by ``HostPoolGroup`` with a real
+``MambaPoolHost``, and ``get_hash_str`` makes the page keys. The daemon is real (its
 endpoint is argv[1]). Each check prints one ``ok NAME`` line; any failure exits non-zero.
 (Pages per second against SGLang's file backend: ``python -m benchmarks.sglang``.)
 """
@@ -14,8 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -52,7 +56,13 @@ def host_pool(layout: str, *, mla: bool = False, dev_tokens: int = DEV_TOKENS, n
 
 
 def backend(
-    pool: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra: Any
+    pool: Any,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    side: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> KVCacheStorage:
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
@@ -64,6 +74,8 @@ def backend(
     )  # fmt: skip
     b = StorageBackendFactory.create_backend("dynamic", config, pool)
     b.register_mem_pool_host(pool)
+    for name, side_pool in (side or {}).items():  # as HybridCacheController.attach_storage_backend
+        b.register_mem_host_pool_v2(side_pool, name)
     b.on_host_pools_registered()
     assert isinstance(b, KVCacheStorage), type(b)
     return b
@@ -203,6 +215,96 @@ def v2_and_legacy() -> None:
         assert torch.equal(t.view(torch.int16), pool.get_data_page(p * PS, flat=True).view(torch.int16))
 
 
+def mamba_pool(slots: int = 8) -> MambaPoolHost:
+    """SGLang's Mamba host pool (3 layers: a temporal state of 2 heads x 4 x 4, one conv
+    state), every byte random."""
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(3, slots + 1, 2, 4, 4), conv=(torch.zeros(3, slots + 1, 6, 3),)
+    )
+    pool = MambaPoolHost(
+        info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first"
+    )
+    for buf in (pool.temporal_buffer, *pool.conv_buffer):
+        buf.copy_(torch.randn_like(buf))
+    return pool
+
+
+def hybrid(tp_rank: int = 0, tp_size: int = 1) -> tuple[KVCacheStorage, Any, MambaPoolHost]:
+    """A hybrid model's host pools as SGLang groups them (the KV anchor and a Mamba pool),
+    and the backend registered on them as ``HybridCacheController`` does."""
+    kv, mamba = host_pool("page_first"), mamba_pool()
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, kv, None, lambda layer: layer, is_primary_index_anchor=True),
+        PoolEntry(PoolName.MAMBA, mamba, None, lambda layer: layer),
+    ])  # fmt: skip
+    b = backend(group, tp_rank=tp_rank, tp_size=tp_size, side={PoolName.KV: kv, PoolName.MAMBA: mamba})
+    return b, kv, mamba
+
+
+def state() -> PoolTransfer:
+    """The Mamba transfer SGLang's exists query carries (one trailing page)."""
+    return PoolTransfer(
+        name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+    )
+
+
+def mamba_at(key: str, slot: int) -> PoolTransfer:
+    return PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=[key],
+                        hit_policy=PoolHitPolicy.TRAILING_PAGES)  # fmt: skip
+
+
+@check("hybrid (KV + Mamba pools): each pool's pages keyed apart, a hit only where every pool restores it")
+def hybrid_pools() -> None:
+    b, kv, mamba = hybrid()
+    keys = keys_for(6, 90)
+    kv_put = PoolTransfer(name=PoolName.KV, host_indices=indices(list(range(6))), keys=keys)
+    assert b.batch_set_v2([kv_put]) == {"kv": [True] * 6}
+    assert b.batch_exists_v2(keys, [state()]).kv_hit_pages == 0  # KV alone: no state to resume from
+    for page, slot in ((2, 1), (5, 4)):  # one state per node end, as SGLang backs them up
+        assert b.batch_set_v2([mamba_at(keys[page], slot)]) == {"mamba": [True]}
+    hit = b.batch_exists_v2(keys, [state()])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (6, [3, 6]), hit
+    assert hit.extra_pool_hit_pages == {"kv": 6, "mamba": 6}, hit
+    assert b.batch_exists_v2(keys[:5], [state()]).restorable_prefix_pages == [3]
+    assert b.batch_exists_v2(keys[:2], [state()]).kv_hit_pages == 0
+    assert b.batch_exists_v2(keys).kv_hit_pages == 6  # a KV-only query is the KV prefix
+    other = keys_for(3, 91)  # a state stored without its KV pages: no hit either
+    assert b.batch_set_v2([mamba_at(other[2], 5)]) == {"mamba": [True]}
+    assert b.batch_exists_v2(other, [state()]).kv_hit_pages == 0
+    assert b.batch_exists(other) == 0  # and it is not a KV page
+    kv_get = PoolTransfer(name=PoolName.KV, host_indices=indices(list(range(20, 26))), keys=keys)
+    got = b.batch_get_v2([kv_get, mamba_at(keys[5], 7)])
+    assert got == {"kv": [True] * 6, "mamba": [True]}, got
+    assert torch.equal(page_bytes(kv, list(range(20, 26))), page_bytes(kv, list(range(6))))
+    assert torch.equal(mamba.get_data_page(7), mamba.get_data_page(4)), (
+        "the Mamba state differs after a round trip"
+    )
+    assert not torch.equal(mamba.get_data_page(7), mamba.get_data_page(1))
+    before = mamba.get_data_page(6).clone()
+    assert b.batch_get_v2([mamba_at(keys_for(1, 92)[0], 6)]) == {"mamba": [False]}
+    assert torch.equal(mamba.get_data_page(6), before)  # a miss writes nothing
+    rank1, _, _ = hybrid(tp_rank=1, tp_size=2)  # another rank's heads: its own scope
+    assert rank1.batch_exists_v2(keys, [state()]).kv_hit_pages == 0
+    for x in (b, rank1):
+        x.close()
+
+
+@check("hybrid: a pool kvcache does not hold, or a policy it does not serve, is no hit")
+def hybrid_unknown_pool() -> None:
+    b, _, _ = hybrid()
+    keys = keys_for(4, 95)
+    b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=indices([0, 1, 2, 3]), keys=keys)])
+    b.batch_set_v2([mamba_at(keys[3], 2)])
+    swa = PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert b.batch_exists_v2(keys, [state(), swa]).kv_hit_pages == 0
+    groups = PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+    assert b.batch_exists_v2(keys, [groups]).kv_hit_pages == 0
+    assert b.batch_set_v2(
+        [PoolTransfer(name=PoolName.SWA, host_indices=torch.tensor([0]), keys=keys[:1])]
+    ) == {"swa": [False]}
+    b.close()
+
+
 if __name__ == "__main__":
     for fn in (
         mha_layouts,
@@ -213,6 +315,8 @@ if __name__ == "__main__":
         mla_writer,
         tenants,
         v2_and_legacy,
+        hybrid_pools,
+        hybrid_unknown_pool,
     ):
         fn()
     print(f"passed {len(CHECKS)} checks", flush=True)

@@ -5,7 +5,8 @@ this one; ``sgl_unit.py`` is the SGLang side and a real daemon (started from her
 The unit tier builds the backend through ``StorageBackendFactory`` with a real
 ``HiCacheStorageConfig``, over real CPU host pools in every layout and real ``get_hash_str``
 keys: byte-for-byte round trips, prefix ``batch_exists``, MHA and MLA, zero copy, two
-tensor-parallel ranks and two tenants (see its checks).
+tensor-parallel ranks, two tenants, and a hybrid model's KV and Mamba pools (``HostPoolGroup``,
+``MambaPoolHost``) through the v2 calls (see its checks).
 
 The venv comes from the ``sglang_python`` fixture (tests/conftest.py): it skips where SGLang
 cannot be installed (``sglang_env.sh`` exits 3) or with ``KVCACHE_SKIP_SGLANG=1``. About 40 s
@@ -45,5 +46,5 @@ def test_unit_tier_against_sglang_classes(
 ) -> None:
     daemon = start_daemon()
     out = run_sglang(sglang_python, daemon.endpoint)
-    assert "passed 8 checks" in out, out
+    assert "passed 10 checks" in out, out
     assert daemon.proc.poll() is None

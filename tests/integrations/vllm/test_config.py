@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.config import ConnectorConfig, TPGroup
 from kvcache.protocol.messages import MAX_LOOKUP_BATCH
 
 
@@ -31,6 +31,28 @@ def test_model_name_scoped_per_rank_under_tensor_parallelism() -> None:
     cfg = ConnectorConfig.from_extra({"model_name": "m"})
     assert cfg.resolve_model_name("served") == "m"
     assert ConnectorConfig.from_extra({}).resolve_model_name("served", 1, 2) == "served@tp1of2"
+
+
+def test_replicated_ranks_share_one_scope_and_one_writer() -> None:
+    """MLA at TP=N (``kv_tp_replicas`` = N): one scope, the first rank writes; no two TP sizes,
+    and no replicated and per-rank layout, share a scope."""
+    mla = [TPGroup(r, 2, 2) for r in range(2)]
+    assert {g.model_name("m") for g in mla} == {"m@tp0of1x2"}
+    assert [g.writes for g in mla] == [True, False]
+    assert TPGroup(3, 4, 2).model_name("m") == "m@tp1of2x2" and not TPGroup(3, 4, 2).writes
+    names = {TPGroup(0, n, r).model_name("m") for n, r in [(1, 1), (2, 1), (2, 2), (4, 4), (4, 2), (8, 8)]}
+    assert len(names) == 6
+    per_rank = [TPGroup(r, 2) for r in range(2)]  # heads sharded: the scopes of every release
+    assert [g.model_name("m") for g in per_rank] == ["m@tp0of2", "m@tp1of2"] and all(
+        g.writes for g in per_rank
+    )
+    assert ConnectorConfig.from_extra({}).resolve_model_name("served", 1, 4, 4) == "served@tp0of1x4"
+
+
+def test_a_replica_count_that_does_not_divide_the_world_is_per_rank() -> None:
+    for bad in (0, 3, -1):
+        group = TPGroup(1, 4, bad)
+        assert group.replicas == 1 and group.writes and group.model_name("m") == "m@tp1of4"
 
 
 def test_transfers_are_asynchronous_by_default() -> None:
