@@ -63,6 +63,16 @@ if [ -f "$report/cuda-tests.log" ] && command -v compute-sanitizer >/dev/null; t
     tests/transfer/test_cuda.py "tests/test_context.py::test_cuda_odd_sizes" \
     "tests/test_context.py::test_cuda_bad_ids_and_pageable_chunks"
 fi
+# Issue 40: a real hybrid model (sliding window or Mamba beside full attention), whose KV cache
+# groups vLLM's hybrid manager keeps apart on a GPU only: greedy tokens with and without
+# kvcache must match, and after vLLM's prefix cache is reset the prefix must come from kvcache.
+# Needs vLLM's CUDA build (VLLM_PYTHON) and a local model (no download on the lent machine):
+# KVCACHE_GPU_HYBRID_MODEL=/models/gemma-3-1b-it (sliding window) or a Granite 4.0-H /
+# Nemotron-H checkpoint (Mamba). Skipped without them.
+if [ -n "${KVCACHE_GPU_HYBRID_MODEL:-}" ] && [ -n "${VLLM_PYTHON:-}" ]; then
+  step hybrid-model env PYTHONPATH="$PWD" "$VLLM_PYTHON" tests/integrations/vllm/vllm_hybrid_check.py \
+    --model "$KVCACHE_GPU_HYBRID_MODEL" --out "$report/hybrid-model.json"
+fi
 {
   echo "# kvcache GPU check"
   echo

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -34,7 +35,10 @@ from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
 from kvcache.integrations.vllm.config import ConnectorConfig, TPGroup, tp_rank_world
 from kvcache.integrations.vllm.disagg import resolve_role
-from kvcache.integrations.vllm.hybrid import describe, offloadable
+from kvcache.integrations.vllm.group_pages import PageGroup
+from kvcache.integrations.vllm.group_plan import GroupPlanner
+from kvcache.integrations.vllm.group_transfers import GroupTransfers
+from kvcache.integrations.vllm.hybrid import describe, group_instance_id, group_name, layout
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, KVCacheWorkerMeta
 from kvcache.integrations.vllm.metrics import KVCacheConnectorStats, KVCachePromMetrics
 from kvcache.integrations.vllm.scheduler_side import SchedulerSide
@@ -77,17 +81,22 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
             curve_secret_key=self.config.curve_secret_key,
             window=self.config.window,
         )
-        self.offloads = offloadable(kv_cache_config)
-        """False for a layout kvcache does not offload (``hybrid.py``): every request a
-        miss, nothing stored or registered."""
+        self.layout = layout(kv_cache_config, self.block_size)
+        """How each KV cache group is offloaded; None for a layout kvcache does not offload
+        (``hybrid.py``): every request a miss, nothing stored or registered."""
+        self.offloads = self.layout is not None
         if not self.offloads:
             log.warning(
-                "kvcache: KV cache groups %s are not offloaded (hybrid or non-full-attention model): "
+                "kvcache: KV cache groups %s are not offloaded (no full-attention group, or a group "
+                "of a kind kvcache does not offload): "
                 "every request is computed by vLLM (docs/vllm.md, Hybrid models)",
                 describe(kv_cache_config),
             )
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        hybrid = self.layout if self.layout is not None and self.layout.hybrid else None
+        primary = self.layout.primary if self.layout is not None else 0
+        self._primary = primary
         if role == KVConnectorRole.SCHEDULER:
             hash_bs = getattr(cache, "hash_block_size", None)
             self.scheduler_side = SchedulerSide(
@@ -98,18 +107,42 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 pass_hashes=hash_bs in (None, self.block_size),
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
                 offloads=self.offloads,
-            )
+                groups=None if hybrid is None else GroupPlanner(
+                    hybrid.pages, {g.index: self._group_client(g) for g in hybrid.pages}, self.block_size
+                ),
+                primary=primary,
+            )  # fmt: skip
         else:
             is_cpu = vllm_config.device_config.device_type == "cpu"
-            self.worker_side = WorkerSide(
-                self.config, self.client, self.block_size, is_cpu=is_cpu, offloads=self.offloads,
-                writes=self.tp_group.writes,
+            groups = None if hybrid is None else GroupTransfers(
+                hybrid, self._group_client, self.block_size, self.config.kv_format, self.config.timeout_s
             )  # fmt: skip
+            self.worker_side = WorkerSide(
+                self.config,
+                self.client,
+                self.block_size,
+                is_cpu=is_cpu,
+                offloads=self.offloads,
+                writes=self.tp_group.writes,
+                groups=groups,
+            )
         log.info(
             "kvcache connector (%s): daemon %s, instance %d, model %r%s",
             role.name, self.client.endpoint, self.instance_id, self.model_name,
             "" if self.tp_group.writes else " (reads only: its shard's first rank stores)",
         )  # fmt: skip
+
+    def _group_client(self, group: PageGroup) -> KVCacheClient:
+        """The client of a page group's own daemon instance (``hybrid.py``)."""
+        return KVCacheClient(
+            self.config.endpoint,
+            group_instance_id(self.instance_id, group),
+            group_name(self.model_name, group),
+            timeout_s=self.config.timeout_s,
+            curve_server_key=self.config.curve_server_key,
+            curve_secret_key=self.config.curve_secret_key,
+            window=self.config.window,
+        )
 
     @property
     def tally(self) -> ConnectorTally:
@@ -166,6 +199,14 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         return self._worker.get_finished(meta.plan if isinstance(meta, KVCacheMetadata) else None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s, with a hybrid model's failed loads (``failed_recving``: vLLM
+        0.32 raises on ``invalid_block_ids`` with several groups, whose ids are per group)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            set(sending or ()), set(recving or ()), self._worker.failed_recving()
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
 
@@ -220,8 +261,9 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self._sched.update_state_after_alloc(request, block_ids, num_external_tokens)
+        tables = blocks.get_block_ids() if num_external_tokens else ()
+        block_ids = tables[self._primary] if tables else []
+        self._sched.update_state_after_alloc(request, block_ids, num_external_tokens, tables)
 
     def update_connector_output(self, connector_output: Any) -> None:
         received = getattr(connector_output, "finished_recving", None) or ()
@@ -242,9 +284,10 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``SupportsHMA`` hook, called instead of ``request_finished`` (once, for all
-        groups). With one group it is ``request_finished``; a hybrid model's requests were
-        never stored, and their blocks are not ours to read (``hybrid.py``)."""
-        return self._sched.request_finished(request, block_ids[0] if len(block_ids) == 1 else [])
+        groups): the primary group's final store holds every group's blocks until it is done
+        (vLLM delays freeing all of them together)."""
+        primary = block_ids[self._primary] if self._primary < len(block_ids) else []
+        return self._sched.request_finished(request, primary)
 
 
 __all__ = ["KVCacheConnector", "KVCacheMetadata", "KVCacheWorkerMeta"]

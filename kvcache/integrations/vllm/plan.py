@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcache.integrations.vllm.group_pages import PageOp
 from kvcache.observability.event import BlockAllocationRecord
 
 _U64 = (1 << 64) - 1
@@ -45,6 +46,9 @@ class RetrieveSpec:
     """(chunks, ms, tokens): the leading chunks a prefill instance is storing, how long the
     daemon may wait for them (``disagg``; ``KVCacheClient.retrieve_reply_async``), and the
     prompt tokens they hold (a tail chunk holds fewer than a chunk: the rest is padding)."""
+    pages: list[PageOp] = field(default_factory=list)
+    """A hybrid model's other groups, restored with it (``group_plan.py``): the load is
+    whole only if every one of them is."""
 
 
 @dataclass(slots=True)
@@ -83,6 +87,8 @@ class StepPlan:
     idle: bool = False
     """No request is scheduled: no forward runs, and vLLM steps again at once. The workers
     may block briefly on their loads in flight (``ConnectorWorker.take_finished_recving``)."""
+    page_stores: list[PageOp] = field(default_factory=list)
+    """A hybrid model's other groups: the pages this step computed (``group_plan.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,8 @@ class Admission:
     """A decode request's leading prompt tokens a prefill instance is storing (``disagg``)."""
     wait_ms: int = 0
     """How long the daemon may wait for them."""
+    pages: Sequence[PageOp] = ()
+    """A hybrid model's page loads that go with the load (``RetrieveSpec.pages``)."""
 
 
 @dataclass(slots=True)
@@ -156,7 +164,7 @@ class Planner:
         awaited = min(a.awaited_tokens, end)
         wait = (awaited // self.chunk_size, a.wait_ms, awaited)
         spec = RetrieveSpec(
-            a.req_id, tokens, blocks, a.local_hit, a.cache_salt, a.key_extra, a.is_async, wait
+            a.req_id, tokens, blocks, a.local_hit, a.cache_salt, a.key_extra, a.is_async, wait, list(a.pages)
         )
         self._retrieves.append(spec)
         state.stored_tokens = (end // self.chunk_size) * self.chunk_size

@@ -30,6 +30,7 @@ from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig
 from kvcache.integrations.vllm.disagg import SplitRequests
 from kvcache.integrations.vllm.dropped_loads import DroppedLoads
+from kvcache.integrations.vllm.group_plan import GroupPlanner
 from kvcache.integrations.vllm.lookups import StepLookups
 from kvcache.integrations.vllm.plan import Admission, Planner, StepPlan
 from kvcache.integrations.vllm.request_keys import request_key_extra
@@ -46,6 +47,7 @@ class Tracked:
 
     request: Any
     """vLLM's ``Request`` (its tokens, hashes and computed count are read each step)."""
+    key_extra: str = ""
     stores_planned: bool = False
     """Stores were planned for it under ``async_stores``: at its end vLLM keeps its blocks
     until the workers report them settled."""
@@ -64,14 +66,20 @@ class SchedulerSide:
         pass_hashes: bool,
         async_scheduling: bool,
         offloads: bool = True,
+        groups: GroupPlanner | None = None,
+        primary: int = 0,
     ) -> None:
         self.config = config
         self.client = client
         self.block_size = block_size
         self._producer = producer  # its finished requests name what they stored
         self._pass_hashes = pass_hashes  # vLLM's block hashes are per block of ours
-        self._async_retrieves = config.async_loads or async_scheduling
-        sync_lone = config.sync_lone_loads and not async_scheduling
+        self._groups = groups
+        """A hybrid model's groups besides the primary (``group_plan.py``): its loads are
+        asynchronous, the only ones vLLM lets fail per request with several groups."""
+        self._primary = primary  # the index of the group offloaded as token chunks
+        self._async_retrieves = config.async_loads or async_scheduling or groups is not None
+        sync_lone = config.sync_lone_loads and not async_scheduling and groups is None
         self._timing = RetrieveTiming(self._async_retrieves, sync_lone)
         self.offloads = offloads
         """False: the model's KV cache layout is not offloaded (``hybrid.py``): every request
@@ -111,6 +119,8 @@ class SchedulerSide:
         if self._dropped.asked(request.request_id):
             return 0, False  # vLLM dropped its asynchronous load: it computes (``dropped_loads``)
         awaited = self._split.tokens(request, len(prompt), planner.chunk_size, planner.block_size)
+        if awaited and self._groups is not None:
+            return 0, False  # NOTE: a prefill/decode split of a hybrid model is not offloaded
         if awaited:  # a decode request: its load waits at the daemon for the prefill's store
             external = planner.external_tokens(len(prompt), num_computed_tokens, awaited)
             return external, external > 0  # 0 (its own prefix cache holds it all): no load
@@ -123,7 +133,17 @@ class SchedulerSide:
             log.warning("kvcache: lookup failed: %s", exc)
             self.tally.count("lookup_failures")
             return 0, False
-        external = planner.external_tokens(len(prompt), num_computed_tokens, found.hit_tokens)
+        hit = found.hit_tokens
+        if self._groups is not None and hit > num_computed_tokens:
+            upto, salt = min(hit, len(prompt) - 1), request.cache_salt or ""
+            try:  # the longest boundary every group serves
+                hit = self._groups.hit(request.request_id, prompt, key_extra, salt, upto,
+                                       num_computed_tokens, planner.chunk_size)  # fmt: skip
+            except Exception as exc:
+                log.warning("kvcache: group lookup failed: %s", exc)
+                self.tally.count("lookup_failures")
+                return 0, False
+        external = planner.external_tokens(len(prompt), num_computed_tokens, hit)
         shared = external and self._async_retrieves and self.config.shared_loads
         if shared and self._loads.behind(request, num_computed_tokens, planner.chunk_size, key_extra):
             return None, False  # not yet: vLLM caches that load's blocks, then asks again
@@ -137,9 +157,10 @@ class SchedulerSide:
         request's lookup can travel with the next one asked (``StepLookups``)."""
         self._lookups.waiting(request)
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM gave ``request`` its blocks (``block_ids``: those of the connector's KV cache
-        group) with ``num_external_tokens`` promised to a load."""
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int,
+                                 tables: Any = ()) -> None:  # fmt: skip
+        """vLLM gave ``request`` its blocks (``block_ids``: the primary group's; ``tables``:
+        every group's) with ``num_external_tokens`` promised to a load."""
         req_id = request.request_id
         is_async = self._timing.admit(req_id)  # every admission counts, keyed by us or not
         if not self.offloads:
@@ -154,13 +175,18 @@ class SchedulerSide:
             self.tally.count("requests_not_cached")
             return
         if req_id not in self._requests:  # a resumed request keeps its record
-            self._requests[req_id] = Tracked(request)
+            self._requests[req_id] = Tracked(request, key_extra)
         local = self._lookups.admitted(req_id, request.num_computed_tokens)
         loaded_into = block_ids if num_external_tokens else []
         whole, tail, _ = self._split.get(req_id)  # a decode request: its loads are asynchronous
         is_async = is_async or whole + tail > 0
         wait_ms = int(self.config.transfer_wait * 1000)
         external = min(num_external_tokens, max(0, whole - local)) if tail else num_external_tokens
+        pages = []
+        if self._groups is not None and external > 0:
+            prompt = request.prompt_token_ids or []
+            pages = self._groups.loads(req_id, prompt, key_extra, request.cache_salt or "", tables, local,
+                                       local + external)  # fmt: skip
         planner.on_alloc(
             Admission(
                 req_id=req_id,
@@ -173,6 +199,7 @@ class SchedulerSide:
                 is_async=is_async,
                 awaited_tokens=whole,
                 wait_ms=wait_ms,
+                pages=pages,
             )
         )
         self._split.tail_load(planner, request, loaded_into, local, key_extra, wait_ms)
@@ -208,11 +235,13 @@ class SchedulerSide:
         preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in preempted:
             planner.preempted(req_id)
+            if self._groups is not None:
+                self._groups.preempted(req_id)
             tracked = self._requests.get(req_id)
             if tracked is not None:
                 self._lookups.waiting(tracked.request)  # waits again: its next admission asks again
         self._timing.planned()
-        rows = []
+        rows, plan_pages = [], []
         self._dropped.ran(scheduler_output.num_scheduled_tokens)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             tracked = self._requests.get(req_id)
@@ -223,8 +252,15 @@ class SchedulerSide:
                 continue
             request = tracked.request
             hashes = request.block_hashes if self._pass_hashes else []
-            rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, groups[0], hashes))
+            table = groups[self._primary]
+            rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, table, hashes))
+            if self._groups is not None and self.config.store:
+                plan_pages.extend(self._groups.stores(
+                    req_id, request.all_token_ids, tracked.key_extra, request.cache_salt or "", groups,
+                    request.num_computed_tokens, n, planner.chunk_size,
+                ))  # fmt: skip
         plan, records = planner.step(rows)
+        plan.page_stores = plan_pages
         plan.step, plan.failures_seen, plan.idle = self._steps, self._failures_seen, idle
         plan.preempted = preempted
         if not self.config.store:
@@ -258,7 +294,11 @@ class SchedulerSide:
             written = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
             hashes = request.block_hashes if self._pass_hashes else []
             delay = self._planner.final_store(req_id, request.all_token_ids, block_ids, written, hashes)
-            params, tail = self._split.finished(self._producer, self._planner, request, block_ids, written)
+            params, tail = (
+                self._split.finished(self._producer, self._planner, request, block_ids, written)
+                if self._groups is None
+                else (None, False)
+            )
             planned = tracked is not None and tracked.stores_planned
             if planned and not (delay or tail):  # a tail store is final too
                 self._planner.release(req_id)
@@ -274,6 +314,8 @@ class SchedulerSide:
         self._dropped.forget(req_id)
         self._loads.ended((req_id,))
         self._split.forget(req_id)
+        if self._groups is not None:
+            self._groups.forget(req_id)
         if self._planner is not None and self._planner.finish(req_id):
             try:
                 self.client.end_session(req_id, wait=False)

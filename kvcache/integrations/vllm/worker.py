@@ -8,10 +8,10 @@ in the first step that finds the copy settled, with the blocks it did not fill a
 same step's retrieve errors, so vLLM truncates the request before it schedules it. Until then
 vLLM touches none of its blocks, not even when the request is aborted: vLLM 0.32 keeps an
 aborted request's blocks while its retrieve is unreported, and frees them when it is reported.
-Stores are issued at the end of the step (``store``) and,
-by default, not waited for: the daemon copies while vLLM schedules and computes the next
-steps. vLLM must not hand a block to another request before the daemon has copied it (the
-store would cache the other request's bytes), so a finished request is reported sent
+Stores are issued at the end of the step (``store``) and, by default, not waited for: the
+daemon copies while vLLM schedules and computes the next steps. vLLM must not hand a block
+to another request before the daemon has copied it (the store would cache the other
+request's bytes), so a finished request is reported sent
 (``take_finished_sending``, vLLM then frees its blocks) only once every store of its blocks
 is settled, and a preempted request's stores (and retrieves, though vLLM never preempts a
 request it has not been told has arrived) are waited for before the step's forward can write
@@ -32,8 +32,7 @@ after vLLM processed the failure (``StepPlan.failures_seen``): under async sched
 step was planned before (and, after a synchronous retrieve, computes on them too). A failure is
 the step's that reports it, not the step's that issued the retrieve: an asynchronous retrieve seen
 failed steps after it was issued is unknown to every plan built before that report reached
-vLLM. Whatever the
-plan counted as stored but was not (cut this way, or a store that failed) is handed back to
+vLLM. Whatever the plan counted as stored but was not (cut this way, or a store that failed) is handed back to
 the scheduler (``take_not_stored``) so a later step stores the right bytes.
 """
 
@@ -49,6 +48,7 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.errors import KvcacheError
+from kvcache.integrations.vllm.group_transfers import GroupTransfers
 from kvcache.integrations.vllm.plan import RetrieveSpec, StepPlan, StoreSpec
 from kvcache.integrations.vllm.retrieves import RetrievesInFlight, SettledRetrieve, retrieved
 from kvcache.integrations.vllm.stats import ConnectorTally
@@ -114,6 +114,8 @@ class ConnectorWorker:
         self._in_flight: dict[str, list[_InFlight]] = {}  # req -> its stores not settled yet
         self._releasing: set[str] = set()  # finished requests whose blocks vLLM holds for us
         self._retrieves = RetrievesInFlight()
+        self.groups: GroupTransfers | None = None  # a hybrid model's page groups
+        self._failed_recving: set[str] = set()  # hybrid: failed loads, for vLLM's failed_recving
         self._plan: StepPlan | None = None  # the plan of the step begun last
         self._step = 0  # its number: retrieve failures seen from now on are this step's
 
@@ -126,6 +128,8 @@ class ConnectorWorker:
         if plan is self._plan:
             return
         self._plan, self._step = plan, plan.step
+        if self.groups is not None:  # vLLM may free or rewrite their blocks from now on
+            self.groups.wait_stores()
         for req_id in plan.preempted:
             self._wait(self._in_flight.get(req_id, []), None)
             self._retrieves.wait([req_id], None)
@@ -177,11 +181,12 @@ class ConnectorWorker:
         try:
             if not self.registered:
                 raise KvcacheError("this rank's KV cache is not registered with the daemon")
-            return self.client.retrieve_reply_async(
+            future = self.client.retrieve_reply_async(
                 spec.token_ids, spec.block_ids, spec.skip_tokens,
                 cache_salt=spec.cache_salt, request_id=spec.req_id, key_extra=spec.key_extra,
                 awaited=spec.awaited[:2],
             )  # fmt: skip
+            return self.groups.combined(spec.skip_tokens, future, spec.pages) if self.groups else future
         except Exception as exc:
             failed: Future[m.RetrieveResult] = Future()
             failed.set_exception(exc)
@@ -201,6 +206,11 @@ class ConnectorWorker:
         if retrieve.error is not None:
             log.warning("kvcache: retrieve for %s failed: %s", spec.req_id, retrieve.error)
         if got >= want:
+            return
+        if self.groups is not None:  # no block ids with several groups: recomputed whole, no reload
+            self._failed_recving.add(spec.req_id)
+            self._failed_async.add(spec.req_id)
+            self._mark_not_stored(spec.req_id, 0)
             return
         first_bad = max(got, spec.skip_tokens) // self.block_size
         self._retrieve_errors.update(spec.block_ids[first_bad:])
@@ -265,6 +275,8 @@ class ConnectorWorker:
                 future.set_exception(exc)
             self.tally.count("store_jobs_issued")
             self._in_flight.setdefault(spec.req_id, []).append(_InFlight(spec, len(token_ids), future))
+        if self.groups is not None:
+            self.groups.store(plan.page_stores)
         self.poll()
 
     def poll(self) -> None:
@@ -341,6 +353,11 @@ class ConnectorWorker:
         recomputing = {b for b, (_, computed_on) in self._unfilled.items() if computed_on}
         errors, self._retrieve_errors = self._retrieve_errors | recomputing, set()
         return errors
+
+    def take_failed_recving(self) -> set[str]:
+        """Hybrid model: requests whose load failed, taken in with ``take_finished_recving``'s."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     def take_failed_step(self) -> int:
         """The last step whose retrieve failed since the previous call, or -1."""

@@ -19,6 +19,7 @@ import torch
 
 from kvcache.client import KVCacheClient
 from kvcache.integrations.vllm.config import ConnectorConfig
+from kvcache.integrations.vllm.group_transfers import GroupTransfers
 from kvcache.integrations.vllm.metadata import KVCacheWorkerMeta
 from kvcache.integrations.vllm.plan import StepPlan
 from kvcache.integrations.vllm.shm import SharedKVAllocation
@@ -46,6 +47,7 @@ class WorkerSide:
         is_cpu: bool,
         offloads: bool = True,
         writes: bool = True,
+        groups: GroupTransfers | None = None,
     ) -> None:
         self.config = config
         self.offloads = offloads
@@ -59,6 +61,8 @@ class WorkerSide:
         self.transfers = ConnectorWorker(
             client, block_size, config.kv_format, async_stores=config.async_stores
         )
+        self.transfers.groups = groups
+        """A hybrid model's groups besides the primary (``group_transfers.py``)."""
         self._finished_sending: set[str] = set()  # released without a store (not registered)
         self._shm: SharedKVAllocation | None = None
 
@@ -75,10 +79,13 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.offloads:
             return
+        groups = self.transfers.groups
         try:
-            self.transfers.register(kv_caches)
+            self.transfers.register(groups.primary_caches(kv_caches) if groups else kv_caches)
         except Exception as exc:
             log.error("kvcache: cannot register the KV cache, running without it: %s", exc)
+        if groups is not None:
+            groups.register(kv_caches)
 
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward: the transfers of requests preempted for this step end first."""
@@ -91,7 +98,7 @@ class WorkerSide:
             self.transfers.retrieve(plan)
 
     def save(self, plan: StepPlan) -> None:
-        if not plan.stores:
+        if not (plan.stores or plan.page_stores):
             return
         if self.transfers.registered and self.writes:
             self.transfers.store(plan)
@@ -112,6 +119,10 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         return self.transfers.take_retrieve_errors()
 
+    def failed_recving(self) -> set[str]:
+        """Hybrid model: the requests whose load failed, reported with ``get_finished``'s."""
+        return self.transfers.take_failed_recving()
+
     def worker_meta(self) -> KVCacheWorkerMeta | None:
         not_stored = self.transfers.take_not_stored()
         failed_step = self.transfers.take_failed_step()
@@ -121,7 +132,9 @@ class WorkerSide:
         return KVCacheWorkerMeta(not_stored, failed_step, failed_async)
 
     def wait_for_stores(self, timeout_s: float | None = None) -> bool:
-        return self.transfers.wait_stores(timeout_s) if self.transfers.registered else True
+        groups = self.transfers.groups
+        pages = groups.wait_stores(timeout_s) if groups is not None else True
+        return (self.transfers.wait_stores(timeout_s) if self.transfers.registered else True) and pages
 
     def wait_for_retrieves(self, timeout_s: float | None = None) -> bool:
         return self.transfers.wait_retrieves(timeout_s)
@@ -132,6 +145,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         self.wait_for_stores(self.config.timeout_s)  # what was issued reaches the daemon
         self.wait_for_retrieves(self.config.timeout_s)  # no copy into the blocks after we leave
+        if self.transfers.groups is not None:
+            self.transfers.groups.close()
         self.client.close(unregister=self.transfers.registered)
 
 

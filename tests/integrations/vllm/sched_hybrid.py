@@ -13,13 +13,15 @@ request samples the oracle's token only if every group's context is right, so th
 depends on every group's state.
 
 What it proves (``SCENARIOS``): vLLM keeps its hybrid manager on with kvcache configured
-(``KVConnectorFactory.supports_hma_config``), and kvcache serves a hybrid model as a miss,
-never a wrong hit: prefix reuse across engines, chunked prefill, preemption and abort give
-the oracle's tokens, vLLM calls ``request_finished_all_groups``, and the daemon is asked
-nothing and holds nothing. The controls (``CONTROLS``) show the checks can fail: a connector
-that offloads the first group of a hybrid model as if it were the whole model (what the
-connector did before it knew of groups) serves a wrong hit, and a corrupted Mamba state is
-caught. Not collected by pytest (no ``test_`` prefix): ``test_sched_hybrid.py`` runs it.
+(``KVConnectorFactory.supports_hma_config``), and kvcache offloads every group: a second
+engine loads the first one's prefix (full-attention chunks, the sliding window's blocks, the
+Mamba state) and samples the oracle's tokens, under chunked prefill, preemption and abort; a
+load refused in one group is reported in ``failed_recving`` and the request recomputed; vLLM
+calls ``request_finished_all_groups``. The controls (``CONTROLS``) show the checks can fail:
+a connector that offloads the first group of a hybrid model as if it were the whole model
+serves a wrong hit, a corrupted Mamba state is caught, and so is one group's restored state
+corrupted after its load (the window, or the state, alone). Not collected by pytest (no
+``test_`` prefix): ``test_sched_hybrid.py`` runs it.
 
 ``python sched_hybrid.py --out result.json [--controls] [--only NAME ...]``
 """
@@ -28,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import logging
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +60,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcache.integrations.vllm import connector as connector_mod
 from kvcache.integrations.vllm.connector import KVCacheConnector, KVCacheMetadata
-from kvcache.integrations.vllm.hybrid import offloadable
+from kvcache.integrations.vllm.hybrid import Layout, offloadable
 from kvcache.integrations.vllm.worker_side import WorkerSide
 from tests.integrations.vllm.sched_engine import vllm_config, write_model_config
 from tests.integrations.vllm.sched_hybrid_model import (
@@ -118,6 +123,7 @@ class HybridEngine:
         self.requests: dict[str, Request] = {}
         self.aborted: set[str] = set()
         self.preempted: set[str] = set()
+        self.failed_recving: set[str] = set()
         self.steps = 0
         self.after_step: list[Callable[[int], None]] = []
         """Hooks run after each step's connector outputs (abort, corrupt, ...)."""
@@ -154,10 +160,12 @@ class HybridEngine:
         if not out.has_sync_kv_loads:
             worker.start_load_kv(None)
         worker.wait_for_save()
-        sending, recving = worker.get_finished(out.finished_req_ids)
+        results = worker.get_transfer_results(out.finished_req_ids)
+        self.failed_recving |= results.failed_recving
         result.kv_connector_output = KVConnectorOutput(
-            finished_sending=sending,
-            finished_recving=recving,
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
@@ -191,8 +199,8 @@ class HybridEngine:
 
     def check(self, reader: Reader) -> dict[str, Any]:
         """The oracle's tokens, no wrong read, every request finished through
-        ``request_finished_all_groups``, and nothing asked of or held by the daemon. Every
-        problem found is named (a control shows which check caught it)."""
+        ``request_finished_all_groups``; returns what kvcache moved. Every problem found is
+        named (a control shows which check caught it)."""
         problems: list[str] = []
         if self.forward.wrong_reads:
             problems.append(f"wrong reads: {self.forward.wrong_reads[:4]}")
@@ -205,9 +213,6 @@ class HybridEngine:
                     problems.append(f"{req_id}: outputs differ from the oracle's")
             elif out != want:
                 problems.append(f"{req_id}: outputs differ from the oracle's")
-            held = reader.client.lookup(prompt + out)
-            if held:
-                problems.append(f"{req_id}: the daemon holds {held} tokens of a hybrid model's request")
         if self.scheduler.requests:
             problems.append(f"the scheduler still holds {list(self.scheduler.requests)}")
         finished = {r for r, groups in self.finished_all_groups if groups == len(GROUPS)}
@@ -216,11 +221,12 @@ class HybridEngine:
         totals = dict(self.sched_connector.tally.totals())
         stats = self.worker.get_kv_connector_stats()
         totals.update(stats.data if stats is not None else {})
-        moved = {k: totals.get(k) for k in ("load_tokens", "store_tokens", "lookup_tokens") if totals.get(k)}
-        if moved:
-            problems.append(f"kvcache moved or looked up tokens: {moved}")
         assert not problems, "; ".join(problems)
-        return {"steps": self.steps, "not_cached": totals.get("requests_not_cached", 0)}
+        moved = {
+            k: totals.get(k, 0) for k in ("load_tokens", "store_tokens", "lookup_tokens", "load_failures")
+        }
+        return {"steps": self.steps, "not_cached": totals.get("requests_not_cached", 0), **moved,
+                "failed_recving": sorted(self.failed_recving)}  # fmt: skip
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -233,7 +239,7 @@ class HybridEngine:
 def prefix_reuse(world: World, async_scheduling: bool) -> dict[str, Any]:
     """Two engines on one daemon run requests sharing a 200-token prefix, with chunked
     prefill (96-token steps), outputs crossing chunk boundaries and one abort; the second
-    engine finds nothing at the daemon (a miss) and computes everything right."""
+    engine loads the first one's prefix, every group of it, and samples the oracle's tokens."""
     engines = {}
     for name in ("first", "second"):
         eng = engines[name] = world.engine(async_scheduling=async_scheduling)
@@ -254,6 +260,9 @@ def prefix_reuse(world: World, async_scheduling: bool) -> dict[str, Any]:
         except AssertionError as exc:
             problems.append(f"{name} engine: {exc}")
     assert not problems, " | ".join(problems)
+    assert facts["first"]["store_tokens"] > 0, f"the first engine stored nothing: {facts}"
+    why = world.warnings[-6:]
+    assert facts["second"]["load_tokens"] > 0, f"the second engine loaded nothing: {facts}; warnings: {why}"
     return facts
 
 
@@ -268,9 +277,36 @@ def preemption(world: World, async_scheduling: bool) -> dict[str, Any]:
     return {**eng.check(world.reader), "preempted": sorted(eng.preempted)}
 
 
+def failed_load(world: World, async_scheduling: bool) -> dict[str, Any]:
+    """The second engine's loads fail in one group (its Mamba pages are refused): each is
+    reported per request in ``failed_recving`` (vLLM raises on ``invalid_block_ids`` with
+    several groups), vLLM recomputes the request, and every token is the oracle's."""
+    first = world.engine(async_scheduling=async_scheduling)
+    for i, p in enumerate(prompts(7, 200, [13, 70, 1])):
+        first.add(f"first{i}", p, 20)
+    first.run()
+    first.worker.wait_for_stores(10.0)
+    second = world.engine(async_scheduling=async_scheduling)
+    groups = second.worker.worker_side.transfers.groups
+    assert groups is not None, "the hybrid model is not offloaded"
+    get = groups._get
+
+    def refuse_mamba(op: Any) -> Any:
+        return get(dataclasses.replace(op, keys=b"") if op.group == GROUPS.index("mamba") else op)
+
+    groups._get = refuse_mamba  # type: ignore[method-assign]
+    for i, p in enumerate(prompts(7, 200, [13, 70, 1])):
+        second.add(f"second{i}", p, 20)
+    second.run()
+    facts = {"first": first.check(world.reader), "second": second.check(world.reader)}
+    assert facts["second"]["failed_recving"], f"no load failed: the scenario proves nothing: {facts}"
+    return facts
+
+
 def layouts(world: World) -> dict[str, Any]:
-    """Which layouts are offloaded (``hybrid.offloadable``): one full-attention or MLA group;
-    never several groups, nor one group of sliding-window or Mamba layers alone."""
+    """Which layouts are offloaded (``hybrid.offloadable``): any mix of full-attention (or
+    MLA), sliding-window and Mamba groups with a full-attention group among them; never a
+    sliding-window or Mamba group alone (kvcache's prefix is a full-attention group's)."""
     groups = hybrid_kv_config(8).kv_cache_groups
     mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
     got = {
@@ -281,8 +317,8 @@ def layouts(world: World) -> dict[str, Any]:
         "hybrid": offloadable(KVCacheConfig(8, [], groups)),
         "full_and_swa": offloadable(KVCacheConfig(8, [], groups[:2])),
     }
-    want = {"full": True, "mla": True, "sliding_window": False, "mamba": False, "hybrid": False,
-            "full_and_swa": False}  # fmt: skip
+    want = {"full": True, "mla": True, "sliding_window": False, "mamba": False, "hybrid": True,
+            "full_and_swa": True}  # fmt: skip
     assert got == want, got
     return got
 
@@ -293,6 +329,8 @@ SCENARIOS: dict[str, Callable[[World], dict[str, Any]]] = {
     "prefix_reuse_async_scheduling": lambda w: prefix_reuse(w, True),
     "preemption": lambda w: preemption(w, False),
     "preemption_async_scheduling": lambda w: preemption(w, True),
+    "failed_load": lambda w: failed_load(w, False),
+    "failed_load_async_scheduling": lambda w: failed_load(w, True),
 }
 
 
@@ -304,6 +342,16 @@ class World:
         self.daemon = RestartableDaemon(None)
         self.reader = Reader(self.daemon.endpoint, "harness-hybrid")
         self.engines: list[HybridEngine] = []
+        self.warnings: list[str] = []
+        """The connector's warnings (why a load failed, say), for the assertion messages."""
+        warnings = self.warnings
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                warnings.append(record.getMessage())
+
+        self._handler = Keep(logging.WARNING)
+        logging.getLogger("kvcache.integrations.vllm").addHandler(self._handler)
 
     def engine(self, **kw: Any) -> HybridEngine:
         eng = HybridEngine(self.daemon, self.model_dir, **kw)
@@ -315,6 +363,7 @@ class World:
             eng.shutdown()
         self.reader.close()
         self.daemon.close()
+        logging.getLogger("kvcache.integrations.vllm").removeHandler(self._handler)
 
 
 # --------------------------------------------------------------------------------- controls
@@ -329,13 +378,13 @@ def offload_first_group() -> Iterator[None]:
     def first_group_only(self: WorkerSide, kv_caches: dict[str, Any]) -> None:
         register(self, {LAYER_OF["full"]: kv_caches[LAYER_OF["full"]]})
 
-    old = connector_mod.offloadable
-    connector_mod.offloadable = lambda config: True  # type: ignore[assignment]
+    old = connector_mod.layout
+    connector_mod.layout = lambda config, block_size: Layout(0)  # type: ignore[assignment]
     WorkerSide.register_kv_caches = first_group_only  # type: ignore[method-assign]
     try:
         yield
     finally:
-        connector_mod.offloadable = old
+        connector_mod.layout = old
         WorkerSide.register_kv_caches = register  # type: ignore[method-assign]
 
 
@@ -355,10 +404,49 @@ def corrupt_mamba_state() -> Iterator[None]:
         HybridEngine.__init__ = init  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def corrupt_restored(group: str) -> Iterator[None]:
+    """One group's restored state corrupted: every page load of ``group`` lands, then its
+    blocks are changed before vLLM is told the load arrived (the other groups load right)."""
+    init = HybridEngine.__init__
+
+    def corrupting(self: HybridEngine, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        groups = self.worker.worker_side.transfers.groups
+        assert groups is not None
+        combined, tensor = groups.combined, getattr(self.forward, group)
+
+        def corrupt(skip: int, primary: Future[Any], ops: Any) -> Future[Any]:
+            inner, out = combined(skip, primary, ops), Future()
+
+            def done(f: Future[Any]) -> None:
+                for op in ops:
+                    if op.group == GROUPS.index(group) and op.block_ids:
+                        tensor[op.block_ids] += 7
+                exc = f.exception()
+                out.set_exception(exc) if exc is not None else out.set_result(f.result())
+
+            inner.add_done_callback(done)
+            return out
+
+        groups.combined = corrupt  # type: ignore[method-assign]
+
+    HybridEngine.__init__ = corrupting  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        HybridEngine.__init__ = init  # type: ignore[method-assign]
+
+
 CONTROLS = {
     # (the safeguard switched off, the check that must catch it)
     "offload_first_group": (offload_first_group, "second engine: wrong reads"),
     "corrupt_mamba_state": (corrupt_mamba_state, "group='mamba'"),
+    "corrupt_restored_swa": (lambda: corrupt_restored("swa"), ("second engine: wrong reads", "group='swa'")),
+    "corrupt_restored_mamba": (
+        lambda: corrupt_restored("mamba"),
+        ("second engine: wrong reads", "group='mamba'"),
+    ),
 }
 
 
@@ -392,7 +480,8 @@ def main(argv: list[str]) -> int:
                     continue
                 with make():
                     result = _run("prefix_reuse", workdir)
-                result["caught"] = not result["ok"] and caught_by in result["error"]
+                needles = (caught_by,) if isinstance(caught_by, str) else caught_by
+                result["caught"] = not result["ok"] and all(n in result["error"] for n in needles)
                 results["controls"][control] = result
                 print(control, "failed as it must" if result["caught"] else "NOT CAUGHT", flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -24,8 +24,10 @@ SCENARIOS = [
     "prefix_reuse_async_scheduling",
     "preemption",
     "preemption_async_scheduling",
+    "failed_load",
+    "failed_load_async_scheduling",
 ]
-CONTROLS = ["offload_first_group", "corrupt_mamba_state"]
+CONTROLS = ["offload_first_group", "corrupt_mamba_state", "corrupt_restored_swa", "corrupt_restored_mamba"]
 pytestmark = pytest.mark.slow
 
 
@@ -36,7 +38,7 @@ def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
         [vllm_python, str(HERE / "sched_hybrid.py"), "--out", str(out), "--controls"],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
         cwd="/",
         env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )

@@ -112,8 +112,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         watchdog.daemon = True
         watchdog.start()
     llm = LLM(
-        model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
-        block_size=32, max_model_len=args.max_model_len, max_num_batched_tokens=4096, seed=0,
+        model=str(model), tokenizer=str(model), dtype=args.dtype, enforce_eager=True,
+        **({"block_size": args.block_size} if args.block_size else {}),
+        max_model_len=args.max_model_len, max_num_batched_tokens=4096, seed=0,
         kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=True, **kw,
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=30.0, help="the connector's timeout_s")
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="float32", help="a real model's own dtype: auto")
+    p.add_argument("--block-size", type=int, default=32, help="0: vLLM's choice (hybrid models align it)")
     p.add_argument("--within-s", type=float, default=0.0, help="exit 3 if the run lasts longer")
     args = p.parse_args(argv)
     result = run(args)
