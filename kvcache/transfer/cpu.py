@@ -54,7 +54,7 @@ class _Queued:
     job: TransferJob  # holds the chunk tensors alive until the copy finished
     checked: CheckedJob | None = None
     footprint: Footprint | None = None
-    blockers: tuple[_Queued, ...] = ()  # earlier jobs it shares memory with
+    blockers: tuple[_Queued, ...] = ()  # the latest earlier job touching each of its blocks and chunks
     next_chunk: int = -1  # -1: not checked yet
     blocks: int = 0
     nbytes: int = 0
@@ -117,6 +117,11 @@ class CpuTransferHandler(TransferHandler):
         bpc, block_bytes = geometry.blocks_per_chunk, geometry.bytes_per_block
         self._piece_chunks = chunks_per_piece(piece_bytes, bpc, block_bytes)
         self._last_turn = -1  # the job id that ran the latest piece (worker only)
+        # (worker only) the latest checked, unfinished job touching each engine block and
+        # each chunk (by address): a new job waits on those, each of which waits on the one
+        # before it, so one check costs O(its own ids), never O(jobs queued)
+        self._last_block: dict[int, _Queued] = {}
+        self._last_chunk: dict[int, _Queued] = {}
         self._interrupts = 0  # wait_any returns when this changes
 
     @property
@@ -214,24 +219,31 @@ class CpuTransferHandler(TransferHandler):
                     self._queue.remove(item)
                     self._finished[item.job_id] = item.result
                     self._cv.notify_all()
+                self._forget(item)
 
     def _turn(self, items: list[_Queued]) -> _Queued:
         """The job whose piece runs next: round robin, from the one after the latest turn,
         among the jobs none of whose blockers is still queued (the oldest always qualifies)."""
-        for i, item in enumerate(items):
-            if item.next_chunk < 0:
-                self._prepare(item, items[:i])
+        for item in items:
+            if item.next_chunk < 0:  # new since the last turn, checked in submission order
+                self._prepare(item)
             if item.result is not None:  # failed its checks: reported at once
                 return item
-        live = {id(q) for q in items}
-        ready = [q for q in items if not any(id(b) in live for b in q.blockers)]
-        after = [q for q in ready if q.job_id > self._last_turn]
-        chosen = after[0] if after else ready[0]
-        self._last_turn = chosen.job_id
-        return chosen
+        first: _Queued | None = None
+        for q in items:  # a finished job has its result and has left the queue
+            if any(b.result is None for b in q.blockers):
+                continue
+            if q.job_id > self._last_turn:
+                first = q
+                break
+            first = q if first is None else first
+        assert first is not None  # the oldest job has no earlier one to wait on
+        self._last_turn = first.job_id
+        return first
 
-    def _prepare(self, item: _Queued, earlier: list[_Queued]) -> None:
-        """Check the job (off the caller's thread) and find the earlier jobs it must follow."""
+    def _prepare(self, item: _Queued) -> None:
+        """Check the job (off the caller's thread) and find the earlier jobs it must follow:
+        for each of its blocks and chunks, the latest unfinished job touching it."""
         item.next_chunk = 0
         try:
             if item.job.after is not None:
@@ -245,8 +257,24 @@ class CpuTransferHandler(TransferHandler):
             return
         item.checked, item.footprint = job, Footprint.of(job)
         item.next_chunk = first_chunk(job)
+        fp, blockers = item.footprint, {}
+        for index, keys in ((self._last_block, fp.blocks.tolist()), (self._last_chunk, fp.chunks)):
+            for key in keys:
+                latest = index.get(key)
+                if latest is not None and latest.result is None:
+                    blockers[id(latest)] = latest
+                index[key] = item
+        item.blockers = tuple(blockers.values())
+
+    def _forget(self, item: _Queued) -> None:
+        """(worker) ``item`` finished: it is no longer the latest job touching its memory."""
         fp = item.footprint
-        item.blockers = tuple(q for q in earlier if q.footprint is not None and q.footprint.overlaps(fp))
+        if fp is None:
+            return
+        for index, keys in ((self._last_block, fp.blocks.tolist()), (self._last_chunk, fp.chunks)):
+            for key in keys:
+                if index.get(key) is item:
+                    del index[key]
 
     def _step(self, item: _Queued) -> None:
         """Run the next piece of ``item``; sets its result once it is over."""
