@@ -341,8 +341,7 @@ class Daemon:
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
-            refusal = self.handlers.refuse_early(body, principal.name)
-            if refusal is not None:  # past a count bound already: no worker, no queue, no build
+            if (refusal := self.handlers.refuse_early(body, principal.name)) is not None:  # no worker
                 self._reply_now(identity, envelope.id, refusal)
                 continue
             cost = max(len(frames[1]), REQUEST_FLOOR)
