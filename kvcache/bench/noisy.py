@@ -236,7 +236,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 rss = max(rss, _rss_mib(d.pid))
                 measured.set()
                 report = out.get(timeout=max(600, 4 * ns.await_ms / 1000))
-                cpu = _cpu_s(d.pid) - cpu - ns.samples * victim_cpu_s  # the flood's own share
+                # the flood's own share: the victim's rounds taken off at their unflooded cost, so
+                # a flood that costs little (idle connections) may come out below zero: 0
+                cpu = max(0.0, _cpu_s(d.pid) - cpu - ns.samples * victim_cpu_s)
                 if peak_reset:
                     rss = max(rss, _rss_mib(d.pid, "VmHWM"))
                 proc.join(60)
