@@ -88,9 +88,8 @@ class Completer:
                     self._thread = None
                     self._cv.notify_all()
                     return
-                pending = dict(self._queue)
-            for result in self._finished(pending):
-                _, on_done = pending[result.job_id]
+            for result in self._finished():
+                _, on_done = self._queue[result.job_id]  # only this thread removes an entry
                 try:
                     on_done(result)
                 except Exception:  # an on_done settles its own future; never lose the thread
@@ -99,17 +98,22 @@ class Completer:
                     del self._queue[result.job_id]
                     self._cv.notify_all()
 
-    def _finished(self, pending: dict[int, tuple[Direction, OnDone]]) -> list[TransferResult]:
-        """The results of the pending jobs that finished first (none if ``add`` interrupted)."""
+    def _finished(self) -> list[TransferResult]:
+        """The results of the pending jobs that finished first (none if ``add`` interrupted).
+        The handler is handed the queue itself, to ask about the jobs that finished
+        (``wait_any_in``): copying or walking every job in flight at each result made a
+        flood of stores cost this thread O(n^2) under the GIL. ``add`` only inserts, and a
+        dict's membership test is atomic, so the handler may ask while ``add`` runs."""
         try:
-            return self._handler.wait_any(list(pending))
+            return self._handler.wait_any_in(self._queue)
         except KvcacheError:  # a result was taken by someone else (see NOTE): find which
             pass
-        job_id = next(iter(pending))
+        with self._cv:
+            job_id, (direction, _) = next(iter(self._queue.items()))
         try:
             return self._handler.wait([job_id])
         except KvcacheError as err:
-            return [TransferResult(job_id, pending[job_id][0], 0, 0, 0.0, err)]
+            return [TransferResult(job_id, direction, 0, 0, 0.0, err)]
 
 
 __all__ = ["Completer", "OnDone"]

@@ -50,13 +50,18 @@ class _Job:
 
 
 class _RoundRobin:
-    """The waiter's queue: a FIFO per instance, served one job per instance in turn.
+    """The waiter's queue: per instance, its fresh jobs (FIFO) before its handed-over ones
+    (FIFO), the instances served one job each in turn.
 
     ``pop`` is O(1); ``fresh`` counts the jobs that never ran (``hand_over`` asks it on every
-    pass, so it must not scan a backlog)."""
+    pass, so it must not scan a backlog). Fresh first: a handed-over job is a retrieve's pass
+    that only waits (its op is served by whichever pass runs), so running the handed ones
+    first made each new job wait for every handed one to run and hand over again, O(waiting)
+    per new await and O(n^2) under an await flood."""
 
     def __init__(self) -> None:
-        self._by_instance: dict[int, deque[_Job]] = {}  # insertion order: the turn order
+        # instance id -> (fresh, handed); insertion order: the turn order
+        self._by_instance: dict[int, tuple[deque[_Job], deque[_Job]]] = {}
         self._len = 0
         self.fresh = 0
 
@@ -64,25 +69,31 @@ class _RoundRobin:
         return self._len
 
     def append(self, job: _Job) -> None:
-        self._by_instance.setdefault(job.instance_id, deque()).append(job)
+        fresh, handed = self._by_instance.setdefault(job.instance_id, (deque(), deque()))
+        (handed if job.handed else fresh).append(job)
         self._len += 1
         self.fresh += not job.handed
 
     def pop(self) -> _Job:
-        """The next instance's oldest job; that instance goes to the back of the turn."""
+        """The next instance's oldest fresh job, else its oldest handed one; that instance goes
+        to the back of the turn."""
         instance_id = next(iter(self._by_instance))
-        jobs = self._by_instance.pop(instance_id)
-        job = jobs.popleft()
-        if jobs:
+        fresh, handed = jobs = self._by_instance.pop(instance_id)
+        job = fresh.popleft() if fresh else handed.popleft()
+        if fresh or handed:
             self._by_instance[instance_id] = jobs  # re-inserted: last in turn
         self._len -= 1
         self.fresh -= not job.handed
         return job
 
     def take_all(self, instance_id: int | None) -> list[_Job]:
-        """Remove and return ``instance_id``'s jobs (every job with None), oldest first."""
+        """Remove and return ``instance_id``'s jobs (every job with None): handed-over ones
+        (they ran first) then fresh ones, each oldest first."""
         ids = list(self._by_instance) if instance_id is None else [instance_id]
-        out = [job for i in ids for job in self._by_instance.pop(i, ())]
+        out = []
+        for i in ids:
+            fresh, handed = self._by_instance.pop(i, ((), ()))
+            out += [*handed, *fresh]
         self._len -= len(out)
         self.fresh -= sum(not job.handed for job in out)
         return out

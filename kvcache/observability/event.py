@@ -242,6 +242,9 @@ class RequestRefused(EventMeta, frozen=True, gc=False):
     principal: str
     limit: str
     request: str
+    count: int = 1
+    """How many such requests (same principal, bound and request kind) this event reports:
+    the daemon batches a flood's refusals, one event per turn of its loop."""
 
 
 EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(

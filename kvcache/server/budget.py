@@ -52,12 +52,30 @@ class Budget:
         with self._lock:
             held = self._held[principal]
             if held + amount > self.limit:
-                raise PrincipalLimitError(
-                    f"{self._holding} would hold {held + amount} {self._unit} at once for this "
-                    f"client; the limit is {self.limit} ({self.flag}); back off and retry",
-                    self.flag,
-                )
+                raise self._refusal(held + amount)
             self._held[principal] = held + amount
+
+    def fits(self, principal: str, amount: int) -> bool:
+        """Whether ``take`` would count ``amount`` now; counts nothing. For a cheap early
+        refusal (the I/O thread's, with ``refusal``): ``take`` still decides, since another
+        request of the principal may end or begin in between."""
+        return self._held.get(principal, 0) + amount <= self.limit  # one dict read: atomic
+
+    def refusal(self) -> PrincipalLimitError:
+        """The refusal of a request when its principal holds the whole ``limit`` (``fits``
+        said no): one message whatever was held, so a caller may encode it once."""
+        return PrincipalLimitError(
+            f"{self._holding} would hold more than {self.limit} {self._unit} at once for this "
+            f"client ({self.flag}); back off and retry",
+            self.flag,
+        )
+
+    def _refusal(self, would_hold: int) -> PrincipalLimitError:
+        return PrincipalLimitError(
+            f"{self._holding} would hold {would_hold} {self._unit} at once for this "
+            f"client; the limit is {self.limit} ({self.flag}); back off and retry",
+            self.flag,
+        )
 
     def give(self, principal: str, amount: int) -> None:
         """Uncount what ``take`` counted, once it is no longer held."""

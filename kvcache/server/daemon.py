@@ -285,6 +285,7 @@ class Daemon:
                     self._accept(draining=self._stop.is_set())
                 if checking:
                     self._guard.cut_unfinished()
+                self.handlers.publish_refusals()  # batched: one event per principal and bound
         finally:
             self._shutdown_threads(deadline)
 
@@ -340,6 +341,9 @@ class Daemon:
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
+            if (refusal := self.handlers.refuse_early(body, principal.name)) is not None:  # no worker
+                self._reply_now(identity, envelope.id, refusal)
+                continue
             cost = max(len(frames[1]), REQUEST_FLOOR)
             takes = ((self._requests, 1), (self._budget, cost))
             try:  # a client reading faster than it is served must not grow the daemon
@@ -377,6 +381,7 @@ class Daemon:
             if t.is_alive():
                 log.warning("%s still busy after the drain timeout; stopping without it", t.name)
         self._forward_replies()
+        self.handlers.publish_refusals()
         self._outbox.close()
         self._replies.close(linger=0)
         self._close_sockets(linger=None)

@@ -35,9 +35,10 @@ from kvcache.protocol.codec import whole_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.budget import awaited_tokens, awaiting_retrieves, give_each, take_each
+from kvcache.server.budget import Budget, awaited_tokens, awaiting_retrieves, give_each, take_each
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
+from kvcache.server.refusals import RefusalTally
 from kvcache.server.registration import Limits, format_from_name, map_tensors, rebuild_kv_caches
 from kvcache.server.registry import InstanceRegistry, RegistrationRecord
 from kvcache.transport.cuda_events import open_ipc_event
@@ -74,6 +75,10 @@ class Handlers:
         self.limits = limits if limits is not None else Limits()
         self._awaits = awaited_tokens(self.limits.max_awaited_tokens)
         self._awaiting = awaiting_retrieves(self.limits.max_awaiting_retrieves)
+        self._refusals = RefusalTally()
+        self._early_replies = {  # the I/O thread's refusals (``refuse_early``): built once
+            b.flag: error_from_exception(b.refusal()) for b in (self._awaiting, self._awaits)
+        }
         self.fd_inbox = fd_inbox
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
@@ -285,32 +290,61 @@ class Handlers:
         instance = self._instance(req, principal, token_required=True)
         deadline = accept_deadline(req.deadline_ms, "retrieve")
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
-        request = RetrieveRequest.build(
-            req.instance_id, instance.geometry, req.token_ids, req.block_ids, req.skip_tokens,
-            scope=scope, request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
-            await_chunks=req.await_chunks, await_s=req.await_ms / 1000,
-        )  # fmt: skip
-        if not request.await_chunks:
-            return self.engine.submit_retrieve(request)
-        held = len(request.token_ids)  # held up to the wait bound: counted (``server.budget``)
-        takes = ((self._awaiting, 1), (self._awaits, held))
+        takes = self._await_takes(req)
+        if takes:  # counted before its ids are unpacked: a refusal costs no build
+            try:
+                take_each(principal.name, takes)
+            except PrincipalLimitError as exc:
+                self.refused(principal.name, exc.flag, "retrieve")
+                raise
         try:
-            take_each(principal.name, takes)
-        except PrincipalLimitError as exc:
-            self.refused(principal.name, exc.flag, "retrieve")
-            raise
-        try:
+            request = RetrieveRequest.build(
+                req.instance_id, instance.geometry, req.token_ids, req.block_ids, req.skip_tokens,
+                scope=scope, request_id=req.request_id, deadline=deadline, max_ids=self.limits.max_ids,
+                await_chunks=req.await_chunks, await_s=req.await_ms / 1000,
+            )  # fmt: skip
             future = self.engine.submit_retrieve(request)
         except BaseException:
             give_each(principal.name, takes)
             raise
-        future.add_done_callback(lambda _f: give_each(principal.name, takes))
+        if takes:
+            future.add_done_callback(lambda _f: give_each(principal.name, takes))
         return future
 
+    def _await_takes(self, req: m.Retrieve) -> tuple[tuple[Budget, int], ...]:
+        """What an awaiting retrieve holds up to its wait bound (``server.budget``): one of the
+        principal's awaiting retrieves, and its token ids (counted from the packed bytes, so
+        before any id is unpacked); nothing for a retrieve that does not await."""
+        if not req.await_chunks:
+            return ()
+        return ((self._awaiting, 1), (self._awaits, len(req.token_ids.data) // req.token_ids.width))
+
+    def refuse_early(self, body: m.RequestBody, principal: str) -> m.Error | None:
+        """The ``LIMIT`` reply a request will meet at its principal's count bounds, decided
+        from the decoded message alone, on the I/O thread, before it is queued: a flood of
+        refused awaits then costs a decode and a reply each (the reply built once per bound),
+        never a worker, a build or a hop. None when nothing refuses it now (the handler's
+        ``take`` still decides); counted as the handler's refusal is."""
+        if not isinstance(body, m.Retrieve) or not body.await_chunks:
+            return None
+        for budget, amount in self._await_takes(body):
+            if not budget.fits(principal, amount):
+                self.refused(principal, budget.flag, "retrieve")
+                return self._early_replies[budget.flag]
+        return None
+
     def refused(self, principal: str, flag: str, request: str) -> None:
-        """Publish that ``principal``'s ``request`` was refused at the bound ``flag``."""
-        meta = RequestRefused(principal=principal, limit=flag, request=request)
-        self.bus.publish(Event(EventType.REQUEST_REFUSED, meta))
+        """Count that ``principal``'s ``request`` was refused at the bound ``flag``; published
+        as ``REQUEST_REFUSED`` by ``publish_refusals``, batched."""
+        self._refusals.add(principal, flag, request)
+
+    def publish_refusals(self) -> None:
+        """Publish the refusals counted since the last call, one event per (principal, flag,
+        request) with its count: a flood of refusals costs the event bus one event per batch,
+        not one per request (each woke its dispatcher). The daemon's loop calls it each turn."""
+        for (principal, flag, request), count in self._refusals.take():
+            meta = RequestRefused(principal=principal, limit=flag, request=request, count=count)
+            self.bus.publish(Event(EventType.REQUEST_REFUSED, meta))
 
     def report_block_allocations(self, req: m.ReportBlockAllocations, principal: Principal) -> m.ReplyBody:
         self._instance(req, principal, token_required=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +150,13 @@ class TransferHandler(ABC):
         submission order."""
         ids = list(job_ids)
         return self.wait(ids[:1], timeout) if ids else []
+
+    def wait_any_in(self, job_ids: Collection[int], timeout: float | None = None) -> list[TransferResult]:
+        """``wait_any`` for a caller that keeps its own ids (the engine's completer: every
+        job it has in flight): a handler may only ask whether an id is in ``job_ids``, so one
+        with many jobs finishing out of order need not walk them all at each result. This
+        default walks them once, for ``wait_any``."""
+        return self.wait_any(list(job_ids), timeout)
 
     def interrupt(self) -> None:
         """Make the ``wait_any`` calls in progress return now (a waiter has more ids to wait

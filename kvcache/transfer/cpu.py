@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,14 @@ PIECE_BYTES = 16 << 20
 small job waits for one piece of it, not for all of it."""
 
 
+PARALLEL_MIN_BYTES = 4 << 20
+"""A piece smaller than this is copied by the worker thread alone, not by OpenMP's threads:
+after each parallel copy they spin waiting for the next (libgomp's default wait policy), and
+a flood of small stores, one parallel copy each, spent about two thirds of the daemon's CPU
+spinning (30 s against 9 s for 5,000 stores of 256 KiB, 2 cores), taken from every tenant.
+A copy this small gains little from threads."""
+
+
 @dataclass(eq=False)
 class _Queued:
     """A submitted job; the worker's own state of it (only the worker writes it)."""
@@ -54,7 +62,7 @@ class _Queued:
     job: TransferJob  # holds the chunk tensors alive until the copy finished
     checked: CheckedJob | None = None
     footprint: Footprint | None = None
-    blockers: tuple[_Queued, ...] = ()  # earlier jobs it shares memory with
+    blockers: tuple[_Queued, ...] = ()  # the latest earlier job touching each of its blocks and chunks
     next_chunk: int = -1  # -1: not checked yet
     blocks: int = 0
     nbytes: int = 0
@@ -101,6 +109,7 @@ class CpuTransferHandler(TransferHandler):
         copy: CopyFn = native_cpu_copy,
         idle_exit_s: float = 2.0,
         piece_bytes: int = PIECE_BYTES,
+        parallel_min_bytes: int = PARALLEL_MIN_BYTES,
     ) -> None:
         self._table = table
         self._geometry = geometry
@@ -108,6 +117,7 @@ class CpuTransferHandler(TransferHandler):
         self._owners = tuple(owners)
         self._copy = copy
         self._idle_exit_s = idle_exit_s
+        self._parallel_min_bytes = parallel_min_bytes
         self._cv = threading.Condition()
         self._queue: deque[_Queued] = deque()  # submitted, not finished; [0] may be running
         self._finished: dict[int, TransferResult] = {}  # finished, not collected (in order)
@@ -117,6 +127,11 @@ class CpuTransferHandler(TransferHandler):
         bpc, block_bytes = geometry.blocks_per_chunk, geometry.bytes_per_block
         self._piece_chunks = chunks_per_piece(piece_bytes, bpc, block_bytes)
         self._last_turn = -1  # the job id that ran the latest piece (worker only)
+        # (worker only) the latest checked, unfinished job touching each engine block and
+        # each chunk (by address): a new job waits on those, each of which waits on the one
+        # before it, so one check costs O(its own ids), never O(jobs queued)
+        self._last_block: dict[int, _Queued] = {}
+        self._last_chunk: dict[int, _Queued] = {}
         self._interrupts = 0  # wait_any returns when this changes
 
     @property
@@ -155,6 +170,21 @@ class CpuTransferHandler(TransferHandler):
                     break
                 self._cv.wait(remaining)
             return [self._finished.pop(i) for i in ids if i in self._finished]
+
+    def wait_any_in(self, job_ids: Collection[int], timeout: float | None = None) -> list[TransferResult]:
+        """As ``wait_any``, asking only about the finished jobs (O(results kept), not O(ids);
+        an id never issued is not reported, it is just never finished)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            interrupts = self._interrupts
+            while True:
+                mine = [i for i in self._finished if i in job_ids]
+                if mine or interrupts != self._interrupts:
+                    return [self._finished.pop(i) for i in mine]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._cv.wait(remaining)
 
     def interrupt(self) -> None:
         with self._cv:
@@ -214,24 +244,31 @@ class CpuTransferHandler(TransferHandler):
                     self._queue.remove(item)
                     self._finished[item.job_id] = item.result
                     self._cv.notify_all()
+                self._forget(item)
 
     def _turn(self, items: list[_Queued]) -> _Queued:
         """The job whose piece runs next: round robin, from the one after the latest turn,
         among the jobs none of whose blockers is still queued (the oldest always qualifies)."""
-        for i, item in enumerate(items):
-            if item.next_chunk < 0:
-                self._prepare(item, items[:i])
+        for item in items:
+            if item.next_chunk < 0:  # new since the last turn, checked in submission order
+                self._prepare(item)
             if item.result is not None:  # failed its checks: reported at once
                 return item
-        live = {id(q) for q in items}
-        ready = [q for q in items if not any(id(b) in live for b in q.blockers)]
-        after = [q for q in ready if q.job_id > self._last_turn]
-        chosen = after[0] if after else ready[0]
-        self._last_turn = chosen.job_id
-        return chosen
+        first: _Queued | None = None
+        for q in items:  # a finished job has its result and has left the queue
+            if any(b.result is None for b in q.blockers):
+                continue
+            if q.job_id > self._last_turn:
+                first = q
+                break
+            first = q if first is None else first
+        assert first is not None  # the oldest job has no earlier one to wait on
+        self._last_turn = first.job_id
+        return first
 
-    def _prepare(self, item: _Queued, earlier: list[_Queued]) -> None:
-        """Check the job (off the caller's thread) and find the earlier jobs it must follow."""
+    def _prepare(self, item: _Queued) -> None:
+        """Check the job (off the caller's thread) and find the earlier jobs it must follow:
+        for each of its blocks and chunks, the latest unfinished job touching it."""
         item.next_chunk = 0
         try:
             if item.job.after is not None:
@@ -245,8 +282,24 @@ class CpuTransferHandler(TransferHandler):
             return
         item.checked, item.footprint = job, Footprint.of(job)
         item.next_chunk = first_chunk(job)
+        fp, blockers = item.footprint, {}
+        for index, keys in ((self._last_block, fp.blocks.tolist()), (self._last_chunk, fp.chunks)):
+            for key in keys:
+                latest = index.get(key)
+                if latest is not None and latest.result is None:
+                    blockers[id(latest)] = latest
+                index[key] = item
+        item.blockers = tuple(blockers.values())
+
+    def _forget(self, item: _Queued) -> None:
+        """(worker) ``item`` finished: it is no longer the latest job touching its memory."""
         fp = item.footprint
-        item.blockers = tuple(q for q in earlier if q.footprint is not None and q.footprint.overlaps(fp))
+        if fp is None:
+            return
+        for index, keys in ((self._last_block, fp.blocks.tolist()), (self._last_chunk, fp.chunks)):
+            for key in keys:
+                if index.get(key) is item:
+                    del index[key]
 
     def _step(self, item: _Queued) -> None:
         """Run the next piece of ``item``; sets its result once it is over."""
@@ -266,7 +319,8 @@ class CpuTransferHandler(TransferHandler):
         t0 = time.perf_counter()
         try:
             if part.blocks:
-                self._copy(self._table, part, self._num_threads)
+                threads = self._num_threads if part.nbytes >= self._parallel_min_bytes else 1
+                self._copy(self._table, part, threads)
         except Exception as err:  # reported on the result, never raised on this thread
             item.seconds += time.perf_counter() - t0
             item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds,
@@ -280,4 +334,4 @@ class CpuTransferHandler(TransferHandler):
             item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds)
 
 
-__all__ = ["PIECE_BYTES", "CopyFn", "CpuTransferHandler", "native_cpu_copy"]
+__all__ = ["PARALLEL_MIN_BYTES", "PIECE_BYTES", "CopyFn", "CpuTransferHandler", "native_cpu_copy"]

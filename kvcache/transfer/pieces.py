@@ -2,8 +2,8 @@
 
 Separate from the CPU handler (which decides what runs when) because these are the two facts
 its fairness rests on: a piece is a valid job of its own (the native copy needs no change),
-and two jobs that share no block and no chunk may run in either order, or interleaved, with
-the same bytes as a result.
+and two jobs that share no block and no chunk (their ``Footprint``s) may run in either order,
+or interleaved, with the same bytes as a result.
 """
 
 from __future__ import annotations
@@ -26,15 +26,9 @@ class Footprint:
     def of(cls, job: CheckedJob) -> Footprint:
         return cls(np.unique(job.block_ids[job.skip_blocks :]), frozenset(job.chunk_ptrs))
 
-    def overlaps(self, other: Footprint) -> bool:
-        """True if the two share a block or a chunk (one may read what the other writes).
-        NOTE: a chunk is compared by its start address; chunks of one pool never overlap
-        partially, as they are whole slots of the same size."""
-        if not self.chunks.isdisjoint(other.chunks):
-            return True
-        if not len(self.blocks) or not len(other.blocks):
-            return False
-        return bool(np.isin(self.blocks, other.blocks, assume_unique=True).any())
+    # NOTE: a chunk is known by its start address; chunks of one pool never overlap
+    # partially, as they are whole slots of the same size. Which jobs share memory is found
+    # by the handler's index of the latest job per block and chunk (``cpu._prepare``).
 
 
 def first_chunk(job: CheckedJob) -> int:

@@ -20,3 +20,7 @@ def test_noisy_bench_reports_the_victims_ratios_and_the_attackers_refusals() -> 
     assert awaits["refused"] == 2100 - 2048
     assert awaits["late_s"] >= 0 and awaits["retrieve"]["p99_ratio"] > 0
     assert results["connections"]["refused"] == 0
+    for kind in ("awaits", "connections"):  # the daemon's memory within the operator guide's bound
+        row = results[kind]
+        assert row["daemon_cpu_s"] >= 0 and row["cpu_us_per_request"] >= 0
+        assert row["rss_mib"] > 0 and row["rss_growth_mib"] <= row["bound_mib"], row

@@ -4,6 +4,7 @@ job by one job, not by the whole backlog (a flood of awaiting retrieves of one t
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from kvcache.engine.waiter import Waiter
 
@@ -52,3 +53,45 @@ def test_hand_over_sees_a_fresh_job_of_another_instance_behind_a_backlog_of_hand
     finally:
         waiter.close()
     assert handed[:2] == [False, True]
+
+
+def test_a_fresh_job_runs_next_however_many_handed_over_jobs_wait() -> None:
+    """Each retrieve awaiting chunks keeps a pass queued on the waiter (handed over: it ran
+    and gave the thread to a newer job). A fresh job must run next, not after every handed
+    one ran again and handed over in turn: that made each new await cost O(awaits waiting),
+    2 million pass runs for a flood of 2,048 awaits."""
+    cond = threading.Condition()
+    runs: list[str] = []
+    release = threading.Event()
+    waiter = Waiter(lambda: _notify(cond), "test-waiter", wake_on_add=True)
+
+    def waits(name: str) -> Callable[[threading.Event], None]:
+        def run(stop: threading.Event) -> None:  # as a retrieve's pass: waits, or hands over
+            with cond:
+                runs.append(name)
+                cond.notify_all()
+                while not (stop.is_set() or release.is_set()):
+                    if waiter.hand_over(stop):
+                        return
+                    cond.wait()
+
+        return run
+
+    try:
+        for i in range(20):
+            waiter.add(1, waits(f"pass{i}"))
+        with cond:
+            assert cond.wait_for(lambda: len(runs) == 20, 10)  # each ran once; the last waits
+        waiter.add(1, waits("fresh"))
+        with cond:
+            assert cond.wait_for(lambda: "fresh" in runs, 10)
+            assert runs[20:] == ["fresh"], runs[20:]
+    finally:
+        release.set()
+        _notify(cond)
+        waiter.close()
+
+
+def _notify(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()

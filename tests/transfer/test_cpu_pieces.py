@@ -97,3 +97,36 @@ def test_wait_any_returns_the_first_finished_and_interrupt_wakes_it() -> None:
     rest = h.wait([big]) if woke[0] == [] else []
     assert all(r.ok for r in rest)
     h.close()
+
+
+def test_a_job_waits_on_the_latest_job_touching_its_memory_not_on_every_earlier_one() -> None:
+    """Each queued job used to list, as its blockers, every earlier queued job it overlapped,
+    found by comparing it with each of them (a ``numpy.isin`` per pair): thousands of stores
+    of one engine into the same blocks (a store flood) cost the worker O(n^2) under the GIL,
+    every other tenant's time. The latest job touching a block or chunk is enough: it waits in
+    turn for the one before it, so the order is the same, and the last write still wins."""
+    seen: list[int] = []
+    gate = threading.Event()
+    handler: list[CpuTransferHandler] = []
+
+    def copy(table: _native.PageTable, job: CheckedJob, num_threads: int) -> None:
+        if not seen:
+            assert gate.wait(30), "the test never opened the gate"
+        seen.append(max(len(q.blockers) for q in handler[0]._queue))
+        native_cpu_copy(table, job, num_threads)
+
+    ctx = make_context()
+    h = CpuTransferHandler(page_table(ctx), ctx.geometry, owners=ctx.tensors, copy=copy)
+    handler.append(h)
+    payloads = []
+    for i in range(50):  # 50 loads into the same four blocks, each from its own chunk
+        (c,) = ctx.allocate_chunks(1)
+        c.fill_(float(i))
+        payloads.append(c)
+    ids = [h.submit(TransferJob(Direction.FROM_CHUNKS, [8, 9, 10, 11], (c,))) for c in payloads]
+    gate.set()
+    results = h.wait(ids)
+    assert all(r.ok for r in results)
+    assert max(seen) <= 1, f"a job waited on {max(seen)} earlier jobs"
+    assert torch.equal(_gathered(ctx, [8, 9, 10, 11]).view(torch.uint8), payloads[-1].view(torch.uint8))
+    h.close()

@@ -47,7 +47,7 @@ class AdmissionMetricsSubscriber(EventSubscriber):
         gone = self._cap.touch((md.principal, md.limit))
         if gone is not None:
             self._refused.remove(str(gone[0]), str(gone[1]))
-        self._refused.counter(md.principal, md.limit).inc()
+        self._refused.counter(md.principal, md.limit).inc(md.count)
 
 
 __all__ = ["MAX_PRINCIPAL_LABEL_SETS", "AdmissionMetricsSubscriber"]

@@ -1,0 +1,84 @@
+"""A request past its principal's bound is refused by the I/O thread, not by a worker.
+
+Why it matters: a flood of refused work must cost the daemon as little as possible, since every
+microsecond spent refusing it is taken from the other tenants under one GIL. A retrieve that
+awaits a prefill's chunks, sent by a principal already holding ``--max-awaiting-retrieves``
+of them, used to be queued for a bulk worker, built (its ids unpacked and checked) and only
+then refused: 18,000 such refusals took about half the daemon's CPU in an await flood. The test
+makes "refused before any worker looks at it" a fact it can see: the only bulk worker is held
+in a gated store, and the refusal must still come.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from kvcache.client import KVCacheClient, to_shared
+from kvcache.config import EngineConfig
+from kvcache.layouts import KVFormat
+from kvcache.protocol import messages as m
+from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
+from kvcache.server.daemon import Daemon, DaemonConfig
+from kvcache.server.handlers import Handlers, Limits
+from kvcache.server.registry import InstanceRegistry
+from kvcache.testing import make_kv_caches
+from tests.server.test_daemon_loop import GatedEngine
+
+TOKENS, BLOCKS = list(range(64)), list(range(16))
+
+
+@pytest.fixture
+def daemon() -> Iterator[tuple[Daemon, GatedEngine]]:
+    """One bulk worker, and at most one awaiting retrieve per principal."""
+    engine = GatedEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20))
+    handlers = Handlers(engine, InstanceRegistry(), 30.0, limits=Limits(max_awaiting_retrieves=1))
+    d = Daemon(DaemonConfig(port=0, bulk_workers=1), handlers)
+    thread = threading.Thread(target=d.serve, name="daemon-under-test")
+    thread.start()
+    yield d, engine
+    engine.gate.set()
+    d.request_stop()
+    thread.join(30)
+    engine.close()
+
+
+def _cache() -> Any:
+    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
+                                    block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
+
+
+def test_an_await_past_the_count_bound_is_refused_while_every_bulk_worker_is_busy(
+    daemon: tuple[Daemon, GatedEngine],
+) -> None:
+    d, engine = daemon
+    with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
+        c.register_kv_caches(_cache())
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.endpoint)
+        try:
+            nobody = pack_ids([t + 5000 for t in TOKENS])  # a prompt nobody stores
+            awaiting = m.Retrieve(instance_id=1, token=c.session.token, token_ids=nobody,
+                                  block_ids=pack_ids(BLOCKS), await_chunks=1, await_ms=20_000)  # fmt: skip
+            sock.send(encode_request(1, awaiting))  # held: the principal's one await
+            store = m.Store(instance_id=1, token=c.session.token, token_ids=pack_ids(TOKENS),
+                            block_ids=pack_ids(BLOCKS))  # fmt: skip
+            sock.send(encode_request(2, store))  # then the only bulk worker is held in it
+            assert engine.entered.wait(10)
+            sock.send(encode_request(3, awaiting))  # past the bound
+            assert sock.poll(10_000), "the refusal waited for a bulk worker"
+            reply = decode_reply(sock.recv())
+            assert reply.id == 3
+            assert isinstance(reply.body, m.Error) and reply.body.code is m.ErrorCode.LIMIT, reply.body
+            assert "--max-awaiting-retrieves" in reply.body.message
+            engine.gate.set()
+            assert sock.poll(10_000)
+            assert isinstance(decode_reply(sock.recv()).body, m.StoreResult)
+        finally:
+            sock.close()
