@@ -18,7 +18,7 @@ from tests.integrations.vllm.sched_world import Harness, prompts
 
 
 def block_tables_at_boundaries(h: Harness, async_scheduling: bool) -> None:
-    """Two requests (40 and 70 prompt tokens) each decode 200 tokens: 64-token chunks, 32-token
+    """Two requests (40 and 70 prompt tokens) each decode 100 tokens: 64-token chunks, 32-token
     blocks. The scheduler half reads a request's block table (from ``build_connector_meta``) in
     a step if and only if that step is the request's first, gives it new blocks, or plans a
     store of it; far fewer reads than steps. Table growth is read from the blocks the worker
@@ -52,7 +52,7 @@ def block_tables_at_boundaries(h: Harness, async_scheduling: bool) -> None:
     connector.build_connector_meta = building  # type: ignore[method-assign]
     eng.between_schedule_and_load = record_stores
     for req_id, prompt in zip(("a", "b"), prompts(120, 0, [40, 70]), strict=True):
-        eng.add(req_id, prompt, 200)
+        eng.add(req_id, prompt, 100)
     eng.run()
     h.check(eng)
     needed: set[tuple[int, str]] = set(stored)
