@@ -295,7 +295,7 @@ def blocks_changed(scheduler_output: Any) -> set[str] | None:
 
     WHY: ``build_plan`` needs a request's block ids only to report blocks vLLM has not
     reported yet or to store a chunk; asking vLLM for them (``get_block_ids`` builds the whole
-    list) for every request on every step was most of the plan's cost on a decode step, where
+    list) for every request on every step was a third of the plan's cost on a decode step, where
     a request gets a block every ``block_size`` tokens and completes a chunk every
     ``chunk_size``. A table only grows in a step that schedules its request (or admits it
     with a load, and such a request is scheduled as new or resumed later), so a request not
