@@ -91,10 +91,6 @@ class Owner(Protocol):
         """The heartbeat's reply (re-registers, blocking, if the daemon forgot this instance)."""
 
 
-_IDLE_WAIT_S = 60.0
-"""The longest wait with nothing due (``_wait_s``): new calls and ``close`` wake it anyway."""
-
-
 class Pipeline:
     """The queue, the window and the background thread of one session.
 
@@ -344,15 +340,13 @@ class Pipeline:
                 call.future.set_exception(chan.lost_error(call.body, call.daemon_pid))
 
     def _wait_s(self) -> float:
-        """Until the next deadline or heartbeat; 0 with sendable calls queued. With no beat to
-        send (a client that never registered, as vLLM's scheduler half) or one in flight, the
-        heartbeat time is no deadline: a zero wait past it spun this thread, holding the GIL,
-        until the next call (issue 42). A new call, or ``close``, wakes the wait."""
+        """Until the next deadline or heartbeat; 0 with sendable calls queued. No beat due (never
+        registered, or one in flight): until a call, a deadline or ``close``, not a spin (issue 42)."""
         if self._queue and self._calls < self.window:
             return 0.0
         interval, ping, _ = self._owner.heartbeat()
         beat_due = ping is not None and (self._beat is None or self._beat.future.done())
-        when = self._last_send + interval if beat_due else time.monotonic() + _IDLE_WAIT_S
+        when = self._last_send + interval if beat_due else time.monotonic() + 60.0
         for call in self._in_flight.values():
             when = min(when, call.deadline)
         return max(0.0, when - time.monotonic())
