@@ -5,7 +5,9 @@ ratio of runs measured back to back means anything, so every figure is one.
 
 * **Decode throughput**: a batch of requests generating long outputs (``ignore_eos``) so that
   the connector stores chunks while they decode, against vLLM without the connector; tokens/s
-  past each request's first token. Target: the median of the per-round ratios >= 0.95.
+  past each request's first token, and its inverse, the decode time per token. Target (issue
+  42): the median of the per-round decode-time ratios <= 1.03 (``--decode-time-target``;
+  1.01 on the larger model); the older tokens/s target (>= 0.95) is shown beside it.
 * **Time to first token with a loaded prefix**: request A stores a long prefix, vLLM's prefix
   cache is reset, request B sharing the prefix is timed to its first token, so the connector
   modes load the prefix from the daemon and vLLM alone recomputes it. Target: asynchronous
@@ -63,7 +65,7 @@ from benchmarks.vllm_messages import (
     TtftResult,
     ZeroKV,
 )
-from benchmarks.vllm_report import summarize_decode, summarize_ttft, table
+from benchmarks.vllm_report import DECODE_TIME_TARGET, summarize_decode, summarize_ttft, table
 from kvcache.bench.args import parse_quick
 from kvcache.integrations.vllm.config import ConnectorConfig
 from kvcache.server.launch import DaemonProcess
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-requests", type=int, default=4)
     g.add_argument("--decode-prompt", type=int, default=64, help="first request's prompt tokens (+32 each)")
     g.add_argument("--decode-tokens", type=int, default=1024, help="tokens each request generates")
+    g.add_argument("--decode-time-target", type=float, default=DECODE_TIME_TARGET,
+                   help="the most each mode's decode time may be over the base's (issue 42: 1.03 "
+                        "on the small model, 1.01 on the larger one)")  # fmt: skip
     g = p.add_argument_group("time to first token")
     g.add_argument(
         "--ttft-modes",
@@ -284,7 +289,8 @@ def summarize(a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if decode:
         daemon_cpu = raw["daemon_cpu_s"]["decode"]
-        out["decode"] = summarize_decode(decode, a.decode_modes[0], doing("store"), daemon_cpu)
+        out["decode"] = summarize_decode(decode, a.decode_modes[0], doing("store"), daemon_cpu,
+                                         a.decode_time_target)  # fmt: skip
     if ttft:
         sync = "sync-loads" if "sync-loads" in a.ttft_modes[1:] else None
         out["ttft"] = summarize_ttft(ttft, a.ttft_modes[0], sync, doing("load"))

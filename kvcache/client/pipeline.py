@@ -340,11 +340,13 @@ class Pipeline:
                 call.future.set_exception(chan.lost_error(call.body, call.daemon_pid))
 
     def _wait_s(self) -> float:
-        """Until the next deadline or heartbeat; 0 with sendable calls queued."""
+        """Until the next deadline or heartbeat; 0 with sendable calls queued. No beat due (never
+        registered, or one in flight): until a call, a deadline or ``close``, not a spin (issue 42)."""
         if self._queue and self._calls < self.window:
             return 0.0
-        interval, _, _ = self._owner.heartbeat()
-        when = self._last_send + interval
+        interval, ping, _ = self._owner.heartbeat()
+        beat_due = ping is not None and (self._beat is None or self._beat.future.done())
+        when = self._last_send + interval if beat_due else time.monotonic() + 60.0
         for call in self._in_flight.values():
             when = min(when, call.deadline)
         return max(0.0, when - time.monotonic())

@@ -140,6 +140,9 @@ def test_decode_figures_are_per_pair_ratios_and_their_median() -> None:
     r = s["ratios"]["connector"]
     assert r["decode_tokens_per_s"]["values"] == pytest.approx([0.97, 0.98, 0.90])
     assert r["decode_tokens_per_s"]["median"] == pytest.approx(0.97) and r["met"]
+    assert r["decode_time"]["values"] == pytest.approx([1 / 0.97, 1 / 0.98, 1 / 0.90])
+    assert not r["time_met"]  # 1.031 > 1.03: the decode-time target is the stricter one
+    assert summarize_decode(rounds, "none", time_target=1.04)["ratios"]["connector"]["time_met"]
     assert (r["decode_tokens_per_s"]["min"], r["decode_tokens_per_s"]["max"]) == pytest.approx((0.90, 0.98))
     assert r["step_median"]["values"] == pytest.approx([5.1 / 5.0, 9.5 / 9.0, 5.5 / 5.0])
     assert r["step_median"]["median"] == pytest.approx(9.5 / 9.0)
@@ -151,6 +154,8 @@ def test_decode_figures_are_per_pair_ratios_and_their_median() -> None:
     assert s["tokens_agree"] and s["valid"]
     text = table({"decode": s}, {"none": "none: alone"})
     assert "0.970  [0.900 .. 0.980] (target >= 0.95: met)" in text and "none: alone" in text
+    assert "connector / none decode time: per pair 1.031 1.020 1.111" in text
+    assert "1.031  [1.020 .. 1.111] (target <= 1.03: MISSED)" in text
 
     slow = [{"none": _decode(100, 5.0), "connector": _decode(90, 5.5, calls=True)}]
     assert not summarize_decode(slow, "none")["ratios"]["connector"]["met"]

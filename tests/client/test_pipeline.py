@@ -292,3 +292,25 @@ def test_calls_in_flight_across_a_daemon_restart_are_sent_again(tmp_path: Path) 
             c.close()
     finally:
         c.close(unregister=False)
+
+
+def test_an_idle_unregistered_client_thread_waits_instead_of_spinning(daemon: DaemonProcess) -> None:
+    """A client that never registered (vLLM's scheduler half: lookups and reports only) has no
+    heartbeat to send. Its thread must then block until the next call, not poll with a zero
+    wait once a heartbeat interval (1 s) has passed since its last send: that spun a core and
+    contended for the GIL with vLLM's stepping thread (issue 42 §1). Counted in loop turns."""
+    with KVCacheClient(daemon.endpoint, 77, "m", timeout_s=5) as c:
+        assert c.status()["engine"]["chunk_size"]
+        pipeline = c.session._pipeline
+        turns = [0]
+        heartbeat = pipeline._heartbeat
+
+        def counted(chan: Any) -> None:
+            turns[0] += 1
+            heartbeat(chan)
+
+        pipeline._heartbeat = counted  # type: ignore[method-assign]
+        c.end_session("r", wait=False)  # fire and forget: on the thread (it starts it)
+        threading.Event().wait(2.5)  # an observation window past the 1 s interval, not a sync
+        assert turns[0] <= 5, f"the idle client thread turned {turns[0]} times in 2.5 s"
+        assert c.status()["engine"]["chunk_size"]  # still serves calls

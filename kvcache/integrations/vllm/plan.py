@@ -207,6 +207,17 @@ class Planner:
                 state.stored_tokens = target
         return plan, records
 
+    def store_due(self, req_id: str, computed: int, num_tokens: int) -> bool:
+        """Whether ``step`` would store a chunk of ``req_id`` once its computed tokens reach
+        ``computed`` (of its ``num_tokens``): a whole chunk past its stored watermark. False
+        for a request it does not know (``step`` skips those). The scheduler half asks this
+        before it reads vLLM's block table for a request, so that the steps between chunk
+        boundaries, most of a decode, read no table."""
+        state = self._reqs.get(req_id)
+        if state is None:
+            return False
+        return min(computed, num_tokens) // self.chunk_size * self.chunk_size > state.stored_tokens
+
     def not_stored(self, req_id: str, stored_upto: int) -> None:
         """The workers report that ``req_id``'s chunks are stored only up to ``stored_upto``
         tokens (a store skipped after a failed load, or failed): lower the watermark so a

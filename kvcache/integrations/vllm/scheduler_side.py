@@ -243,14 +243,21 @@ class SchedulerSide:
         self._timing.planned()
         rows, plan_pages = [], []
         self._dropped.ran(scheduler_output.num_scheduled_tokens)
+        changed = blocks_changed(scheduler_output)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             tracked = self._requests.get(req_id)
-            groups = (
-                block_state.get_block_ids(req_id) if tracked is not None and block_state is not None else None
-            )
-            if tracked is None or not groups:
+            if tracked is None or block_state is None:
                 continue
             request = tracked.request
+            if (
+                changed is not None
+                and req_id not in changed
+                and not planner.store_due(req_id, request.num_computed_tokens + n, len(request.all_token_ids))
+            ):
+                continue  # no block to report, no chunk to store: its block table is not read
+            groups = block_state.get_block_ids(req_id)
+            if not groups:
+                continue
             hashes = request.block_hashes if self._pass_hashes else []
             table = groups[self._primary]
             rows.append((req_id, request.num_computed_tokens, n, request.all_token_ids, table, hashes))
@@ -323,4 +330,26 @@ class SchedulerSide:
                 log.debug("kvcache: end of session %s dropped: %s", req_id, exc)
 
 
-__all__ = ["SchedulerSide", "Tracked"]
+def blocks_changed(scheduler_output: Any) -> set[str] | None:
+    """The requests whose block table vLLM changed in this step: those scheduled for the
+    first time or resumed (their whole table is new) and those given new blocks. None when the
+    scheduler output does not say (every scheduled request's table is then read).
+
+    WHY: ``build_plan`` needs a request's block ids only to report blocks vLLM has not
+    reported yet or to store a chunk; asking vLLM for them (``get_block_ids`` builds the whole
+    list) for every request on every step was a third of the plan's cost on a decode step, where
+    a request gets a block every ``block_size`` tokens and completes a chunk every
+    ``chunk_size``. A table only grows in a step that schedules its request (or admits it
+    with a load, and such a request is scheduled as new or resumed later), so a request not
+    named here holds exactly the blocks already reported for it."""
+    new = getattr(scheduler_output, "scheduled_new_reqs", None)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if new is None or cached is None or len(cached.req_ids) != len(cached.new_block_ids):
+        return None
+    out = {r.req_id for r in new}
+    out.update(cached.resumed_req_ids)
+    out.update(r for r, b in zip(cached.req_ids, cached.new_block_ids, strict=True) if b is not None)
+    return out
+
+
+__all__ = ["SchedulerSide", "Tracked", "blocks_changed"]

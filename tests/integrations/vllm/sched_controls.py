@@ -229,6 +229,12 @@ CONTROLS: dict[str, tuple[Callable[[], Any], list[str]]] = {
         lambda: patched(DroppedLoads, "note_dropped", lambda self, r: None),
         ["shared_blocks_of_a_failed_load"],
     ),
+    # Issue 42: every scheduled request's block table read on every step (the plan's cost
+    # on a decode step), not only in the steps that report a new block or store a chunk.
+    "tables_every_step": (
+        lambda: patched(scheduler_side, "blocks_changed", lambda out: None),
+        ["block_tables_at_boundaries", "block_tables_at_boundaries_async"],
+    ),
     # A preempted request's stores waited for only in start_load_kv, after the forward.
     "no_preemption_hook": (
         lambda: patched(connector_mod.KVCacheConnector, "handle_preemptions", lambda self, meta: None),

@@ -40,6 +40,7 @@ from kvcache.server.launch import Spawn
 from kvcache.testing.daemon_zygote import Zygote
 from kvcache.testing.redis_local import LocalRedis
 from tests.integrations.vllm.redis_gate import RedisReadGate
+from tests.integrations.vllm.sched_decode import SCENARIOS as DECODE_SCENARIOS
 from tests.integrations.vllm.sched_edges import NEED_ASYNC_LOADS as EDGES_NEED_ASYNC_LOADS
 from tests.integrations.vllm.sched_edges import SCENARIOS as EDGE_SCENARIOS
 from tests.integrations.vllm.sched_engine import Engine, write_model_config
@@ -577,6 +578,7 @@ SCENARIOS: dict[str, Callable[[Harness], None]] = {
     **LOAD_SCENARIOS,
     **FAILURE_SCENARIOS,
     **EDGE_SCENARIOS,
+    **DECODE_SCENARIOS,
 }
 SYNC_LOADS = [
     name

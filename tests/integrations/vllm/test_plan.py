@@ -131,3 +131,19 @@ def test_a_finished_request_stores_its_last_chunk_in_the_next_step() -> None:
     (store,) = p.step([])[0].stores
     assert store.final and store.token_ids == tokens[:384] and store.stored_before == 256
     assert not p.final_store("r", tokens, blocks, 300, [])  # nothing left to store
+
+
+def test_store_due_says_exactly_when_step_would_store() -> None:
+    """The scheduler half skips reading vLLM's block table when no store is due (issue 42):
+    ``store_due`` must be true in exactly the steps whose plan stores the request."""
+    p = Planner(BS, CS)
+    blocks = list(range(10))
+    p.on_alloc(Admission("r", PROMPT, [], 0, 0))
+    assert not p.store_due("unknown", 300, 300)
+    for before, n in [(0, 100), (100, 27), (127, 1), (128, 1), (129, 126), (255, 1), (256, 44), (300, 1)]:
+        tokens = [*PROMPT, 7][: max(before + n, len(PROMPT))]
+        due = p.store_due("r", before + n, len(tokens))
+        plan, _ = p.step([("r", before, n, tokens, blocks, [])])
+        assert due == bool(plan.stores), (before, n)
+    p.not_stored("r", 128)  # a store failed: the watermark drops, a store is due again
+    assert p.store_due("r", 301, 301)

@@ -67,6 +67,8 @@ SCENARIOS = [
     "shared_leader_fails",
     "l2_read_errors",
     "restart_while_loading",
+    "block_tables_at_boundaries",
+    "block_tables_at_boundaries_async",
 ]
 NEED_ASYNC_LOADS = {  # and those run once
     "late_loads_sync",
