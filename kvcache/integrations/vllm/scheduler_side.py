@@ -251,6 +251,7 @@ class SchedulerSide:
             request = tracked.request
             if (
                 changed is not None
+                and self._groups is None  # a hybrid model's page groups have boundaries of their own
                 and req_id not in changed
                 and not planner.store_due(req_id, request.num_computed_tokens + n, len(request.all_token_ids))
             ):
