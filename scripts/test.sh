@@ -26,4 +26,7 @@ bash scripts/setup.sh test
 .venv/bin/ruff check kvcache benchmarks tests setup.py
 .venv/bin/ruff format --check kvcache benchmarks tests setup.py
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+# Two workers (the machines CI runs on have two cores), whole test files to a worker (a module's
+# daemons and engines start once): much of the suite waits on daemons, restarts and deadlines,
+# not on the CPU. KVCACHE_TEST_WORKERS=0 runs it in one process.
+.venv/bin/python -m pytest -q -n "${KVCACHE_TEST_WORKERS:-2}" --dist loadfile "$@"
