@@ -10,31 +10,20 @@ controls lives there too, as ``sched_controls.py`` imports vLLM). Skipped with
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).parent
+from tests.integrations.vllm.venv_run import run_script
+
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def verdicts(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
     out = tmp_path_factory.mktemp("sched-controls") / "verdicts.json"
-    proc = subprocess.run(
-        [vllm_python, str(HERE / "sched_controls.py"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd="/",
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
-    )
     # Exit status 1 with every verdict written: a control's scenario passed (checked per test).
-    assert proc.returncode in (0, 1) and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-    data: dict[str, dict[str, str]] = json.loads(out.read_text())
+    data: dict[str, dict[str, str]] = run_script(
+        vllm_python, "sched_controls.py", out, timeout=1200, exit_codes=(0, 1)
+    )
     return data
 
 

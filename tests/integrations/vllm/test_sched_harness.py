@@ -22,15 +22,12 @@ checks that its scenarios then fail.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-HERE = Path(__file__).parent
+from tests.integrations.vllm.venv_run import run_script
+
 SCENARIOS = [
     "shared_prefixes_sync",
     "shared_prefixes_async",
@@ -91,18 +88,9 @@ def runs(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     """Both modes in one process (vLLM's import and the daemon zygote's start paid once):
     ``async_loads`` (the default) runs every scenario, ``sync_loads`` runs ``SYNC_LOADS``."""
     out = tmp_path_factory.mktemp("sched") / "results.json"
-    modes = ["--modes", "async_loads", "sync_loads"]
-    proc = subprocess.run(
-        [vllm_python, str(HERE / "sched_scenarios.py"), "--out", str(out), *modes],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd="/",
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    return run_script(
+        vllm_python, "sched_scenarios.py", out, "--modes", "async_loads", "sync_loads", timeout=900
     )
-    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
 
 
 @pytest.fixture(scope="module")

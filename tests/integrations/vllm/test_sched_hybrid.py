@@ -9,15 +9,12 @@ the check named beside it in ``sched_hybrid.CONTROLS``. Skipped with ``KVCACHE_S
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-HERE = Path(__file__).parent
+from tests.integrations.vllm.venv_run import run_script
+
 SCENARIOS = [
     "layouts",
     "prefix_reuse",
@@ -34,17 +31,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("hybrid") / "results.json"
-    proc = subprocess.run(
-        [vllm_python, str(HERE / "sched_hybrid.py"), "--out", str(out), "--controls"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd="/",
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
-    )
-    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    return run_script(vllm_python, "sched_hybrid.py", out, "--controls", timeout=1800)
 
 
 def test_every_scenario_and_control_ran(results: dict[str, Any]) -> None:
