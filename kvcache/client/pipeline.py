@@ -28,13 +28,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Protocol
 
+from kvcache.client.calls import Call, Owner
 from kvcache.client.hooks import Send
-from kvcache.errors import AccessDeniedError, DaemonUnavailableError, ProtocolError
+from kvcache.errors import AccessDeniedError, ProtocolError
 from kvcache.protocol import messages as m
-from kvcache.protocol.breaker import CircuitBreaker
 from kvcache.protocol.channel import Channel
 
 log = logging.getLogger("kvcache.client")
@@ -43,52 +41,8 @@ DEFAULT_WINDOW = 32
 """Asynchronous calls one client keeps in flight at the daemon, at most (1: one at a time)."""
 
 
-@dataclass(eq=False)
-class Call:
-    """One asynchronous call: its body as the caller built it (stamped afresh at each send),
-    and while in flight the envelope id, deadline and registration generation it went with."""
-
-    body: m.RequestBody
-    future: Future[m.ReplyBody]
-    internal: bool = False  # a heartbeat or probe: outside the window, its reply for us only
-    awaited: bool = True  # False for a notice: ``close`` does not wait for its reply
-    timeout_s: float = 0.0
-    request_id: int = 0
-    sent_at: float = 0.0
-    deadline: float = 0.0
-    disconnects: int = 0
-    daemon_pid: int | None = None  # the daemon process it went to, where known
-    generation: int = 0
-    tried: set[str] = field(default_factory=set)  # the retries already made (Owner.resend)
-
-
-class Owner(Protocol):
-    """What the pipeline asks of its session."""
-
-    instance_id: int
-    timeout_s: float
-    breaker: CircuitBreaker
-
-    def channel(self) -> Channel: ...
-
-    def refusal(self) -> DaemonUnavailableError | None:
-        """The error to fail a call with, unsent (the breaker is open), or None."""
-
-    def stamp(self, body: m.RequestBody) -> tuple[m.RequestBody, int]:
-        """``body`` as sent now (token, deadline) and the registration generation it carries."""
-
-    def resend(self, call: Call, reply: m.ReplyBody) -> bool:
-        """True if ``call`` must be sent again after ``reply`` (a re-registration, done here,
-        blocking, on a channel of the owner's own)."""
-
-    def silent(self, call: Call) -> None:
-        """``call`` got no reply and the daemon sent nothing since it was sent."""
-
-    def heartbeat(self) -> tuple[float, m.RequestBody | None, float]:
-        """(interval, the ping to send when nothing was sent for that long or None, its wait)."""
-
-    def beat_answered(self, pong: m.ReplyBody, generation: int) -> None:
-        """The heartbeat's reply (re-registers, blocking, if the daemon forgot this instance)."""
+_IDLE_WAIT_S = 60.0
+"""The longest wait with nothing due (``_wait_s``): new calls and ``close`` wake it anyway."""
 
 
 class Pipeline:
@@ -340,13 +294,15 @@ class Pipeline:
                 call.future.set_exception(chan.lost_error(call.body, call.daemon_pid))
 
     def _wait_s(self) -> float:
-        """Until the next deadline or heartbeat; 0 with sendable calls queued. No beat due (never
-        registered, or one in flight): until a call, a deadline or ``close``, not a spin (issue 42)."""
+        """Until the next deadline or heartbeat; 0 with sendable calls queued. With no beat to
+        send (a client that never registered, as vLLM's scheduler half) or one in flight, the
+        heartbeat time is no deadline: a zero wait past it spun this thread, holding the GIL,
+        until the next call (issue 42). A new call, or ``close``, wakes the wait."""
         if self._queue and self._calls < self.window:
             return 0.0
         interval, ping, _ = self._owner.heartbeat()
         beat_due = ping is not None and (self._beat is None or self._beat.future.done())
-        when = self._last_send + interval if beat_due else time.monotonic() + 60.0
+        when = self._last_send + interval if beat_due else time.monotonic() + _IDLE_WAIT_S
         for call in self._in_flight.values():
             when = min(when, call.deadline)
         return max(0.0, when - time.monotonic())
@@ -397,4 +353,4 @@ class Pipeline:
             pass
 
 
-__all__ = ["DEFAULT_WINDOW", "Call", "Owner", "Pipeline"]
+__all__ = ["DEFAULT_WINDOW", "Pipeline"]

@@ -31,8 +31,9 @@ import msgspec
 import torch
 import zmq
 
+from kvcache.client.calls import Call
 from kvcache.client.hooks import SendHook, hooked
-from kvcache.client.pipeline import DEFAULT_WINDOW, Call, Pipeline
+from kvcache.client.pipeline import DEFAULT_WINDOW, Pipeline
 from kvcache.errors import DaemonUnavailableError, UnknownInstanceError
 from kvcache.futures import then
 from kvcache.protocol import messages as m
