@@ -209,6 +209,15 @@ class AccessPolicy:
             raise AccessDeniedError(f"unknown principal {user_id!r}") from None
 
 
+def user_id(frame: Any) -> str | None:
+    """The ``User-Id`` ZAP stamped on a received frame (the key's name), None where no ZAP ran
+    for its connection (inproc)."""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:
+        return None
+
+
 class ZapHandler:
     """Answers ZAP requests for ``context`` on a thread until ``close``."""
 
@@ -255,4 +264,5 @@ __all__ = [
     "Principal",
     "ZapHandler",
     "load_clients",
+    "user_id",
 ]

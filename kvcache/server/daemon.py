@@ -326,7 +326,7 @@ class Daemon:
                 self._reply_now(identity, envelope.id, _SHUTTING_DOWN)
                 continue
             try:
-                principal = self.policy.principal(_user_id(frames[1]))
+                principal = self.policy.principal(auth.user_id(frames[1]))
             except AccessDeniedError as exc:
                 error = m.Error(code=m.ErrorCode.ACCESS_DENIED, message=str(exc))
                 self._reply_now(identity, envelope.id, error)
@@ -341,7 +341,8 @@ class Daemon:
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
-            if (refusal := self.handlers.refuse_early(body, principal.name)) is not None:  # no worker
+            refusal = self.handlers.refuse_early(body, principal.name)
+            if refusal is not None:  # past a count bound already: no worker, no queue, no build
                 self._reply_now(identity, envelope.id, refusal)
                 continue
             cost = max(len(frames[1]), REQUEST_FLOOR)
@@ -388,13 +389,6 @@ class Daemon:
 
 
 _SHUTTING_DOWN = m.Error(code=m.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping")
-
-
-def _user_id(frame: Any) -> str | None:
-    try:
-        return str(frame.get("User-Id"))
-    except zmq.ZMQError:  # no ZAP on this connection (inproc)
-        return None
 
 
 __all__ = ["Daemon", "DaemonConfig"]
