@@ -31,6 +31,7 @@ class LocalRedis:
             raise FileNotFoundError(f"{binary} not found on PATH (Debian: apt-get install redis-server)")
         self.binary = path
         self.port = port if port is not None else free_port()
+        self._port_fixed = port is not None
         self._dir = tempfile.mkdtemp(prefix="kvcache-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -43,24 +44,40 @@ class LocalRedis:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
+        """Start the server and wait until it answers. A port picked here may be taken by
+        another process between ``free_port()`` and the server's bind (parallel test workers
+        do this): the first start then picks another port, and a server that answers is
+        only taken for ours when its ``process_id`` is our child's."""
         if self.running:
             return self
+        for _ in range(5):
+            if self._launch(timeout):
+                self._port_fixed = True  # a restart keeps the port clients know
+                return self
+            if self._port_fixed:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _launch(self, timeout: float) -> bool:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--protected-mode", "no", "--dir", self._dir]  # fmt: skip
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = proc
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         try:
-            while True:
+            while proc.poll() is None and time.monotonic() < deadline:
                 try:
-                    if client.ping():
-                        return self
+                    if int(client.info("server")["process_id"]) == proc.pid:
+                        return True
                 except redis.ConnectionError:
-                    if self._proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                    time.sleep(0.02)
+                    pass
+                time.sleep(0.02)
         finally:
             client.close()
+        self.stop()
+        return False
 
     def stop(self) -> None:
         """Kill the server (SIGKILL: the failure test wants an abrupt loss)."""

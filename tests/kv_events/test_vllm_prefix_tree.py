@@ -249,8 +249,9 @@ def test_vllm_router_tree_equals_true_holdings(
         script.store(a, "c3", 5)  # L1 and disk evict by now
         script.store(a, "c2", 6)
         c1 = a.inst.keys(script.tokens["c1"][: 2 * CS])
+        assert a.engine.flush(10)  # the Redis writes are asynchronous: let them land first
         for k in c1:  # Redis TTL expiry (c1 left the small disk tier already)
-            raw.pexpire(f"{PREFIX}{k:032x}", 1)
+            assert raw.pexpire(f"{PREFIX}{k:032x}", 1), "c1 never reached Redis"
         _expire_now(raw, c1)
         assert a.expiries.wait(set(c1))
         payloads = a.settle()
