@@ -55,15 +55,9 @@ class Budget:
                 raise self._refusal(held + amount)
             self._held[principal] = held + amount
 
-    def fits(self, principal: str, amount: int) -> bool:
-        """Whether ``take`` would count ``amount`` now; counts nothing. For a cheap early
-        refusal (the I/O thread's, with ``refusal``): ``take`` still decides, since another
-        request of the principal may end or begin in between."""
-        return self._held.get(principal, 0) + amount <= self.limit  # one dict read: atomic
-
     def refusal(self) -> PrincipalLimitError:
-        """The refusal of a request when its principal holds the whole ``limit`` (``fits``
-        said no): one message whatever was held, so a caller may encode it once."""
+        """The refusal of a request when its principal holds the whole ``limit``: one message
+        whatever was held, so a caller may encode it once (the I/O thread's early replies)."""
         return PrincipalLimitError(
             f"{self._holding} would hold more than {self.limit} {self._unit} at once for this "
             f"client ({self.flag}); back off and retry",
@@ -87,6 +81,10 @@ class Budget:
     def held(self, principal: str) -> int:
         with self._lock:
             return self._held[principal]
+
+
+Takes = tuple[tuple[Budget, int], ...]
+"""What one request holds: ``(budget, amount)`` pairs, given back together (``give_each``)."""
 
 
 def take_each(principal: str, takes: Sequence[tuple[Budget, int]]) -> None:
@@ -132,6 +130,7 @@ def in_flight_bytes(limit: int) -> Budget:
 __all__ = [
     "REQUEST_FLOOR",
     "Budget",
+    "Takes",
     "awaited_tokens",
     "awaiting_retrieves",
     "give_each",

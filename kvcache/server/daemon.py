@@ -17,9 +17,10 @@ Threads and ordering:
   inline, because a thread hand-off costs about as much as the lookup itself (``lanes``), and
   queues the rest on a lane, each within its client's in-flight budget (``budget``);
 * the **fast lane** (status, remote lookups) and the **bulk lane** (register, unregister,
-  store, retrieve) each have their own threads, so a slow store never delays a lookup; a
-  lane's workers take one request of each principal in turn (``fair_queue``), so no
-  principal's backlog delays another's requests by more than one request each; each
+  store, retrieve) each have their own threads, so a slow store never delays a lookup; the
+  lanes share the daemon between principals by the service each used (``fair_queue``): the
+  least-served active principal starts first, a busier one waits while it is active, and
+  none has more than its share of requests in service, so a backlog is its owner's alone; each
   worker sends its reply back over its own inproc PUSH socket (ZMQ sockets are not
   thread-safe), and the I/O thread forwards it to the client;
 * a store or retrieve holds its worker only until its copies are submitted
@@ -41,23 +42,21 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from kvcache.errors import AccessDeniedError, PrincipalLimitError
+from kvcache.errors import AccessDeniedError
 from kvcache.netaddr import is_loopback, unix_socket_live
 from kvcache.protocol import messages as m
 from kvcache.protocol.channel import NOBLOCK, readable
 from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
-from kvcache.protocol.errors import error_from_exception
 from kvcache.server import auth
-from kvcache.server.budget import REQUEST_FLOOR, give_each, in_flight_bytes, in_flight_requests, take_each
+from kvcache.server.admission import Admission, Hold, await_left
 from kvcache.server.connections import ConnectionGuard
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
-from kvcache.server.fair_queue import FairQueue
+from kvcache.server.fair_queue import FairQueue, FairShare
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
 from kvcache.server.lanes import FORWARD_EVERY_S, InlineShare, lane_of
@@ -69,18 +68,7 @@ from kvcache.trusted_dir import ensure_private_dir
 log = logging.getLogger("kvcache.server")
 
 
-@dataclass(frozen=True, slots=True)
-class _Hold:
-    """What a request read and not yet answered holds until its reply: ``cost`` bytes of its
-    client's in-flight budget, and the registration that counts it in flight (``pinned``:
-    instance id and generation, ``InstanceRegistry.begin``)."""
-
-    principal: str
-    cost: int
-    pinned: tuple[int, int] | None
-
-
-_Job = tuple[bytes, int, m.RequestBody, auth.Principal, _Hold]
+_Job = tuple[bytes, int, m.RequestBody, auth.Principal, Hold]
 """A queued request: ROUTER identity, request id, body, sender, and what it holds."""
 
 
@@ -129,9 +117,9 @@ class Daemon:
         self._outbox = Outbox(self._ctx, self._reply_addr)
         self._stop = threading.Event()
         self._in_flight = 0
-        self._budget = in_flight_bytes(config.max_in_flight_bytes)  # per client (``budget``)
-        self._requests = in_flight_requests(config.max_in_flight_requests)
-        self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(), "bulk": FairQueue()}  # per principal
+        self._admission = Admission(config, handlers)
+        share = FairShare()  # one account per principal for both lanes
+        self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(share), "bulk": FairQueue(share)}
         self._threads: list[threading.Thread] = []
         self._inline_lookups = config.inline_lookups
 
@@ -217,30 +205,30 @@ class Daemon:
         push.setsockopt(zmq.LINGER, -1)
         push.connect(self._reply_addr)
         try:
-            while (item := lane.get()) is not None:
-                identity, request_id, body, principal, hold = item
-                pending = self.handlers.submit(body, principal)
+            while (got := lane.get()) is not None:
+                (identity, request_id, body, principal, hold), slot = got
+                if isinstance(body, m.Retrieve) and body.await_chunks:
+                    body = await_left(body, hold.read_at)
+                pending = self.handlers.submit(body, principal, awaits_held=True)  # never raises
                 if pending.done():
+                    slot.end()
                     push.send_multipart(self._finish(identity, request_id, hold, pending), copy=False)
-                else:  # copies in flight: answered from the engine's completion thread
-                    done = functools.partial(self._reply_later, identity, request_id, hold)
-                    pending.add_done_callback(done)
+                    continue
+                if isinstance(body, m.Retrieve) and body.await_chunks:
+                    slot.end()  # waiting for another's store is not service: never hold a share
+                else:  # in service until its copies are done
+                    pending.add_done_callback(slot.on_done)
+                # copies in flight: answered from the engine's completion thread
+                pending.add_done_callback(functools.partial(self._reply_later, identity, request_id, hold))
         finally:
             push.close()
 
-    def _finish(
-        self, identity: bytes, request_id: int, hold: _Hold, done: Future[m.ReplyBody]
-    ) -> list[bytes]:
+    def _finish(self, identity: bytes, request_id: int, hold: Hold, done: Future[m.ReplyBody]) -> list[bytes]:
         """The reply frames of a finished request, which holds nothing from now on."""
-        self._release(hold)
+        self._admission.release(hold)
         return [identity, encode_reply(request_id, done.result())]
 
-    def _release(self, hold: _Hold) -> None:
-        give_each(hold.principal, ((self._requests, 1), (self._budget, hold.cost)))
-        if hold.pinned is not None:
-            self.handlers.registry.end(*hold.pinned)
-
-    def _reply_later(self, identity: bytes, request_id: int, hold: _Hold, done: Future[m.ReplyBody]) -> None:
+    def _reply_later(self, identity: bytes, request_id: int, hold: Hold, done: Future[m.ReplyBody]) -> None:
         """Done-callback of a deferred reply; runs on the engine thread that resolved the
         future (an instance's completer, mostly; a waiter or the alarms thread for a store
         that ended waiting), so it only encodes and hands the frames over, never waits."""
@@ -341,24 +329,11 @@ class Daemon:
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
-            refusal = self.handlers.refuse_early(body, principal.name)
-            if refusal is not None:  # past a count bound already: no worker, no queue, no build
-                self._reply_now(identity, envelope.id, refusal)
+            hold = self._admission.admit(body, principal, len(frames[1]), now)
+            if isinstance(hold, m.Error):
+                self._reply_now(identity, envelope.id, hold)
                 continue
-            cost = max(len(frames[1]), REQUEST_FLOOR)
-            takes = ((self._requests, 1), (self._budget, cost))
-            try:  # a client reading faster than it is served must not grow the daemon
-                take_each(principal.name, takes)
-            except PrincipalLimitError as exc:
-                self.handlers.refused(principal.name, exc.flag, str(body.__struct_config__.tag))
-                self._reply_now(identity, envelope.id, error_from_exception(exc))
-                continue
-            pinned = None  # only a request that may speak for the instance keeps it alive
-            if isinstance(instance_id, int):
-                generation = self.handlers.registry.begin(instance_id, principal, getattr(body, "token", b""))
-                pinned = None if generation is None else (instance_id, generation)
             self._in_flight += 1
-            hold = _Hold(principal.name, cost, pinned)
             self._lanes[lane].put(principal.name, (identity, envelope.id, body, principal, hold))
 
     def _refuse_queued(self) -> None:
@@ -367,7 +342,7 @@ class Daemon:
         for lane in self._lanes.values():
             for identity, request_id, _, _, hold in lane.take_all():
                 self._in_flight -= 1
-                self._release(hold)
+                self._admission.release(hold)
                 self._reply_now(identity, request_id, _SHUTTING_DOWN)
 
     def _reply_now(self, identity: bytes, request_id: int, error: m.Error) -> None:

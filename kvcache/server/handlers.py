@@ -35,7 +35,8 @@ from kvcache.protocol.codec import whole_ids
 from kvcache.protocol.errors import error_from_exception
 from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
-from kvcache.server.budget import Budget, awaited_tokens, awaiting_retrieves, give_each, take_each
+from kvcache.server.await_bounds import AwaitBounds
+from kvcache.server.budget import give_each, take_each
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.refusals import RefusalTally
@@ -73,12 +74,9 @@ class Handlers:
         self.registry = registry
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.limits = limits if limits is not None else Limits()
-        self._awaits = awaited_tokens(self.limits.max_awaited_tokens)
-        self._awaiting = awaiting_retrieves(self.limits.max_awaiting_retrieves)
         self._refusals = RefusalTally()
-        self._early_replies = {  # the I/O thread's refusals (``refuse_early``): built once
-            b.flag: error_from_exception(b.refusal()) for b in (self._awaiting, self._awaits)
-        }
+        self.awaits = AwaitBounds(self.limits, self._refusals)
+        """What awaiting retrieves hold; the daemon's I/O thread takes it at read (``hold``)."""
         self.fd_inbox = fd_inbox
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
@@ -108,16 +106,22 @@ class Handlers:
         except Exception as exc:  # every failure becomes a typed reply, never a dead worker
             return _error_reply(exc, body)
 
-    def submit(self, body: m.RequestBody, principal: Principal = LOOPBACK) -> Future[m.ReplyBody]:
+    def submit(
+        self, body: m.RequestBody, principal: Principal = LOOPBACK, *, awaits_held: bool = False
+    ) -> Future[m.ReplyBody]:
         """``handle`` without waiting for copies: a store or retrieve is checked and submitted
         here, and its future resolves on the engine's completion thread once the copies
         finished; every other request is served at once. The future never holds an
-        exception (errors become ``Error`` replies, exactly as from ``handle``)."""
+        exception (errors become ``Error`` replies, exactly as from ``handle``).
+        ``awaits_held``: the caller took an awaiting retrieve's bounds (``awaits.hold``)."""
         start = self._async_table.get(type(body))
         if start is None:
             return resolved(self.handle(body, principal))
         try:
-            pending = start(body, principal)
+            if awaits_held and isinstance(body, m.Retrieve):
+                pending: Future[Any] = self.retrieve_async(body, principal, awaits_held=True)
+            else:
+                pending = start(body, principal)
         except Exception as exc:  # refused before submit: nothing was copied
             return resolved(_error_reply(exc, body))
         return then(pending, lambda reply: reply, lambda exc: _error_reply(exc, body))
@@ -282,7 +286,9 @@ class Handlers:
     def retrieve(self, req: m.Retrieve, principal: Principal) -> m.ReplyBody:
         return self.retrieve_async(req, principal).result()
 
-    def retrieve_async(self, req: m.Retrieve, principal: Principal) -> Future[m.RetrieveResult]:
+    def retrieve_async(
+        self, req: m.Retrieve, principal: Principal, *, awaits_held: bool = False
+    ) -> Future[m.RetrieveResult]:
         """As ``store_async``; nothing here waits for L2 loads either (the engine's retrieve
         waiter does). The future resolves once the copy has completed on the host's side, so
         the engine may use the blocks on the reply; no event is exported (it would have to
@@ -290,7 +296,7 @@ class Handlers:
         instance = self._instance(req, principal, token_required=True)
         deadline = accept_deadline(req.deadline_ms, "retrieve")
         scope = KeyScope(req.cache_salt, req.key_extra, instance.door)
-        takes = self._await_takes(req)
+        takes = () if awaits_held else self.awaits.takes(req)
         if takes:  # counted before its ids are unpacked: a refusal costs no build
             try:
                 take_each(principal.name, takes)
@@ -310,28 +316,6 @@ class Handlers:
         if takes:
             future.add_done_callback(lambda _f: give_each(principal.name, takes))
         return future
-
-    def _await_takes(self, req: m.Retrieve) -> tuple[tuple[Budget, int], ...]:
-        """What an awaiting retrieve holds up to its wait bound (``server.budget``): one of the
-        principal's awaiting retrieves, and its token ids (counted from the packed bytes, so
-        before any id is unpacked); nothing for a retrieve that does not await."""
-        if not req.await_chunks:
-            return ()
-        return ((self._awaiting, 1), (self._awaits, len(req.token_ids.data) // req.token_ids.width))
-
-    def refuse_early(self, body: m.RequestBody, principal: str) -> m.Error | None:
-        """The ``LIMIT`` reply a request will meet at its principal's count bounds, decided
-        from the decoded message alone, on the I/O thread, before it is queued: a flood of
-        refused awaits then costs a decode and a reply each (the reply built once per bound),
-        never a worker, a build or a hop. None when nothing refuses it now (the handler's
-        ``take`` still decides); counted as the handler's refusal is."""
-        if not isinstance(body, m.Retrieve) or not body.await_chunks:
-            return None
-        for budget, amount in self._await_takes(body):
-            if not budget.fits(principal, amount):
-                self.refused(principal, budget.flag, "retrieve")
-                return self._early_replies[budget.flag]
-        return None
 
     def refused(self, principal: str, flag: str, request: str) -> None:
         """Count that ``principal``'s ``request`` was refused at the bound ``flag``; published

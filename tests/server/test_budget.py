@@ -21,15 +21,12 @@ def test_a_principal_is_held_to_its_own_share_and_gets_it_back() -> None:
     assert (budget.held("uid:1"), budget.held("loopback")) == (10, 10)
 
 
-def test_fits_agrees_with_take_and_counts_nothing() -> None:
-    """The I/O thread's early refusal (``Handlers.refuse_early``) must agree with ``take``."""
+def test_the_early_refusal_names_the_bound_and_counts_nothing() -> None:
+    """The I/O thread's refusal (``AwaitBounds.hold``) is built once from ``refusal``."""
     budget = awaiting_retrieves(2)
-    assert budget.fits("loopback", 2)  # room: nothing counted
-    assert budget.held("loopback") == 0
     budget.take("loopback", 2)
-    assert not budget.fits("loopback", 1)
     with pytest.raises(PrincipalLimitError, match=r"more than 2 retrieves .*--max-awaiting-retrieves"):
         raise budget.refusal()
     assert budget.refusal().flag == "--max-awaiting-retrieves"
     assert budget.held("loopback") == 2
-    assert budget.fits("uid:1", 2)  # another principal's share is whole
+    budget.take("uid:1", 2)  # another principal's share is whole
