@@ -118,7 +118,7 @@ class Daemon:
         self._stop = threading.Event()
         self._in_flight = 0
         self._admission = Admission(config, handlers)
-        share = FairShare()  # one account per principal for both lanes
+        share = FairShare(in_flight=config.fair_in_flight)  # one account per principal, both lanes
         self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(share), "bulk": FairQueue(share)}
         self._threads: list[threading.Thread] = []
         self._inline_lookups = config.inline_lookups

@@ -46,6 +46,9 @@ class DaemonConfig:
     ``max_message_bytes``, so any one request fits."""
     max_in_flight_requests: int = 16384
     """Requests one client may have read and not yet answered, by number (``budget``)."""
+    fair_in_flight: int = 16
+    """Requests in service at once (dispatched to a worker, copies not yet done), shared out
+    between the principals with work (``fair_queue``): alone, a principal may have them all."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long in-flight requests may take before the daemon stops anyway."""
     inline_lookups: bool = True
@@ -62,6 +65,8 @@ class DaemonConfig:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.fair_in_flight < 1:
+            raise ValueError(f"fair_in_flight must be >= 1, got {self.fair_in_flight}")
         if self.max_in_flight_requests < 1:
             raise ValueError(f"max_in_flight_requests must be >= 1, got {self.max_in_flight_requests}")
         if self.max_in_flight_bytes < self.max_message_bytes:

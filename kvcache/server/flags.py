@@ -18,9 +18,9 @@ from kvcache.observability.subscribers.logging.request_trace import add_request_
 from kvcache.plugins import add_plugin_args
 from kvcache.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 from kvcache.server.connection_limits import ConnectionLimits
-from kvcache.server.daemon_config import DaemonConfig
 from kvcache.server.handlers import Limits
 from kvcache.server.policy_flags import add_policy_args
+from kvcache.server.share_flags import add_share_args
 
 DESCRIPTION = """\
 Run the kvcache daemon: serving engines on this host connect to it over ZMQ, share their
@@ -155,20 +155,6 @@ def build_parser(
         help="token ids, block ids or block hashes in one request (default %(default)s)",
     )
     srv.add_argument(
-        "--max-awaited-tokens",
-        type=int,
-        default=lim.max_awaited_tokens,
-        help="token ids one client's retrieves awaiting a prefill's chunks "
-        "(await_chunks) hold at once (default %(default)s)",
-    )
-    srv.add_argument(
-        "--max-awaiting-retrieves",
-        type=int,
-        default=lim.max_awaiting_retrieves,
-        help="retrieves awaiting a prefill's chunks (await_chunks) one client may have at "
-        "once; each is answered at its own bound (default %(default)s)",
-    )
-    srv.add_argument(
         "--workers", type=int, default=4, help="threads for register/store/retrieve (default %(default)s)"
     )
     srv.add_argument(
@@ -191,36 +177,8 @@ def build_parser(
         default=DEFAULT_MAX_MESSAGE_BYTES / 2**20,
         help="largest request frame; a larger one closes its connection (default %(default)g)",
     )
-    srv.add_argument(
-        "--max-in-flight-mb",
-        type=float,
-        default=16 * DEFAULT_MAX_MESSAGE_BYTES / 2**20,
-        help="request bytes one client may have sent and not had answered; past it "
-        "a request is refused (LIMIT) instead of queued (default %(default)g)",
-    )
-    srv.add_argument(
-        "--max-requests-in-flight",
-        type=int,
-        default=DaemonConfig().max_in_flight_requests,
-        help="requests one client may have sent and not had answered, by number; past it "
-        "a request is refused (LIMIT) instead of queued (default %(default)s)",
-    )
+    add_share_args(srv, lim)
     conn = ConnectionLimits()
-    srv.add_argument(
-        "--max-connections",
-        type=int,
-        default=conn.max_connections,
-        help="open connections in all; a new one beyond it is closed at once "
-        "(default %(default)s; with --max-message-mb it bounds the memory of "
-        "requests still arriving)",
-    )
-    srv.add_argument(
-        "--max-connections-per-client",
-        type=int,
-        default=conn.max_connections_per_client,
-        help="open connections of one client: a uid on ipc://, all of loopback TCP, "
-        "or one address on CURVE TCP (default %(default)s)",
-    )
     srv.add_argument(
         "--handshake-timeout",
         type=float,

@@ -60,6 +60,7 @@ def parse_settings(argv: Sequence[str] | None = None, prog: str = "python -m kvc
             max_message_bytes=int(ns.max_message_mb * 2**20),
             max_in_flight_bytes=int(ns.max_in_flight_mb * 2**20),
             max_in_flight_requests=ns.max_requests_in_flight,
+            fair_in_flight=ns.fair_in_flight,
             drain_timeout_s=ns.drain_timeout,
             # With an L2 tier a lookup may wait (on Redis, or for L1 room held by loads in
             # flight, up to --lookup-wait-timeout): keep it off the I/O thread.

@@ -43,6 +43,16 @@ def test_storage_flags_reach_the_engine_config() -> None:
     assert parse_settings(["--lookup-wait-timeout", "0.5"]).engine.lookup_wait_timeout_s == 0.5
 
 
+def test_the_per_principal_bounds_and_the_fair_share_are_flags() -> None:
+    d = parse_settings(["--max-awaiting-retrieves", "7", "--max-requests-in-flight", "9",
+                        "--max-connections-per-client", "5", "--fair-in-flight", "3"])  # fmt: skip
+    assert (d.limits.max_awaiting_retrieves, d.daemon.max_in_flight_requests) == (7, 9)
+    assert (d.daemon.connections.max_connections_per_client, d.daemon.fair_in_flight) == (5, 3)
+    assert parse_settings([]).daemon.fair_in_flight == 16
+    with pytest.raises(ValueError, match="fair_in_flight"):
+        DaemonConfig(fair_in_flight=0)
+
+
 def test_redis_timeouts_back_off_and_store_wait_are_flags() -> None:
     e = parse_settings(["--l2-redis-timeout", "0.25", "--l2-redis-connect-timeout", "2",
                         "--l2-redis-ttl", "600", "--l2-retry-interval", "1.5",
