@@ -11,7 +11,9 @@ instead of 1.7 ms, 2-core machine).
 
 So the queue schedules principals as the kernel schedules threads, by **virtual time**:
 
-* each principal is charged the time its requests were in service (dispatch to reply);
+* each principal is charged the time its requests were in service (dispatch to reply), and
+  a request held in service past ``HOLD_GRACE_S`` is charged while it is held, so no
+  principal stays the least-served by keeping long requests running;
 * a principal may start a request only while no other *active* principal has used less
   (its virtual time is the least, within ``slice_s``), and while it has fewer than its
   share of ``in_flight`` requests in service (alone: all of them; with ``n`` active
@@ -31,13 +33,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 IN_FLIGHT = 8
-"""Requests in service at once, shared out between the active principals."""
+"""Requests in service at once, shared out between the active principals (the daemon passes
+``--fair-in-flight``)."""
 SLICE_S = 0.002
 """How far ahead of the least-served active principal another may be and still start work:
 principals that used about the same run side by side, not strictly in turn."""
@@ -45,14 +48,28 @@ BONUS_S = 0.05
 """Service a principal that becomes active may get before a busier one runs again."""
 LINGER_S = 0.01
 """How long a principal counts as active after its last reply (its client's think time)."""
+HOLD_GRACE_S = 0.02
+"""Service a request may take before its principal is charged for it while it runs."""
+_TIE_S = 1e-6  # virtual times this close are equal (sums of clock readings round)
+_MIN_WAIT_S = 0.0005  # the shortest wait for a running principal to catch up
 
 
 @dataclass(slots=True)
 class _Owner:
     queued: int = 0  # across every lane of the share
     running: int = 0
-    vtime: float = 0.0
+    vtime: float = 0.0  # service of its ended requests (shifted: see the module docstring)
+    starts: list[float] = field(default_factory=list)  # its requests in service: their starts
     last_done: float = -1e18
+
+    def served(self, now: float) -> float:
+        """Its virtual time now: ended requests' service, plus what its requests in service
+        held past ``HOLD_GRACE_S`` so far. A principal holding requests for long is charged
+        while it holds them (charged only at the end, it stayed the least-served and held
+        everyone else off meanwhile); a short request is charged at its end, so a principal's
+        own copies in flight do not count against it twice as they overlap another's."""
+        held = sum(now - s for s in self.starts if now - s > HOLD_GRACE_S)
+        return self.vtime + held - HOLD_GRACE_S * sum(1 for s in self.starts if now - s > HOLD_GRACE_S)
 
 
 class FairShare:
@@ -82,7 +99,7 @@ class FairShare:
         """``owner``'s virtual time (seconds of service, shifted as above); for tests."""
         with self.lock:
             o = self._owners.get(owner)
-            return self._floor if o is None else o.vtime
+            return self._floor if o is None else o.served(self.clock())
 
     def join(self, lane: FairQueue[Any]) -> threading.Condition:
         """``lane``'s condition, on the share's lock: a slot's end may let any lane start."""
@@ -99,10 +116,11 @@ class FairShare:
             o.vtime = max(o.vtime, self._floor - self._bonus)
         o.queued += 1
 
-    def started(self, owner: str) -> None:
+    def started(self, owner: str, now: float) -> None:
         o = self._owners[owner]
         o.queued -= 1
         o.running += 1
+        o.starts.append(now)
 
     def dropped(self, owner: str) -> None:
         self._owners[owner].queued -= 1
@@ -111,7 +129,8 @@ class FairShare:
         now = self.clock()
         o = self._owners[owner]
         o.running -= 1
-        o.vtime += max(0.0, now - start)
+        o.starts.remove(start)
+        o.vtime += now - start
         o.last_done = now
         for lane in self._lanes:
             lane.wake()
@@ -122,14 +141,23 @@ class FairShare:
         active = [o for o in self._owners.values() if self._active(o, now)]
         if not active:
             return None, None
-        least = min(o.vtime for o in active)
+        served = {id(o): o.served(now) for o in active}
+        least_owner = min(active, key=lambda o: served[id(o)])
+        least = served[id(least_owner)]
         self._floor = max(self._floor, least)
         share = max(1, self._in_flight // len(active))
+        gap: float | None = None  # how far the nearest waiting owner is ahead of the least
         for name in waiting:
             o = self._owners[name]
-            if o.running < share and o.vtime <= least + self._slice:
+            if o.running >= share:
+                continue
+            ahead = served[id(o)] - least - self._slice
+            if ahead <= _TIE_S:
                 return name, None
+            gap = ahead if gap is None else min(gap, ahead)
         wake: float | None = None
+        if gap is not None and least_owner.running:  # the least-served catches up as it runs
+            wake = max(min(gap / least_owner.running, HOLD_GRACE_S), _MIN_WAIT_S)
         for o in active:  # an idle owner's linger ending may let a busier one start
             if not o.queued and not o.running:
                 left = o.last_done + self._linger - now
@@ -140,7 +168,7 @@ class FairShare:
         return o.queued > 0 or o.running > 0 or now - o.last_done < self._linger
 
     def _refresh_floor(self, now: float) -> None:
-        active = [o.vtime for o in self._owners.values() if self._active(o, now)]
+        active = [o.served(now) for o in self._owners.values() if self._active(o, now)]
         if active:
             self._floor = max(self._floor, min(active))
         if len(self._owners) > 64:  # forget owners that would restart at the floor anyway
@@ -212,7 +240,7 @@ class FairQueue(Generic[T]):
             if items:
                 self._items[name] = items  # to the back of the turn
             self._len -= 1
-            self._share.started(name)
+            self._share.started(name, now)
             self.wake()  # another owner may start too
             return item, Slot(self._share, name, now)
 

@@ -78,6 +78,24 @@ def test_a_principal_that_used_more_waits_while_a_lighter_one_is_active() -> Non
     assert share.vtime("victim") < share.vtime("flood")
 
 
+def test_requests_held_in_service_are_charged_while_they_are_held() -> None:
+    """A principal that keeps a request in service for long (a store waiting for L1 room,
+    say) is charged as it holds it: charged only at the end, it stayed the least-served
+    and held every other principal off until then."""
+    clock = Clock()
+    q, _ = _queue(clock, bonus_s=0.0)
+    q.put("holder", "h0")
+    held = q.get()  # in service, and it will not end during this test
+    assert held is not None
+    q.put("other", "o0")
+    q.put("other", "o1")
+    assert _serve(q, clock, 1, 0.5) == ["o0"]  # the other used 0.5 s; the holder held 0.5 s ...
+    clock.now += 0.1  # ... and holds on: past its grace, it has used more than the other now
+    worker, box = _get_in_thread(q)
+    worker.join(10)
+    assert box and box[0] is not None and box[0][0] == "o1", "the holder's request held the other off"
+
+
 def test_idle_time_is_not_banked() -> None:
     """A principal back from idling gets at most ``bonus_s`` of service ahead of the busiest
     one, not the service it could have used while away."""
