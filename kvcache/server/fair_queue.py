@@ -156,8 +156,9 @@ class FairShare:
                 return name, None
             gap = ahead if gap is None else min(gap, ahead)
         wake: float | None = None
-        if gap is not None and least_owner.running:  # the least-served catches up as it runs
-            wake = max(min(gap / least_owner.running, HOLD_GRACE_S), _MIN_WAIT_S)
+        if gap is not None and least_owner.running:  # it catches up once held past the grace
+            until_held = max(0.0, min(least_owner.starts) + HOLD_GRACE_S - now)
+            wake = max(until_held + gap / least_owner.running, _MIN_WAIT_S)
         for o in active:  # an idle owner's linger ending may let a busier one start
             if not o.queued and not o.running:
                 left = o.last_done + self._linger - now
@@ -210,6 +211,7 @@ class FairQueue(Generic[T]):
         self._items: dict[str, deque[T]] = {}  # insertion order: the turn order among equals
         self._len = 0
         self._stopped = False
+        self._timed_until: float | None = None  # the end of the earliest timed wait of a worker
 
     def __len__(self) -> int:
         with self._cv:
@@ -217,10 +219,18 @@ class FairQueue(Generic[T]):
 
     def put(self, owner: str, item: T) -> None:
         with self._cv:
-            self._share.queued(owner, self._share.clock())
+            now = self._share.clock()
+            self._share.queued(owner, now)
             self._items.setdefault(owner, deque()).append(item)
             self._len += 1
-            self._cv.notify()
+            # A worker is woken only when this owner may start now, or when only time will
+            # let it (a linger ending, a long request's charge): a queued request never makes
+            # another owner's start possible, and a flood read while it must wait for a slot's
+            # end woke a worker per message for nothing (each a hand-off of the interpreter
+            # lock); the end wakes one.
+            name, wake = self._share.may_start((owner,), now)
+            if name is not None or (wake is not None and not self._waiting_until(now + wake)):
+                self._cv.notify()
 
     def get(self) -> tuple[T, Slot] | None:
         """The oldest item of the owner that may start work next, with its slot; or None
@@ -234,7 +244,12 @@ class FairQueue(Generic[T]):
                 name, wake = self._share.may_start(self._items, now) if self._len else (None, None)
                 if name is not None:
                     break
+                mine = None
+                if wake is not None and not self._waiting_until(now + wake):
+                    mine = self._timed_until = now + wake
                 self._cv.wait(wake)
+                if mine is not None and self._timed_until == mine:
+                    self._timed_until = None  # this worker is awake: no one waits until then
             items = self._items.pop(name)
             item = items.popleft()
             if items:
@@ -243,6 +258,11 @@ class FairQueue(Generic[T]):
             self._share.started(name, now)
             self.wake()  # another owner may start too
             return item, Slot(self._share, name, now)
+
+    def _waiting_until(self, when: float) -> bool:
+        """Whether a worker already waits with a timeout that ends by ``when`` (lock held):
+        then it looks again in time, and no other needs waking."""
+        return self._timed_until is not None and self._timed_until <= when
 
     def wake(self) -> None:
         """Let one waiting worker look again (lock held): all of a lane's workers are alike,

@@ -224,3 +224,23 @@ def test_two_lanes_share_one_account() -> None:
 def test_in_flight_must_be_positive() -> None:
     with pytest.raises(ValueError, match="in_flight"):
         FairShare(in_flight=0)
+
+
+def test_a_worker_idle_before_a_blocked_put_still_starts_it_when_the_linger_ends() -> None:
+    """A put that may not start yet wakes no worker, unless only time will let it start: then
+    one worker must wait with a timeout, or the request waits for some unrelated event."""
+    clock = Clock()
+    q, _ = _queue(clock, linger_s=0.2)
+    for i in range(3):
+        q.put("flood", f"w{i}")
+    _serve(q, clock, 3, 0.05)  # the flood used 0.15 s alone
+    clock.now += 0.3  # and is idle past its linger
+    q.put("victim", "v1")
+    _serve(q, clock, 1, 0.001)  # the victim is active again (lingering), the least-served
+    worker, box = _get_in_thread(q)  # idle: nothing queued, it waits without a timeout
+    worker.join(0.2)
+    assert worker.is_alive()
+    q.put("flood", "f0")  # may not start while the victim lingers: only time lets it
+    clock.now += 0.3  # the linger ends; no other event follows
+    worker.join(10)
+    assert box and box[0] is not None and box[0][0] == "f0", "the blocked put was never started"
