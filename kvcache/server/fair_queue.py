@@ -38,9 +38,6 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-IN_FLIGHT = 8
-"""Requests in service at once, shared out between the active principals (the daemon passes
-``--fair-in-flight``)."""
 SLICE_S = 0.002
 """How far ahead of the least-served active principal another may be and still start work:
 principals that used about the same run side by side, not strictly in turn."""
@@ -68,8 +65,7 @@ class _Owner:
         while it holds them (charged only at the end, it stayed the least-served and held
         everyone else off meanwhile); a short request is charged at its end, so a principal's
         own copies in flight do not count against it twice as they overlap another's."""
-        held = sum(now - s for s in self.starts if now - s > HOLD_GRACE_S)
-        return self.vtime + held - HOLD_GRACE_S * sum(1 for s in self.starts if now - s > HOLD_GRACE_S)
+        return self.vtime + sum(now - s - HOLD_GRACE_S for s in self.starts if now - s > HOLD_GRACE_S)
 
 
 class FairShare:
@@ -80,12 +76,13 @@ class FairShare:
     def __init__(
         self,
         *,
-        in_flight: int = IN_FLIGHT,
+        in_flight: int,
         slice_s: float = SLICE_S,
         bonus_s: float = BONUS_S,
         linger_s: float = LINGER_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # in_flight: the daemon's ``--fair-in-flight`` (``DaemonConfig.fair_in_flight``)
         if in_flight < 1:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
         self._in_flight, self._slice, self._bonus, self._linger = in_flight, slice_s, bonus_s, linger_s
@@ -290,4 +287,4 @@ class FairQueue(Generic[T]):
             self._cv.notify_all()
 
 
-__all__ = ["BONUS_S", "IN_FLIGHT", "LINGER_S", "SLICE_S", "FairQueue", "FairShare", "Slot"]
+__all__ = ["BONUS_S", "LINGER_S", "SLICE_S", "FairQueue", "FairShare", "Slot"]

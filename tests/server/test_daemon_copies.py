@@ -20,7 +20,7 @@ import zmq
 
 import kvcache.context
 from kvcache import _native
-from kvcache.client import KVCacheClient, to_shared
+from kvcache.client import KVCacheClient
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
 from kvcache.layouts import KVFormat
@@ -35,6 +35,7 @@ from kvcache.testing import make_kv_caches
 from kvcache.transfer.cpu import CpuTransferHandler, native_cpu_copy
 from kvcache.transfer.validate import CheckedJob
 from tests.engine.test_retrieve_waiter import HeldLoads
+from tests.server.helpers import small_kv_cache
 
 BLOCKS = list(range(16))
 STORES = 4
@@ -109,11 +110,6 @@ def daemon(gate: CopyGate) -> Iterator[tuple[Daemon, CountingEngine, threading.T
     engine.close()
 
 
-def _cache() -> Any:
-    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
-                                    block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
-
-
 def _raw_store(endpoint: str, c: KVCacheClient, token_ids: list[int]) -> Any:
     """A store on its own socket (a client sends one request at a time), left waiting."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -147,11 +143,11 @@ def test_stores_with_copies_held_occupy_no_worker(
     d, engine, _ = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as writer, \
             KVCacheClient(d.endpoint, 2, "m", timeout_s=20) as late:  # fmt: skip
-        writer.register_kv_caches(_cache())
+        writer.register_kv_caches(small_kv_cache())
         socks = [_raw_store(d.endpoint, writer, tokens(i)) for i in range(STORES)]  # concurrent
         try:
             _submitted(engine, STORES)  # the one bulk worker submitted every store in turn
-            late.register_kv_caches(_cache())  # a bulk request, answered while every copy is held
+            late.register_kv_caches(small_kv_cache())  # a bulk request, answered while every copy is held
             assert late.lookup(tokens(0)) == 0  # fast lane; not visible before its copy finished
             assert late.ping() is True
             assert writer.status()["in_flight"] == STORES
@@ -174,7 +170,7 @@ def test_a_failed_copy_is_an_error_reply_and_the_worker_serves_on(
 ) -> None:
     d, _, _ = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
-        c.register_kv_caches(_cache())
+        c.register_kv_caches(small_kv_cache())
         gate.fail_next()
         gate.allow()
         with pytest.raises(RemoteError) as failed:
@@ -190,7 +186,7 @@ def test_stop_answers_the_copies_in_flight_before_exit(
 ) -> None:
     d, engine, thread = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
-        c.register_kv_caches(_cache())
+        c.register_kv_caches(small_kv_cache())
         pending = c.store_async(tokens(0), BLOCKS)
         _submitted(engine, 1)
         d.request_stop()
@@ -241,7 +237,7 @@ def test_a_store_waiting_for_l1_room_occupies_no_worker(gate: CopyGate) -> None:
     wait for room: it waits on the engine's waiter thread, and the daemon's one bulk worker
     serves a registration meanwhile (before, the worker waited inside ``store_async``)."""
     with CacheEngine(EngineConfig(chunk_size=16, l1_size_bytes=64 << 20)) as probe:
-        probe.register(1, "m", _cache())
+        probe.register(1, "m", small_kv_cache())
         slot = int(probe.status()["instances"][0]["chunk_bytes"])
     engine = CountingEngine(EngineConfig(chunk_size=16, l1_size_bytes=4 * slot, l1_extent_bytes=slot,
                                          l1_evict_watermark=1.0, store_wait_timeout_s=60.0))  # fmt: skip
@@ -252,13 +248,13 @@ def test_a_store_waiting_for_l1_room_occupies_no_worker(gate: CopyGate) -> None:
     try:
         with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as writer, \
                 KVCacheClient(d.endpoint, 2, "m", timeout_s=20) as late:  # fmt: skip
-            writer.register_kv_caches(_cache())
+            writer.register_kv_caches(small_kv_cache())
             socks = [_raw_store(d.endpoint, writer, tokens(0))]
             _submitted(engine, 1)  # its 4 chunks fill L1; the copy is held
             socks.append(_raw_store(d.endpoint, writer, tokens(1)))
             try:
                 _submitted(engine, 1)  # store_async returned, short of room
-                late.register_kv_caches(_cache())  # the one bulk worker is free
+                late.register_kv_caches(small_kv_cache())  # the one bulk worker is free
                 assert late.ping() is True
                 assert not any(sock.poll(0) for sock in socks)
                 gate.allow(1000)
@@ -287,7 +283,7 @@ def test_a_retrieve_waiting_for_l2_loads_occupies_no_worker(tmp_path: Path) -> N
         return EngineConfig(chunk_size=16, l1_size_bytes=64 << 20, l2_disk_path=str(tmp_path), **kw)
 
     with CacheEngine(disk()) as writer_engine:
-        writer_engine.register(1, "m", _cache())
+        writer_engine.register(1, "m", small_kv_cache())
         assert writer_engine.store(1, tokens(0), BLOCKS).stored_chunks == 4
     sink = HeldLoads()
     engine = CountingEngine(disk(retrieve_wait_timeout_s=60.0), bus=sink)
@@ -298,12 +294,12 @@ def test_a_retrieve_waiting_for_l2_loads_occupies_no_worker(tmp_path: Path) -> N
     try:
         with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as reader, \
                 KVCacheClient(d.endpoint, 2, "m", timeout_s=20) as late:  # fmt: skip
-            reader.register_kv_caches(_cache())
+            reader.register_kv_caches(small_kv_cache())
             assert reader.lookup(tokens(0)) == 64  # its 4 loads start, and are held
             sock = _raw_retrieve(d.endpoint, reader, tokens(0))
             try:
                 assert engine.retrieves.acquire(timeout=15), "retrieve_async waited for the loads"
-                late.register_kv_caches(_cache())  # the one bulk worker is free
+                late.register_kv_caches(small_kv_cache())  # the one bulk worker is free
                 assert late.lookup(tokens(0)) == 64 and late.ping() is True
                 assert not sock.poll(0)
                 sink.allow(1000)

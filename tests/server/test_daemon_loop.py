@@ -14,13 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 import zmq
 
-from kvcache.client import KVCacheClient, to_shared
+from kvcache.client import KVCacheClient
 from kvcache.config import EngineConfig
 from kvcache.engine import CacheEngine
-from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.protocol.errors import ShuttingDownError
@@ -29,7 +27,7 @@ from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.lanes import INLINE_LOOKUP_MAX_TOKENS
 from kvcache.server.registry import InstanceRegistry
-from kvcache.testing import make_kv_caches
+from tests.server.helpers import small_kv_cache
 
 TOKENS, BLOCKS = list(range(64)), list(range(16))
 
@@ -69,19 +67,14 @@ def daemon() -> Iterator[tuple[Daemon, GatedEngine, threading.Thread]]:
     engine.close()
 
 
-def _cache() -> Any:
-    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
-                                    block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
-
-
 def test_a_store_in_flight_never_delays_lookups_or_pings(
     daemon: tuple[Daemon, GatedEngine, threading.Thread],
 ) -> None:
     d, engine, _ = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=5) as writer, \
             KVCacheClient(d.endpoint, 2, "m", timeout_s=5) as reader:  # fmt: skip
-        writer.register_kv_caches(_cache())
-        reader.register_kv_caches(_cache())
+        writer.register_kv_caches(small_kv_cache())
+        reader.register_kv_caches(small_kv_cache())
         pending = writer.store_async(TOKENS, BLOCKS)
         assert engine.entered.wait(5)
         for _ in range(20):  # each would time out if it queued behind the held store
@@ -101,7 +94,7 @@ def test_a_huge_lookup_never_stalls_the_io_thread(
     short lookups and block reports keep flowing while it is hashed."""
     d, engine, _ = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=5) as client:
-        client.register_kv_caches(_cache())
+        client.register_kv_caches(small_kv_cache())
         ctx = zmq.Context.instance()
         big = ctx.socket(zmq.DEALER)
         big.setsockopt(zmq.LINGER, 0)
@@ -125,7 +118,7 @@ def test_stop_refuses_new_work_but_finishes_the_store_in_flight(
 ) -> None:
     d, engine, thread = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=5) as c:
-        c.register_kv_caches(_cache())
+        c.register_kv_caches(small_kv_cache())
         pending = c.store_async(TOKENS, BLOCKS)
         assert engine.entered.wait(5)
         d.request_stop()
@@ -147,7 +140,7 @@ def test_requests_queued_at_stop_are_refused_at_once(
     get ``SHUTTING_DOWN`` right away instead of waiting out their clients' timeouts."""
     d, engine, thread = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
-        c.register_kv_caches(_cache())
+        c.register_kv_caches(small_kv_cache())
         socks = [_raw_store(d.endpoint, c) for _ in range(4)]  # 2 run (held), 2 wait in the lane
         assert engine.entered.wait(5)
         for _ in range(500):  # until all four reached the daemon (status is on the fast lane)

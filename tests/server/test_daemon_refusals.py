@@ -14,22 +14,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import torch
-import zmq
 
-from kvcache.client import KVCacheClient, to_shared
+from kvcache.client import KVCacheClient
 from kvcache.config import EngineConfig
-from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.server.admission import await_left
 from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers, Limits
 from kvcache.server.registry import InstanceRegistry
-from kvcache.testing import make_kv_caches
+from tests.server.helpers import raw_dealer, small_kv_cache
 from tests.server.test_daemon_loop import GatedEngine
 
 TOKENS, BLOCKS = list(range(64)), list(range(16))
@@ -50,21 +46,13 @@ def daemon() -> Iterator[tuple[Daemon, GatedEngine]]:
     engine.close()
 
 
-def _cache() -> Any:
-    return to_shared(make_kv_caches(KVFormat.NL_X_TWO_NB_BS_NH_HS, num_layers=2, num_blocks=16,
-                                    block_size=4, head_size=8, dtype=torch.float16))  # fmt: skip
-
-
 def test_an_await_past_the_count_bound_is_refused_while_every_bulk_worker_is_busy(
     daemon: tuple[Daemon, GatedEngine],
 ) -> None:
     d, engine = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
-        c.register_kv_caches(_cache())
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(d.endpoint)
-        try:
+        c.register_kv_caches(small_kv_cache())
+        with raw_dealer(d.endpoint) as sock:
             nobody = pack_ids([t + 5000 for t in TOKENS])  # a prompt nobody stores
             awaiting = m.Retrieve(instance_id=1, token=c.session.token, token_ids=nobody,
                                   block_ids=pack_ids(BLOCKS), await_chunks=1, await_ms=20_000)  # fmt: skip
@@ -82,8 +70,6 @@ def test_an_await_past_the_count_bound_is_refused_while_every_bulk_worker_is_bus
             engine.gate.set()
             assert sock.poll(10_000)
             assert isinstance(decode_reply(sock.recv()).body, m.StoreResult)
-        finally:
-            sock.close()
 
 
 def test_an_await_holds_its_bound_from_the_moment_it_is_read(daemon: tuple[Daemon, GatedEngine]) -> None:
@@ -93,11 +79,8 @@ def test_an_await_holds_its_bound_from_the_moment_it_is_read(daemon: tuple[Daemo
     faster than the workers submit was refused that way, 2,929 times, in one burst)."""
     d, engine = daemon
     with KVCacheClient(d.endpoint, 1, "m", timeout_s=20) as c:
-        c.register_kv_caches(_cache())
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(d.endpoint)
-        try:
+        c.register_kv_caches(small_kv_cache())
+        with raw_dealer(d.endpoint) as sock:
             store = m.Store(instance_id=1, token=c.session.token, token_ids=pack_ids(TOKENS),
                             block_ids=pack_ids(BLOCKS))  # fmt: skip
             sock.send(encode_request(1, store))  # the only bulk worker is held in it
@@ -114,8 +97,6 @@ def test_an_await_holds_its_bound_from_the_moment_it_is_read(daemon: tuple[Daemo
             engine.gate.set()
             assert sock.poll(10_000)
             assert isinstance(decode_reply(sock.recv()).body, m.StoreResult)
-        finally:
-            sock.close()
 
 
 def test_an_awaits_bound_counts_from_its_read_not_from_its_worker() -> None:
