@@ -10,7 +10,7 @@ from kvcache.bench.noisy import run
 def test_noisy_bench_reports_the_victims_ratios_and_the_attackers_refusals() -> None:
     # A bound long enough that no held await ends before the last one is sent (on a loaded
     # machine the attacker's process may take seconds to send 2,100 requests).
-    ns = argparse.Namespace(floods="awaits,connections", requests=2100, connections=4, await_ms=8000,
+    ns = argparse.Namespace(floods="cpu,awaits,connections", requests=2100, connections=4, await_ms=8000,
                             samples=5, json=True)  # fmt: skip
     results = run(ns)
     for op in ("retrieve", "lookup", "store"):
@@ -20,7 +20,9 @@ def test_noisy_bench_reports_the_victims_ratios_and_the_attackers_refusals() -> 
     assert awaits["refused"] == 2100 - 2048
     assert awaits["late_s"] >= 0 and awaits["retrieve"]["p99_ratio"] > 0
     assert results["connections"]["refused"] == 0
-    for kind in ("awaits", "connections"):  # the daemon's memory within the operator guide's bound
+    # The reference sends nothing: no refusal, and the victim measured beside it.
+    assert results["cpu"]["refused"] == 0 and results["cpu"]["retrieve"]["p99_ratio"] > 0
+    for kind in ("cpu", "awaits", "connections"):  # the daemon's memory within the operator guide's bound
         row = results[kind]
         assert row["daemon_cpu_s"] >= 0 and row["cpu_us_per_request"] >= 0
         assert row["rss_mib"] > 0 and row["rss_growth_mib"] <= row["bound_mib"], row

@@ -319,7 +319,9 @@ class L1Pool(SlotTable):
         """Drop one pin per entry; with ``read_bytes`` (a retrieve read them) hand them to the
         read watcher first, while still pinned, then publish ``L1_READ_FINISHED`` for them."""
         entries = list(entries)
-        if read_bytes is not None and entries and self._read_watcher is not None:
+        if not entries:  # a retrieve whose whole pinned prefix is READY cuts nothing
+            return
+        if read_bytes is not None and self._read_watcher is not None:
             self._read_watcher(entries)
         with self._lock:
             for entry in reversed(entries):  # head of the prefix = most recently used
@@ -327,7 +329,7 @@ class L1Pool(SlotTable):
                 if entry.pins == 0 and entry.state is EntryState.READY:
                     self._policy.add(entry.key)
             self._room.notify_all()
-        if read_bytes is not None and entries:
+        if read_bytes is not None:
             self._publish(
                 [
                     Event(

@@ -33,14 +33,17 @@ class SlotShape:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    nbytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of one chunk."""
+    stride: int = field(init=False, compare=False, repr=False)
+    """Bytes between two slots: ``nbytes`` rounded up to ``SLOT_ALIGN``."""
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def stride(self) -> int:
-        return -(-self.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+    def __post_init__(self) -> None:
+        # Computed once: the pool reads them under its lock on every allocation and eviction,
+        # and asking torch for an element size there cost microseconds each time.
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        object.__setattr__(self, "nbytes", nbytes)
+        object.__setattr__(self, "stride", -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
 
 
 class Slot(NamedTuple):

@@ -236,6 +236,27 @@ def test_clear_and_evict_and_info() -> None:
     assert p.info()["evictable_chunks"] == 1
 
 
+def test_releasing_nothing_takes_no_lock_and_publishes_nothing() -> None:
+    # A retrieve whose pinned prefix is all READY cuts nothing: under a flood the pool's lock
+    # is contended, and taking it for nothing cost an L1 hit milliseconds of waiting.
+    sink = Sink()
+    p = pool(4, sink=sink)
+    write(p, [1])
+    events = len(sink.events)
+    done = threading.Event()
+
+    def release_nothing() -> None:
+        p.release([], read_bytes=0)
+        done.set()
+
+    with p._lock:  # another thread holds the pool
+        t = threading.Thread(target=release_nothing)
+        t.start()
+        released = done.wait(5)
+    t.join()
+    assert released and len(sink.events) == events
+
+
 def test_pin_memory_requires_cuda() -> None:
     assert L1Pool(1 << 20).pin_memory is torch.cuda.is_available()
     if not torch.cuda.is_available():

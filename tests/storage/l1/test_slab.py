@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcache.storage.l1.slab import EXTENT_SHARE, SlabAllocator, SlotShape
@@ -42,3 +43,14 @@ def test_reclaim_releases_other_slabs_only() -> None:
     assert a.take(G2) is not None
     a.release_free_extents()
     assert a.slab_info()[0]["extents"] == 2
+
+
+def test_a_slot_shape_knows_its_sizes_without_asking_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    odd = SlotShape((1, 1, 3), torch.float16)  # 6 bytes: one aligned stride
+    assert (G.nbytes, G.stride) == (2 * 2 * 16 * 64 * 2, 2 * 2 * 16 * 64 * 2)
+    assert (odd.nbytes, odd.stride) == (6, 256)
+    # Read under the pool's lock on every allocation: computed once, at construction.
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("torch.empty called"))
+    assert (odd.nbytes, odd.stride) == (6, 256)
+    # The sizes are derived: equal shapes are one slab's key, whatever was computed.
+    assert SlotShape((1, 1, 3), torch.float16) == odd and len({odd, SlotShape((1, 1, 3), torch.float16)}) == 1
