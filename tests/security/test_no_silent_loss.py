@@ -55,6 +55,28 @@ def _writes_drained(c: KVCacheClient, timeout_s: float = 30) -> bool:
     return False
 
 
+def _tier_counts(c: KVCacheClient) -> dict[str, int]:
+    """The Redis tier's counters, for the failure message: a store that failed is counted, so
+    a prompt missing with ``store_failures`` at 0 is the silent loss this file is about."""
+    (tier,) = c.status()["engine"]["l2"]
+    return {k: v for k, v in tier.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _found_whole(c: KVCacheClient, prompt: list[int]) -> bool:
+    """Whether a lookup finds the whole prompt. A lookup's read of Redis that failed (a socket
+    timeout on a loaded machine, counted as ``contains_failures``/``load_failures``) ends the
+    prefix there, a smaller hit and never a wrong one: such a lookup is asked again, up to 3
+    times; a chunk missing from both tiers misses every time."""
+    for _ in range(3):
+        before = _tier_counts(c)
+        if c.lookup(prompt) == CHUNKS * CS:
+            return True
+        after = _tier_counts(c)
+        if all(after[k] == before[k] for k in ("contains_failures", "load_failures")):
+            return False
+    return False
+
+
 def test_twelve_prompts_stored_at_once_through_an_l1_of_three_are_all_found_whole(
     start_daemon: Callable[..., DaemonProcess], redis_server: LocalRedis
 ) -> None:
@@ -72,7 +94,7 @@ def test_twelve_prompts_stored_at_once_through_an_l1_of_three_are_all_found_whol
         assert sum(r.stored_chunks + r.skipped_chunks for r in results) == PROMPTS * CHUNKS
         assert _writes_drained(c)
         for i in range(PROMPTS):
-            assert c.lookup(_prompt(i)) == CHUNKS * CS, f"prompt {i} is not whole"
+            assert _found_whole(c, _prompt(i)), f"prompt {i} is not whole: {_tier_counts(c)}"
         for i in range(PROMPTS):
             for t in kv:
                 t.zero_()
