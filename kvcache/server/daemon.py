@@ -207,14 +207,15 @@ class Daemon:
         try:
             while (got := lane.get()) is not None:
                 (identity, request_id, body, principal, hold), slot = got
+                awaiting = False  # for another engine's chunks: its bound counts from the read
                 if isinstance(body, m.Retrieve) and body.await_chunks:
-                    body = await_left(body, hold.read_at)
+                    body, awaiting = await_left(body, hold.read_at), True
                 pending = self.handlers.submit(body, principal, awaits_held=True)  # never raises
                 if pending.done():
                     slot.end()
                     push.send_multipart(self._finish(identity, request_id, hold, pending), copy=False)
                     continue
-                if isinstance(body, m.Retrieve) and body.await_chunks:
+                if awaiting:
                     slot.end()  # waiting for another's store is not service: never hold a share
                 else:  # in service until its copies are done
                     pending.add_done_callback(slot.on_done)
