@@ -64,6 +64,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=120, help="idle connections of the connection flood")
     p.add_argument("--await-ms", type=int, default=10000, help="the attacker's await bound")
     p.add_argument("--samples", type=int, default=200, help="victim loop iterations per phase")
+    p.add_argument("--placement", choices=("split", "shared"), default="split",
+                   help="split: the attacker's process on its own cores, the daemon and the victim on the"
+                        " rest (each tenant's engine on its own cores, as on a serving host); shared: every"
+                        " process on every core")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ns = p.parse_args(argv)
     if ns.quick:
@@ -95,10 +99,13 @@ def _burn(sent: Any, measured: Any, out: Any) -> None:
     while not measured.is_set():
         sum(range(10_000))
     out.put({"refused": 0, "late_s": 0.0, "late_from_start_s": 0.0, "first_await_reply_s": None,
-             "send_s": 0.0, "seconds": time.monotonic() - start})  # fmt: skip
+             "send_s": 0.0, "seconds": time.monotonic() - start,
+             "attacker_cpus": sorted(os.sched_getaffinity(0))})  # fmt: skip
 
 
 def _attack(endpoint: str, kind: str, ns: argparse.Namespace, sent: Any, measured: Any, out: Any) -> None:
+    if ns.attacker_cpus:
+        os.sched_setaffinity(0, ns.attacker_cpus)
     if kind == REFERENCE:
         _burn(sent, measured, out)
         return
@@ -149,7 +156,8 @@ def _attack(endpoint: str, kind: str, ns: argparse.Namespace, sent: Any, measure
                 late_from_start = max(late_from_start, now - start - ns.await_ms / 1000)
         out.put({"refused": refused, "late_s": late, "late_from_start_s": late_from_start,
                  "first_await_reply_s": first, "send_s": sent_at[-1] - start if n else 0.0,
-                 "seconds": time.monotonic() - start})  # fmt: skip
+                 "seconds": time.monotonic() - start,
+                 "attacker_cpus": sorted(os.sched_getaffinity(0))})  # fmt: skip
         measured.wait(600)  # the connections stay open until the victim has measured
         for s in socks:
             s.close()
@@ -224,13 +232,30 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
 
+def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
+    """The daemon's and the victim's cores, and the attacker's: the attacker gets the upper
+    half (at least one core), the rest keep the lower; one core cannot be split."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        return set(ordered), set()
+    half = len(ordered) // 2
+    return set(ordered[:half]), set(ordered[half:])
+
+
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"samples": ns.samples, "requests": ns.requests, "await_ms": ns.await_ms}
+    own_cpus = os.sched_getaffinity(0)
+    ns.attacker_cpus = set()
+    if ns.placement == "split":
+        served, ns.attacker_cpus = split_cpus(own_cpus)
+        os.sched_setaffinity(0, served)  # the daemon, started below, inherits it
     # No log line per operation: the daemon's stderr is read by a thread of this (the
     # victim's) process, and 20,000 lines would time the bench's own GIL, not the daemon.
     d = DaemonProcess(["--chunk-size", str(CHUNK), "--disable-logging"], tcp=True)  # metrics on a free port
     try:
         assert d.ipc_endpoint is not None
+        results["placement"] = ns.placement
+        results["daemon_cpus"] = sorted(os.sched_getaffinity(d.pid))  # as the kernel holds them
         with KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=120) as victim:
             victim.register_kv_caches(_kv(1))
             victim.store(_tokens(0, 4), list(range(4 * CHUNK // BLOCK)))
@@ -281,6 +306,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     finally:
         d.kill()
         d.remove_runtime_dir()
+        os.sched_setaffinity(0, own_cpus)
     return results
 
 
@@ -291,6 +317,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps(results, indent=1))
         return 0
     base = results["base"]
+    attacker = results[ns.floods.split(",")[0]]["attacker_cpus"]  # as its process held them
+    print(f"placement {results['placement']}: the daemon and the victim on cpus {results['daemon_cpus']},"
+          f" the attacker on cpus {attacker}")  # fmt: skip
     print("victim without a flood (ms): " + ", ".join(
         f"{op} p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f}" for op, v in base.items()))  # fmt: skip
     print(f"{'flood':<12} {'retrieve p50/p99 ms':>20} {'p99 x':>6} {'lookup p99 x':>13} {'store p99 x':>12}"

@@ -291,9 +291,10 @@ class Daemon:
         until = now + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
         forward_at, inline = now + FORWARD_EVERY_S, InlineShare()
         while readable(self._router) and (now := time.monotonic()) < until:
-            if now >= forward_at:  # replies never wait out a whole read
+            if now >= forward_at:  # replies never wait out a whole read, nor other threads
                 self._forward_replies()
-                forward_at = now + FORWARD_EVERY_S
+                os.sched_yield()  # see ``lanes.FORWARD_EVERY_S``
+                forward_at = time.monotonic() + FORWARD_EVERY_S
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
             frames = self._router.recv_multipart(NOBLOCK, copy=False)
             if not self._guard.admits(frames[-1]):

@@ -36,7 +36,13 @@ another tenant's replies for up to 0.1 s each."""
 FORWARD_EVERY_S = 0.0005
 """How often a read of the socket stops to forward the workers' replies, so a reply waits for
 at most this much of another client's reading, not for the whole read. It was 5 ms, as long
-as a victim's whole L1 hit (1.7 ms) several times over; a check costs one ``ZMQ_EVENTS`` read."""
+as a victim's whole L1 hit (1.7 ms) several times over; a check costs one ``ZMQ_EVENTS`` read.
+Each stop also yields the processor (``os.sched_yield``, which lets go of the interpreter
+lock): a thread the read woke (a worker, a completion) runs now instead of waiting for the
+kernel to take the core from a read that never blocks, which on a busy core is a time slice
+and then the interpreter's switch interval, per hand-off. Under a flood of 20,000 refused
+awaits, read on the one core left to the daemon, another tenant's L1-hit p99 went from 5.0
+to 5.2 ms to 1.9 to 3.1 ms (docs/benchmarks.md); a yield costs one system call."""
 
 
 class InlineShare:

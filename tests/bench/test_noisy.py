@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvcache.bench.noisy import run
 
@@ -11,8 +12,10 @@ def test_noisy_bench_reports_the_victims_ratios_and_the_attackers_refusals() -> 
     # A bound long enough that no held await ends before the last one is sent (on a loaded
     # machine the attacker's process may take seconds to send 2,100 requests).
     ns = argparse.Namespace(floods="cpu,awaits,connections", requests=2100, connections=4, await_ms=8000,
-                            samples=5, json=True)  # fmt: skip
+                            samples=5, placement="split", json=True)  # fmt: skip
+    own = os.sched_getaffinity(0)
     results = run(ns)
+    assert os.sched_getaffinity(0) == own  # the bench gives the caller its cores back
     for op in ("retrieve", "lookup", "store"):
         assert 0 < results["base"][op]["p50_ms"] <= results["base"][op]["p99_ms"]
     awaits = results["awaits"]
@@ -20,6 +23,12 @@ def test_noisy_bench_reports_the_victims_ratios_and_the_attackers_refusals() -> 
     assert awaits["refused"] == 2100 - 2048
     assert awaits["late_s"] >= 0 and awaits["retrieve"]["p99_ratio"] > 0
     assert results["connections"]["refused"] == 0
+    # Split placement: the attacker's process never runs on the daemon's cores.
+    if len(os.sched_getaffinity(0)) >= 2:
+        for kind in ("cpu", "awaits", "connections"):
+            assert results[kind]["attacker_cpus"] and not set(results[kind]["attacker_cpus"]) & set(
+                results["daemon_cpus"]
+            )
     # The reference sends nothing: no refusal, and the victim measured beside it.
     assert results["cpu"]["refused"] == 0 and results["cpu"]["retrieve"]["p99_ratio"] > 0
     for kind in ("cpu", "awaits", "connections"):  # the daemon's memory within the operator guide's bound

@@ -8,6 +8,7 @@ hopes to win. ``test_daemon_copies`` holds the copies themselves instead.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from kvcache.server.daemon import Daemon, DaemonConfig
 from kvcache.server.handlers import Handlers
 from kvcache.server.lanes import INLINE_LOOKUP_MAX_TOKENS
 from kvcache.server.registry import InstanceRegistry
-from tests.server.helpers import small_kv_cache
+from tests.server.helpers import raw_dealer, small_kv_cache
 
 TOKENS, BLOCKS = list(range(64)), list(range(16))
 
@@ -181,3 +182,28 @@ def _raw_store(endpoint: str, c: KVCacheClient) -> Any:
                    block_ids=pack_ids(BLOCKS))  # fmt: skip
     sock.send(encode_request(1, body))
     return sock
+
+
+def test_a_read_of_the_socket_yields_the_processor_as_it_forwards(
+    daemon: tuple[Daemon, GatedEngine, threading.Thread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood read on a busy core never blocks, so the threads it wakes (workers, completions)
+    would wait for the kernel to take the core from it; each stop to forward replies also
+    yields the processor, on the I/O thread. A stop at every message here (interval 0)."""
+    d, _, thread = daemon
+    yielded_on: list[str] = []
+    real_yield = os.sched_yield
+
+    def recorded_yield() -> None:
+        yielded_on.append(threading.current_thread().name)
+        real_yield()
+
+    monkeypatch.setattr("kvcache.server.daemon.FORWARD_EVERY_S", 0.0)
+    monkeypatch.setattr(os, "sched_yield", recorded_yield)
+    with raw_dealer(d.endpoint) as sock:
+        for i in range(50):
+            sock.send(encode_request(i, m.Ping()))
+        for _ in range(50):
+            assert sock.poll(5000)
+            assert isinstance(decode_reply(sock.recv()).body, m.Pong)
+    assert thread.name in yielded_on, yielded_on[:5]
