@@ -14,7 +14,13 @@ Unix socket and loopback TCP), two principals:
 Beside the floods, a **reference** (``cpu``): the attacker's process burns one core and never
 calls the daemon. What the victim loses to it is what any co-located load costs on this
 machine (the kernel shares the cores, not the daemon), the floor a flood's ratio is read
-against: on 2 cores a flood that keeps the daemon busy cannot cost the victim less.
+against.
+
+**Placement** (``--placement``): by default (``split``) the attacker's process runs on its
+own cores (the upper half) and the daemon and the victim on the rest, as engines run on
+cores of their own on a serving host, so a flood's ratio holds what the daemon does for the
+flood, not the attacker's own CPU; ``shared`` puts every process on every core (the
+reference then burns a core the daemon runs on).
 
 For each flood it reports the victim's p50/p99 per operation with the flood against the same
 loop without it, measured in the same run, as a ratio (target: L1-hit retrieve p99 within 2x),
@@ -334,8 +340,9 @@ def main(argv: list[str]) -> int:
     print("target: retrieve p99 x <= 2; an await answered at most 1 s past its bound (late s);"
           " rss +MiB (the daemon's peak over its start) within the operator guide's bound")  # fmt: skip
     if REFERENCE in results:
-        print(f"{REFERENCE}: one core burnt beside the daemon, no request sent: what any co-located"
-              " load costs the victim on this machine, the floor for the floods' ratios")  # fmt: skip
+        where = "the attacker's core" if results["placement"] == "split" else "a core shared with the daemon"
+        print(f"{REFERENCE}: {where} burnt, no request sent: what that load costs the victim on this"
+              " machine, the floor for the floods' ratios")  # fmt: skip
     ratios = [r["retrieve"]["p99_ratio"] for k, r in results.items() if k in FLOODS]
     if ratios:
         print(f"median retrieve p99 ratio over floods: {statistics.median(ratios):.2f}")

@@ -42,7 +42,7 @@ lock): a thread the read woke (a worker, a completion) runs now instead of waiti
 kernel to take the core from a read that never blocks, which on a busy core is a time slice
 and then the interpreter's switch interval, per hand-off. Under a flood of 20,000 refused
 awaits, read on the one core left to the daemon, another tenant's L1-hit p99 went from 5.0
-to 5.2 ms to 1.9 to 3.1 ms (docs/benchmarks.md); a yield costs one system call."""
+to 7.3 ms to 1.9 to 3.8 ms (docs/benchmarks.md, "Fifth pass"); a yield costs one system call."""
 
 
 class InlineShare:
