@@ -52,6 +52,7 @@ class EventType(enum.Enum):
     INSTANCE_UNREGISTERED = "instance.unregistered"
     # -- the daemon's admission (publisher: daemon) ------------------------------------
     REQUEST_REFUSED = "daemon.request.refused"
+    REPLY_DROPPED = "daemon.reply.dropped"
 
 
 class EventMeta(msgspec.Struct, frozen=True, gc=False):
@@ -247,6 +248,15 @@ class RequestRefused(EventMeta, frozen=True, gc=False):
     the daemon batches a flood's refusals, one event per turn of its loop."""
 
 
+class ReplyDropped(EventMeta, frozen=True, gc=False):
+    """Replies the daemon could not deliver and dropped: ``unread`` (the client's queue of
+    unread replies was at ZMQ's high-water mark) or ``gone`` (its connection had closed)."""
+
+    reason: str
+    count: int = 1
+    """How many (same reason) this event reports: batched per turn of the daemon's loop."""
+
+
 EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
     {
         EventType.MP_STORE_START: MpStoreStart,
@@ -273,6 +283,7 @@ EVENT_META: Mapping[EventType, type[EventMeta]] = MappingProxyType(
         EventType.MP_VLLM_END_SESSION: MpVllmEndSession,
         EventType.INSTANCE_UNREGISTERED: InstanceUnregistered,
         EventType.REQUEST_REFUSED: RequestRefused,
+        EventType.REPLY_DROPPED: ReplyDropped,
     }
 )
 """The metadata Struct each event type carries (EVENTS.md, one section each)."""

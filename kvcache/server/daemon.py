@@ -56,6 +56,7 @@ from kvcache.server.admission import Admission, Hold, await_left
 from kvcache.server.connections import ConnectionGuard
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
+from kvcache.server.delivery import ReplySender
 from kvcache.server.fair_queue import FairQueue, FairShare
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
@@ -89,6 +90,7 @@ class Daemon:
         self._zap = auth.ZapHandler(self._ctx, self.policy)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 1000)
+        self._sender = ReplySender(self._router)  # every reply goes through it, counted when dropped
         self._router.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN)
         # The frame cap is the message cap: a larger frame drops its connection before
         # libzmq allocates it, so unfinished frames hold at most one cap per connection.
@@ -275,6 +277,7 @@ class Daemon:
                 if checking:
                     self._guard.cut_unfinished()
                 self.handlers.publish_refusals()  # batched: one event per principal and bound
+                self._sender.publish_dropped(self.handlers.bus)
         finally:
             self._shutdown_threads(deadline)
 
@@ -284,7 +287,7 @@ class Daemon:
         while readable(self._replies):
             frames = self._replies.recv_multipart(NOBLOCK, copy=False)
             self._in_flight -= 1
-            self._router.send_multipart(frames, copy=False)
+            self._sender.send(frames)
 
     def _accept(self, draining: bool) -> None:
         now = time.monotonic()
@@ -327,7 +330,7 @@ class Daemon:
             if lane == "inline":
                 with inline.timed(principal.name):
                     reply = self.handlers.handle(body, principal)
-                self._router.send_multipart([identity, encode_reply(envelope.id, reply)])
+                self._sender.send([identity, encode_reply(envelope.id, reply)])
                 if isinstance(instance_id, int) and not isinstance(reply, m.Error):
                     self.handlers.registry.touch(instance_id, principal, getattr(body, "token", b""))
                 continue
@@ -348,7 +351,7 @@ class Daemon:
                 self._reply_now(identity, request_id, _SHUTTING_DOWN)
 
     def _reply_now(self, identity: bytes, request_id: int, error: m.Error) -> None:
-        self._router.send_multipart([identity, encode_reply(request_id, error)])
+        self._sender.send([identity, encode_reply(request_id, error)])
 
     def _shutdown_threads(self, deadline: float | None) -> None:
         self._stop.set()
@@ -360,6 +363,7 @@ class Daemon:
                 log.warning("%s still busy after the drain timeout; stopping without it", t.name)
         self._forward_replies()
         self.handlers.publish_refusals()
+        self._sender.publish_dropped(self.handlers.bus)
         self._outbox.close()
         self._replies.close(linger=0)
         self._close_sockets(linger=None)

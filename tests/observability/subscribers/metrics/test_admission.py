@@ -24,3 +24,12 @@ def test_a_batched_refusal_event_counts_each_request(bus: EventBus, registry: Co
         "kvcache_requests_refused_total", {"principal": "loopback", "limit": FLAG}
     )
     assert value == 17953
+
+
+def test_dropped_replies_are_counted_by_reason(bus: EventBus, registry: CollectorRegistry) -> None:
+    bus.register_subscriber(AdmissionMetricsSubscriber(registry))
+    bus.publish(event(EventType.REPLY_DROPPED, {"reason": "unread", "count": 1200}))
+    bus.publish(event(EventType.REPLY_DROPPED, {"reason": "gone"}))
+    assert bus.flush(5)
+    assert registry.get_sample_value("kvcache_replies_dropped_total", {"reason": "unread"}) == 1200
+    assert registry.get_sample_value("kvcache_replies_dropped_total", {"reason": "gone"}) == 1
