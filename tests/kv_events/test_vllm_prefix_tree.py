@@ -12,6 +12,7 @@ holds, under the parent and with the tokens of its place in its prompt. Both wir
 from __future__ import annotations
 
 import json
+import logging
 import random
 import subprocess
 import threading
@@ -82,9 +83,13 @@ class RedisExpiries(EventSubscriber):
                 self.seen.update(event.metadata.keys)
                 self._cond.notify_all()
 
-    def wait(self, keys: set[int], timeout: float = 10.0) -> bool:
+    def wait(self, keys: set[int], timeout: float = 30.0) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: keys <= self.seen, timeout)
+
+    def missing(self, keys: set[int]) -> set[int]:
+        with self._cond:
+            return keys - self.seen
 
 
 class Recorder(Consumer):
@@ -234,8 +239,17 @@ def rebuilt(vllm_python: str) -> Iterator[TreeRebuilder]:
 
 @pytest.mark.parametrize("fmt", ["map", "array"])
 def test_vllm_router_tree_equals_true_holdings(
-    tmp_path: Path, redis_server: LocalRedis, rebuilt: TreeRebuilder, fmt: str
+    tmp_path: Path,
+    redis_server: LocalRedis,
+    rebuilt: TreeRebuilder,
+    fmt: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="kvcache.storage.l2.redis.notify")
+
+    def expired(keys: set[int]) -> str:  # why a wait failed: what never arrived, and the feed's log
+        return f"{len(a.expiries.missing(keys))} of {len(keys)} expiries never reported; {caplog.text}"
+
     raw = redis.Redis.from_url(redis_server.url)
     script = Script()
     a = Incarnation(tmp_path, redis_server.url, fmt)
@@ -253,7 +267,7 @@ def test_vllm_router_tree_equals_true_holdings(
         for k in c1:  # Redis TTL expiry (c1 left the small disk tier already)
             assert raw.pexpire(f"{PREFIX}{k:032x}", 1), "c1 never reached Redis"
         _expire_now(raw, c1)
-        assert a.expiries.wait(set(c1))
+        assert a.expiries.wait(set(c1)), expired(set(c1))
         payloads = a.settle()
         truth = script.truth(a, tmp_path / "disk", raw)
         assert not {fold64(k) for k in c1} & set(truth["STORAGE"])  # really gone everywhere
@@ -264,7 +278,7 @@ def test_vllm_router_tree_equals_true_holdings(
         for k in left:
             raw.pexpire(f"{PREFIX}{k:032x}", 1)
         _expire_now(raw, left)
-        assert a.expiries.wait(left)
+        assert a.expiries.wait(left), expired(left)
         payloads = a.settle()
         assert rebuilt(payloads, fmt, tmp_path) == script.truth(a, tmp_path / "disk", raw)
     finally:
