@@ -1,13 +1,19 @@
-"""Replies handed to the ROUTER socket, and the ones it could not deliver, counted by reason.
+"""Replies handed to the ROUTER socket, and the ones it refused, counted by reason.
 
 Apart from the loop (``daemon``) because it is one fact with its own rules: ZMQ's ROUTER drops
 a message it cannot route without a word, to a client that left or to one whose queue of
-unread replies is full (the socket's high-water mark, 1,000 per connection). The daemon must
-not hold more for a client that never reads (its memory would be the client's to grow), but a
-silent drop hid both from the operator: the client's calls timed out and nothing said why. With
-``ROUTER_MANDATORY`` the socket reports each instead, and never blocks the I/O thread, since
-every send here is non-blocking: a drop is counted (``unread`` or ``gone``) and published in
-batches by the daemon's loop (``REPLY_DROPPED``), as refusals are.
+unread replies is full (the socket's high-water mark, about 1,000 per connection, plus what the
+kernel's socket buffers hold). The daemon must not hold more for a client that never reads (its
+memory would be the client's to grow), but a silent drop hid both from the operator: the
+client's calls timed out and nothing said why. With ``ROUTER_MANDATORY`` the socket refuses
+each instead, and never blocks the I/O thread, since every send here is non-blocking: a refused
+reply is counted (``unread`` or ``gone``) and published in batches by the daemon's loop
+(``REPLY_DROPPED``), as refused requests are.
+
+The count is a lower bound on the replies lost: it counts every reply the socket refuses, not
+the ones it accepted. Replies queued for a connection that then closes (up to its high-water
+mark plus the kernel's buffers), and replies sent before the socket notices a close, are
+discarded by libzmq with no error, so they are lost uncounted.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ import zmq
 from kvcache.observability.event import Event, EventSink, EventType, ReplyDropped
 
 UNREAD = "unread"
-"""The client's queue of unread replies was full (it reads slower than it asks)."""
+"""The client's queue of unread replies was full (it reads slower than it asks), including a
+client that left with a full queue: libzmq's router checks for a full queue before a closing
+connection, and keeps the connection's pipe until it reads the pipe's end marker."""
 GONE = "gone"
-"""The client's connection was closed before its reply was ready."""
+"""The socket had no connection for the client: it had left with room in its queue (or never
+connected)."""
 
 
 class ReplySender:

@@ -53,10 +53,12 @@ def test_replies_past_a_full_queue_are_counted_unread_without_blocking(
 ) -> None:
     router, dealer = pair
     dealer.send(b"hello")  # the router learns the client's identity
+    assert router.poll(5000), "the client's hello never arrived"
     assert router.recv_multipart()[0] == b"client"
     sender, bus = ReplySender(router), Recorder()
     sent = sum(sender.send([b"client", b"reply %d" % i]) for i in range(100))  # never read
     assert 0 < sent < 100
     sender.publish_dropped(bus)
     assert [e.metadata for e in bus.events] == [ReplyDropped(reason=UNREAD, count=100 - sent)]
+    assert dealer.poll(5000), "nothing queued was delivered"
     assert dealer.recv() == b"reply 0"  # what was queued is delivered
