@@ -176,8 +176,8 @@ def _victim_loop(client: KVCacheClient, samples: int, base: int) -> dict[str, li
     held = _tokens(0, 4)
     times: dict[str, list[float]] = {"retrieve": [], "lookup": [], "store": []}
     for i in range(samples):
-        # L1 is shared, not partitioned: a store flood may evict the held prompt (LRU), so it
-        # is stored again (a no-op while it is held) and the retrieve times an L1 hit.
+        # The held prompt is within the victim's share of L1, which no flood evicts; stored
+        # again all the same (a no-op while it is held), so the retrieve always times an L1 hit.
         client.store(held, list(range(len(held) // BLOCK)))
         t = time.perf_counter()
         client.store(_tokens(base + i * 4 * CHUNK, 4), list(range(4 * CHUNK // BLOCK)))

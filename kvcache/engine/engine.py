@@ -33,6 +33,7 @@ This module is the facade (registration, lifecycle, introspection); the paths li
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -80,7 +81,7 @@ class CacheEngine:
             watermark=config.l1_evict_watermark,
             extent_bytes=config.l1_extent_bytes,
             pin_memory=config.l1_pin_memory,
-            policy=create_policy(config.l1_eviction),
+            policy=functools.partial(create_policy, config.l1_eviction),  # one per tenant
             bus=self._bus,
         )
         self._tiers = [
@@ -118,12 +119,15 @@ class CacheEngine:
         block_size: int | None = None,
         chunk_size: int | None = None,
         replace: bool = False,
+        tenant: str = "",
     ) -> CacheContext:
         """Register an engine's KV tensors; the chunk size comes from the config unless
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
         (``pages``) keep one page per chunk. ``replace``: an instance of that id is
         unregistered first, once the new registration passed every check (a refused one
-        changes nothing)."""
+        changes nothing). ``tenant``: whose share of L1 its chunks count against; room is
+        taken from the tenant holding the most (``storage.l1.shares``), so give each party
+        sharing the engine a name of its own (the daemon names its principals)."""
         if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
             raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         cs = chunk_size or self.config.chunk_size
@@ -133,7 +137,7 @@ class CacheEngine:
         with self._lock:
             if instance_id in self._instances:
                 raise LayoutError(f"instance {instance_id} is already registered; unregister it first")
-            self._instances[instance_id] = InstanceState(instance_id, model_name, ctx)
+            self._instances[instance_id] = InstanceState(instance_id, model_name, ctx, tenant)
         return ctx
 
     def unregister(self, instance_id: int) -> None:

@@ -50,11 +50,13 @@ class InstanceState:
         "model_name",
         "scope",
         "slot_shape",
+        "tenant",
     )
 
-    def __init__(self, instance_id: int, model_name: str, ctx: CacheContext) -> None:
+    def __init__(self, instance_id: int, model_name: str, ctx: CacheContext, tenant: str = "") -> None:
         self.instance_id = instance_id
         self.model_name = model_name
+        self.tenant = tenant  # whose share of L1 its chunks count against (``storage.l1.shares``)
         self.ctx = ctx
         self.completer = Completer(ctx.transfer, f"kvcache-complete-{instance_id}")
         self.device = str(ctx.device)

@@ -68,7 +68,7 @@ def prefetch(
     n = next((i for i, s in enumerate(source) if s is None), len(keys))
     room = room_by if room_by is not None else deadline
     room_s = 0.0 if room is None else room.left()
-    entries = parts.pool.begin_load(inst.slot_shape, keys[:n], wait_s=room_s)
+    entries = parts.pool.begin_load(inst.slot_shape, keys[:n], wait_s=room_s, tenant=inst.tenant)
     for i, entry in enumerate(entries):
         src = source[i]
         assert src is not None

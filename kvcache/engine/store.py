@@ -136,7 +136,8 @@ class _StoreOp:
             left = self.deadline.left() if waits else 0.0
             pool, pos = parts.pool, self.pos
             res = pool.begin_write(self.inst.slot_shape, keys[pos:], wait_s=left, partial=partial,
-                                   defer=stop is None, held=len(self.held), stop=stop)  # fmt: skip
+                                   defer=stop is None, held=len(self.held), stop=stop,
+                                   tenant=self.inst.tenant)  # fmt: skip
             got = self.held + [(pos + i, e) for i, e in res.new]
             self.held = []
             new = [e for _, e in got]
@@ -226,7 +227,9 @@ class _StoreOp:
                     self.failed += 1
                 return
             left = 0.0 if stop.is_set() else self.deadline.left()
-            res = self.parts.pool.begin_write(self.inst.slot_shape, [self.keys[i]], wait_s=left, stop=stop)
+            res = self.parts.pool.begin_write(
+                self.inst.slot_shape, [self.keys[i]], wait_s=left, stop=stop, tenant=self.inst.tenant
+            )
             new = [e for _, e in res.new]
             late = bool(new) and self.req.deadline is not None and self.req.deadline.passed()
             if late:  # it waited for room past its caller's deadline: the chunk is not copied

@@ -146,6 +146,7 @@ class Handlers:
                 block_size=req.block_size,
                 chunk_size=req.chunk_size,
                 replace=replacing,  # only once the new registration passed the engine's checks
+                tenant=principal.name,  # each principal's own share of L1
             )
             instance = RegistrationRecord(
                 req.instance_id, req.model_name, ctx.geometry, imported, principal, req.client_nonce

@@ -13,6 +13,7 @@ bound are refused at once, typed, and counted under its principal.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,7 @@ TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens
 AWAITING = 1000  # --max-awaiting-retrieves for the test
 FLOOD = 3000  # the attacker's pipelined awaits: AWAITING held, the rest refused
 AWAIT_MS = 6000
+CHUNK_BYTES = 2 * 2 * 16 * 2 * 8 * 2  # K and V x layers x tokens x heads x head size x fp16
 LATE_S = 5.0  # how far past its bound an await may be answered on a loaded CI machine
 
 
@@ -94,3 +96,34 @@ def test_an_await_flood_never_holds_another_principals_l1_hits_and_ends_at_its_b
         assert float(refusals[0].rsplit(" ", 1)[1]) == FLOOD - AWAITING
         # Its awaits all answered, the attacker's budget is whole again.
         assert victim.retrieve(TOKENS, BLOCKS) == 128
+
+
+def test_a_store_flood_never_evicts_another_principals_share_of_l1(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """L1 is one pool: under one eviction order for all, a tenant storing fresh prompts as fast
+    as it can pushed every other tenant's prefixes out, and their hits became misses (the
+    victim's 8 chunks were gone after a flood of 20 times L1). Room is now taken from the
+    tenant holding the most, so a victim within its equal share keeps every chunk, while the
+    attacker's own stores go on (each evicting its older ones)."""
+    # L1 of about 48 chunks of 2 KiB (the extent bound lets it grow in quarters)
+    d = start_daemon("--l1-size-gb", str(96 * 1024 / 2**30), tcp=True)
+    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
+    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    with victim, attacker:
+        victim.register_kv_caches(_kv(1))
+        attacker.register_kv_caches(_kv(2))
+        assert victim.store(TOKENS, BLOCKS).stored_chunks == 8
+        capacity = victim.status()["engine"]["l1"]["capacity_bytes"]
+        prompts = [[10_000 * (i + 1) + t for t in TOKENS] for i in range(120)]  # 20x L1
+        pending = [attacker.store_async(p, BLOCKS) for p in prompts]
+        stored = sum(f.result(60).stored_chunks for f in pending)
+        assert stored >= 8 * 20  # the flood's own stores go on (3x L1), evicting its own
+        held = victim.status()["engine"]["l1"]["tenant_bytes"]
+        assert victim.lookup(TOKENS) == len(TOKENS), f"the flood evicted the victim's chunks: {held}"
+        assert victim.retrieve(TOKENS, BLOCKS) == len(TOKENS)
+        assert attacker.lookup(prompts[-1]) == len(TOKENS)  # its newest prompt is held
+        held = victim.status()["engine"]["l1"]["tenant_bytes"]
+        assert set(held) == {"loopback", f"uid:{os.getuid()}"}
+        assert held[f"uid:{os.getuid()}"] == 8 * CHUNK_BYTES  # the victim's 8, whole
+        assert held["loopback"] <= capacity - 8 * CHUNK_BYTES  # the attacker holds the rest

@@ -61,7 +61,7 @@ class L1Pool(SlotTable):
         watermark: float = 0.9,
         extent_bytes: int = 64 << 20,
         pin_memory: bool | None = None,
-        policy: EvictionPolicy | None = None,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
         bus: EventSink | None = None,
     ) -> None:
         super().__init__(
@@ -69,7 +69,7 @@ class L1Pool(SlotTable):
             watermark=watermark,
             extent_bytes=extent_bytes,
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-            policy=policy if policy is not None else LRUPolicy(),
+            policy=policy,
             bus=bus if bus is not None else NullEventBus(),
         )
         self._room = threading.Condition(self._lock)  # notified whenever a pin or slot goes
@@ -88,6 +88,7 @@ class L1Pool(SlotTable):
         defer: bool = False,
         held: int = 0,
         stop: threading.Event | None = None,
+        tenant: str = "",
     ) -> WriteReservation:
         """Reserve pinned WRITING slots for the absent keys, in order, until memory runs out.
 
@@ -109,6 +110,8 @@ class L1Pool(SlotTable):
         nothing published; the caller asks again elsewhere, passing what it kept as ``held``
         (fresh slots of an earlier call, still pinned: never waited for, like this call's).
         ``stop``, set by another thread that then calls ``wake_writers``, ends a wait at once.
+        ``tenant``: whose share of L1 the fresh slots count against (``shares``); room for
+        them is taken from the tenant holding the most.
         """
         new: list[tuple[int, L1Entry]] = []
         present: list[int] = []
@@ -125,7 +128,7 @@ class L1Pool(SlotTable):
                     if there.state is loading_state:
                         loading.append((i, there))
                     continue
-                entry = self._allocate(slot_shape, key, events)
+                entry = self._allocate(slot_shape, key, events, tenant)
                 mine = len(new) + held
                 if entry is None and ((partial and new) or (defer and self._pinned > mine)):
                     settled = i
@@ -141,7 +144,7 @@ class L1Pool(SlotTable):
                         self._waiting_writers -= 1
                     if key in self._entries:  # written by someone else meanwhile
                         break
-                    entry = self._allocate(slot_shape, key, events)
+                    entry = self._allocate(slot_shape, key, events, tenant)
                 if entry is None and (there := entries.get(key)) is not None:
                     present.append(i)
                     if there.state is loading_state:
@@ -166,7 +169,7 @@ class L1Pool(SlotTable):
             self._room.notify_all()
 
     def begin_load(
-        self, slot_shape: SlotShape, keys: Sequence[ChunkKey], *, wait_s: float = 0.0
+        self, slot_shape: SlotShape, keys: Sequence[ChunkKey], *, wait_s: float = 0.0, tenant: str = ""
     ) -> list[L1Entry]:
         """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
         key that is present or cannot get memory, so the result is a prefix of ``keys``.
@@ -174,7 +177,7 @@ class L1Pool(SlotTable):
         When no slot is free and no pin of its own is held, it waits up to ``wait_s`` for
         others' pins to go (loads and writes in flight finish within milliseconds). It never
         waits holding slots of its own, so concurrent loaders cannot wait on one another;
-        the caller asks again for the rest."""
+        the caller asks again for the rest. ``tenant`` as for ``begin_write``."""
         out: list[L1Entry] = []
         events: list[Event] = []
         deadline = time.monotonic() + wait_s
@@ -182,7 +185,7 @@ class L1Pool(SlotTable):
             for i, key in enumerate(keys):
                 if key in self._entries:
                     break
-                entry = self._allocate(slot_shape, key, events)
+                entry = self._allocate(slot_shape, key, events, tenant)
                 while entry is None and not out and self._pinned > 0:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -194,7 +197,7 @@ class L1Pool(SlotTable):
                         self._waiting_loaders -= 1
                     if key in self._entries:  # loaded or written by someone else meanwhile
                         break
-                    entry = self._allocate(slot_shape, key, events)
+                    entry = self._allocate(slot_shape, key, events, tenant)
                 if entry is None:
                     if key not in self._entries:
                         n = len(keys) - i
@@ -382,6 +385,7 @@ class L1Pool(SlotTable):
                 "used_bytes": self.used_bytes,
                 "num_chunks": len(self._entries),
                 "evictable_chunks": len(self._policy),
+                "tenant_bytes": self._policy.held(),
                 "pinned_chunks": self._pinned,
                 "waiting_writers": self._waiting_writers,
                 "waiting_loaders": self._waiting_loaders,

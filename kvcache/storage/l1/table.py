@@ -24,6 +24,7 @@ from kvcache.observability.event import (
 )
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import L1Entry
+from kvcache.storage.l1.shares import TenantShares
 from kvcache.storage.l1.slab import SlabAllocator, SlotShape
 from kvcache.storage.l2.base import EvictionPolicy
 
@@ -43,14 +44,14 @@ class SlotTable:
         watermark: float,
         extent_bytes: int,
         pin_memory: bool,
-        policy: EvictionPolicy,
+        policy: Callable[[], EvictionPolicy],
         bus: EventSink,
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.watermark = watermark
         self.extent_bytes = extent_bytes
         self.pin_memory = pin_memory
-        self._policy = policy
+        self._policy = TenantShares(policy)  # one order per tenant; room from the fullest
         self._bus = bus
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, L1Entry] = {}
@@ -100,13 +101,16 @@ class SlotTable:
         if entry.pins == 0:
             self._pinned -= 1
 
-    def _allocate(self, slot_shape: SlotShape, key: ChunkKey, events: list[Event]) -> L1Entry | None:
+    def _allocate(
+        self, slot_shape: SlotShape, key: ChunkKey, events: list[Event], tenant: str
+    ) -> L1Entry | None:
         evicted: list[L1Entry] = []
         while (slot := self._slabs.take(slot_shape)) is None:
-            # Room must come from elsewhere: wholly free extents of other slabs, then victims.
+            # Room must come from elsewhere: wholly free extents of other slabs, then victims
+            # (the fullest tenant's: ``shares``).
             if self._slabs.reclaim_for(slot_shape):
                 continue
-            victim = self._policy.victim()
+            victim = self._policy.victim_for(tenant)
             if victim is None:
                 break
             entry = self._entries[victim]
@@ -122,10 +126,12 @@ class SlotTable:
         self._pinned += 1
         self._entries[key] = entry
         self.used_bytes += slot_shape.stride
+        self._policy.charge(key, tenant, slot_shape.stride)
         return entry
 
     def _remove(self, entry: L1Entry) -> None:
         del self._entries[entry.key]
+        self._policy.release(entry.key, entry.slot_shape.stride)
         self._slabs.free(entry.slot_shape, entry._extent, entry._offset)
         self.used_bytes -= entry.slot_shape.stride
 

@@ -297,7 +297,7 @@ def test_a_batch_walk_answers_and_orders_the_lru_as_walks_one_by_one(seed: int) 
     whatever is ready, loading or being written, and whatever ``shared`` says the lists share."""
     rng = random.Random(seed)
     policies = LRUPolicy(), LRUPolicy()
-    pools = [L1Pool(64 * G.stride, extent_bytes=2 * G.stride, policy=p) for p in policies]
+    pools = [L1Pool(64 * G.stride, extent_bytes=2 * G.stride, policy=lambda p=p: p) for p in policies]
     ready = rng.sample(range(1, 40), 24)
     loading, writing = rng.sample([k for k in range(1, 40) if k not in ready], 2)
     for p in pools:
