@@ -41,14 +41,22 @@ class L1Entry:
         "pins",
         "slot_shape",
         "state",
+        "tenant",
         "tensor",
         "watchers",
     )
 
     def __init__(
-        self, key: ChunkKey, slot_shape: SlotShape, tensor: torch.Tensor, extent: int, offset: int
+        self,
+        key: ChunkKey,
+        slot_shape: SlotShape,
+        tensor: torch.Tensor,
+        extent: int,
+        offset: int,
+        tenant: str = "",
     ) -> None:
         self.key = key
+        self.tenant = tenant  # whose share of L1 it counts against (``shares``)
         self.slot_shape = slot_shape
         self.tensor = tensor
         self.state = EntryState.WRITING

@@ -31,7 +31,6 @@ from kvcache.observability.event import (
     Event,
     EventSink,
     EventType,
-    L1Cleared,
     L1ReadFinished,
     L1WriteFinished,
     NullEventBus,
@@ -130,10 +129,13 @@ class L1Pool(SlotTable):
                     continue
                 entry = self._allocate(slot_shape, key, events, tenant)
                 mine = len(new) + held
-                if entry is None and ((partial and new) or (defer and self._pinned > mine)):
+                if entry is None and (
+                    (partial and new) or (defer and self._policy.room_may_come(tenant, mine))
+                ):
                     settled = i
                     break
-                while entry is None and self._pinned > mine:  # others hold pins: wait
+                # Pins of tenants it may take room from, other than its own: wait for them.
+                while entry is None and self._policy.room_may_come(tenant, mine):
                     left = deadline - time.monotonic()
                     if left <= 0 or (stop is not None and stop.is_set()):
                         break
@@ -186,7 +188,7 @@ class L1Pool(SlotTable):
                 if key in self._entries:
                     break
                 entry = self._allocate(slot_shape, key, events, tenant)
-                while entry is None and not out and self._pinned > 0:
+                while entry is None and not out and self._policy.room_may_come(tenant, 0):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -254,7 +256,8 @@ class L1Pool(SlotTable):
                     capacity_bytes=self.capacity_bytes,
                 )  # fmt: skip
                 events.append(Event(EventType.L1_WRITE_FINISHED, meta))
-            self._evict_to_watermark(events)
+            if written:  # on the writer's behalf: room from those it may take it from
+                self._evict_to_watermark(events, entries[0].tenant)
         self._publish(events)
         self._call_watchers(watchers)
 
@@ -355,27 +358,6 @@ class L1Pool(SlotTable):
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    # -- maintenance ----------------------------------------------------------------------
-    def evict(self, keys: Iterable[ChunkKey]) -> int:
-        """Evict the given READY, unpinned keys (others are left alone); returns how many."""
-        events: list[Event] = []
-        with self._lock:
-            victims = [e for k in keys if (e := self._entries.get(k)) is not None and k in self._policy]
-            self._evict(victims, events)
-        self._publish(events)
-        return len(victims)
-
-    def clear(self) -> int:
-        """Drop every READY, unpinned entry and release free extents; publishes L1_CLEARED."""
-        with self._lock:
-            victims = [e for k, e in self._entries.items() if k in self._policy]
-            for entry in victims:
-                self._policy.discard(entry.key)
-                self._remove(entry)
-            self._slabs.release_free_extents()
-        self._publish([Event(EventType.L1_CLEARED, L1Cleared(num_keys=len(victims)))])
-        return len(victims)
 
     def info(self) -> dict[str, Any]:
         with self._lock:

@@ -6,9 +6,17 @@ every other tenant's prefixes out, and their L1 hits turn into L2 reads or recom
 party slows another without ever queueing ahead of it. So each tenant's chunks keep an order
 of their own (the configured policy, one instance per tenant), and the chunk evicted for room
 is the next one of the tenant holding the most bytes, and never one of a tenant holding less
-than the one asking (max-min fairness). A tenant that holds no more than an equal share (L1's
-capacity over the tenants holding chunks) loses nothing to the others' stores; a tenant alone
-may fill the whole pool.
+than the one asking (max-min fairness). That holds for every eviction on a tenant's behalf:
+room for its write, and the pass down to the watermark after it. A tenant that holds less
+than an equal share (what L1 keeps, up to its watermark, over the tenants holding chunks)
+loses nothing to the others' stores; a tenant alone may fill the whole pool. A writer waits
+only for pins that could give it room (on chunks of tenants it may take from), and fails at
+once where none could.
+
+What it costs: a tenant cannot grow past an equal share while others hold theirs, so with
+several tenants a prompt longer than that no longer fits L1 whole (its tail fails, or, with
+an L2 tier, it evicts its own head); a tenant that went idle keeps its share until others
+need more than theirs and it is the fullest.
 
 A chunk counts against the tenant that brought it into L1 (its store, or the prefetch that
 loaded it) for as long as it stays. Another tenant reading it (a prefix shared under the same
@@ -17,7 +25,9 @@ policy. Chunks count whether or not they are evictable (pinned, being written), 
 hold memory all the same; only evictable ones can be chosen.
 
 With one tenant (library use, one engine, every client of the daemon's own user) it is the
-configured policy, call for call. Not thread-safe: the pool calls it under its lock.
+configured policy, call for call (a tenant's policy outlives its last chunk, so S3-FIFO's
+ghost still counts). Choosing a victim sorts the tenants holding chunks: a few microseconds
+per eviction with tens of tenants. Not thread-safe: the pool calls it under its lock.
 """
 
 from __future__ import annotations
@@ -29,39 +39,86 @@ from kvcache.storage.l2.base import EvictionPolicy
 
 
 class TenantShares(EvictionPolicy):
-    """One eviction policy per tenant; ``victim`` is the fullest tenant's next victim.
+    """One eviction policy per tenant; ``victim_for`` is the next victim for a tenant's write.
 
-    The pool reports each slot it hands out (``charge``) and takes back (``release``); the
-    policy calls (``add``, ``touch``, ``discard``) are routed by the key's tenant."""
+    The pool reports each slot it hands out (``charge``: born pinned) and takes back
+    (``release``), and each entry's first pin and last unpin (``pinned``); the policy calls
+    (``add``, ``touch``, ``discard``) are routed by the key's tenant. A tenant's policy outlives
+    its last chunk (S3-FIFO's ghost keeps counting its keys), one per tenant ever seen."""
 
     def __init__(self, make_policy: Callable[[], EvictionPolicy]) -> None:
         self._make_policy = make_policy
         self._policies: dict[str, EvictionPolicy] = {}
-        self._held: dict[str, int] = {}  # bytes of slots, evictable or not
+        self._held: dict[str, int] = {}  # bytes of slots, evictable or not; only tenants holding any
+        self._pins: dict[str, int] = {}  # entries with a pin, per tenant
         self._tenant: dict[ChunkKey, str] = {}
 
     def charge(self, key: ChunkKey, tenant: str, nbytes: int) -> None:
-        """``key`` took a slot of ``nbytes`` for ``tenant`` (not yet evictable)."""
+        """``key`` took a slot of ``nbytes`` for ``tenant``, pinned (not yet evictable)."""
+        if tenant not in self._policies:
+            self._policies[tenant] = self._make_policy()  # first: a factory that fails changes nothing
         self._tenant[key] = tenant
         self._held[tenant] = self._held.get(tenant, 0) + nbytes
-        if tenant not in self._policies:
-            self._policies[tenant] = self._make_policy()
+        self._pins[tenant] = self._pins.get(tenant, 0) + 1
 
     def release(self, key: ChunkKey, nbytes: int) -> None:
-        """``key`` gave its slot back (evicted, deleted, or its write failed)."""
+        """``key`` gave its slot back (evicted, deleted, or its write failed), unpinned."""
         tenant = self._tenant.pop(key, None)
         if tenant is None:
             return
         left = self._held[tenant] - nbytes
         if left > 0:
             self._held[tenant] = left
-            return
-        del self._held[tenant]  # a tenant holding nothing leaves no state behind
-        del self._policies[tenant]
+        else:
+            del self._held[tenant]
+
+    def pinned(self, tenant: str, delta: int) -> None:
+        """An entry of ``tenant`` took its first pin (+1) or lost its last (-1). By tenant, not
+        key: an entry dropped while a reader still pins it (a failed load) is unpinned after
+        its key is gone, or charged again to a new entry."""
+        self._pins[tenant] += delta
 
     def held(self) -> dict[str, int]:
         """Bytes of L1 each tenant holding any is charged for."""
         return dict(self._held)
+
+    def _takers(self, tenant: str | None) -> list[str]:
+        """The tenants ``tenant`` may take room from, fullest first (itself first among
+        equals): those holding at least as much as it does."""
+        held = self._held
+        floor = held.get(tenant, 0) if tenant is not None else 0
+        order = sorted((n, name == tenant, name) for name, n in held.items() if n >= floor)
+        return [name for _, _, name in reversed(order)]
+
+    def victim_for(self, tenant: str | None, first: str | None = None) -> tuple[ChunkKey | None, str | None]:
+        """The next victim when ``tenant`` needs room, and whose it is: the next chunk of the
+        fullest tenant holding at least as much as ``tenant`` (``tenant`` first among equals,
+        so two tenants holding the same never trade chunks); ``first``'s next chunk, if it has
+        one, where an allocation already evicts from ``first`` (its slab frees a whole extent
+        for another slot shape only once enough of its chunks left). None when no such
+        tenant has an evictable chunk (the asker's own are pinned by its copies in flight):
+        a tenant never takes room from one holding less, it waits for its own or goes
+        without."""
+        if len(self._policies) == 1:
+            name = next(iter(self._policies))
+            return self._policies[name].victim(), name
+        if first is not None and first in self._held and (key := self._policies[first].victim()) is not None:
+            return key, first
+        for name in self._takers(tenant):
+            key = self._policies[name].victim()
+            if key is not None:  # the fullest tenant may hold only pinned chunks just now
+                return key, name
+        return None, None
+
+    def room_may_come(self, tenant: str | None, mine: int) -> bool:
+        """Whether a pin that, once gone, could give ``tenant`` room is held: one on a chunk
+        of a tenant it may take from, other than the ``mine`` its own reservation holds."""
+        pins = self._pins
+        return any(pins.get(name, 0) - (mine if name == tenant else 0) > 0 for name in self._takers(tenant))
+
+    def victim(self) -> ChunkKey | None:
+        """The fullest tenant's next victim (the pool asks ``victim_for`` on a tenant's behalf)."""
+        return self.victim_for(None)[0]
 
     # -- EvictionPolicy -------------------------------------------------------------------
     def add(self, key: ChunkKey) -> None:
@@ -91,27 +148,6 @@ class TenantShares(EvictionPolicy):
         tenant = self._tenant.get(key)
         if tenant is not None:
             self._policies[tenant].discard(key)
-
-    def victim(self) -> ChunkKey | None:
-        return self.victim_for(None)
-
-    def victim_for(self, tenant: str | None) -> ChunkKey | None:
-        """The next victim when ``tenant`` needs room: the next chunk of the fullest tenant
-        holding at least as much as ``tenant`` (``tenant`` first among equals, so two tenants
-        holding the same never trade chunks). None when none of those has an evictable chunk
-        (the asker's own are pinned by its copies in flight): a tenant never takes room from
-        one holding less, it waits for its own chunks or goes without."""
-        if len(self._policies) == 1:
-            return next(iter(self._policies.values())).victim()
-        held = self._held
-        floor = held.get(tenant, 0) if tenant is not None else 0
-        for name in sorted(held, key=lambda t: (held[t], t == tenant), reverse=True):
-            if held[name] < floor:
-                break
-            key = self._policies[name].victim()
-            if key is not None:  # the fullest tenant may hold only pinned chunks just now
-                return key
-        return None
 
     def __len__(self) -> int:
         return sum(len(p) for p in self._policies.values())

@@ -2,11 +2,13 @@
 evicted to make room.
 
 Split from ``pool`` so that the rules of the table (a slot is taken from the slabs, else from
-extents other geometries left free, else from LRU victims; pins keep an entry off the policy;
-the watermark bounds what stays after a write) read on their own, apart from the operations
-that wait on it. Every method here but ``on_settled`` expects the caller to hold ``_lock``;
-events are collected in a list and published by the caller after the lock is dropped
-(``_publish``), and settle watchers are called the same way (``_call_watchers``).
+extents other geometries left free, else from the victims of the tenant holding the most,
+``shares``; pins keep an entry off the policy; the watermark bounds what stays after a write)
+read on their own, apart from the operations that wait on it. Every method here but
+``on_settled`` and the maintenance ones (``evict``, ``clear``), which take it themselves,
+expects the caller to hold ``_lock``; events are collected in a list and published by the
+caller after the lock is dropped (``_publish``), and settle watchers are called the same way
+(``_call_watchers``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvcache.observability.event import (
     EventSink,
     EventType,
     L1AllocationFailed,
+    L1Cleared,
     L1KeysEvicted,
 )
 from kvcache.records import ChunkKey
@@ -51,6 +54,8 @@ class SlotTable:
         self.watermark = watermark
         self.extent_bytes = extent_bytes
         self.pin_memory = pin_memory
+        if isinstance(policy, EvictionPolicy):  # one per tenant: a shared instance would mix them
+            raise TypeError("policy must make a fresh EvictionPolicy per call (a class or factory)")
         self._policy = TenantShares(policy)  # one order per tenant; room from the fullest
         self._bus = bus
         self._lock = threading.Lock()
@@ -89,28 +94,52 @@ class SlotTable:
             except Exception:  # one broken watcher must not cost another its call
                 logger.exception("L1 settle watcher failed")
 
+    # -- maintenance ----------------------------------------------------------------------
+    def evict(self, keys: Iterable[ChunkKey]) -> int:
+        """Evict the given READY, unpinned keys (others are left alone); returns how many."""
+        events: list[Event] = []
+        with self._lock:
+            victims = [e for k in keys if (e := self._entries.get(k)) is not None and k in self._policy]
+            self._evict(victims, events)
+        self._publish(events)
+        return len(victims)
+
+    def clear(self) -> int:
+        """Drop every READY, unpinned entry and release free extents; publishes L1_CLEARED."""
+        with self._lock:
+            victims = [e for k, e in self._entries.items() if k in self._policy]
+            for entry in victims:
+                self._policy.discard(entry.key)
+                self._remove(entry)
+            self._slabs.release_free_extents()
+        self._publish([Event(EventType.L1_CLEARED, L1Cleared(num_keys=len(victims)))])
+        return len(victims)
+
     # -- internals (lock held) ------------------------------------------------------------
     def _pin(self, entry: L1Entry) -> None:
         if entry.pins == 0:
             self._policy.discard(entry.key)
+            self._policy.pinned(entry.tenant, 1)
             self._pinned += 1
         entry.pins += 1
 
     def _unpin(self, entry: L1Entry) -> None:
         entry.pins -= 1
         if entry.pins == 0:
+            self._policy.pinned(entry.tenant, -1)
             self._pinned -= 1
 
     def _allocate(
         self, slot_shape: SlotShape, key: ChunkKey, events: list[Event], tenant: str
     ) -> L1Entry | None:
         evicted: list[L1Entry] = []
+        owner: str | None = None  # whose chunks this allocation evicts, once it began
         while (slot := self._slabs.take(slot_shape)) is None:
             # Room must come from elsewhere: wholly free extents of other slabs, then victims
             # (the fullest tenant's: ``shares``).
             if self._slabs.reclaim_for(slot_shape):
                 continue
-            victim = self._policy.victim_for(tenant)
+            victim, owner = self._policy.victim_for(tenant, owner)
             if victim is None:
                 break
             entry = self._entries[victim]
@@ -122,7 +151,7 @@ class SlotTable:
         if slot is None:
             self.allocation_failures += 1
             return None
-        entry = L1Entry(key, slot_shape, slot.tensor, slot.extent, slot.offset)  # born pinned
+        entry = L1Entry(key, slot_shape, slot.tensor, slot.extent, slot.offset, tenant)  # born pinned
         self._pinned += 1
         self._entries[key] = entry
         self.used_bytes += slot_shape.stride
@@ -142,10 +171,11 @@ class SlotTable:
         if victims:
             events.append(self._evicted_event(victims))
 
-    def _evict_to_watermark(self, events: list[Event]) -> None:
+    def _evict_to_watermark(self, events: list[Event], tenant: str) -> None:
+        """After ``tenant``'s write: down to the watermark, from those it may take room from."""
         limit = self.watermark * self.capacity_bytes
         victims: list[L1Entry] = []
-        while self.used_bytes > limit and (key := self._policy.victim()) is not None:
+        while self.used_bytes > limit and (key := self._policy.victim_for(tenant)[0]) is not None:
             entry = self._entries[key]
             self._policy.discard(key)
             self._remove(entry)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 from kvcache.storage.l1.lru import LRUPolicy
+from kvcache.storage.l1.pool import EntryState, L1Entry, L1Pool
 from kvcache.storage.l1.s3fifo import S3FIFOPolicy
 from kvcache.storage.l1.shares import TenantShares
+from kvcache.storage.l1.slab import SlotShape
 from kvcache.storage.l2.base import EvictionPolicy
-from tests.storage.l1.test_pool import G, pool, write
+from tests.storage.l1.test_pool import G2, G, pool, write
 
 
 def _held(shares: TenantShares, keys: dict[int, str], nbytes: int = 1) -> None:
@@ -45,38 +48,40 @@ def test_one_tenant_is_its_policy_call_for_call(make: type[EvictionPolicy], seed
             shares.release(key, 8)
             charged.discard(key)
         elif op == 4 and (victim := plain.victim()) is not None:
-            assert shares.victim_for("t") == victim == shares.victim()
+            assert shares.victim_for("t") == (victim, "t") and shares.victim() == victim
         assert len(shares) == len(plain) and all((k in shares) == (k in plain) for k in range(40))
 
 
 def test_room_comes_from_the_fullest_tenant_and_never_from_one_holding_less() -> None:
     shares = TenantShares(LRUPolicy)
     _held(shares, {1: "a", 2: "a", 3: "a", 10: "v", 11: "v"})
-    assert shares.victim_for("a") == 1  # the asker is the fullest: it pays with its oldest
-    assert shares.victim_for("v") == 1  # a fuller tenant pays for the one holding less
-    assert shares.victim_for("new") == 1 and shares.victim() == 1
+    assert shares.victim_for("a") == (1, "a")  # the asker is the fullest: it pays with its oldest
+    assert shares.victim_for("v") == (1, "a")  # a fuller tenant pays for the one holding less
+    assert shares.victim_for("new") == (1, "a") and shares.victim() == 1
     for key in (1, 2, 3):  # the fullest has nothing evictable just now (its copies in flight)
         shares.discard(key)
-    assert shares.victim_for("a") is None  # it waits for its own or goes without
-    assert shares.victim_for("v") == 10  # the one holding less may evict only its own
+    assert shares.victim_for("a") == (None, None)  # it waits for its own or goes without
+    assert shares.victim_for("v") == (10, "v")  # the one holding less may evict only its own
+    assert shares.victim_for("v", "a") == (10, "v")  # nothing left of the one it began with
     assert shares.held() == {"a": 3, "v": 2}
 
 
 def test_the_asker_pays_first_among_equals() -> None:
     shares = TenantShares(LRUPolicy)
     _held(shares, {1: "a", 2: "a", 10: "v", 11: "v"})
-    assert shares.victim_for("a") == 1
-    assert shares.victim_for("v") == 10
+    assert shares.victim_for("a") == (1, "a")
+    assert shares.victim_for("v") == (10, "v")
+    assert shares.victim_for("a", "v") == (10, "v")  # an allocation goes on with whom it began
 
 
 def test_a_tenant_holding_nothing_leaves_no_state_and_touches_keep_each_tenants_order() -> None:
     shares = TenantShares(LRUPolicy)
     _held(shares, {1: "a", 2: "a", 10: "v", 11: "v", 12: "v"})
     shares.touch_many([10, 1, 99, 11])  # an unknown key is ignored, as LRU does
-    assert shares.victim_for("v") == 12 and shares.victim_for("a") == 12
+    assert shares.victim_for("v")[0] == 12 and shares.victim_for("a")[0] == 12
     shares.discard(1)
     shares.discard(2)
-    assert shares.victim_for("a") == 12
+    assert shares.victim_for("a")[0] == 12
     shares.release(1, 1)
     shares.release(2, 1)
     shares.release(2, 1)  # twice: no-op
@@ -106,3 +111,159 @@ def test_in_the_pool_a_flood_evicts_its_own_and_a_tenant_within_its_share_keeps_
     assert (
         held[""] == 3 * G.stride and min(held.values()) >= 3 * G.stride and max(held.values()) <= 5 * G.stride
     )
+
+
+def test_pins_that_could_give_room_are_waited_for_and_no_others() -> None:
+    shares = TenantShares(LRUPolicy)
+    _held(shares, {1: "a", 2: "a", 3: "a", 10: "b"})  # born pinned, then evictable (add) ...
+    for tenant in ("a", "a", "a", "b"):
+        shares.pinned(tenant, -1)  # ... once the write settled
+    shares.pinned("b", 1)  # b's chunk is read
+    assert not shares.room_may_come("a", 0)  # b holds less: its pin never gives a room
+    assert shares.room_may_come("b", 0)  # its own pin will go
+    assert not shares.room_may_come("b", 1)  # ... unless it is this reservation's own
+    shares.pinned("a", 1)
+    assert shares.room_may_come("a", 0) and shares.room_may_come("b", 0)
+
+
+def test_the_watermark_pass_after_a_write_is_on_the_writers_behalf() -> None:
+    """A store with write-through to L2 still pins its chunks when it settles: the pass down
+    to the watermark then took the other tenant's chunks (``victim()`` had no asker)."""
+    p = L1Pool(10 * G.stride, watermark=0.9, extent_bytes=2 * G.stride)
+    write_as(p, [1, 2], "v")
+    for i in range(3):
+        res = p.begin_write(G, [100 + 10 * i + j for j in range(3)], tenant="a")
+        new = [e for _, e in res.new]
+        p.pin(new)  # store._copied: pinned for the write to L2 before it settles
+        p.finish(new)
+        p.release(new)
+        assert p.resident([1, 2]) == (2, 0), p.info()["tenant_bytes"]
+    write_as(p, [3, 4, 5], "v")  # room from the fuller, then down to the watermark: equal shares
+    assert p.info()["tenant_bytes"] == {"v": 4 * G.stride, "a": 5 * G.stride}  # the asker paid the tie
+
+
+def test_a_writer_never_waits_for_pins_that_cannot_give_it_room() -> None:
+    """The fuller tenant's write used to wait its whole bound for the pin of a tenant holding
+    less (a read of its chunk), which it may never take, then fail."""
+    p = L1Pool(10 * G.stride, watermark=1.0, extent_bytes=2 * G.stride)
+    write_as(p, [1, 2, 3], "b")
+    reading = p.acquire([1])
+    started = time.monotonic()
+    res = p.begin_write(G, list(range(100, 108)), wait_s=30.0, tenant="a")  # 8 chunks, 7 free
+    assert time.monotonic() - started < 10 and len(res.new) == 7 and res.failed == 1
+    p.release(reading)
+
+
+def test_an_allocation_evicts_from_one_tenant_until_a_slot_of_another_shape_is_free() -> None:
+    """A slot of another shape comes only from a wholly free extent: the victims must come
+    from one slab until one is free, not stop as soon as that tenant holds less than the asker."""
+    p = L1Pool(16 * G.stride, watermark=1.0, extent_bytes=4 * G.stride)  # 4 of G, 5 of G2 per extent
+    write_as(p, list(range(100, 110)), "a", G2)  # 2 extents
+    reading = p.acquire(list(range(100, 110)))  # all pinned by reads
+    write_as(p, list(range(1, 9)), "b")  # 2 extents of G
+    by_extent: dict[int, list[int]] = {}
+    for k in range(1, 9):
+        by_extent.setdefault(p.get(k)._extent, []).append(k)
+    for k in [k for pair in zip(*by_extent.values(), strict=True) for k in pair]:
+        p.prefix([k])  # its LRU order alternates between its extents
+    res = p.begin_write(G2, [200], tenant="a")
+    assert len(res.new) == 1 and res.failed == 0
+    # b's victims came from b until one of its extents was whole (7 of 8 in this order)
+    assert 0 < p.info()["tenant_bytes"]["b"] < 4 * G.stride
+    p.release(reading)
+
+
+def test_a_tenant_keeps_its_s3fifo_ghost_when_it_empties() -> None:
+    shares = TenantShares(S3FIFOPolicy)
+    _held(shares, {1: "t", 2: "t"})
+    for key in (1, 2):
+        shares.discard(key)
+        shares.release(key, 1)
+    assert shares.held() == {}
+    _held(shares, {1: "t"})  # back from the ghost: straight to the main queue, as with one policy
+    plain = S3FIFOPolicy()
+    for key in (1, 2):
+        plain.add(key)
+        plain.discard(key)
+    plain.add(1)
+    assert shares.victim() == plain.victim()
+
+
+def test_a_policy_instance_is_refused_for_a_factory() -> None:
+    with pytest.raises(TypeError, match="fresh EvictionPolicy"):
+        L1Pool(G.stride, policy=LRUPolicy())  # type: ignore[arg-type]
+
+
+def write_as(p: L1Pool, keys: list[int], tenant: str, shape: SlotShape = G) -> None:
+    res = p.begin_write(shape, keys, tenant=tenant)
+    assert res.failed == 0
+    p.finish([e for _, e in res.new])
+
+
+def _check_books(p: L1Pool) -> None:
+    """The shares' books agree with the pool's: bytes, pins, evictable keys."""
+    shares = p._policy
+    held = shares.held()
+    assert sum(held.values()) == p.used_bytes
+    assert set(shares._tenant) == set(p._entries)
+    assert sum(shares._pins.values()) == p._pinned
+    evictable = {k for k, e in p._entries.items() if e.pins == 0 and e.state is EntryState.READY}
+    assert len(shares) == len(evictable) and all(k in shares for k in evictable)
+    per: dict[str, int] = {}
+    for e in p._entries.values():
+        per[e.tenant] = per.get(e.tenant, 0) + e.slot_shape.stride
+    assert per == held
+
+
+@pytest.mark.parametrize("make", [LRUPolicy, S3FIFOPolicy])
+@pytest.mark.parametrize("seed", range(20))
+def test_the_books_hold_through_any_sequence_of_pool_operations(
+    make: type[EvictionPolicy], seed: int
+) -> None:
+    """Writes settled or failed, loads that fail while a reader joined them, pins, reads,
+    evictions and clears, by 2 to 4 tenants of two slot shapes."""
+    rng = random.Random(seed)
+    p = L1Pool(12 * G.stride, watermark=rng.choice([0.7, 0.9, 1.0]), extent_bytes=2 * G.stride, policy=make)
+    tenants = ["a", "b", "c", "d"][: rng.randint(2, 4)]
+    writing: list[list[L1Entry]] = []
+    loading: list[list[L1Entry]] = []
+    pinned: list[list[L1Entry]] = []
+    for _ in range(300):
+        op, tenant, shape = rng.randrange(9), rng.choice(tenants), rng.choice([G, G, G2])
+        keys = list(dict.fromkeys(rng.randrange(60) for _ in range(rng.randint(1, 5))))
+        if op == 0:
+            writing.append(
+                [e for _, e in p.begin_write(shape, keys, partial=rng.random() < 0.5, tenant=tenant).new]
+            )
+        elif op == 1 and writing:
+            entries = writing.pop(rng.randrange(len(writing)))
+            oks = [rng.random() < 0.8 for _ in entries]
+            if rng.random() < 0.3:  # pinned for a write to L2 before it settles
+                pinned.append([e for e, ok in zip(entries, oks, strict=True) if ok])
+                p.pin(pinned[-1])
+            p.finish(entries, oks)
+        elif op == 2:
+            loading.append(p.begin_load(shape, [k for k in keys if p.get(k) is None], tenant=tenant))
+        elif op == 3 and loading:
+            entries = loading.pop(rng.randrange(len(loading)))
+            p.finish(entries, [rng.random() < 0.7 for _ in entries])
+        elif op == 4:
+            pinned.append(p.acquire(keys))  # joins loads in flight too
+        elif op == 5 and pinned:
+            p.release(pinned.pop(rng.randrange(len(pinned))))
+        elif op == 6 and rng.random() < 0.2:
+            p.clear()
+        elif op == 7:
+            p.resident_many([keys, keys[:2]], shared=[0, min(2, len(keys))])
+        elif op == 8:
+            p.evict(keys)
+        _check_books(p)
+    for entries in writing:
+        p.finish(entries)
+    for entries in loading:
+        p.finish(entries, False)
+    for entries in pinned:
+        p.release(entries)
+    p.clear()
+    _check_books(p)
+    assert p.used_bytes == 0 and p._policy.held() == {} and sum(p._policy._pins.values()) == 0
