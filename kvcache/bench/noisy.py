@@ -58,6 +58,7 @@ from kvcache.testing import make_kv_caches
 
 BLOCK, CHUNK, BLOCKS = 16, 256, 256  # 16 chunks of 256 tokens fit the engine's blocks
 FLOODS = ("awaits", "stores", "lookups", "connections")
+COLD_CHUNKS = 16  # the victim's prompt left untouched through a flood (8 MiB, within its L1 share)
 REFERENCE = "cpu"  # one core burnt beside the daemon, no request sent: the machine's own floor
 
 
@@ -279,6 +280,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 sent, measured, out = ctx.Event(), ctx.Event(), ctx.Queue()
                 proc = ctx.Process(target=_attack, args=(d.endpoint, kind, ns, sent, measured, out))
                 before, peak_reset = _rss_mib(d.pid), _reset_peak(d.pid)
+                cold = _tokens((8 + k) * 10**8, COLD_CHUNKS)  # stored, then left alone
+                victim.store(cold, list(range(COLD_CHUNKS * CHUNK // BLOCK)))
                 cpu = _cpu_s(d.pid)
                 proc.start()
                 if not sent.wait(300):
@@ -294,12 +297,14 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 if peak_reset:
                     rss = max(rss, _rss_mib(d.pid, "VmHWM"))
                 proc.join(60)
+                kept = victim.lookup(cold) // CHUNK  # the flood is over: what it left of the cold prompt
                 row: dict[str, Any] = {
                     **report,
                     "rss_mib": rss,  # the daemon's peak during the flood (VmHWM where readable)
                     "rss_growth_mib": rss - results["rss_mib"],  # over its start, earlier floods included
                     "flood_growth_mib": rss - before,  # over the flood's own start
                     "bound_mib": bound_mib(kind),  # what the operator guide allows
+                    "cold_kept": kept / COLD_CHUNKS,
                     "daemon_cpu_s": cpu,
                     "cpu_us_per_request": 0.0
                     if kind == REFERENCE
@@ -329,16 +334,19 @@ def main(argv: list[str]) -> int:
     print("victim without a flood (ms): " + ", ".join(
         f"{op} p50 {v['p50_ms']:.2f} p99 {v['p99_ms']:.2f}" for op, v in base.items()))  # fmt: skip
     print(f"{'flood':<12} {'retrieve p50/p99 ms':>20} {'p99 x':>6} {'lookup p99 x':>13} {'store p99 x':>12}"
-          f" {'refused':>8} {'late s':>7} {'rss +MiB':>9} {'bound':>7} {'cpu us/req':>10}")  # fmt: skip
+          f" {'refused':>8} {'late s':>7} {'rss +MiB':>9} {'bound':>7} {'cpu us/req':>10}"
+          f" {'cold kept':>9}")  # fmt: skip
     for kind in ns.floods.split(","):
         r = results[kind]
         print(f"{kind:<12} {r['retrieve']['p50_ms']:>9.2f}/{r['retrieve']['p99_ms']:<10.2f}"
               f" {r['retrieve']['p99_ratio']:>6.2f} {r['lookup']['p99_ratio']:>13.2f}"
               f" {r['store']['p99_ratio']:>12.2f} {r['refused']:>8} {r['late_s']:>7.2f}"
               f" {r['rss_growth_mib']:>9.0f} {r['bound_mib']:>7.0f}"
-              f" {r['cpu_us_per_request']:>10.0f}")  # fmt: skip
+              f" {r['cpu_us_per_request']:>10.0f} {r['cold_kept']:>9.0%}")  # fmt: skip
     print("target: retrieve p99 x <= 2; an await answered at most 1 s past its bound (late s);"
-          " rss +MiB (the daemon's peak over its start) within the operator guide's bound")  # fmt: skip
+          " rss +MiB (the daemon's peak over its start) within the operator guide's bound;"
+          " cold kept: the share of a prompt the victim stored before the flood and left alone"
+          " still in L1 after it (a store flood past L1 evicts its own chunks, not those)")  # fmt: skip
     if REFERENCE in results:
         where = "the attacker's core" if results["placement"] == "split" else "a core shared with the daemon"
         print(f"{REFERENCE}: {where} burnt, no request sent: what that load costs the victim on this"

@@ -29,6 +29,8 @@ def test_noisy_bench_reports_the_victims_ratios_and_the_attackers_refusals() -> 
             assert results[kind]["attacker_cpus"] and not set(results[kind]["attacker_cpus"]) & set(
                 results["daemon_cpus"]
             )
+    # No flood here stores: the victim's cold prompt is whole after each.
+    assert all(results[kind]["cold_kept"] == 1.0 for kind in ("cpu", "awaits", "connections"))
     # The reference sends nothing: no refusal, and the victim measured beside it.
     assert results["cpu"]["refused"] == 0 and results["cpu"]["retrieve"]["p99_ratio"] > 0
     for kind in ("cpu", "awaits", "connections"):  # the daemon's memory within the operator guide's bound
