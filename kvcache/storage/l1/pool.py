@@ -256,8 +256,8 @@ class L1Pool(SlotTable):
                     capacity_bytes=self.capacity_bytes,
                 )  # fmt: skip
                 events.append(Event(EventType.L1_WRITE_FINISHED, meta))
-            if written:  # on the writer's behalf: room from those it may take it from
-                self._evict_to_watermark(events, entries[0].tenant)
+            # On the writer's behalf (even if nothing was written): room from those it may take it from.
+            self._evict_to_watermark(events, entries[0].tenant if entries else None)
         self._publish(events)
         self._call_watchers(watchers)
 

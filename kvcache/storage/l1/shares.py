@@ -110,6 +110,12 @@ class TenantShares(EvictionPolicy):
                 return key, name
         return None, None
 
+    def over_share(self, tenant: str | None, limit: float) -> bool:
+        """Whether ``tenant`` holds more than an equal share of ``limit`` bytes (alone, any
+        byte over it)."""
+        held = self._held
+        return tenant is not None and held.get(tenant, 0) * len(held) > limit
+
     def room_may_come(self, tenant: str | None, mine: int) -> bool:
         """Whether a pin that, once gone, could give ``tenant`` room is held: one on a chunk
         of a tenant it may take from, other than the ``mine`` its own reservation holds."""

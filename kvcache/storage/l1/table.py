@@ -171,11 +171,16 @@ class SlotTable:
         if victims:
             events.append(self._evicted_event(victims))
 
-    def _evict_to_watermark(self, events: list[Event], tenant: str) -> None:
-        """After ``tenant``'s write: down to the watermark, from those it may take room from."""
+    def _evict_to_watermark(self, events: list[Event], tenant: str | None) -> None:
+        """After ``tenant``'s write: down to the watermark, from those it may take room from,
+        and never below an equal share of the watermark (another tenant's pinned chunks, its
+        writes in flight, may hold L1 above it: they are not the writer's to pay for)."""
         limit = self.watermark * self.capacity_bytes
         victims: list[L1Entry] = []
-        while self.used_bytes > limit and (key := self._policy.victim_for(tenant)[0]) is not None:
+        while self.used_bytes > limit:
+            key, owner = self._policy.victim_for(tenant)
+            if key is None or not self._policy.over_share(owner, limit):
+                break
             entry = self._entries[key]
             self._policy.discard(key)
             self._remove(entry)

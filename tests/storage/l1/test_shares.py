@@ -142,6 +142,36 @@ def test_the_watermark_pass_after_a_write_is_on_the_writers_behalf() -> None:
     assert p.info()["tenant_bytes"] == {"v": 4 * G.stride, "a": 5 * G.stride}  # the asker paid the tie
 
 
+def test_a_tenant_within_its_share_never_pays_for_another_tenants_pins_over_the_watermark() -> None:
+    """A flood's chunks pinned for their write to L2 may hold L1 above the watermark; the pass
+    after a small tenant's own write evicted that tenant's chunks down to it (3 of 3 to 1)."""
+    p = L1Pool(10 * G.stride, watermark=0.8, extent_bytes=2 * G.stride)  # equal share: 4 each
+    write_as(p, [1, 2, 3], "a")
+    res = p.begin_write(G, list(range(100, 107)), tenant="b")
+    flood = [e for _, e in res.new]
+    p.pin(flood)  # its write-through in flight
+    p.finish(flood)
+    write_as(p, [4], "a")  # L1 is full of pins: its slot is one of its own (it cannot wait)
+    assert p.info()["tenant_bytes"]["a"] == 3 * G.stride, p.info()["tenant_bytes"]
+    kept = [k for k in (1, 2, 3, 4) if k in p]
+    p.release(flood)
+    write_as(p, [5], "b")  # the flood's next write pays for its own excess
+    assert [k for k in (1, 2, 3, 4) if k in p] == kept and p.used_bytes <= 8 * G.stride
+
+
+def test_with_one_tenant_a_finish_with_nothing_written_still_evicts_to_the_watermark() -> None:
+    """As before the shares: the pass runs after every settle, a failed or empty one too."""
+    p = L1Pool(4 * G.stride, watermark=0.5, extent_bytes=2 * G.stride)
+    res = p.begin_write(G, [1, 2, 3, 4])
+    written = [e for _, e in res.new]
+    p.pin(written)  # held for a write to L2: the pass after it can evict none
+    p.finish(written)
+    assert p.used_bytes == 4 * G.stride
+    p.release(written)
+    p.finish([])  # a settle of nothing (a store whose reservation got no fresh slot)
+    assert p.used_bytes == 2 * G.stride  # the pass ran, down to the watermark
+
+
 def test_a_writer_never_waits_for_pins_that_cannot_give_it_room() -> None:
     """The fuller tenant's write used to wait its whole bound for the pin of a tenant holding
     less (a read of its chunk), which it may never take, then fail."""
