@@ -7,7 +7,9 @@ party slows another without ever queueing ahead of it. So each tenant's chunks k
 of their own (the configured policy, one instance per tenant), and the chunk evicted for room
 is the next one of the tenant holding the most bytes, and never one of a tenant holding less
 than the one asking (max-min fairness). That holds for every eviction on a tenant's behalf:
-room for its write, and the pass down to the watermark after it. A tenant that holds less
+room for its write, and the pass down to the watermark after it (which stops at an equal
+share: another tenant's pinned writes holding L1 above the watermark are not the writer's to
+pay for). A tenant that holds less
 than an equal share (what L1 keeps, up to its watermark, over the tenants holding chunks)
 loses nothing to the others' stores; a tenant alone may fill the whole pool. A writer waits
 only for pins that could give it room (on chunks of tenants it may take from), and fails at
