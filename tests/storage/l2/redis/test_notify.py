@@ -24,6 +24,10 @@ from kvcache.storage.l2.redis.single import RedisL2Adapter
 from kvcache.testing.redis_local import LocalRedis
 from tests.kv_events.test_subscriber import ListPublisher
 
+TTL_MS = 50
+"""How far ahead a test expires a key: an EXPIRE whose time is already past when Redis checks
+it (1 ms ahead, on a loaded machine) deletes the key with a ``del`` event, never ``expired``."""
+
 
 class WaitingSink:
     """An EventSink a test can wait on (the watcher publishes from its own thread)."""
@@ -69,8 +73,8 @@ def test_expired_keys_are_published_and_notifications_switched_on(redis_server: 
             a.store(key, chunk(key % 7))
         raw.set("t:not-a-chunk", b"x", px=1)  # under the prefix but no chunk name: ignored
         raw.set("other:" + f"{5:032x}", b"x", px=1)  # another prefix: ignored
-        raw.pexpire(f"t:{1 << 100:032x}", 1)
-        raw.pexpire(f"t:{3:032x}", 1)
+        raw.pexpire(f"t:{1 << 100:032x}", TTL_MS)
+        raw.pexpire(f"t:{3:032x}", TTL_MS)
         assert sink.wait_for(lambda: sink.evicted() == {1 << 100, 3}), sink.events
         (ev, *_) = [e for e in sink.events if e.event_type is EventType.L2_KEYS_EVICTED]
         assert ev.metadata.backend == "redis" and ev.metadata.num_bytes == 0
@@ -135,7 +139,7 @@ def test_without_permission_to_switch_them_on_it_warns_and_says_so(
         # An operator who sets it by hand gets the events (the watcher subscribed anyway).
         raw.config_set("notify-keyspace-events", "Exe")
         a.store(7, chunk(7))
-        raw.pexpire(f"kvcache:{7:032x}", 1)
+        raw.pexpire(f"kvcache:{7:032x}", TTL_MS)
         assert sink.wait_for(lambda: sink.evicted() == {7})
     finally:
         a.close()
@@ -169,7 +173,7 @@ def test_a_restarted_server_is_followed_again(redis_server: LocalRedis) -> None:
         while True:
             key += 1
             a.store(key, chunk(key))
-            raw.pexpire(f"kvcache:{key:032x}", 1)
+            raw.pexpire(f"kvcache:{key:032x}", TTL_MS)
             if sink.wait_for(lambda key=key: key in sink.evicted(), timeout=0.5):  # type: ignore[misc]
                 break
             assert time.monotonic() < deadline, "never followed again"
