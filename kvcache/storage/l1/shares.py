@@ -80,6 +80,10 @@ class TenantShares(EvictionPolicy):
         its key is gone, or charged again to a new entry."""
         self._pins[tenant] += delta
 
+    def pinned_total(self) -> int:
+        """Entries with a pin, every tenant's."""
+        return sum(self._pins.values())
+
     def held(self) -> dict[str, int]:
         """Bytes of L1 each tenant holding any is charged for."""
         return dict(self._held)

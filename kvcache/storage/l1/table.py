@@ -60,7 +60,6 @@ class SlotTable:
         self._bus = bus
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, L1Entry] = {}
-        self._pinned = 0  # entries holding at least one pin: what a waiting writer can hope for
         self._slabs = SlabAllocator(capacity_bytes, extent_bytes, self.pin_memory)
         self.used_bytes = 0  # slots holding an entry (any state), in slot strides
         self.allocation_failures = 0
@@ -69,6 +68,11 @@ class SlotTable:
     def allocated_bytes(self) -> int:
         """Bytes of host memory the pool holds (the sum of its extents)."""
         return self._slabs.allocated_bytes
+
+    @property
+    def _pinned(self) -> int:
+        """Entries holding at least one pin (the shares count them per tenant)."""
+        return self._policy.pinned_total()
 
     def on_settled(self, entries: Iterable[L1Entry], watcher: Watcher) -> None:
         """Call ``watcher(entry)`` once each WRITING/LOADING entry has settled, on the thread
@@ -120,14 +124,12 @@ class SlotTable:
         if entry.pins == 0:
             self._policy.discard(entry.key)
             self._policy.pinned(entry.tenant, 1)
-            self._pinned += 1
         entry.pins += 1
 
     def _unpin(self, entry: L1Entry) -> None:
         entry.pins -= 1
         if entry.pins == 0:
             self._policy.pinned(entry.tenant, -1)
-            self._pinned -= 1
 
     def _allocate(
         self, slot_shape: SlotShape, key: ChunkKey, events: list[Event], tenant: str
@@ -152,7 +154,6 @@ class SlotTable:
             self.allocation_failures += 1
             return None
         entry = L1Entry(key, slot_shape, slot.tensor, slot.extent, slot.offset, tenant)  # born pinned
-        self._pinned += 1
         self._entries[key] = entry
         self.used_bytes += slot_shape.stride
         self._policy.charge(key, tenant, slot_shape.stride)
