@@ -10,6 +10,12 @@ from the store path so that it reads as one rule.
 A promoted chunk is written without the ``ChunkIdentity`` meta its store would have kept with
 it (a read does not know the tokens): after a restart the disk tier reports it with no identity,
 as it does a file written by an older build.
+
+Every write, and every question about the victim it would evict, is on behalf of the chunk's
+owner in L1 (``L1Entry.tenant``: the tenant that stored it; a promotion writes a chunk its
+store did not, and the reader whose hit promotes it is not its owner): the disk tier is shared
+out between tenants (``storage.shares``), so the victim a policy weighs a candidate against is
+one of the fullest tenant the writer may take from, not the tier's oldest chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ def admitted_on_store(tier: AsyncL2, entries: Sequence[L1Entry], bus: EventSink)
     taken: list[L1Entry] = []
     declined: list[L1Entry] = []
     for entry in entries:
-        (taken if policy.on_store(entry.key, victim_for(entry.nbytes)) else declined).append(entry)
+        victim = victim_for(entry.nbytes, entry.tenant)  # what this writer's write would evict
+        (taken if policy.on_store(entry.key, victim) else declined).append(entry)
     if declined and not isinstance(bus, NullEventBus):
         meta = L2StoreDeclined(
             backend=tier.backend,
@@ -45,7 +52,7 @@ def admitted_on_store(tier: AsyncL2, entries: Sequence[L1Entry], bus: EventSink)
     return taken
 
 
-def _no_victim(nbytes: int) -> None:
+def _no_victim(nbytes: int, tenant: str) -> None:
     return None
 
 
@@ -75,7 +82,7 @@ class HitPromoter:
         for tier in self._tiers:
             policy = tier.admission
             victim_for = tier.adapter.victim_for if policy.uses_victim else _no_victim
-            chosen = [e for e in fresh if policy.on_hit(e.key, victim_for(e.nbytes))]
+            chosen = [e for e in fresh if policy.on_hit(e.key, victim_for(e.nbytes, e.tenant))]
             if not chosen:
                 continue
             pool.pin(chosen)
@@ -84,7 +91,7 @@ class HitPromoter:
                 def done(ok: bool, entry: L1Entry = entry) -> None:
                     pool.release([entry])
 
-                if not tier.submit_store(entry.key, entry.tensor, done, 0.0):
+                if not tier.submit_store(entry.key, entry.tensor, done, 0.0, tenant=entry.tenant):
                     pool.release([entry])
 
 

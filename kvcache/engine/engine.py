@@ -125,9 +125,9 @@ class CacheEngine:
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
         (``pages``) keep one page per chunk. ``replace``: an instance of that id is
         unregistered first, once the new registration passed every check (a refused one
-        changes nothing). ``tenant``: whose share of L1 its chunks count against; room is
-        taken from the tenant holding the most (``storage.l1.shares``), so give each party
-        sharing the engine a name of its own (the daemon names its principals)."""
+        changes nothing). ``tenant``: whose share of L1 and of the disk tier its chunks count
+        against; room is taken from the tenant holding the most (``storage.shares``), so give
+        each party sharing the engine a name of its own (the daemon names its principals)."""
         if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
             raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         cs = chunk_size or self.config.chunk_size

@@ -56,7 +56,7 @@ class InstanceState:
     def __init__(self, instance_id: int, model_name: str, ctx: CacheContext, tenant: str = "") -> None:
         self.instance_id = instance_id
         self.model_name = model_name
-        self.tenant = tenant  # whose share of L1 its chunks count against (``storage.l1.shares``)
+        self.tenant = tenant  # whose share of L1 and disk its chunks count against (``storage.shares``)
         self.ctx = ctx
         self.completer = Completer(ctx.transfer, f"kvcache-complete-{instance_id}")
         self.device = str(ctx.device)

@@ -353,7 +353,8 @@ def _write_through(
     """Queue each tier the chunks its admission took (``plans``, pinned once per tier); a
     busy tier gets until ``deadline`` (the store's own wait bound) to make room, so a burst
     of stores is slowed down rather than dropped. ``metas`` (aligned with ``entries``, or
-    empty) go to the tiers that keep them."""
+    empty) go to the tiers that keep them; each chunk is written on behalf of its tenant
+    (the disk tier charges it to that tenant's share)."""
     index = {id(e): i for i, e in enumerate(entries)} if metas else {}
     for tier, taken in plans:
         for entry in taken:
@@ -363,7 +364,7 @@ def _write_through(
 
             wait_s = deadline.left()
             meta = metas[index[id(entry)]] if metas and tier.adapter.keeps_meta else b""
-            if not tier.submit_store(entry.key, entry.tensor, done, wait_s, meta):
+            if not tier.submit_store(entry.key, entry.tensor, done, wait_s, meta, entry.tenant):
                 parts.pool.release([entry])
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
@@ -25,7 +27,7 @@ from kvcache.layouts import KVFormat
 from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.server.launch import DaemonProcess
-from kvcache.testing import make_kv_caches
+from kvcache.testing import caches_equal, clone_caches, make_kv_caches
 from tests.server.helpers import scrape
 
 TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens
@@ -127,3 +129,57 @@ def test_a_store_flood_never_evicts_another_principals_share_of_l1(
         assert set(held) == {"loopback", f"uid:{os.getuid()}"}
         assert held[f"uid:{os.getuid()}"] == 8 * CHUNK_BYTES  # the victim's 8, whole
         assert held["loopback"] <= capacity - 8 * CHUNK_BYTES  # the attacker holds the rest
+
+
+def _drained(c: KVCacheClient, timeout_s: float = 60) -> dict[str, Any]:
+    """The disk tier's status once no write to it is in flight (the daemon has no flush to
+    ask for: its status is read until the queue is empty)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (disk,) = c.status()["engine"]["l2"]
+        if disk["inflight"]["store"] == 0:
+            return disk
+        assert time.monotonic() < deadline, "the disk tier's writes did not drain"
+        time.sleep(0.01)
+
+
+def test_a_store_flood_never_evicts_another_principals_share_of_the_disk_tier(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """The disk tier had one eviction order for all: a tenant storing 24 times the tier
+    evicted every other tenant's chunk files first (the oldest), and the victim's prompt,
+    gone from L1 too, was a miss. Room is now taken from the tenant holding the most of the
+    tier, so a victim within its equal share keeps every file, and what L1 no longer holds of
+    its prompts is still served, from disk."""
+    # L1 of 24 chunks of 2 KiB; the disk tier of about 40 chunk files (each a little over 2 KiB)
+    d = start_daemon("--l1-size-gb", str(48 * 1024 / 2**30), "--l2-disk-path", str(tmp_path / "tier"),
+                     "--l2-disk-size-gb", str(96 * 1024 / 2**30), tcp=True)  # fmt: skip
+    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
+    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    me, older, newer = f"uid:{os.getuid()}", TOKENS, [t + 5_000 for t in TOKENS]
+    with victim, attacker:
+        kv_victim = _kv(1)
+        want = clone_caches(kv_victim)
+        victim.register_kv_caches(kv_victim)
+        attacker.register_kv_caches(_kv(2))
+        assert victim.store(older, BLOCKS).stored_chunks == victim.store(newer, BLOCKS).stored_chunks == 8
+        disk = _drained(victim)
+        assert disk["num_chunks"] == 16
+        mine = disk["used_bytes"]  # its 16 files: within an equal share of the tier
+        prompts = [[10_000 * (i + 1) + t for t in TOKENS] for i in range(120)]  # 960 chunks
+        pending = [attacker.store_async(p, BLOCKS) for p in prompts]
+        assert sum(f.result(60).stored_chunks for f in pending) >= 8 * 60
+        disk = _drained(victim)
+        assert disk["stores"] - 16 > 10 * disk["num_chunks"]  # the flood wrote over 10x the tier
+        # L1 keeps the victim's share only: its older prompt's head left it, and comes from disk
+        hit = victim.lookup_tiers(older)
+        assert (hit.hit_tokens, hit.l2_hit_tokens > 0) == (len(TOKENS), True), "the flood evicted its files"
+        for t in kv_victim:
+            t.zero_()
+        assert victim.retrieve(older, BLOCKS) == len(TOKENS) and caches_equal(kv_victim, want)
+        disk = _drained(victim)
+        assert set(disk["tenant_bytes"]) == {me, "loopback"}
+        assert disk["tenant_bytes"][me] == mine  # all 16 of its files
+        assert attacker.lookup(prompts[-1]) == len(TOKENS)  # the flood's newest prompt is held
+        # Only the operator sees the tiers' fill: another principal sees no L1 or L2 usage.
+        assert set(attacker.status()["engine"]) == {"chunk_size", "instances"}

@@ -56,7 +56,7 @@ class L1Entry:
         tenant: str = "",
     ) -> None:
         self.key = key
-        self.tenant = tenant  # whose share of L1 it counts against (``shares``)
+        self.tenant = tenant  # whose share of L1 it counts against (``storage.shares``)
         self.slot_shape = slot_shape
         self.tensor = tensor
         self.state = EntryState.WRITING

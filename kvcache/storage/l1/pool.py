@@ -109,8 +109,8 @@ class L1Pool(SlotTable):
         nothing published; the caller asks again elsewhere, passing what it kept as ``held``
         (fresh slots of an earlier call, still pinned: never waited for, like this call's).
         ``stop``, set by another thread that then calls ``wake_writers``, ends a wait at once.
-        ``tenant``: whose share of L1 the fresh slots count against (``shares``); room for
-        them is taken from the tenant holding the most.
+        ``tenant``: whose share of L1 the fresh slots count against (``storage.shares``); room
+        for them is taken from the tenant holding the most.
         """
         new: list[tuple[int, L1Entry]] = []
         present: list[int] = []

@@ -3,8 +3,8 @@ evicted to make room.
 
 Split from ``pool`` so that the rules of the table (a slot is taken from the slabs, else from
 extents other geometries left free, else from the victims of the tenant holding the most,
-``shares``; pins keep an entry off the policy; the watermark bounds what stays after a write)
-read on their own, apart from the operations that wait on it. Every method here but
+``storage.shares``; pins keep an entry off the policy; the watermark bounds what stays after a
+write) read on their own, apart from the operations that wait on it. Every method here but
 ``on_settled`` and the maintenance ones (``evict``, ``clear``), which take it themselves,
 expects the caller to hold ``_lock``; events are collected in a list and published by the
 caller after the lock is dropped (``_publish``), and settle watchers are called the same way
@@ -27,9 +27,9 @@ from kvcache.observability.event import (
 )
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import L1Entry
-from kvcache.storage.l1.shares import TenantShares
 from kvcache.storage.l1.slab import SlabAllocator, SlotShape
 from kvcache.storage.l2.base import EvictionPolicy
+from kvcache.storage.shares import TenantShares
 
 logger = logging.getLogger("kvcache.storage.l1")
 
@@ -138,7 +138,7 @@ class SlotTable:
         owner: str | None = None  # whose chunks this allocation evicts, once it began
         while (slot := self._slabs.take(slot_shape)) is None:
             # Room must come from elsewhere: wholly free extents of other slabs, then victims
-            # (the fullest tenant's: ``shares``).
+            # (the fullest tenant's: ``storage.shares``).
             if self._slabs.reclaim_for(slot_shape):
                 continue
             victim, owner = self._policy.victim_for(tenant, owner)

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import msgspec
 import torch
 
 from kvcache.errors import ChecksumMismatchError
@@ -52,6 +51,7 @@ from kvcache.observability.event import (
 )
 from kvcache.records import ChunkIdentity, ChunkKey
 from kvcache.storage.admission import AdmissionPolicy, AlwaysAdmit
+from kvcache.storage.l2 import codec
 from kvcache.storage.l2.base import L2Adapter, failure_reason, failure_scope, storage_error
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class _Job(NamedTuple):
     tensor: torch.Tensor
     done: Done
     meta: bytes = b""
+    tenant: str = ""
 
 
 class AsyncL2:
@@ -152,10 +153,17 @@ class AsyncL2:
         return found
 
     def submit_store(
-        self, key: ChunkKey, chunk: torch.Tensor, done: Done, wait_s: float = 0.0, meta: bytes = b""
+        self,
+        key: ChunkKey,
+        chunk: torch.Tensor,
+        done: Done,
+        wait_s: float = 0.0,
+        meta: bytes = b"",
+        tenant: str = "",
     ) -> bool:
         """Queue a write of ``chunk`` (which must stay valid until ``done`` runs), with ``meta``
-        (see ``L2Adapter.store_many_with_meta``) for a tier that ``keeps_meta``.
+        (see ``L2Adapter.store_many_with_meta``) for a tier that ``keeps_meta``, on behalf of
+        ``tenant`` (whose share of a tier shared out between tenants it counts against).
 
         A healthy tier with ``max_inflight`` writes queued gets up to ``wait_s`` to make room
         (back-pressure rather than loss). Returns False, without calling ``done``, when the
@@ -169,7 +177,7 @@ class AsyncL2:
             refused = L2StoreFailed(backend=self.backend, keys=[key], reason=reason)
             self._bus.publish(Event(EventType.L2_STORE_FAILED, refused))
             return False
-        self._enqueue("store", _Job(key, chunk, done, meta))
+        self._enqueue("store", _Job(key, chunk, done, meta, tenant))
         return True
 
     def submit_load(self, key: ChunkKey, out: torch.Tensor, done: Done, wait_s: float = 0.0) -> bool:
@@ -300,7 +308,9 @@ class AsyncL2:
         try:
             if op == "store":
                 items = [(j.key, j.tensor, self._announcer(j.key, lap)) for j in jobs]
-                stored = self.adapter.store_many_with_meta(items, metas) if any(metas) else None
+                tenants = [j.tenant for j in jobs]
+                with_meta = any(metas) or any(tenants)
+                stored = self.adapter.store_many_with_meta(items, metas, tenants) if with_meta else None
                 results: list[Any] = list(stored if stored is not None else self.adapter.store_many(items))
             else:
                 loaded, metas = self.adapter.load_many_with_meta([(j.key, j.tensor) for j in jobs])
@@ -340,12 +350,7 @@ class AsyncL2:
 
     def _identity(self, meta: bytes) -> ChunkIdentity | None:
         """How a loaded chunk's writer announced it, decoded only for a real sink."""
-        if not meta or isinstance(self._bus, NullEventBus):
-            return None
-        try:
-            return msgspec.msgpack.decode(meta, type=ChunkIdentity)
-        except msgspec.MsgspecError:  # written by a build with another meta: announced by key
-            return None
+        return None if isinstance(self._bus, NullEventBus) else codec.chunk_identity(meta)
 
     def _announcer(self, key: ChunkKey, lap: Callable[[], float]) -> Callable[[int], None]:
         def announce(nbytes: int) -> None:

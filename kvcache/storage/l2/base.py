@@ -111,11 +111,16 @@ class L2Adapter(ABC):
         return out
 
     def store_many_with_meta(
-        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+        self, items: Sequence[StoreItem], metas: Sequence[bytes], tenants: Sequence[str] = ()
     ) -> list[int | Exception]:
         """``store_many``, keeping each item's ``meta`` (its encoded ``ChunkIdentity``) with
         the chunk where the tier can (``keeps_meta``), so a restarted tier reports it in
-        ``L2_KEYS_FOUND`` and KV events announce the chunk as before. The default drops it."""
+        ``L2_KEYS_FOUND`` and KV events announce the chunk as before. The default drops it.
+
+        ``tenants`` (aligned with ``items``; empty: every item the default tenant ""): on
+        whose behalf each chunk is written. A tier that shares itself out between tenants
+        (the disk tier, ``storage.shares``) charges each chunk to its writer and makes room
+        on its behalf; the others ignore it (Redis evicts by itself)."""
         return self.store_many(items)
 
     def load_many(self, items: Sequence[LoadItem]) -> list[bool | Exception]:
@@ -141,10 +146,12 @@ class L2Adapter(ABC):
         except Exception as exc:
             return [exc] * len(keys)
 
-    def victim_for(self, nbytes: int) -> ChunkKey | None:
-        """The chunk this tier would evict to make room for ``nbytes`` more (what an admission
-        policy weighs a candidate against), or None when there is room or the tier cannot say
-        (Redis evicts by itself). Must be cheap: it is asked once per stored chunk."""
+    def victim_for(self, nbytes: int, tenant: str = "") -> ChunkKey | None:
+        """The chunk this tier would evict to make room for ``nbytes`` more written on
+        ``tenant``'s behalf (what an admission policy weighs a candidate against: in a tier
+        shared out between tenants, a chunk of the fullest one it may take from), or None
+        when there is room or the tier cannot say (Redis evicts by itself). Must be cheap: it
+        is asked once per stored chunk."""
         return None
 
     def info(self) -> dict[str, Any]:

@@ -13,8 +13,16 @@ record's header *and* in the tier's metadata (the file name, kept in the index),
 serves a chunk only when the header, the index and the payload agree; a mismatch raises
 ``ChecksumMismatchError`` (a miss, counted in ``kvcache_l2_checksum_failures_total``) and the
 file is removed. A restart rebuilds the index from whole, consistent files only
-(``disk_scan``). Which file leaves first is the ``EvictionPolicy``'s (LRU, or
-S3-FIFO: ``--l2-disk-eviction``).
+(``disk_scan``).
+
+Shared out between tenants (``disk_index``): which file leaves first is the
+``EvictionPolicy``'s (LRU, or S3-FIFO: ``--l2-disk-eviction``) within each tenant, and the
+tenant it leaves from is the one holding the most of the tier, never one holding less than the
+writer, as in L1 (``storage.shares``), so one principal storing more than the tier holds no
+longer evicts every other principal's chunks. Each write carries its tenant down from the
+engine (``AsyncL2.submit_store``), and its record names it (``codec`` version 3), so a restart
+charges every file to its owner again. ``info`` shows each tenant's bytes (``tenant_bytes``),
+which the daemon shows its operator only.
 
 Privacy and trust: cached KV is as sensitive as the prompts it came from, and a chunk file
 another user could replace is served as KV (its CRC is no MAC). So the tier directory and each
@@ -44,20 +52,20 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 import torch
 
 from kvcache.errors import ChecksumMismatchError, CorruptChunkError
 from kvcache.observability.event import Event, EventSink, EventType, L2KeysEvicted, L2KeysFound, NullEventBus
-from kvcache.records import ChunkIdentity, ChunkKey
+from kvcache.records import ChunkKey
 from kvcache.storage.l1.lru import LRUPolicy
 from kvcache.storage.l2 import codec
 from kvcache.storage.l2.base import Announce, EvictionPolicy, L2Adapter, StoreItem, storage_error
 from kvcache.storage.l2.disk_access import WHAT, ChunkFiles, unlink
-from kvcache.storage.l2.disk_scan import Found, names, scan_subdir
+from kvcache.storage.l2.disk_index import DiskIndex
+from kvcache.storage.l2.disk_scan import names, scan_tier
 from kvcache.trusted_dir import open_private_dir
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -66,7 +74,8 @@ log = logging.getLogger(__name__)
 
 
 class DiskL2Adapter(L2Adapter):
-    """Chunk files under ``path``; at most ``size_bytes`` of them (``policy`` picks who leaves)."""
+    """Chunk files under ``path``; at most ``size_bytes`` of them (``policy``, a class or
+    factory, makes each tenant's order of who leaves)."""
 
     backend = "disk"
     keeps_meta = True
@@ -76,17 +85,15 @@ class DiskL2Adapter(L2Adapter):
         path: str,
         size_bytes: int,
         bus: EventSink | None = None,
-        policy: EvictionPolicy | None = None,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
     ) -> None:
         self.path = os.path.abspath(path)
         self.size_bytes = size_bytes
         self._bus: EventSink = bus if bus is not None else NullEventBus()
         self._lock = threading.Lock()
-        self._index: dict[ChunkKey, tuple[int, int]] = {}  # key -> (file bytes, payload CRC32)
-        self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self._index = DiskIndex(policy)  # files, their owners, who leaves; under ``_lock``
         self.recovery: dict[str, float] = {}
         """What the last start's scan found: files kept, damaged files removed, seconds."""
-        self.used_bytes = 0
         self.capacity_bytes = size_bytes
         """The bound in force: ``size_bytes``, or less while the disk has less free."""
         self._writes = 0
@@ -98,46 +105,56 @@ class DiskL2Adapter(L2Adapter):
         self._files = ChunkFiles(self.path, self._root)
         self._scan()
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the chunk files the tier holds."""
+        return self._index.used_bytes
+
     # -- L2Adapter ------------------------------------------------------------------------
     def store(self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None = None) -> int:
         return self.store_with_meta(key, chunk, announce, b"")
 
     def store_many_with_meta(
-        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+        self, items: Sequence[StoreItem], metas: Sequence[bytes], tenants: Sequence[str] = ()
     ) -> list[int | Exception]:
         out: list[int | Exception] = []
-        for (key, chunk, announce), meta in zip(items, metas, strict=True):
+        owners = tenants or [""] * len(items)
+        for (key, chunk, announce), meta, tenant in zip(items, metas, owners, strict=True):
             try:
-                out.append(self.store_with_meta(key, chunk, announce, meta))
+                out.append(self.store_with_meta(key, chunk, announce, meta, tenant))
             except Exception as exc:
                 out.append(exc)
         return out
 
     def store_with_meta(
-        self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None, meta: bytes
+        self, key: ChunkKey, chunk: torch.Tensor, announce: Announce | None, meta: bytes, tenant: str = ""
     ) -> int:
-        """``store``, with ``meta`` in the record's header (``codec``, version 2)."""
+        """``store``, with ``meta`` in the record's header (``codec``, version 2) and
+        ``tenant``, whose share of the tier the file counts against (version 3; "", the
+        default tenant, is recorded as no tenant). A key the tier holds already keeps its
+        file and its owner, whoever writes it again."""
         with self._lock:
             if key in self._index:
-                self._policy.touch(key)
+                self._index.touch(key)
                 if announce is not None:
                     announce(0)
                 return 0
+        owner = codec.bounded_tenant(tenant)  # what a restart reads back, so charged as that
         payload = codec.tensor_bytes(chunk)
-        header = codec.encode_header(key, chunk, payload, meta)
+        header = codec.encode_header(key, chunk, payload, meta, owner)
         crc = codec.decode_header(header).crc32
         size = len(header) + len(payload)
         if size > self.size_bytes:
             raise storage_error(f"chunk of {size} bytes exceeds the disk tier ({self.size_bytes})", "io")
         try:
-            self._write(key, crc, header, payload, size, announce)
+            self._write(key, crc, header, payload, size, announce, owner)
         except OSError as err:
             if err.errno not in _FULL:  # EFBIG: this file is too big, evicting will not help
                 reason = "full" if err.errno == errno.EFBIG else "io"
                 raise storage_error(f"disk write of {key:032x} failed: {err}", reason) from err
-            self._shrink_to_disk(size)  # evict our oldest chunks, bound ourselves by the disk
+            self._shrink_to_disk(size, owner)  # evict oldest chunks, bound ourselves by the disk
             try:
-                self._write(key, crc, header, payload, size, announce)
+                self._write(key, crc, header, payload, size, announce, owner)
             except OSError as again:
                 reason = "full" if again.errno in (*_FULL, errno.EFBIG) else "io"
                 raise storage_error(f"disk write of {key:032x} failed: {again}", reason) from again
@@ -152,12 +169,13 @@ class DiskL2Adapter(L2Adapter):
         payload: memoryview,
         size: int,
         announce: Announce | None,
+        tenant: str,
     ) -> None:
         sub, final = names(key, crc)
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         # Made if missing (removed behind our back: ``rm -rf tier/*``), refused if a link.
         with self._files.subdir(sub, create=True) as dir_fd:
-            self._write_in(dir_fd, key, crc, tmp, final, header, payload, size, announce)
+            self._write_in(dir_fd, key, crc, tmp, final, header, payload, size, announce, tenant)
 
     def _write_in(
         self,
@@ -170,8 +188,10 @@ class DiskL2Adapter(L2Adapter):
         payload: memoryview,
         size: int,
         announce: Announce | None,
+        tenant: str,
     ) -> None:
-        """``_write`` in the subdirectory ``dir_fd``: ``tmp`` written, then renamed ``final``."""
+        """``_write`` in the subdirectory ``dir_fd``: ``tmp`` written, then renamed ``final``,
+        charged to ``tenant``; room is made on its behalf."""
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
@@ -184,36 +204,33 @@ class DiskL2Adapter(L2Adapter):
             # NOTE: rename, index, events and evictions happen under one lock, so the index,
             # the files and the published events agree even with several writer threads.
             with self._lock:
-                there = self._index.get(key)
-                if there is not None and there[1] != crc:  # stored meanwhile, other bytes: keep it
+                if key in self._index:  # stored meanwhile: that file (and its owner) stays
                     unlink(tmp, dir_fd)
                     size = 0
                 else:
                     os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                if there is None:
-                    self._index[key] = (size, crc)
-                    self._policy.add(key)
-                    self.used_bytes += size
+                    self._index.add(key, size, crc, tenant)
                 if announce is not None:
                     announce(size)
                 self._writes += 1
                 if self.capacity_bytes < self.size_bytes or self._writes % _PROBE_EVERY == 0:
                     self._probe_capacity(0)
-                self._evict_over_limit()
+                self._evict_over_limit(tenant)
         except BaseException:
             unlink(tmp, dir_fd)
             raise
 
-    def _shrink_to_disk(self, need: int) -> None:
+    def _shrink_to_disk(self, need: int, tenant: str) -> None:
         """After ENOSPC: bound the tier by what the disk can hold, keeping room for ``need``
-        more bytes, and evict down to it now. Logged once per full-disk episode."""
+        more bytes of ``tenant``'s, and evict down to it now, on its behalf. Logged once per
+        full-disk episode."""
         with self._lock:
             before = self.used_bytes
             self._probe_capacity(need)
             # The probe may say there is room (space freed meanwhile, or reserved blocks):
             # still free at least this chunk's worth, oldest first, so the retry can fit.
             self.capacity_bytes = min(self.capacity_bytes, max(0, self.used_bytes - need))
-            self._evict_over_limit()
+            self._evict_over_limit(tenant)
             freed = before - self.used_bytes
         if not self._full_logged:
             self._full_logged = True
@@ -236,7 +253,7 @@ class DiskL2Adapter(L2Adapter):
             there = self._index.get(key)
             if there is None:
                 return False
-            self._policy.touch(key)
+            self._index.touch(key)
         crc = there[1]
         try:
             with self._files.open(*names(key, crc)) as f:
@@ -287,11 +304,11 @@ class DiskL2Adapter(L2Adapter):
             self._files.unlink(*names(key, crc))
         return len(removed)
 
-    def victim_for(self, nbytes: int) -> ChunkKey | None:
+    def victim_for(self, nbytes: int, tenant: str = "") -> ChunkKey | None:
         with self._lock:
             if self.used_bytes + nbytes <= self.capacity_bytes:
                 return None
-            return self._policy.victim()
+            return self._index.victim_for(codec.bounded_tenant(tenant), nbytes)
 
     def info(self) -> dict[str, Any]:
         with self._lock:
@@ -302,6 +319,7 @@ class DiskL2Adapter(L2Adapter):
                 "used_bytes": self.used_bytes,
                 "capacity_bytes": self.capacity_bytes,
                 "configured_bytes": self.size_bytes,
+                "tenant_bytes": self._index.held(),
                 "recovery": dict(self.recovery),
             }
 
@@ -313,55 +331,43 @@ class DiskL2Adapter(L2Adapter):
 
     def _scan(self) -> None:
         """Rebuild the index from the whole, consistent files present, oldest modification
-        first (the policy's insertion order); damaged ones are removed (``disk_scan``)."""
+        first (the policy's insertion order), each charged to the tenant its record names
+        ("" for none); damaged ones are removed (``disk_scan``)."""
         start = time.perf_counter()
-        found: list[Found] = []
-        dropped = 0
-        with os.scandir(self._root) as entries:
-            subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()]
-        for name in subdirs:
-            # Raises for a symlink or a directory another user could write: the tier stops.
-            kept, bad = scan_subdir(self._files, name)
-            found += kept
-            dropped += bad
-        found.sort(key=lambda f: (f.mtime, f.key))
+        # Raises for a symlink or a directory another user could write: the tier stops.
+        found, dropped = scan_tier(self._files)
         metas: dict[ChunkKey, bytes] = {}
         with self._lock:
             for f in found:
-                if f.key in self._index:  # two names for one key: the newer stays
-                    old_size, old_crc = self._index.pop(f.key)
-                    self._policy.discard(f.key)
-                    self.used_bytes -= old_size
-                    self._files.unlink(*names(f.key, old_crc))
-                self._index[f.key] = (f.size, f.crc)
-                self._policy.add(f.key)
-                self.used_bytes += f.size
+                old = self._index.pop(f.key)
+                if old is not None:  # two names for one key: the newer stays
+                    self._files.unlink(*names(f.key, old[1]))
+                self._index.add(f.key, f.size, f.crc, f.tenant)
                 metas[f.key] = f.meta
-            self._evict_over_limit()  # the limit may have shrunk since last run
-            keys = list(self._index)
+            self._evict_over_limit(None)  # the limit may have shrunk since last run: the fullest pays
+            keys = self._index.keys()
             used = self.used_bytes
         self.recovery = {"files": len(keys), "dropped": dropped, "seconds": time.perf_counter() - start}
         if dropped:
             log.warning("disk tier %s: removed %d damaged chunk files at start", self.path, dropped)
         if keys:  # tell holdings trackers (KV events) what survived the restart, and as what
-            identities = [] if isinstance(self._bus, NullEventBus) else [_identity(metas[k]) for k in keys]
+            identities = (
+                [] if isinstance(self._bus, NullEventBus) else [codec.chunk_identity(metas[k]) for k in keys]
+            )
             meta = L2KeysFound(backend=self.backend, keys=keys, num_bytes=used, identities=identities)
             self._bus.publish(Event(EventType.L2_KEYS_FOUND, meta))
 
-    def _evict_over_limit(self) -> None:
-        """Drop the policy's victims until the tier fits; the caller holds the lock."""
-        evicted: list[tuple[ChunkKey, int]] = []
-        while self.used_bytes > self.capacity_bytes and (key := self._policy.victim()) is not None:
-            size, crc = self._index.pop(key)
-            self._policy.discard(key)
-            self.used_bytes -= size
+    def _evict_over_limit(self, tenant: str | None) -> None:
+        """Drop victims until the tier fits, on ``tenant``'s behalf (None: no writer, the
+        fullest tenant's first); the caller holds the lock."""
+        evicted = self._index.evict_to(self.capacity_bytes, tenant)
+        for key, _, crc in evicted:
             self._files.unlink(*names(key, crc))
-            evicted.append((key, size))
         if evicted:
             meta = L2KeysEvicted(
                 backend=self.backend,
-                keys=[k for k, _ in evicted],
-                num_bytes=sum(s for _, s in evicted),
+                keys=[k for k, _, _ in evicted],
+                num_bytes=sum(s for _, s, _ in evicted),
             )
             self._bus.publish(Event(EventType.L2_KEYS_EVICTED, meta))
 
@@ -370,24 +376,10 @@ class DiskL2Adapter(L2Adapter):
         removed: list[tuple[ChunkKey, int]] = []
         with self._lock:
             for key in keys:
-                there = self._index.pop(key, None)
+                there = self._index.pop(key)
                 if there is not None:
-                    self._policy.discard(key)
-                    self.used_bytes -= there[0]
                     removed.append((key, there[1]))
         return removed
-
-
-def _identity(meta: bytes) -> ChunkIdentity | None:
-    """How KV events announced a chunk before the restart (its file's meta); None for a file
-    without one (written by an older build, or promoted by a hit) or one that does not decode."""
-    if not meta:
-        return None
-    try:
-        return msgspec.msgpack.decode(meta, type=ChunkIdentity)
-    except msgspec.DecodeError as exc:
-        log.debug("disk tier: undecodable chunk identity: %s", exc)
-        return None
 
 
 __all__ = ["DiskL2Adapter"]

@@ -19,6 +19,12 @@ at most a few hundred bytes per file, so the bound is per *file*, not per byte (
 Files named ``<key>.kvc`` (written by builds before the name carried the CRC) are checked the
 same way and renamed to the new name, so an upgrade keeps the cache.
 
+Each file is charged again to the tenant its record names (``codec`` version 3), so a restart
+keeps every tenant's share of the tier as it was; a file that names none (written by an older
+build, or by the default tenant of library use) is charged to the tenant "", one party of its
+own. The recorded tenant is read as untrusted bytes (``codec.decode_extras``: bounded, strict
+UTF-8): a file whose tenant does not decode is dropped like any other damaged record.
+
 Like every other access, the scan reaches a subdirectory only through ``disk_access`` (opened
 without following a link, checked on its descriptor) and each file relative to it: a link
 planted in place of a subdirectory stops the tier at start, one in place of a chunk file is
@@ -87,6 +93,24 @@ class Found:
     size: int
     mtime: float
     meta: bytes
+    tenant: str
+    """Whose share of the tier it counts against; "" for a file that names no tenant."""
+
+
+def scan_tier(files: ChunkFiles) -> tuple[list[Found], int]:
+    """The whole chunk files of every subdirectory, oldest modification first (the order the
+    tier's policies take them in), and how many damaged ones were removed; raises as
+    ``scan_subdir`` does."""
+    found: list[Found] = []
+    dropped = 0
+    with os.scandir(files.root) as entries:
+        subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()]
+    for name in subdirs:
+        kept, bad = scan_subdir(files, name)
+        found += kept
+        dropped += bad
+    found.sort(key=lambda f: (f.mtime, f.key))
+    return found, dropped
 
 
 def scan_subdir(files: ChunkFiles, sub: str) -> tuple[list[Found], int]:
@@ -115,7 +139,7 @@ def scan_subdir(files: ChunkFiles, sub: str) -> tuple[list[Found], int]:
             try:
                 with open_regular(entry.name, fd, shown) as f:
                     header, head = read_head(f)
-                meta = codec.decode_meta(head, header)
+                meta, tenant = codec.decode_extras(head, header)
                 if header.key != key or (crc is not None and header.crc32 != crc):
                     raise CorruptChunkError("name and record disagree")
                 if st.st_size != header.header_len + header.nbytes:
@@ -128,8 +152,17 @@ def scan_subdir(files: ChunkFiles, sub: str) -> tuple[list[Found], int]:
                 continue
             if crc is None:  # an older build's name: give it the metadata it lacks
                 os.replace(entry.name, names(key, header.crc32)[1], src_dir_fd=fd, dst_dir_fd=fd)
-            found.append(Found(key, header.crc32, st.st_size, st.st_mtime, meta))
+            found.append(Found(key, header.crc32, st.st_size, st.st_mtime, meta, tenant or ""))
     return found, dropped
 
 
-__all__ = ["SUFFIX", "Found", "names", "parse_name", "read_head", "rel_name", "scan_subdir"]
+__all__ = [
+    "SUFFIX",
+    "Found",
+    "names",
+    "parse_name",
+    "read_head",
+    "rel_name",
+    "scan_subdir",
+    "scan_tier",
+]

@@ -6,6 +6,7 @@ registering a name twice is refused so two plug-ins cannot silently shadow each 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Generic, TypeVar
 
@@ -82,7 +83,7 @@ def l2_adapters_from_config(config: EngineConfig, bus: EventSink) -> list[L2Adap
                 path=config.l2_disk_path,
                 size_bytes=config.l2_disk_size_bytes,
                 bus=bus,
-                policy=create_policy(config.l2_disk_eviction),
+                policy=functools.partial(create_policy, config.l2_disk_eviction),  # one per tenant
             )
         )
     if config.l2_redis_url is not None:

@@ -94,3 +94,38 @@ def test_a_version_1_record_written_by_an_older_build_still_reads() -> None:
     codec.check_payload(h, (head + body)[h.header_len :])
     # and a record without meta is still written as version 1 (older readers share Redis)
     assert codec.encode_header(KEY, t, codec.tensor_bytes(t)) == head
+
+
+def test_a_record_with_a_tenant_is_version_3_and_keeps_meta_and_tenant() -> None:
+    t = torch.randn(2, 2, 16, 8)
+    payload = codec.tensor_bytes(t)
+    for meta in (b"", b"announcement record" * 50):
+        buf = codec.encode_header(KEY, t, payload, meta, "key:team-a") + payload.tobytes()
+        h = codec.decode_header(buf[: codec.MAX_HEADER])  # the fixed part still finds the payload
+        assert int.from_bytes(buf[4:6], "little") == 3 and h.tenant_len == len("key:team-a")
+        assert codec.decode_extras(buf, h) == (meta, "key:team-a") and codec.decode_meta(buf, h) == meta
+        codec.check_payload(h, buf[h.header_len :])
+        damaged = bytearray(buf)
+        damaged[h.header_len - 1] ^= 0x01  # the tenant's last byte: the meta CRC covers it
+        with pytest.raises(CorruptChunkError, match="meta checksum"):
+            codec.decode_extras(bytes(damaged), codec.decode_header(bytes(damaged)))
+    assert codec.decode_extras(record(t), codec.decode_header(record(t))) == (b"", None)  # none recorded
+
+
+def test_a_tenant_is_bounded_when_written_and_when_read() -> None:
+    t = torch.randn(2, 2, 16, 8)
+    payload = codec.tensor_bytes(t)
+    longest = "é" * (codec.MAX_TENANT // 2)  # 254 bytes
+    assert codec.bounded_tenant(longest) == longest
+    with pytest.raises(ValueError, match="at most"):
+        codec.encode_header(KEY, t, payload, tenant="k" * (codec.MAX_TENANT + 1))
+    long_names = ["key:" + "x" * 300, "key:" + "x" * 299 + "y", "key:" + "é" * 300]
+    recorded = [codec.bounded_tenant(n) for n in long_names]
+    assert len(set(recorded)) == 3 and all(len(r.encode()) <= codec.MAX_TENANT for r in recorded)
+    assert recorded[0].startswith("key:xxx") and codec.bounded_tenant(long_names[0]) == recorded[0]
+    buf = bytearray(codec.encode_header(KEY, t, payload, tenant="a"))
+    at = codec.decode_header(bytes(buf)).meta_offset - 2  # tenant_len, the last field
+    for forged in (0, codec.MAX_TENANT + 1, 0xFFFF):
+        buf[at : at + 2] = forged.to_bytes(2, "little")
+        with pytest.raises(CorruptChunkError, match="tenant"):
+            codec.decode_header(bytes(buf))

@@ -403,7 +403,7 @@ def test_s3fifo_disk_tier_keeps_a_reused_chunk_through_one_hit_chunks(tmp_path: 
 
     size = DiskL2Adapter(str(tmp_path / "probe"), 1 << 20).store(0, chunk(0))
     kept = {}
-    for name, policy in (("lru", LRUPolicy()), ("s3fifo", S3FIFOPolicy())):
+    for name, policy in (("lru", LRUPolicy), ("s3fifo", S3FIFOPolicy)):
         d = DiskL2Adapter(str(tmp_path / name), 5 * size, policy=policy)
         for k in range(5):
             d.store(k, chunk(k))

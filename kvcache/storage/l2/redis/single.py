@@ -71,8 +71,10 @@ class PipelinedChunks(L2Adapter):
         return self.store_many_with_meta(items, [b""] * len(items))
 
     def store_many_with_meta(
-        self, items: Sequence[StoreItem], metas: Sequence[bytes]
+        self, items: Sequence[StoreItem], metas: Sequence[bytes], tenants: Sequence[str] = ()
     ) -> list[int | Exception]:
+        # ``tenants`` is not kept: the server evicts by itself, and no principal's name goes
+        # to a store other daemons read.
         values = [
             encode_or_error(key, chunk, meta, self.seal, self._name(key))
             for (key, chunk, _), meta in zip(items, metas, strict=True)

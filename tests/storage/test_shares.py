@@ -1,4 +1,9 @@
-"""TenantShares: room comes from the fullest tenant, never from one holding less than the asker."""
+"""TenantShares: room comes from the fullest tenant, never from one holding less than the asker.
+
+The rule of L1 and of the disk tier: most tests here drive it through the L1 pool, whose
+pins it counts; the disk tier's own (``tests/storage/l2/test_disk_tenants.py``) charge files
+unpinned and ask before a write.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,9 @@ import pytest
 from kvcache.storage.l1.lru import LRUPolicy
 from kvcache.storage.l1.pool import EntryState, L1Entry, L1Pool
 from kvcache.storage.l1.s3fifo import S3FIFOPolicy
-from kvcache.storage.l1.shares import TenantShares
 from kvcache.storage.l1.slab import SlotShape
 from kvcache.storage.l2.base import EvictionPolicy
+from kvcache.storage.shares import TenantShares
 from tests.storage.l1.test_pool import G2, G, pool, write
 
 
@@ -217,6 +222,33 @@ def test_a_tenant_keeps_its_s3fifo_ghost_when_it_empties() -> None:
         plain.discard(key)
     plain.add(1)
     assert shares.victim() == plain.victim()
+
+
+def test_an_unpinned_charge_counts_its_bytes_and_no_pin() -> None:
+    """A disk file: whole and evictable once added, never pinned."""
+    shares = TenantShares(LRUPolicy)
+    shares.charge(1, "d", 8, pinned=False)
+    shares.add(1)
+    assert shares.held() == {"d": 8} and shares.pinned_total() == 0
+    assert shares.victim_for("d") == (1, "d") and not shares.room_may_come("d", 0)
+    shares.discard(1)
+    shares.release(1, 8)
+    assert shares.held() == {} and shares.pinned_total() == 0
+
+
+def test_asked_before_a_write_the_victim_is_the_one_that_write_would_evict() -> None:
+    """``adding``: the writer is charged as if its write were in (the disk tier's admission
+    weighs that victim), so a writer that would reach the fullest's bytes pays first."""
+    shares = TenantShares(LRUPolicy)
+    _held(shares, {10: "b", 11: "b", 12: "b"})
+    assert shares.victim_for("new", adding=2) == (10, "b")  # one other tenant: not alone
+    assert shares.victim_for("new", adding=4) == (None, None)  # only its own write could go
+    assert shares.victim_for("b", adding=1) == (10, "b")
+    _held(shares, {1: "a", 2: "a"})
+    assert shares.victim_for("a") == (10, "b")  # a holds less now
+    assert shares.victim_for("a", adding=1) == (1, "a")  # as much once written: it pays first
+    assert shares.victim_for("c", adding=3) == (10, "b")  # as much as b, more than a
+    assert shares.victim_for(None, adding=5) == (10, "b")  # no asker: the fullest
 
 
 def test_a_policy_instance_is_refused_for_a_factory() -> None:
