@@ -11,7 +11,7 @@ several threads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ class CacheContext:
         block_size: int | None = None,
         max_block_ids: int = DEFAULT_MAX_BLOCK_IDS,
         num_threads: int = 0,
+        background: Callable[[], bool] | None = None,
     ) -> None:
         self._format = KVFormat(fmt) if fmt is not None else detect_format(kv_caches, engine)
         tensors = flatten_tensors(kv_caches, self._format)
@@ -71,11 +72,18 @@ class CacheContext:
             )
         except ValueError as exc:  # the native guard: reached only if the check above missed
             raise LayoutError(str(exc)) from exc
-        self._handler: TransferHandler = self._make_handler(geometry, num_threads)
+        self._handler: TransferHandler = self._make_handler(geometry, num_threads, background)
 
-    def _make_handler(self, geometry: Geometry, num_threads: int) -> TransferHandler:
+    def _make_handler(
+        self, geometry: Geometry, num_threads: int, background: Callable[[], bool] | None
+    ) -> TransferHandler:
+        """``background``: when this cache's copies give way to other threads (the CPU
+        handler runs them at the lowest CPU priority meanwhile). A CUDA cache's copies run
+        on the device, not on a core of the daemon, and ignore it."""
         if self._geometry.device.type == "cpu":
-            return CpuTransferHandler(self._table, geometry, num_threads, owners=self._tensors)
+            return CpuTransferHandler(
+                self._table, geometry, num_threads, owners=self._tensors, background=background
+            )
         if not _native.cuda_compiled():
             raise CudaUnavailableError(
                 "CUDA tensors were registered but kvcache was built without CUDA "

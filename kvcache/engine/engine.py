@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -120,6 +120,7 @@ class CacheEngine:
         chunk_size: int | None = None,
         replace: bool = False,
         tenant: str = "",
+        background: Callable[[], bool] | None = None,
     ) -> CacheContext:
         """Register an engine's KV tensors; the chunk size comes from the config unless
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
@@ -127,11 +128,16 @@ class CacheEngine:
         unregistered first, once the new registration passed every check (a refused one
         changes nothing). ``tenant``: whose share of L1 and of the disk tier its chunks count
         against; room is taken from the tenant holding the most (``storage.shares``), so give
-        each party sharing the engine a name of its own (the daemon names its principals)."""
+        each party sharing the engine a name of its own (the daemon names its principals).
+        ``background``: asked before each CPU copy of this cache; while True its copies run at
+        the lowest CPU priority (the daemon: while its principal wants more in service than
+        another, ``server.fair_queue.FairShare.gives_way``)."""
         if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
             raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         cs = chunk_size or self.config.chunk_size
-        ctx = CacheContext(kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size)
+        ctx = CacheContext(
+            kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size, background=background
+        )
         if replace and instance_id in self._instances:
             self.unregister(instance_id)
         with self._lock:

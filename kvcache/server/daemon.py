@@ -121,6 +121,7 @@ class Daemon:
         self._in_flight = 0
         self._admission = Admission(config, handlers)
         share = FairShare(in_flight=config.fair_in_flight)  # one account per principal, both lanes
+        handlers.gives_way = share.gives_way  # a principal ahead of another: its copies give way
         self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(share), "bulk": FairQueue(share)}
         self._threads: list[threading.Thread] = []
         self._inline_lookups = config.inline_lookups

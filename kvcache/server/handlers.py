@@ -14,6 +14,7 @@ are in ``registration`` (``Limits`` is re-exported here).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -78,6 +79,8 @@ class Handlers:
         self.awaits = AwaitBounds(self.limits, self._refusals)
         """What awaiting retrieves hold; the daemon's I/O thread takes it at read (``hold``)."""
         self.fd_inbox = fd_inbox
+        self.gives_way: Callable[[str], bool] | None = None
+        """Whether a principal's copies give way now (the daemon's ``FairShare.gives_way``)."""
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
         self._table: dict[type, Callable[[Any, Principal], m.ReplyBody]] = {
@@ -147,6 +150,9 @@ class Handlers:
                 chunk_size=req.chunk_size,
                 replace=replacing,  # only once the new registration passed the engine's checks
                 tenant=principal.name,  # each principal's own share of L1
+                background=None
+                if self.gives_way is None
+                else functools.partial(self.gives_way, principal.name),
             )
             instance = RegistrationRecord(
                 req.instance_id, req.model_name, ctx.geometry, imported, principal, req.client_nonce
