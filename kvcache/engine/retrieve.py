@@ -7,6 +7,13 @@ chunk, refused load or failed load ends it; a retrieve waits for the loads a loo
 never on its caller's thread: a prefix still loading is waited for on the engine's retrieve
 waiter (see ``waiter``), woken by ``EngineParts.loads_settled`` as each load settles.
 
+A retrieve's own loads take room within its tenant's share of L1 (``storage.shares``),
+evicting that tenant's chunks nobody pins; where only the chunks it pins itself could give
+room (a prompt longer than its share, or than L1), the load is refused at once and the prefix
+it holds is returned (``retrieved_tokens`` short of the lookup's hit). Waiting could never
+help: those pins go only when it ends. Taking the room from a tenant holding less would break
+the shares' rule, and evicting its own head for its tail would shorten the prefix.
+
 A chunk is read from L2 once however many requests need it at the same time: a load in
 flight is an L1 entry in LOADING, and every later lookup or retrieve of that chunk joins it
 (``L1Pool.resident``, ``acquire``) instead of reading it again. Each waiting retrieve is
@@ -46,6 +53,7 @@ def prefetch(
     keys: Sequence[ChunkKey],
     deadline: Deadline | None = None,
     room_by: Deadline | None = None,
+    held: Sequence[L1Entry] = (),
 ) -> int:
     """Start loading the leading ``keys`` found in L2 into L1; returns how many started.
 
@@ -53,7 +61,8 @@ def prefetch(
     early. A retrieve passes its deadline, so a chunk its lookup promised is not lost to a busy
     queue. L1 room held by operations in flight is waited for until ``room_by`` (a lookup's
     short bound), else ``deadline``: back-to-back lookups must not find every slot pinned by
-    the previous ones' loads and answer a miss for chunks L2 holds.
+    the previous ones' loads and answer a miss for chunks L2 holds. ``held``: the entries
+    the caller pins (a retrieve's prefix): never waited for (``L1Pool.begin_load``).
     """
     if not keys or not parts.tiers:
         return 0
@@ -68,7 +77,7 @@ def prefetch(
     n = next((i for i, s in enumerate(source) if s is None), len(keys))
     room = room_by if room_by is not None else deadline
     room_s = 0.0 if room is None else room.left()
-    entries = parts.pool.begin_load(inst.slot_shape, keys[:n], wait_s=room_s, tenant=inst.tenant)
+    entries = parts.pool.begin_load(inst.slot_shape, keys[:n], wait_s=room_s, tenant=inst.tenant, held=held)
     for i, entry in enumerate(entries):
         src = source[i]
         assert src is not None
@@ -228,13 +237,15 @@ class _RetrieveOp:
 
     def _bring_in(self, stop: threading.Event) -> None:
         """Pin the rest of the prefix: chunks already in L1 or loading (whoever began the
-        load), and loads begun now for the chunks L2 holds, until a miss."""
+        load), and loads begun now for the chunks L2 holds, until a miss, or until L1 has no
+        room for this tenant that any pin but this retrieve's own could free: it would wait
+        for itself, so the prefix ends there at once (``L1Pool.begin_load``'s ``held``)."""
         parts, keys, entries = self.parts, self.keys, self.pinned
         while not stop.is_set() and len(entries) < len(keys):
             rest = keys[len(entries) :]
             more = parts.pool.acquire(rest)
             if not more:
-                prefetch(parts, self.inst, rest, self.deadline)
+                prefetch(parts, self.inst, rest, self.deadline, held=entries)
                 more = parts.pool.acquire(rest)  # the loads just begun, or begun by another
                 if not more:  # a miss, or they failed already
                     break

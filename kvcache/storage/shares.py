@@ -14,13 +14,15 @@ for). A tenant that holds less than an equal share (what the tier keeps, L1 up t
 watermark, over the tenants holding chunks) loses nothing to the others' stores; a tenant
 alone may fill the whole tier.
 A writer waits only for pins that could give it room (on chunks of tenants it may take from),
-and fails at once where none could. One module for both tiers so the rule is written once.
+and never for its own (a store's fresh slots, a retrieve's pinned prefix and its loads), which
+cannot go while it waits: it fails at once where no other pin could give room. One module for
+both tiers so the rule is written once.
 
 What it costs: a tenant cannot grow past an equal share while others hold theirs, so with
 several tenants a prompt longer than that no longer fits L1 whole (its tail fails, or, with
-an L2 tier, it evicts its own head), nor the disk tier (it evicts its own head there too); a
-tenant that went idle keeps its share until others need more than theirs and it is the
-fullest.
+an L2 tier, it evicts its own head; a retrieve of it from L2 returns the prefix that fits),
+nor the disk tier (it evicts its own head there too); a tenant that went idle keeps its share
+until others need more than theirs and it is the fullest.
 
 A chunk counts against the tenant that brought it into the tier (L1: its store, or the
 prefetch that loaded it; disk: the write, a store's or a hit's promotion, or after a restart
@@ -39,7 +41,7 @@ per eviction with tens of tenants. Not thread-safe: the tier calls it under its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from kvcache.records import ChunkKey
 from kvcache.storage.l2.base import EvictionPolicy
@@ -135,11 +137,16 @@ class TenantShares(EvictionPolicy):
         held = self._held
         return tenant is not None and held.get(tenant, 0) * len(held) > limit
 
-    def room_may_come(self, tenant: str | None, mine: int) -> bool:
+    def room_may_come(self, tenant: str | None, mine: int | Mapping[str, int]) -> bool:
         """Whether a pin that, once gone, could give ``tenant`` room is held: one on a chunk
-        of a tenant it may take from, other than the ``mine`` its own reservation holds."""
-        pins = self._pins
-        return any(pins.get(name, 0) - (mine if name == tenant else 0) > 0 for name in self._takers(tenant))
+        of a tenant it may take from, other than those the asker holds itself, which never go
+        while it waits. ``mine``: the asker's pinned entries, a count on ``tenant``'s own (a
+        write reservation's fresh slots) or a count per owner (a retrieve's pinned prefix,
+        which may hold chunks another tenant brought in under a shared salt)."""
+        pins, takers = self._pins, self._takers(tenant)
+        if isinstance(mine, int):
+            return any(pins.get(name, 0) - (mine if name == tenant else 0) > 0 for name in takers)
+        return any(pins.get(name, 0) - mine.get(name, 0) > 0 for name in takers)
 
     def victim(self) -> ChunkKey | None:
         """The fullest tenant's next victim (the pool asks ``victim_for`` on a tenant's behalf)."""

@@ -131,6 +131,17 @@ def test_pins_that_could_give_room_are_waited_for_and_no_others() -> None:
     assert shares.room_may_come("a", 0) and shares.room_may_come("b", 0)
 
 
+def test_the_askers_own_pins_are_counted_per_owner() -> None:
+    """A retrieve's pinned prefix may hold chunks another tenant brought in (a shared salt):
+    those pins never go while it waits either, so a count on its own chunks is not enough."""
+    shares = TenantShares(LRUPolicy)
+    _held(shares, {1: "a", 2: "a", 3: "a", 10: "v", 11: "v"})  # born pinned: all five still are
+    assert shares.room_may_come("v", 2)  # a's pins may give v room ...
+    assert not shares.room_may_come("v", {"a": 3, "v": 2})  # ... unless they are all v's retrieve's
+    assert shares.room_may_come("v", {"a": 2, "v": 2})  # one of a's is pinned by someone else
+    assert not shares.room_may_come("a", {"a": 3})  # v holds less: its pins never give a room
+
+
 def test_the_watermark_pass_after_a_write_is_on_the_writers_behalf() -> None:
     """A store with write-through to L2 still pins its chunks when it settles: the pass down
     to the watermark then took the other tenant's chunks (``victim()`` had no asker)."""

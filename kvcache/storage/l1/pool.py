@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -171,24 +172,35 @@ class L1Pool(SlotTable):
             self._room.notify_all()
 
     def begin_load(
-        self, slot_shape: SlotShape, keys: Sequence[ChunkKey], *, wait_s: float = 0.0, tenant: str = ""
+        self,
+        slot_shape: SlotShape,
+        keys: Sequence[ChunkKey],
+        *,
+        wait_s: float = 0.0,
+        tenant: str = "",
+        held: Iterable[L1Entry] = (),
     ) -> list[L1Entry]:
         """Reserve pinned LOADING slots for ``keys`` (all absent from L1); stops at the first
         key that is present or cannot get memory, so the result is a prefix of ``keys``.
 
-        When no slot is free and no pin of its own is held, it waits up to ``wait_s`` for
+        When no slot is free and no slot of this call is held, it waits up to ``wait_s`` for
         others' pins to go (loads and writes in flight finish within milliseconds). It never
         waits holding slots of its own, so concurrent loaders cannot wait on one another;
-        the caller asks again for the rest. ``tenant`` as for ``begin_write``."""
+        the caller asks again for the rest. ``tenant`` as for ``begin_write``. ``held``: the
+        entries the caller pins (a retrieve's prefix so far, its loads included): they stay
+        pinned while it waits, so they are never waited for; where only they could give room
+        (the caller's share holds nothing else evictable) it stops at once, and the caller's
+        prefix ends there. Its own unpinned chunks are evicted for room as any victim."""
         out: list[L1Entry] = []
         events: list[Event] = []
         deadline = time.monotonic() + wait_s
         with self._lock:
+            mine = Counter(e.tenant for e in set(held))  # the caller's pins, by owner
             for i, key in enumerate(keys):
                 if key in self._entries:
                     break
                 entry = self._allocate(slot_shape, key, events, tenant)
-                while entry is None and not out and self._policy.room_may_come(tenant, 0):
+                while entry is None and not out and self._policy.room_may_come(tenant, mine):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break

@@ -216,6 +216,37 @@ def test_a_writer_with_nothing_in_hand_waits_for_a_pin_to_go() -> None:
     assert 1 not in p and 2 in p  # the released chunk made the room
 
 
+def test_a_load_never_waits_for_the_pins_its_caller_holds_yet_waits_for_anothers() -> None:
+    """A retrieve pins its prefix, then loads the rest from L2. Its own pins (on a prefix
+    another tenant brought in, under a shared salt, and on its own chunks) stay while it
+    waits: the load used to wait its whole bound for them, then end the prefix anyway."""
+    p = pool(4)
+    for keys, tenant in (([1, 2], "a"), ([3, 4], "v")):
+        p.finish([e for _, e in p.begin_write(G, keys, tenant=tenant).new])
+    mine = p.acquire([1, 2, 3])  # "v"'s retrieve
+    other = p.acquire([4])  # another reader's
+    t0 = time.monotonic()
+    assert p.begin_load(G, [5], wait_s=3, tenant="v", held=mine + other) == []  # all its own: no wait
+    assert time.monotonic() - t0 < 3
+    got: list[list[L1Entry]] = []
+    loader = threading.Thread(
+        target=lambda: got.append(p.begin_load(G, [5], wait_s=60, tenant="v", held=mine))
+    )
+    loader.start()
+    deadline = time.monotonic() + 30
+    while p.info()["waiting_loaders"] == 0 and time.monotonic() < deadline:
+        loader.join(0.001)  # no event to await: the loader is parked on the pool's condition
+    assert p.info()["waiting_loaders"] == 1  # the other reader's pin may give it room
+    p.release(other)
+    loader.join(30)
+    assert not loader.is_alive()
+    ((entry,),) = got
+    assert entry.key == 5 and 4 not in p and all(k in p for k in (1, 2, 3))
+    p.finish([entry])
+    p.release(mine)
+    assert p.info()["pinned_chunks"] == 0
+
+
 def test_chunk_larger_than_pool_fails_cleanly() -> None:
     p = L1Pool(G.stride // 2)
     res = p.begin_write(G, [1])
