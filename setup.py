@@ -122,7 +122,12 @@ ext_modules = [
         "kvcache._native",
         sources=[
             str(p.relative_to(ROOT))
-            for p in (CSRC / "kvc_cpu.cpp", CSRC / "kvc_keys.cpp", CSRC / "bindings_pybind.cpp")
+            for p in (
+                CSRC / "kvc_cpu.cpp",
+                CSRC / "kvc_keys.cpp",
+                CSRC / "kvc_lowered.cpp",
+                CSRC / "bindings_pybind.cpp",
+            )
         ],
         include_dirs=[str(CSRC)],
         # headers and the layout table: an edit to them must rebuild the module

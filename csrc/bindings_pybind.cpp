@@ -11,6 +11,7 @@
 #include "kvc.h"
 #include "kvc_cuda.h"
 #include "kvc_keys.h"
+#include "kvc_lowered.h"
 
 namespace py = pybind11;
 
@@ -198,6 +199,27 @@ PYBIND11_MODULE(_native, m) {
       py::arg("blocks_per_chunk"), py::arg("last_chunk_blocks"), py::arg("skip_blocks"),
       py::arg("to_chunks"), py::arg("num_threads") = 0,
       "Copy pages between engine blocks and chunks on the CPU; releases the GIL.");
+
+  py::class_<kvc::LoweredCopier>(m, "LoweredCopier")
+      .def(py::init<>())
+      .def(
+          "copy",
+          [](kvc::LoweredCopier& self, const kvc::PageTable& table, const IdArray& block_ids,
+             const std::vector<uint64_t>& chunk_ptrs, int64_t blocks_per_chunk,
+             int64_t last_chunk_blocks, int64_t skip_blocks, bool to_chunks, int num_threads) {
+            auto spec = make_spec(block_ids, chunk_ptrs, blocks_per_chunk, last_chunk_blocks,
+                                  skip_blocks, to_chunks);
+            py::gil_scoped_release release;
+            self.copy(table, spec, num_threads);
+          },
+          py::arg("table"), py::arg("block_ids"), py::arg("chunk_ptrs"),
+          py::arg("blocks_per_chunk"), py::arg("last_chunk_blocks"), py::arg("skip_blocks"),
+          py::arg("to_chunks"), py::arg("num_threads") = 0,
+          "cpu_copy on the copier's lowered thread; blocks, with the GIL released, until done.")
+      .def_property_readonly("priority", &kvc::LoweredCopier::priority,
+                             "The class its thread got: idle, nice or none.")
+      .def_property_readonly("thread_id", &kvc::LoweredCopier::thread_id,
+                             "Its thread's kernel id.");
 
   m.def(
       "emulate_kernel",

@@ -32,6 +32,24 @@ class PageTable:
         tensor_bytes: list[int],
     ) -> None: ...
 
+class LoweredCopier:
+    """``cpu_copy`` on a native thread of its own in the lowest CPU class (csrc/kvc_lowered.h)."""
+
+    priority: str
+    thread_id: int
+    def __init__(self) -> None: ...
+    def copy(
+        self,
+        table: PageTable,
+        block_ids: np.ndarray,
+        chunk_ptrs: list[int],
+        blocks_per_chunk: int,
+        last_chunk_blocks: int,
+        skip_blocks: int,
+        to_chunks: bool,
+        num_threads: int = 0,
+    ) -> None: ...
+
 def validate(
     table: PageTable,
     block_ids: np.ndarray,

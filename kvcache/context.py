@@ -11,7 +11,7 @@ several threads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from kvcache.layouts import (
     detect_format,
     flatten_tensors,
 )
-from kvcache.transfer.base import BlockIds, Direction, TransferHandler, TransferJob
+from kvcache.transfer.base import BlockIds, CopyPriority, Direction, TransferHandler, TransferJob
 from kvcache.transfer.cpu import CpuTransferHandler
 from kvcache.transfer.validate import cuda_errors
 
@@ -50,7 +50,7 @@ class CacheContext:
         block_size: int | None = None,
         max_block_ids: int = DEFAULT_MAX_BLOCK_IDS,
         num_threads: int = 0,
-        background: Callable[[], bool] | None = None,
+        priority: CopyPriority | None = None,
     ) -> None:
         self._format = KVFormat(fmt) if fmt is not None else detect_format(kv_caches, engine)
         tensors = flatten_tensors(kv_caches, self._format)
@@ -72,17 +72,17 @@ class CacheContext:
             )
         except ValueError as exc:  # the native guard: reached only if the check above missed
             raise LayoutError(str(exc)) from exc
-        self._handler: TransferHandler = self._make_handler(geometry, num_threads, background)
+        self._handler: TransferHandler = self._make_handler(geometry, num_threads, priority)
 
     def _make_handler(
-        self, geometry: Geometry, num_threads: int, background: Callable[[], bool] | None
+        self, geometry: Geometry, num_threads: int, priority: CopyPriority | None
     ) -> TransferHandler:
-        """``background``: when this cache's copies give way to other threads (the CPU
-        handler runs them at the lowest CPU priority meanwhile). A CUDA cache's copies run
-        on the device, not on a core of the daemon, and ignore it."""
+        """``priority``: where the CPU handler reports its copying and asks whether it gives
+        way to other work (its pieces then run in the lowest CPU class). A CUDA cache's copies
+        run on the device, not on a core of the daemon, and ignore it."""
         if self._geometry.device.type == "cpu":
             return CpuTransferHandler(
-                self._table, geometry, num_threads, owners=self._tensors, background=background
+                self._table, geometry, num_threads, owners=self._tensors, priority=priority
             )
         if not _native.cuda_compiled():
             raise CudaUnavailableError(

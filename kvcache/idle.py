@@ -19,26 +19,14 @@ without anyone notifying its condition)."""
 
 
 def wait_for_work(
-    cv: threading.Condition,
-    queue: Sized,
-    closed: Callable[[], bool],
-    idle_exit_s: float,
-    turn: Callable[[], bool] | None = None,
+    cv: threading.Condition, queue: Sized, closed: Callable[[], bool], idle_exit_s: float
 ) -> bool:
     """With ``cv`` held: wait until ``queue`` is not empty (True) or the thread should leave
     (False): its owner closed, ``idle_exit_s`` passed without work, or the main thread ended.
-    On False the caller, still holding ``cv``, marks its thread gone and notifies.
-
-    ``turn``, for a thread that shares its queue with another (the CPU handler's two
-    workers): it also waits while ``turn()`` is False, and never leaves while the queue
-    holds work (the other thread may hand it over)."""
+    On False the caller, still holding ``cv``, marks its thread gone and notifies."""
     idle_since = time.monotonic()
-    while not len(queue) or (turn is not None and not turn()):
-        if len(queue):
-            idle_since = time.monotonic()
-        elif (
-            closed() or time.monotonic() - idle_since >= idle_exit_s or not threading.main_thread().is_alive()
-        ):
+    while not len(queue):
+        if closed() or time.monotonic() - idle_since >= idle_exit_s or not threading.main_thread().is_alive():
             return False
         cv.wait(IDLE_SLICE_S)
     return True

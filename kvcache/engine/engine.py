@@ -13,7 +13,7 @@ Policies, stated once:
   most ``store_wait_timeout_s``, after which the chunk is dropped, reported and counted.
 * **Lookup** counts the prefix of chunks in L1 or present in L2 (disk first, then Redis), and
   starts loading the L2 ones into L1 (prefetch) before it returns; ``retrieve`` waits for those
-  loads. The first missing chunk ends the prefix.
+  loads. The first missing chunk, or the first its tenant's L1 room cannot take, ends it.
 * **One request value, one entry per direction:** ``submit_store`` / ``submit_retrieve`` take
   a request checked when it was built (``kvcache.request``), submit the copies and return a
   future of the direction's result record (``kvcache.records``); each instance's copies are
@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -66,6 +66,7 @@ from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.storage.l1.pool import L1Pool
 from kvcache.storage.l2.async_front import AsyncL2
 from kvcache.storage.l2.factory import admission_for, create_policy, l2_adapters_from_config
+from kvcache.transfer.base import CopyPriority
 
 _T = TypeVar("_T")
 
@@ -120,7 +121,7 @@ class CacheEngine:
         chunk_size: int | None = None,
         replace: bool = False,
         tenant: str = "",
-        background: Callable[[], bool] | None = None,
+        priority: CopyPriority | None = None,
     ) -> CacheContext:
         """Register an engine's KV tensors; the chunk size comes from the config unless
         ``chunk_size`` (at most the config's) asks for smaller chunks: SGLang page instances
@@ -129,14 +130,13 @@ class CacheEngine:
         changes nothing). ``tenant``: whose share of L1 and of the disk tier its chunks count
         against; room is taken from the tenant holding the most (``storage.shares``), so give
         each party sharing the engine a name of its own (the daemon names its principals).
-        ``background``: asked before each CPU copy of this cache; while True its copies run at
-        the lowest CPU priority (the daemon: while its principal wants more in service than
-        another, ``server.fair_queue.FairShare.gives_way``)."""
+        ``priority``: whether its CPU copies give way to others' (``transfer.base.CopyPriority``;
+        the daemon: the principal's ``server.copy_share``)."""
         if chunk_size is not None and not 0 < chunk_size <= self.config.chunk_size:
             raise LayoutError(f"chunk_size must be in [1, {self.config.chunk_size}], got {chunk_size}")
         cs = chunk_size or self.config.chunk_size
         ctx = CacheContext(
-            kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size, background=background
+            kv_caches, chunk_size=cs, fmt=fmt, engine=engine, block_size=block_size, priority=priority
         )
         if replace and instance_id in self._instances:
             self.unregister(instance_id)

@@ -54,6 +54,7 @@ from kvcache.protocol.codec import DecodeFailure, decode_request, encode_reply
 from kvcache.server import auth
 from kvcache.server.admission import Admission, Hold, await_left
 from kvcache.server.connections import ConnectionGuard
+from kvcache.server.copy_share import CopyShares
 from kvcache.server.daemon_config import DaemonConfig  # re-exported: built next to Daemon
 from kvcache.server.deferred import Outbox
 from kvcache.server.delivery import ReplySender
@@ -121,7 +122,7 @@ class Daemon:
         self._in_flight = 0
         self._admission = Admission(config, handlers)
         share = FairShare(in_flight=config.fair_in_flight)  # one account per principal, both lanes
-        handlers.gives_way = share.gives_way  # a principal ahead of another: its copies give way
+        handlers.copies = CopyShares(share)  # a principal copying more than another gives way
         self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(share), "bulk": FairQueue(share)}
         self._threads: list[threading.Thread] = []
         self._inline_lookups = config.inline_lookups

@@ -91,25 +91,14 @@ class FairShare:
         self._lanes: list[FairQueue[Any]] = []
         self._owners: dict[str, _Owner] = {}
         self._floor = 0.0  # the least virtual time of the active owners, never decreasing
-        self._ahead: frozenset[str] = frozenset()  # see ``gives_way``
+        self._active_until: dict[str, float] = {}  # see ``active``; replaced, never changed
 
-    def gives_way(self, owner: str) -> bool:
-        """Whether ``owner``'s copies give way now: it wants more requests in service (queued
-        and running, on every lane) than another active principal does. Its copies then run
-        at the lowest CPU priority (``transfer.cpu``), so the work it already started never
-        takes the core from a lighter principal's request; alone, or among equals, it keeps
-        its priority. By demand rather than by virtual time: the lanes keep principals'
-        virtual times within ``slice_s`` of each other, so "ahead" is a tie most of the time,
-        while a flood's demand stays above a light client's (measured: copies of a store
-        flood ran lowered for 16 of 18,400 pieces by virtual time). A flood that keeps no
-        backlog still has more in service than the client it competes with, so it cannot
-        keep its priority by pacing itself.
-
-        Read without the lock, by copy threads that may themselves run at that priority:
-        they must never hold a lock the lanes need. Kept fresh at every change of demand
-        and at every decision of the lanes (a linger's end); a stale True only lowers copies
-        that would have run alone anyway."""
-        return owner in self._ahead
+    def active(self, now: float) -> list[str]:
+        """The principals active at ``now``: with requests queued or in service, or within
+        ``linger_s`` of their last reply. Read without the lock (copy threads ask it before
+        each piece, ``server.copy_share``): a snapshot kept at every change of the accounts
+        and compared with the clock here, so a linger that ended is never stale."""
+        return [name for name, until in self._active_until.items() if until > now]
 
     def vtime(self, owner: str) -> float:
         """``owner``'s virtual time (seconds of service, shifted as above); for tests."""
@@ -131,7 +120,7 @@ class FairShare:
                 o = self._owners[owner] = _Owner(vtime=self._floor - self._bonus)
             o.vtime = max(o.vtime, self._floor - self._bonus)
         o.queued += 1
-        self._refresh_ahead(now)
+        self._mark(owner, o)
 
     def started(self, owner: str, now: float) -> None:
         o = self._owners[owner]
@@ -140,8 +129,9 @@ class FairShare:
         o.starts.append(now)
 
     def dropped(self, owner: str) -> None:
-        self._owners[owner].queued -= 1
-        self._refresh_ahead(self.clock())
+        o = self._owners[owner]
+        o.queued -= 1
+        self._mark(owner, o)
 
     def ended(self, owner: str, start: float) -> None:
         now = self.clock()
@@ -150,7 +140,7 @@ class FairShare:
         o.starts.remove(start)
         o.vtime += now - start
         o.last_done = now
-        self._refresh_ahead(now)
+        self._mark(owner, o)
         for lane in self._lanes:
             lane.wake()
 
@@ -159,13 +149,11 @@ class FairShare:
         now, else None and how long until a linger ends (None: until something changes)."""
         active = [o for o in self._owners.values() if self._active(o, now)]
         if not active:
-            self._ahead = frozenset()
             return None, None
         served = {id(o): o.served(now) for o in active}
         least_owner = min(active, key=lambda o: served[id(o)])
         least = served[id(least_owner)]
         self._floor = max(self._floor, least)
-        self._refresh_ahead(now)
         share = max(1, self._in_flight // len(active))
         gap: float | None = None  # how far the nearest waiting owner is ahead of the least
         for name in waiting:
@@ -186,11 +174,13 @@ class FairShare:
                 wake = left if wake is None else min(wake, left)
         return None, wake
 
-    def _refresh_ahead(self, now: float) -> None:
-        """``gives_way``'s set: the active principals wanting more in service than another."""
-        demand = {n: o.queued + o.running for n, o in self._owners.items() if self._active(o, now)}
-        least = min(demand.values(), default=0)
-        self._ahead = frozenset(n for n, d in demand.items() if d > least)
+    def _mark(self, name: str, o: _Owner) -> None:
+        """Keep ``active``'s view of ``name`` (until when it is active); the view is
+        replaced whole, never changed in place, as its readers hold no lock. Only a change
+        copies it: a principal going from idle to busy, or from busy to its linger."""
+        until = float("inf") if o.queued > 0 or o.running > 0 else o.last_done + self._linger
+        if self._active_until.get(name) != until:
+            self._active_until = {**self._active_until, name: until}
 
     def _active(self, o: _Owner, now: float) -> bool:
         return o.queued > 0 or o.running > 0 or now - o.last_done < self._linger
@@ -204,6 +194,7 @@ class FairShare:
                 n for n, o in self._owners.items() if not self._active(o, now) and o.vtime <= self._floor
             ]:
                 del self._owners[name]
+            self._active_until = {n: u for n, u in self._active_until.items() if n in self._owners}
 
 
 class Slot:

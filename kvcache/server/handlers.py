@@ -14,7 +14,6 @@ are in ``registration`` (``Limits`` is re-exported here).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import secrets
@@ -38,6 +37,7 @@ from kvcache.request import RetrieveRequest, StoreRequest
 from kvcache.server.auth import LOOPBACK, Principal
 from kvcache.server.await_bounds import AwaitBounds
 from kvcache.server.budget import give_each, take_each
+from kvcache.server.copy_share import CopyShares
 from kvcache.server.deadlines import accept_deadline
 from kvcache.server.pages import PageHandlers
 from kvcache.server.refusals import RefusalTally
@@ -79,8 +79,8 @@ class Handlers:
         self.awaits = AwaitBounds(self.limits, self._refusals)
         """What awaiting retrieves hold; the daemon's I/O thread takes it at read (``hold``)."""
         self.fd_inbox = fd_inbox
-        self.gives_way: Callable[[str], bool] | None = None
-        """Whether a principal's copies give way now (the daemon's ``FairShare.gives_way``)."""
+        self.copies: CopyShares | None = None
+        """Which principals' copies give way (the daemon's, on its lanes' accounts)."""
         self.started = time.monotonic()
         self._register_lock = threading.Lock()  # a check-then-replace of one instance id
         self._table: dict[type, Callable[[Any, Principal], m.ReplyBody]] = {
@@ -150,9 +150,7 @@ class Handlers:
                 chunk_size=req.chunk_size,
                 replace=replacing,  # only once the new registration passed the engine's checks
                 tenant=principal.name,  # each principal's own share of L1
-                background=None
-                if self.gives_way is None
-                else functools.partial(self.gives_way, principal.name),
+                priority=None if self.copies is None else self.copies.principal(principal.name),
             )
             instance = RegistrationRecord(
                 req.instance_id, req.model_name, ctx.geometry, imported, principal, req.client_nonce

@@ -21,7 +21,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -98,6 +98,18 @@ class TransferResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+class CopyPriority(Protocol):
+    """Where a CPU handler reports the copying its cache wants and asks, before each piece,
+    whether that copying gives way to other work now (the daemon's ``server.copy_share``,
+    one per principal; its pieces then run in the lowest CPU class: ``transfer.lowered``)."""
+
+    def charge(self, nbytes: int) -> None:
+        """Bytes of copies queued (positive) or done (negative)."""
+
+    def gives_way(self) -> bool:
+        """Whether the next piece is copied in the lowest CPU class."""
 
 
 class TransferHandler(ABC):

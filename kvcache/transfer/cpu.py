@@ -7,7 +7,6 @@ behaviour as GPU callers and the CPU test suite exercises every asynchronous rul
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -20,12 +19,10 @@ from kvcache import _native
 from kvcache.errors import CudaUnavailableError, TransferError, UnknownTransferError
 from kvcache.geometry import Geometry
 from kvcache.idle import wait_for_work
-from kvcache.transfer.base import TransferHandler, TransferJob, TransferResult
+from kvcache.transfer.base import CopyPriority, TransferHandler, TransferJob, TransferResult
+from kvcache.transfer.lowered import LoweredCopy
 from kvcache.transfer.pieces import Footprint, chunks_per_piece, first_chunk, piece
-from kvcache.transfer.priority import lower_this_thread
 from kvcache.transfer.validate import CheckedJob, check_job, check_start, native_error
-
-log = logging.getLogger(__name__)
 
 #: The native copy's signature; tests pass a wrapper that holds a job in flight.
 CopyFn = Callable[[_native.PageTable, CheckedJob, int], None]
@@ -72,6 +69,7 @@ class _Queued:
     nbytes: int = 0
     seconds: float = 0.0
     result: TransferResult | None = None
+    charged: int = 0  # bytes charged to ``priority`` at submit, credited back at the end
 
 
 class CpuTransferHandler(TransferHandler):
@@ -90,21 +88,18 @@ class CpuTransferHandler(TransferHandler):
     caller's caches are cold, and the checks alone then cost about as much as 1 % of a
     256 MiB copy (measured: ``python -m kvcache.bench transfer``).
 
-    One piece at a time, not several: the native copy already spreads each job's pages over
+    One worker, not several: the native copy already spreads each job's pages over
     ``num_threads`` OpenMP threads, so a second concurrent job would only split the same
     memory bandwidth, and would break the in-order promise of ``TransferHandler``.
     The worker starts on the first submit and exits after ``idle_exit_s`` without work,
     so a registered but idle cache holds no thread and needs no explicit ``close``.
 
-    ``background`` (the daemon: whether this cache's principal wants more requests in service
-    than another active one, ``FairShare.gives_way``) is asked before each piece: while it
-    says True the pieces run on
-    a second worker, ``kvcache-transfer-cpu-bg``, at the lowest CPU priority
-    (``priority.lower_this_thread``), so every other thread that wants the core takes it
-    first, and the first worker runs them again once it says False. Only the worker whose
-    turn it is runs a piece, and the turn passes only between pieces, so the order above
-    holds unchanged. Two threads because a lowered thread cannot be raised again without
-    privilege.
+    ``priority`` (the daemon: its principal's ``server.copy_share``) is charged each job's
+    bytes at submit and credited them when it finishes, and asked before each piece whether
+    the copying gives way: then the piece is copied by ``lowered_copy`` (``LoweredCopy``: a
+    native thread in the lowest CPU class), so every other thread that wants the core takes it
+    first. The worker waits for it, so the order above is unchanged; only the copy's priority
+    differs.
     NOTE: the worker is not a daemon thread: one killed at interpreter exit while it
     re-takes the GIL (leaving the native copy) aborts the process ("terminate called
     without an active exception"). It finishes its queue instead, and an idle worker
@@ -124,7 +119,8 @@ class CpuTransferHandler(TransferHandler):
         idle_exit_s: float = 2.0,
         piece_bytes: int = PIECE_BYTES,
         parallel_min_bytes: int = PARALLEL_MIN_BYTES,
-        background: Callable[[], bool] | None = None,
+        priority: CopyPriority | None = None,
+        lowered_copy: CopyFn | None = None,
     ) -> None:
         self._table = table
         self._geometry = geometry
@@ -133,16 +129,15 @@ class CpuTransferHandler(TransferHandler):
         self._copy = copy
         self._idle_exit_s = idle_exit_s
         self._parallel_min_bytes = parallel_min_bytes
-        lock = threading.RLock()
-        self._cv = threading.Condition(lock)  # the waiters' (results); the workers wait on their turn
+        self._priority = priority
+        self._lowered_copy: CopyFn | None = None
+        if priority is not None:
+            self._lowered_copy = lowered_copy if lowered_copy is not None else LoweredCopy()
+        self._cv = threading.Condition()
         self._queue: deque[_Queued] = deque()  # submitted, not finished; [0] may be running
         self._finished: dict[int, TransferResult] = {}  # finished, not collected (in order)
         self._next_id = 0
-        self._background = background
-        self._workers: dict[bool, threading.Thread] = {}  # by class: True is the lowered one
-        self._turns = {False: threading.Condition(lock), True: threading.Condition(lock)}
-        self._turn_bg = False  # whose turn: only the worker of that class runs a piece
-        self._lowering_failed = False
+        self._worker: threading.Thread | None = None
         self._closed = False
         bpc, block_bytes = geometry.blocks_per_chunk, geometry.bytes_per_block
         self._piece_chunks = chunks_per_piece(piece_bytes, bpc, block_bytes)
@@ -164,16 +159,16 @@ class CpuTransferHandler(TransferHandler):
                 raise TransferError("the transfer handler is closed")
             job_id = self._next_id
             self._next_id += 1
-            self._queue.append(_Queued(job_id, job))
-            # Both workers whenever the queue holds work: the one whose turn it is may hand
-            # it over at once, and a lowered worker cannot start a normal one.
-            for background in (False, True) if self._background is not None else (False,):
-                if background not in self._workers:
-                    name = "kvcache-transfer-cpu-bg" if background else "kvcache-transfer-cpu"
-                    worker = threading.Thread(target=self._run, args=(background,), name=name, daemon=False)
-                    self._workers[background] = worker
-                    worker.start()
-            self._turns[self._turn_bg].notify()
+            queued = _Queued(job_id, job)
+            if self._priority is not None:
+                queued.charged = self._bytes_of(job)
+                self._priority.charge(queued.charged)
+            self._queue.append(queued)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="kvcache-transfer-cpu", daemon=False)
+                self._worker.start()
+            else:
+                self._cv.notify_all()
         return job_id
 
     def get_finished(self) -> list[TransferResult]:
@@ -244,31 +239,19 @@ class CpuTransferHandler(TransferHandler):
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for turn in self._turns.values():
-                turn.notify_all()
-            while self._workers:
+            self._cv.notify_all()
+            while self._worker is not None:
                 self._cv.wait()
 
     # -- worker ---------------------------------------------------------------------
-    def _run(self, background: bool) -> None:
-        if background and lower_this_thread() == "none" and not self._lowering_failed:
-            self._lowering_failed = True  # once per cache: it would repeat at every restart of the worker
-            log.warning("cannot lower this cache's copy thread: its copies will not give way to others")
-        turn, closed = self._turns[background], lambda: self._closed
+    def _run(self) -> None:
         while True:
             with self._cv:
-                if not wait_for_work(
-                    turn, self._queue, closed, self._idle_exit_s, lambda: self._turn_bg is background
-                ):
-                    del self._workers[background]
+                if not wait_for_work(self._cv, self._queue, lambda: self._closed, self._idle_exit_s):
+                    self._worker = None
                     self._cv.notify_all()
                     return
                 items = list(self._queue)
-            if self._background is not None and self._gives_way() is not background:
-                with self._cv:  # between pieces: the other worker runs the next one
-                    self._turn_bg = not background
-                    self._turns[not background].notify()
-                continue
             item = items[0]
             try:
                 item = self._turn(items)
@@ -281,14 +264,8 @@ class CpuTransferHandler(TransferHandler):
                     self._finished[item.job_id] = item.result
                     self._cv.notify_all()
                 self._forget(item)
-
-    def _gives_way(self) -> bool:
-        """``background()``; a predicate that fails counts as False (never lose the worker)."""
-        assert self._background is not None
-        try:
-            return bool(self._background())
-        except Exception:
-            return False
+                if self._priority is not None:
+                    self._priority.charge(-item.charged)
 
     def _turn(self, items: list[_Queued]) -> _Queued:
         """The job whose piece runs next: round robin, from the one after the latest turn,
@@ -345,6 +322,22 @@ class CpuTransferHandler(TransferHandler):
                 if index.get(key) is item:
                     del index[key]
 
+    def _bytes_of(self, job: TransferJob) -> int:
+        """The bytes ``job`` asks to copy, as the caller states it (checked later: 0 for one
+        that is not even a sequence)."""
+        try:
+            return max(0, len(job.block_ids) - job.skip_blocks) * self._geometry.bytes_per_block
+        except TypeError:
+            return 0
+
+    def _gives_way(self) -> bool:
+        """``priority.gives_way()``; one that fails counts as False (never lose the worker)."""
+        assert self._priority is not None
+        try:
+            return bool(self._priority.gives_way())
+        except Exception:
+            return False
+
     def _step(self, item: _Queued) -> None:
         """Run the next piece of ``item``; sets its result once it is over."""
         job = item.checked
@@ -360,11 +353,12 @@ class CpuTransferHandler(TransferHandler):
         start, count = item.next_chunk, len(job.chunk_ptrs)
         stop = min(start + self._piece_chunks, count)
         part = job if (start, stop) == (0, count) else piece(job, start, stop, self._geometry.bytes_per_block)
+        copy = self._lowered_copy if self._lowered_copy is not None and self._gives_way() else self._copy
         t0 = time.perf_counter()
         try:
             if part.blocks:
                 threads = self._num_threads if part.nbytes >= self._parallel_min_bytes else 1
-                self._copy(self._table, part, threads)
+                copy(self._table, part, threads)
         except Exception as err:  # reported on the result, never raised on this thread
             item.seconds += time.perf_counter() - t0
             item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds,
@@ -378,4 +372,11 @@ class CpuTransferHandler(TransferHandler):
             item.result = TransferResult(item.job_id, direction, item.blocks, item.nbytes, item.seconds)
 
 
-__all__ = ["PARALLEL_MIN_BYTES", "PIECE_BYTES", "CopyFn", "CpuTransferHandler", "native_cpu_copy"]
+__all__ = [
+    "PARALLEL_MIN_BYTES",
+    "PIECE_BYTES",
+    "CopyFn",
+    "CpuTransferHandler",
+    "LoweredCopy",
+    "native_cpu_copy",
+]

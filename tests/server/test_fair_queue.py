@@ -246,34 +246,19 @@ def test_a_worker_idle_before_a_blocked_put_still_starts_it_when_the_linger_ends
     assert box and box[0] is not None and box[0][0] == "f0", "the blocked put was never started"
 
 
-def test_a_principal_wanting_more_than_an_active_one_gives_way_alone_or_among_equals_not() -> None:
-    """``gives_way`` (read by the copy threads without the lock) names the active principals
-    that want more requests in service (queued and running) than another active one."""
+def test_active_is_a_lock_free_view_that_a_linger_leaves_on_time() -> None:
+    """``active`` (read by copy threads without the lock): principals with requests queued
+    or in service, and those within their linger; an ended linger is never stale."""
     clock = Clock()
     q, share = _queue(clock)
-    for i in range(50):
-        q.put("flood", f"f{i}")
-    _serve(q, clock, 10, 0.01)  # the flood alone: nobody to give way to
-    assert not share.gives_way("flood")
-    q.put("victim", "v0")  # active, and wants one request where the flood wants 40
-    assert share.gives_way("flood") and not share.gives_way("victim")
-    assert _serve(q, clock, 1, 0.001) == ["v0"]
-    assert share.gives_way("flood")  # the victim lingers (its client's think time): wants none
-    clock.now += 0.02  # the linger ends: the flood is alone again at the lanes' next decision
-    _serve(q, clock, 1, 0.001)
-    assert not share.gives_way("flood") and not share.gives_way("victim")
-    assert not share.gives_way("nobody")
-
-
-def test_principals_wanting_the_same_keep_their_priority() -> None:
-    clock = Clock()
-    q, share = _queue(clock)
-    for i in range(3):
-        q.put("a", f"a{i}")
-        q.put("b", f"b{i}")
-    assert not share.gives_way("a") and not share.gives_way("b")
-    got = q.get()  # one of them starts a request: its demand is unchanged (queued -> running)
-    assert got is not None
-    assert not share.gives_way("a") and not share.gives_way("b")
-    got[1].end()  # it is answered: it wants one fewer, the other now wants more
-    assert share.gives_way("b" if got[0].startswith("a") else "a")
+    assert share.active(clock.now) == []
+    q.put("flood", "f0")
+    q.put("victim", "v0")
+    assert sorted(share.active(clock.now)) == ["flood", "victim"]
+    got = q.get()
+    assert got is not None and sorted(share.active(clock.now)) == ["flood", "victim"]  # in service
+    clock.now += 0.001
+    got[1].end()
+    assert sorted(share.active(clock.now)) == ["flood", "victim"]  # one queued, one lingering
+    later = clock.now + 0.02  # past the linger, with no call on the share in between
+    assert share.active(later) == ["flood" if got[0] == "v0" else "victim"]
