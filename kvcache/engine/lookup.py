@@ -4,16 +4,6 @@ Separate from ``retrieve`` (the retrieve path, which shares ``prefetch``) so eac
 on its own: a lookup keys the prompt, walks L1 (joining loads another request began, never
 reading a chunk from L2 twice) and starts loading what L2 holds, then answers at once; the
 retrieve that follows waits for those loads (``retrieve``).
-
-A lookup's hit is what a retrieve right after it can deliver. It holds no pins once it
-answered, but while it loads it pins the chunks it counts and what L1 holds of the rest of
-the prompt (``_Pins``): its loads take room within its tenant's share of L1
-(``storage.shares``) from chunks nobody counts, then from the prompt's own tail (its end
-first), never from the prefix counted; where only that prefix could give room, the load is
-refused at once and the count ends there, as the retrieve's prefix would. A batch
-(``lookup_many``) keeps every prompt's counted prefix pinned until it answers, so a later
-prompt counts only what fits beside the earlier ones. It never waits longer than before:
-only for others' pins, within ``lookup_wait_timeout_s``.
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ from kvcache.ids import Packed, RawIds, id_count, is_packed, unpacked
 from kvcache.keys import KeyScope, u32_bytes
 from kvcache.observability.event import EventType, MpLookupEnd, MpLookupStart
 from kvcache.records import ChunkKey, LookupHit
-from kvcache.storage.l1.pool import EntryState, L1Entry, L1Pool
 
 
 def lookup(
@@ -41,7 +30,7 @@ def lookup(
         parts.events.publish(EventType.MP_LOOKUP_START, sid, meta)
     keys = inst.keys(token_ids, key_scope)
     room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
-    l1, l2 = walk(parts, inst, keys, parts.pool.resident(keys), room_by)
+    l1, l2 = _walk(parts, inst, keys, parts.pool.resident(keys), room_by)
     parts.stats.record_lookup(len(token_ids), (l1 + l2) * inst.ctx.chunk_size)
     return _answer(parts, inst, sid, len(token_ids), l1, l2)
 
@@ -65,8 +54,10 @@ def lookup_many(
             events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=size))
     keyed, shared = _keys(inst, queries)
     room_by = Deadline.within(parts.config.lookup_wait_timeout_s)  # one bound for the batch
-    # A prompt wholly resident (in L1, or joining loads begun from L2) walks no further.
-    tiers = _walk_batch(parts, inst, keyed, parts.pool.resident_many(keyed, shared), room_by)
+    tiers = [
+        (run - joined, joined) if run == len(keys) else _walk(parts, inst, keys, (run, joined), room_by)
+        for keys, (run, joined) in zip(keyed, parts.pool.resident_many(keyed, shared), strict=True)
+    ]  # a prompt wholly resident (in L1, or joining loads begun from L2) walks no further
     cs = inst.ctx.chunk_size
     parts.stats.record_lookups(len(tiers), sum(sizes), sum(l1 + l2 for l1, l2 in tiers) * cs)
     if not events.on:
@@ -135,7 +126,7 @@ def _u32(token_ids: RawIds | Packed) -> bytes | memoryview | None:
     return u32_bytes(token_ids)
 
 
-def walk(
+def _walk(
     parts: EngineParts,
     inst: InstanceState,
     keys: list[ChunkKey],
@@ -144,103 +135,21 @@ def walk(
 ) -> tuple[int, int]:
     """The prefix of ``keys`` cached, in chunks: (in L1, in or loading from L2), given the
     first walk of L1 (``resident``). What L2 holds past L1 starts loading now (``prefetch``,
-    waiting for L1 room until ``room_by``), none of it evicting a chunk counted (``_Pins``).
-    The SGLang pages path (``pages.exists``) walks the same way."""
-    run, joined = resident
-    if not parts.tiers:  # nothing to load: L1's leading run is the prefix, nothing is evicted
-        return run - joined, joined
-    pins = _Pins(parts.pool)
-    try:
-        return pins.walk(parts, inst, keys, room_by)
-    finally:
-        pins.release()
-
-
-def _walk_batch(
-    parts: EngineParts,
-    inst: InstanceState,
-    keyed: list[list[ChunkKey]],
-    resident: list[tuple[int, int]],
-    room_by: Deadline,
-) -> list[tuple[int, int]]:
-    """``walk`` of each prompt not wholly resident, in order, every prompt's counted prefix
-    pinned until the batch answers: a later prompt's loads never evict an earlier one's (a
-    step's prompts share their tenant's room; each counts only what fits beside the others)."""
-    if not parts.tiers or all(run == len(keys) for keys, (run, _) in zip(keyed, resident, strict=True)):
-        return [(run - joined, joined) for run, joined in resident]  # nothing to load: nothing evicted
-    pins = _Pins(parts.pool)
-    try:
-        whole = list(dict.fromkeys(k for keys, (run, _) in zip(keyed, resident, strict=True)
-                                   if run == len(keys) for k in keys))  # fmt: skip
-        got = dict(zip(whole, pins.hold(parts.pool.pin_resident(whole)), strict=True))
-        return [
-            (run - joined, joined) if run == len(keys) and all(got.get(k) is not None for k in keys)
-            else pins.walk(parts, inst, keys, room_by)
-            for keys, (run, joined) in zip(keyed, resident, strict=True)
-        ]  # fmt: skip
-    finally:
-        pins.release()
-
-
-class _Pins:
-    """The chunks a lookup (or a batch of them) counted, pinned until it answers.
-
-    A lookup holds no pins once it answered, but while it loads the L2 chunks of its prefix
-    it pins what it counts and what L1 holds of the rest of the prompt, and passes them to
-    ``prefetch`` as ``held``: its loads then take room from chunks nobody counts (within
-    its tenant's share, ``storage.shares``), never from its own prefix, and never wait for
-    those pins (``L1Pool.begin_load``). Where only the prompt's own chunks could give room,
-    the chunks past the gap (its tail) are let go, end first, and the load evicts them: a
-    head is worth more than a tail, and the tail is not counted. Where only the counted
-    prefix could give room the load is refused and the count ends there, as a retrieve's
-    prefix would (``retrieve._RetrieveOp._bring_in``)."""
-
-    def __init__(self, pool: L1Pool) -> None:
-        self.pool = pool
-        self.held: list[L1Entry] = []
-
-    def hold(self, entries: list[L1Entry | None]) -> list[L1Entry | None]:
-        """Keep ``entries`` (pinned by the caller; None skipped) until ``release``."""
-        self.held += [e for e in entries if e is not None]
-        return entries
-
-    def release(self) -> None:
-        self.pool.release(self.held)  # head first in the policy's order, as a lookup's touch
-        self.held = []
-
-    def walk(
-        self, parts: EngineParts, inst: InstanceState, keys: list[ChunkKey], room_by: Deadline
-    ) -> tuple[int, int]:
-        """One prompt's (in L1, in or loading from L2), its counted chunks kept pinned."""
-        pool, loading = self.pool, EntryState.LOADING
-        ahead = pool.pin_resident(keys)  # every chunk of the prompt L1 holds: none is evicted for a load
-        counted: list[L1Entry] = []
-        l2 = 0
-        try:
-            while (n := len(counted)) < len(keys):
-                if (entry := ahead[n]) is not None:  # in L1, or loading (a load another began)
-                    ahead[n] = None
-                    counted.append(entry)
-                    l2 += entry.state is loading
-                    continue
-                end = next((i for i in range(n + 1, len(keys)) if ahead[i] is not None), len(keys))
-                tail = [e for e in ahead[end:] if e is not None]
-                # While the prompt's tail is kept, room comes only from chunks nobody counts, at
-                # once (never a wait the lookup did not make before); else the tail gives it.
-                by = Deadline.within(0.0) if tail else room_by
-                loaded = prefetch(parts, inst, keys[n:end], room_by=by, held=[*self.held, *counted, *tail])
-                more = pool.acquire(keys[n:end])  # its loads, or loads another request began since
-                counted += more
-                l2 += min(loaded, len(more)) + sum(e.state is loading for e in more[loaded:])
-                if len(more) < end - n and tail:  # refused (or a miss): the tail gives room, end first
-                    pool.release(tail)  # (``release``'s order); a miss ends the prefix on the next pass
-                    ahead[end:] = [None] * (len(keys) - end)
-                elif not more:  # a miss, or a load refused where only the counted prefix could give room
-                    break
-        finally:
-            pool.release([e for e in ahead if e is not None])  # past the prefix: not counted
-            self.held += counted
-        return len(counted) - l2, l2
+    waiting for L1 room until ``room_by``)."""
+    run, joined = resident  # joined: loads others began
+    l1, l2 = run - joined, joined
+    while l1 + l2 < len(keys):  # runs in L1 and runs loaded from L2 may alternate
+        rest = keys[l1 + l2 :]
+        loaded = prefetch(parts, inst, rest, room_by=room_by)
+        l2 += loaded
+        # Nothing begun: a miss, unless another request began loading that chunk since we
+        # looked (its load is joined on the next pass, never read a second time).
+        if not loaded and not parts.pool.resident(rest[:1])[0]:
+            break
+        run, joined = parts.pool.resident(keys[l1 + l2 :])
+        l1 += run - joined
+        l2 += joined
+    return l1, l2
 
 
 def _answer(
@@ -258,4 +167,4 @@ def _answer(
     return LookupHit(hit, l2 * cs)
 
 
-__all__ = ["LookupHit", "lookup", "lookup_many", "walk"]
+__all__ = ["LookupHit", "lookup", "lookup_many"]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvcache.deadline import Deadline
-from kvcache.engine import lookup as lookup_path
+from kvcache.engine import retrieve as retrieve_path
 from kvcache.engine.instance import InstanceState
 from kvcache.engine.parts import EngineParts
 from kvcache.engine.retrieve import _RetrieveOp
@@ -65,14 +65,20 @@ def page_keys(inst: InstanceState, raw: bytes, cache_salt: str) -> list[ChunkKey
 def exists(
     parts: EngineParts, inst: InstanceState, keys: list[ChunkKey], request_id: str = ""
 ) -> tuple[int, int]:
-    """(leading pages held, how many of them are loading from L2): ``lookup.lookup`` on keys,
-    the same walk (its loads never evict a page it counts; it counts what fits)."""
+    """(leading pages held, how many of them are loading from L2): ``lookup.lookup`` on keys."""
     sid = parts.events.session(inst.instance_id, request_id)
     ps = inst.ctx.chunk_size
     num_tokens = len(keys) * ps
     parts.events.publish(EventType.MP_LOOKUP_START, sid, inst.meta(MpLookupStart, num_tokens=num_tokens))
+    l1 = l2 = 0
     room_by = Deadline.within(parts.config.lookup_wait_timeout_s)
-    l1, l2 = lookup_path.walk(parts, inst, keys, parts.pool.resident(keys), room_by)
+    while True:  # runs in L1 and runs loaded from L2 may alternate
+        l1 += parts.pool.prefix(keys[l1 + l2 :])
+        rest = keys[l1 + l2 :]
+        loaded = retrieve_path.prefetch(parts, inst, rest, room_by=room_by) if rest else 0
+        if not loaded:
+            break
+        l2 += loaded
     parts.stats.record_lookup(num_tokens, (l1 + l2) * ps)
     meta = inst.meta(
         MpLookupEnd, num_tokens=num_tokens, hit_tokens=(l1 + l2) * ps, l1_hit_tokens=l1 * ps,

@@ -10,8 +10,7 @@ waiter (see ``waiter``), woken by ``EngineParts.loads_settled`` as each load set
 A retrieve's own loads take room within its tenant's share of L1 (``storage.shares``),
 evicting that tenant's chunks nobody pins; where only the chunks it pins itself could give
 room (a prompt longer than its share, or than L1), the load is refused at once and the prefix
-it holds is returned (``retrieved_tokens`` short of the prompt: its lookup counted the same
-prefix, by the same rule, ``lookup``). Waiting could never
+it holds is returned (``retrieved_tokens`` short of the lookup's hit). Waiting could never
 help: those pins go only when it ends. Taking the room from a tenant holding less would break
 the shares' rule, and evicting its own head for its tail would shorten the prefix.
 
@@ -63,7 +62,7 @@ def prefetch(
     queue. L1 room held by operations in flight is waited for until ``room_by`` (a lookup's
     short bound), else ``deadline``: back-to-back lookups must not find every slot pinned by
     the previous ones' loads and answer a miss for chunks L2 holds. ``held``: the entries
-    the caller pins (a retrieve's prefix, a lookup's): never waited for nor evicted.
+    the caller pins (a retrieve's prefix): never waited for (``L1Pool.begin_load``).
     """
     if not keys or not parts.tiers:
         return 0

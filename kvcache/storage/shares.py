@@ -14,14 +14,13 @@ for). A tenant that holds less than an equal share (what the tier keeps, L1 up t
 watermark, over the tenants holding chunks) loses nothing to the others' stores; a tenant
 alone may fill the whole tier.
 A writer waits only for pins that could give it room (on chunks of tenants it may take from),
-and never for its own (a store's fresh slots, a retrieve's or a lookup's pinned prefix), which
+and never for its own (a store's fresh slots, a retrieve's pinned prefix and its loads), which
 cannot go while it waits: it fails at once where no other pin could give room. One module for
 both tiers so the rule is written once.
 
 What it costs: a tenant cannot grow past an equal share while others hold theirs, so with
 several tenants a prompt longer than that no longer fits L1 whole (its tail fails, or, with
-an L2 tier, it evicts its own head; a lookup of it counts, and a retrieve of it from L2
-returns, the prefix that fits),
+an L2 tier, it evicts its own head; a retrieve of it from L2 returns the prefix that fits),
 nor the disk tier (it evicts its own head there too); a tenant that went idle keeps its share
 until others need more than theirs and it is the fullest.
 

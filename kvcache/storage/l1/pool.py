@@ -13,9 +13,8 @@ most recent and the tail leaves first (a prefix that lost its first chunk lost e
 
 Entries (``entry``) are WRITING, LOADING or READY; a pinned or unfinished entry is never
 evicted: the policy only ever holds READY, unpinned keys. This module holds the operations
-that reserve, settle and release, and their waiting rules; the readers that find and pin
-resident entries are ``reads.ResidentReads``, and the table they share under the lock (keys,
-slots, pins, eviction and its events) is ``table.SlotTable``.
+and their waiting rules; the table they share under the lock (keys, slots, pins, eviction and
+its events) is ``table.SlotTable``.
 """
 
 from __future__ import annotations
@@ -40,21 +39,20 @@ from kvcache.observability.event import (
 from kvcache.records import ChunkKey
 from kvcache.storage.l1.entry import EntryState, L1Entry, WriteReservation
 from kvcache.storage.l1.lru import LRUPolicy
-from kvcache.storage.l1.reads import ResidentReads
 from kvcache.storage.l1.slab import SLOT_ALIGN, SlotShape
-from kvcache.storage.l1.table import Watcher
+from kvcache.storage.l1.table import SlotTable, Watcher, touch_order
 from kvcache.storage.l2.base import EvictionPolicy
 
 _NO_FACTS = L1WriteFinished(keys=[], num_bytes=0, used_bytes=0, capacity_bytes=0)
 """The ``L1_WRITE_FINISHED`` template of a write that carries no store facts (a prefetch)."""
 
 
-class L1Pool(ResidentReads):
+class L1Pool(SlotTable):
     """Thread-safe chunk pool. All methods hold the lock only for bookkeeping, never for a copy.
 
     The operations callers use: reserve slots to write or load (waiting, when allowed, for
-    others' pins to go), settle them, find and pin resident prefixes (``ResidentReads``),
-    evict. The table they act on (keys, slots, pins, eviction) is ``SlotTable``'s."""
+    others' pins to go), settle them, find and pin resident prefixes, evict. The table they
+    act on (keys, slots, pins, eviction) is ``SlotTable``'s."""
 
     def __init__(
         self,
@@ -189,8 +187,7 @@ class L1Pool(ResidentReads):
         others' pins to go (loads and writes in flight finish within milliseconds). It never
         waits holding slots of its own, so concurrent loaders cannot wait on one another;
         the caller asks again for the rest. ``tenant`` as for ``begin_write``. ``held``: the
-        entries the caller pins (a retrieve's prefix so far, its loads included; a lookup's
-        counted prefix and the rest of its prompt in L1, ``engine.lookup``): they stay
+        entries the caller pins (a retrieve's prefix so far, its loads included): they stay
         pinned while it waits, so they are never waited for; where only they could give room
         (the caller's share holds nothing else evictable) it stops at once, and the caller's
         prefix ends there. Its own unpinned chunks are evicted for room as any victim."""
@@ -276,7 +273,66 @@ class L1Pool(ResidentReads):
         self._publish(events)
         self._call_watchers(watchers)
 
-    # -- pins (the readers that take them: ``reads.ResidentReads``) ---------------------------
+    # -- readers --------------------------------------------------------------------------
+    def prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys are resident (READY or LOADING); touches them for LRU."""
+        return self.resident(keys)[0]
+
+    def resident(self, keys: Sequence[ChunkKey]) -> tuple[int, int]:
+        """``prefix``, and how many of those leading keys are still LOADING from L2 (a load
+        another request began: a lookup joins it instead of reading the chunk again)."""
+        return self.resident_many((keys,))[0]
+
+    def resident_many(
+        self, key_lists: Sequence[Sequence[ChunkKey]], shared: Sequence[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """``resident`` of each list, under one hold of the lock (a scheduler step's lookups).
+
+        ``shared[i]``: how many leading keys list ``i`` has in common with list ``i - 1`` (a
+        step's prompts that share a system prompt): that head is walked once. The LRU order
+        left is the one ``resident`` of each list in turn would leave, but each key is
+        touched once."""
+        out: list[tuple[int, int]] = []
+        entries = self._entries
+        writing, loading_state = EntryState.WRITING, EntryState.LOADING
+        with self._lock:
+            n = loading = 0
+            for i, keys in enumerate(key_lists):
+                start = shared[i] if shared is not None and i else 0
+                if start and n < start:  # the head both share ends the previous prefix too
+                    out.append((n, loading))
+                    continue
+                if not start or (n > start and loading):  # rare: count the head's loads again
+                    loading = sum(entries[key].state is loading_state for key in keys[:start])
+                n = start
+                for key in keys[start:] if start else keys:
+                    entry = entries.get(key)
+                    if entry is None or entry.state is writing:
+                        break
+                    n += 1
+                    if entry.state is loading_state:
+                        loading += 1
+                out.append((n, loading))
+            self._policy.touch_many(touch_order(key_lists, [run for run, _ in out], shared))
+        return out
+
+    def acquire(self, keys: Sequence[ChunkKey]) -> list[L1Entry]:
+        """Pin the leading resident (READY or LOADING) entries of ``keys``."""
+        out: list[L1Entry] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.state is EntryState.WRITING:
+                    break
+                self._pin(entry)
+                out.append(entry)
+        return out
+
+    def pin(self, entries: Iterable[L1Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                self._pin(entry)
+
     def release(self, entries: Iterable[L1Entry], *, read_bytes: int | None = None) -> None:
         """Drop one pin per entry; with ``read_bytes`` (a retrieve read them) hand them to the
         read watcher first, while still pinned, then publish ``L1_READ_FINISHED`` for them."""
@@ -300,6 +356,20 @@ class L1Pool(ResidentReads):
                     )
                 ]
             )
+
+    def get(self, key: ChunkKey) -> L1Entry | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, int):
+            return False
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.state is EntryState.READY
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def info(self) -> dict[str, Any]:
         with self._lock:
