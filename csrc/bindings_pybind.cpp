@@ -201,7 +201,7 @@ PYBIND11_MODULE(_native, m) {
       "Copy pages between engine blocks and chunks on the CPU; releases the GIL.");
 
   py::class_<kvc::LoweredCopier>(m, "LoweredCopier")
-      .def(py::init<>())
+      .def(py::init<>(), py::call_guard<py::gil_scoped_release>())
       .def(
           "copy",
           [](kvc::LoweredCopier& self, const kvc::PageTable& table, const IdArray& block_ids,
@@ -217,7 +217,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("to_chunks"), py::arg("num_threads") = 0,
           "cpu_copy on the copier's lowered thread; blocks, with the GIL released, until done.")
       .def_property_readonly("priority", &kvc::LoweredCopier::priority,
-                             "The class its thread got: idle, nice or none.")
+                             "The class its thread got: idle, nice, none, or pending (not yet lowered).")
       .def_property_readonly("thread_id", &kvc::LoweredCopier::thread_id,
                              "Its thread's kernel id.");
 

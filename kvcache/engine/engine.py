@@ -13,7 +13,7 @@ Policies, stated once:
   most ``store_wait_timeout_s``, after which the chunk is dropped, reported and counted.
 * **Lookup** counts the prefix of chunks in L1 or present in L2 (disk first, then Redis), and
   starts loading the L2 ones into L1 (prefetch) before it returns; ``retrieve`` waits for those
-  loads. The first missing chunk, or the first its tenant's L1 room cannot take, ends it.
+  loads. The first missing chunk ends the prefix.
 * **One request value, one entry per direction:** ``submit_store`` / ``submit_retrieve`` take
   a request checked when it was built (``kvcache.request``), submit the copies and return a
   future of the direction's result record (``kvcache.records``); each instance's copies are

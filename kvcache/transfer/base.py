@@ -101,9 +101,10 @@ class TransferResult:
 
 
 class CopyPriority(Protocol):
-    """Where a CPU handler reports the copying its cache wants and asks, before each piece,
-    whether that copying gives way to other work now (the daemon's ``server.copy_share``,
-    one per principal; its pieces then run in the lowest CPU class: ``transfer.lowered``)."""
+    """Where a CPU handler reports the copying its cache asks for and asks, before each
+    piece, whether that copying gives way to other work now (the daemon's
+    ``server.copy_share``, one per principal; its pieces then run in the lowest CPU class:
+    ``transfer.lowered``)."""
 
     def charge(self, nbytes: int) -> None:
         """Bytes of copies queued (positive) or done (negative)."""

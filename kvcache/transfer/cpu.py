@@ -30,16 +30,7 @@ CopyFn = Callable[[_native.PageTable, CheckedJob, int], None]
 
 def native_cpu_copy(table: _native.PageTable, job: CheckedJob, num_threads: int) -> None:
     """The native CPU twin (releases the GIL; OpenMP spreads the pages over threads)."""
-    _native.cpu_copy(
-        table,
-        job.block_ids,
-        job.chunk_ptrs,
-        job.blocks_per_chunk,
-        job.last_chunk_blocks,
-        job.skip_blocks,
-        job.to_chunks,
-        num_threads,
-    )
+    _native.cpu_copy(table, *job.native_args(), num_threads)
 
 
 PIECE_BYTES = 16 << 20
@@ -69,7 +60,7 @@ class _Queued:
     nbytes: int = 0
     seconds: float = 0.0
     result: TransferResult | None = None
-    charged: int = 0  # bytes charged to ``priority`` at submit, credited back at the end
+    charged: int = 0  # bytes charged to ``priority`` at submit, credited as it leaves the queue
 
 
 class CpuTransferHandler(TransferHandler):
@@ -95,11 +86,12 @@ class CpuTransferHandler(TransferHandler):
     so a registered but idle cache holds no thread and needs no explicit ``close``.
 
     ``priority`` (the daemon: its principal's ``server.copy_share``) is charged each job's
-    bytes at submit and credited them when it finishes, and asked before each piece whether
-    the copying gives way: then the piece is copied by ``lowered_copy`` (``LoweredCopy``: a
-    native thread in the lowest CPU class), so every other thread that wants the core takes it
-    first. The worker waits for it, so the order above is unchanged; only the copy's priority
-    differs.
+    bytes at submit, credited them when it leaves the queue, and asked before each piece
+    whether the copying gives way: then the piece is
+    copied by ``lowered_copy`` (``LoweredCopy``: a native thread in the lowest CPU class), so
+    the other threads that want the core take it first. The worker waits for it, so the order
+    above is unchanged; only the copy's priority differs. A closing handler never gives way:
+    whoever closes it (an unregister) waits for its copies.
     NOTE: the worker is not a daemon thread: one killed at interpreter exit while it
     re-takes the GIL (leaving the native copy) aborts the process ("terminate called
     without an active exception"). It finishes its queue instead, and an idle worker
@@ -160,15 +152,16 @@ class CpuTransferHandler(TransferHandler):
             job_id = self._next_id
             self._next_id += 1
             queued = _Queued(job_id, job)
+            if self._worker is None:  # started first: a job is queued (and charged) only with a worker
+                worker = threading.Thread(target=self._run, name="kvcache-transfer-cpu", daemon=False)
+                worker.start()
+                self._worker = worker
+            else:
+                self._cv.notify_all()
             if self._priority is not None:
                 queued.charged = self._bytes_of(job)
                 self._priority.charge(queued.charged)
             self._queue.append(queued)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="kvcache-transfer-cpu", daemon=False)
-                self._worker.start()
-            else:
-                self._cv.notify_all()
         return job_id
 
     def get_finished(self) -> list[TransferResult]:
@@ -263,9 +256,9 @@ class CpuTransferHandler(TransferHandler):
                     self._queue.remove(item)
                     self._finished[item.job_id] = item.result
                     self._cv.notify_all()
-                self._forget(item)
                 if self._priority is not None:
                     self._priority.charge(-item.charged)
+                self._forget(item)
 
     def _turn(self, items: list[_Queued]) -> _Queued:
         """The job whose piece runs next: round robin, from the one after the latest turn,
@@ -331,8 +324,11 @@ class CpuTransferHandler(TransferHandler):
             return 0
 
     def _gives_way(self) -> bool:
-        """``priority.gives_way()``; one that fails counts as False (never lose the worker)."""
+        """``priority.gives_way()``, never while closing; one that fails counts as False
+        (never lose the worker)."""
         assert self._priority is not None
+        if self._closed:
+            return False
         try:
             return bool(self._priority.gives_way())
         except Exception:

@@ -6,18 +6,20 @@ between their copy thread and every thread serving another tenant. A CPU copy ru
 with the interpreter lock released, so it is the one part of a flood that truly competes for a
 core, for a whole time slice each time. On the noisy-neighbour bench (2-core machine, the
 daemon and the victim on one core) a store flood's copies took the victim's L1-hit p99 to
-2.4x to 3.5x its unflooded p99; lowered here, 1.2x to 1.7x (docs/benchmarks.md, "Seventh
+3.2x to 3.9x its unflooded p99; lowered here, 1.2x to 1.6x (docs/benchmarks.md, "Seventh
 pass").
 
-``SCHED_IDLE`` (Linux): the thread runs on a core no other thread wants, with the least weight
-the scheduler has, and any other thread that wakes takes the core from it at once; it costs
-nothing while the core is free. Entering it needs no privilege; leaving it does, so the
-lowered thread is one of its own, kept for the lowered copies. And it is native: a lowered
-*Python* thread (the first version) ran Python between its copies, and one preempted while
-holding the interpreter lock left every thread of the daemon waiting for it, while it waited
-for a core a busy process never left: 100 to 400 ms stalls, measured with a normal-priority
-process on the daemon's core. The native thread never takes that lock; the cache's own
-worker does all the Python and only waits (lock released) while the lowered thread copies.
+``SCHED_IDLE`` (Linux): within its scheduling group (the daemon's cgroup or autogroup) the
+thread runs when no other thread of the group wants the core, with the least weight the
+scheduler has, and another that wakes takes the core from it at once. Entering it needs no
+privilege; leaving it does, so the lowered thread is one of its own, kept for the lowered
+copies. And it is native: a lowered *Python* thread (the first version) ran Python between
+its copies, and one preempted while holding the interpreter lock left every thread of the
+daemon waiting for it while it waited for a core a busy process never left (100 to 400 ms
+stalls, measured with a normal-priority process on the daemon's core). The native thread
+never takes that lock, and no Python thread waits for it while holding it: the cache's own
+worker does all the Python and waits (lock released) while the lowered thread copies, and
+the copier's construction and destruction never wait for the lowered thread.
 """
 
 from __future__ import annotations
@@ -42,16 +44,7 @@ class LoweredCopy:
         return self._copier
 
     def __call__(self, table: _native.PageTable, job: CheckedJob, num_threads: int) -> None:
-        self.copier.copy(
-            table,
-            job.block_ids,
-            job.chunk_ptrs,
-            job.blocks_per_chunk,
-            job.last_chunk_blocks,
-            job.skip_blocks,
-            job.to_chunks,
-            num_threads,
-        )
+        self.copier.copy(table, *job.native_args(), num_threads)
 
 
 __all__ = ["LoweredCopy"]

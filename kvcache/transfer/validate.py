@@ -47,6 +47,17 @@ class CheckedJob:
     blocks: int  # ids past the skip: the blocks this job moves
     nbytes: int
 
+    def native_args(self) -> tuple[np.ndarray, list[int], int, int, int, bool]:
+        """The copy's arguments as every native CPU copy takes them, after the page table."""
+        return (
+            self.block_ids,
+            self.chunk_ptrs,
+            self.blocks_per_chunk,
+            self.last_chunk_blocks,
+            self.skip_blocks,
+            self.to_chunks,
+        )
+
 
 def check_start(job: TransferJob) -> None:
     """Raise ``DeadlineExceededError`` when ``job`` may no longer start (its deadline passed)."""

@@ -3,7 +3,7 @@
 While the priority says so, a piece is copied by the lowered copy (by default a native thread
 in ``SCHED_IDLE``, ``transfer.lowered``), the worker waiting for it; the order promised by
 ``TransferHandler`` holds whichever copy runs a piece, and the priority is charged each job's
-bytes at submit and credited them at its end.
+bytes at submit and credited them as it leaves; a closing handler never gives way.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.transfer.helpers import make_context, page_table, poisoned_chunks
 
 
 class Priority:
-    """A ``CopyPriority`` that answers ``gives`` and keeps every charge."""
+    """A ``CopyPriority`` that answers ``gives`` and keeps every job's bytes."""
 
     def __init__(self, gives: Callable[[], bool]) -> None:
         self.gives = gives
@@ -66,7 +66,7 @@ def _store(ids: list[int], chunks: list[torch.Tensor]) -> TransferJob:
     return TransferJob(Direction.TO_CHUNKS, ids, tuple(chunks))
 
 
-def test_pieces_go_to_the_lowered_copy_while_the_priority_gives_way_and_are_charged() -> None:
+def test_pieces_go_to_the_lowered_copy_while_the_priority_gives_way_and_are_reported() -> None:
     ctx = make_context()
     log: list[str] = []
     gives = [True]
@@ -132,8 +132,42 @@ def test_a_failing_priority_counts_as_not_giving_way_and_a_malformed_job_is_char
     good = h.submit(_store([0, 1, 2, 3], poisoned_chunks(ctx, 1)))
     bad_r, good_r = h.wait([bad, good])
     assert not bad_r.ok and good_r.ok and log == ["normal"]
-    assert sum(prio.charges) == 0
+    assert sum(prio.charges) == 0 and max(prio.charges) == 4 * ctx.geometry.bytes_per_block
     h.close()
+
+
+def test_a_closing_handler_never_gives_way() -> None:
+    """Whoever closes it (an unregister, under the daemon's registration lock) waits for its
+    copies: they must not crawl at the lowest priority meanwhile."""
+    ctx = make_context()
+    log: list[str] = []
+    gate, entered = threading.Event(), threading.Event()
+
+    def held_open(table: _native.PageTable, job: CheckedJob, num_threads: int) -> None:
+        entered.set()
+        gate.wait()
+        native_cpu_copy(table, job, num_threads)
+        log.append("normal")
+
+    h = CpuTransferHandler(
+        page_table(ctx), ctx.geometry, owners=ctx.tensors, copy=held_open,
+        priority=Priority(lambda: True), lowered_copy=Recorder("lowered", log),
+    )  # fmt: skip
+    h.submit(_store([0, 1, 2, 3], poisoned_chunks(ctx, 1)))  # lowered: the gate is not on it
+    assert h.wait([0])[0].ok
+    h._gives_way = lambda: False  # type: ignore[method-assign]  # the next one runs normal, held
+    h.submit(_store([4, 5, 6, 7], poisoned_chunks(ctx, 1)))
+    assert entered.wait(5)
+    del h._gives_way  # back to the real check, asked again for the third job's piece
+    h.submit(_store([8, 9, 10, 11], poisoned_chunks(ctx, 1)))
+    closer = threading.Thread(target=h.close)
+    closer.start()
+    while not h._closed:  # close has begun: it sets the flag first, then waits for the jobs
+        closer.join(0.001)
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert log == ["lowered", "normal", "normal"]
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
