@@ -6,8 +6,8 @@ between their copy thread and every thread serving another tenant. A CPU copy ru
 with the interpreter lock released, so it is the one part of a flood that truly competes for a
 core, for a whole time slice each time. On the noisy-neighbour bench (2-core machine, the
 daemon and the victim on one core) a store flood's copies took the victim's L1-hit p99 to
-3.2x to 3.9x its unflooded p99; lowered here, 1.2x to 1.6x (docs/benchmarks.md, "Seventh
-pass").
+3.2x to 3.9x its unflooded p99; lowered here, 1.1x to 2.5x, within 2x in five runs of six
+(docs/benchmarks.md, "Seventh pass").
 
 ``SCHED_IDLE`` (Linux): within its scheduling group (the daemon's cgroup or autogroup) the
 thread runs when no other thread of the group wants the core, with the least weight the
