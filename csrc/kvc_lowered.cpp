@@ -1,6 +1,7 @@
 // LoweredCopier: see kvc_lowered.h.
 #include "kvc_lowered.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -25,6 +26,9 @@ int lower_this_thread() {
 }
 
 void run(std::shared_ptr<LoweredState> s) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), "kvcache-lowered");  // what top -H and /proc show
+#endif
   {
     std::lock_guard<std::mutex> lock(s->mu);
 #ifdef SYS_gettid

@@ -43,12 +43,15 @@ def _kv(seed: int) -> list[torch.Tensor]:
 
 
 def _idle_cpu_ms(pid: int) -> float:
-    """CPU time (ms, the scheduler's own nanosecond count) of the daemon's threads in SCHED_IDLE."""
+    """CPU time (ms, the scheduler's own nanosecond count) of the daemon's threads in
+    SCHED_IDLE, each of which must be a lowered copier (named ``kvcache-lowered``)."""
     ns = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
                 continue
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                assert f.read().strip() == "kvcache-lowered", "a daemon thread other than a copier is lowered"
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 ns += int(f.read().split()[0])
         except (OSError, ValueError):  # the thread left meanwhile

@@ -190,6 +190,8 @@ def test_the_lowered_copy_runs_on_a_native_thread_in_sched_idle_and_reports_erro
     assert copier.priority == "idle"
     assert os.sched_getscheduler(copier.thread_id) == os.SCHED_IDLE
     assert copier.thread_id not in {t.native_id for t in threading.enumerate()}  # not a Python thread
+    with open(f"/proc/self/task/{copier.thread_id}/comm") as f:
+        assert f.read().strip() == "kvcache-lowered"  # as operators see it (top -H)
     # The native thread's failure reaches the caller typed (the handler's checks run first,
     # so the copier is called directly with an id past the cache).
     job = CheckedJob(
