@@ -159,10 +159,14 @@ class ConnectionGuard:
         A descriptor not seen yet is a connection whose ACCEPTED is still queued (libzmq
         queues it before the connection's engine reads a byte): read the queue first. One
         still unknown then closed before its ACCEPTED was read; its request is served unless
-        the last connection on that descriptor was refused."""
+        the last connection on that descriptor was refused. A descriptor known as refused is
+        read afresh the same way before its request is dropped."""
         fd = frame.get(zmq.SRCFD)
         conn = self._conns.get(fd)
-        if conn is None:
+        if conn is None or not conn.admitted:
+            # Refused, or so it seems: a refused connection's DISCONNECTED, and the ACCEPTED of
+            # a newer one on its reused descriptor, may still be queued, and the newer one's
+            # request must not be dropped as the old one's (seen once in a full test run).
             self.pump()
             conn = self._conns.get(fd)
             if conn is None:
