@@ -5,55 +5,92 @@ running kept the daemon's core for whole time slices while another tenant's requ
 for it (docs/benchmarks.md, "Seventh pass"). So each piece of a CPU copy asks here first, and
 a principal that gives way has it copied in the lowest CPU class (``transfer.lowered``).
 
-The measure is demand in bytes: the copies each principal has queued or running now, across
-all its caches (the handlers ``charge`` them at submit and take them back as they leave). Not
-requests: one huge store in service against a client's small retrieve is a tie by count, and
-an awaiting retrieve leaves the lanes' count (its slot ends while it waits) although its copy
-runs later. Not a rate either: the bench's victim, storing and retrieving back to back, copies
-as many bytes a second as the flood it suffers from (with a decayed rate and a margin of 2 the
-flood was lowered too seldom: 1.6x to 3.5x), whereas what sets a flood apart is how much it
-keeps waiting at once. A principal gives way while an active principal (``FairShare.active``:
-requests queued or in service, or its think time after a reply) other than itself wants less.
-The bar is the least demand among the others that copy at all; one that is active but copies
-nothing (between its requests) sets the bar at zero only when none of the others copies, so
-a third tenant's think time does not lower a light tenant along with the flood. Alone, or
-among principals wanting the same, a principal keeps its priority.
+The measure is demand in bytes: the copies each principal has queued or running, across all
+its caches (the handlers ``charge`` them at submit and take them back as they leave), at
+their peak over the last ``DEMAND_WINDOW_S`` to twice that; and a principal with requests
+waiting on a lane (``FairShare.backlogged``) wants without bound, since the lanes hold it
+back while another is served. Not requests: one huge store in service against a client's
+small retrieve is a tie by count, and an awaiting retrieve leaves the lanes' count (its slot
+ends while it waits) although its copy runs later. Not a rate either: the bench's victim,
+storing and retrieving back to back, copies as many bytes a second as the flood it suffers
+from (with a decayed rate and a margin of 2 the flood was lowered too seldom: 1.6x to 3.5x),
+whereas what sets a flood apart is how much it keeps waiting at once. Not the bytes of this
+instant alone: a flood the lanes held back, or between two bursts, copies nothing at that
+instant, and counted so it lowered the very victim it was held back for (the victim's copies
+gave way 395 times of 476 under a store flood on the noisy bench; docs/benchmarks.md,
+"Eighth pass").
 
-Known limits: demand is what waits *now*, so a client sending small copies one at a time
-keeps its priority against another's single large one (the larger gives way meanwhile), and
-two tenants taking turns lower each other's copies during each other's think time. Lowered
-copies get only what the cores leave idle in the daemon's scheduling group, so a principal
-that gives way can see its copies slowed to their deadline on a daemon held to one core, and
-a lighter tenant waiting for L1 room that only those copies' pins could free waits for them
-too. A tenant that only looks up (inline on the I/O thread) is not counted as active.
+A principal gives way while an active principal (``FairShare.active``: requests queued or in
+service, or its think time after a reply) other than itself wants less. The bar is the least
+demand among the others that copy at all; one that is active but has copied nothing in the
+window sets the bar at zero only when none of the others copies, so a third tenant's think
+time does not lower a light tenant along with the flood. Alone, or among principals wanting
+the same (two backlogged ones, or two taking turns with equal loads), a principal keeps its
+priority.
+
+Known limits: a client sending small copies one at a time keeps its priority against
+another's single large one (the larger gives way meanwhile), and a principal that stops
+flooding is still counted at its peak for up to two windows. Lowered copies get only what the
+cores leave idle in the daemon's scheduling group, so a principal that gives way can see its
+copies slowed to their deadline on a daemon held to one core, and a lighter tenant waiting
+for L1 room that only those copies' pins could free waits for them too. A tenant that only
+looks up (inline on the I/O thread) is not counted as active.
 
 Thread rules: ``charge`` from any thread (a lock per principal, held for an addition);
 ``gives_way`` from copy workers, lock-free: the principals' table is replaced whole when one
-is added, and the lanes' activity is a snapshot (``FairShare.active``).
+is added, and the lanes' activity and backlog are snapshots (``FairShare.active``,
+``FairShare.backlogged``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Callable
 
 from kvcache.server.fair_queue import FairShare
+
+DEMAND_WINDOW_S = 0.1
+"""How long a principal's peak of copies in flight counts as its demand (see the module
+docstring): longer than a client's think time between two requests, and than the lanes
+holding a backlogged principal back while another is served."""
 
 
 class PrincipalCopies:
     """One principal's side of the copy share: what its caches' handlers talk to
     (``transfer.base.CopyPriority``)."""
 
-    __slots__ = ("_lock", "_shares", "bytes", "name")
+    __slots__ = ("_clock", "_lock", "_peak", "_prev_peak", "_shares", "_window_end", "bytes", "name")
 
-    def __init__(self, shares: CopyShares, name: str) -> None:
-        self._shares, self.name = shares, name
+    def __init__(self, shares: CopyShares, name: str, clock: Callable[[], float]) -> None:
+        self._shares, self.name, self._clock = shares, name, clock
         self._lock = threading.Lock()
         self.bytes = 0
         """Bytes of copies queued or running, over every cache of this principal."""
+        self._peak = 0  # the most ``bytes`` was in the window ending at ``_window_end``
+        self._prev_peak = 0  # ... and in the window before it
+        self._window_end = -1e18
 
     def charge(self, nbytes: int) -> None:
+        now = self._clock()
         with self._lock:
             self.bytes += nbytes
+            if now >= self._window_end:  # a new window: the last one's peak, if adjacent, is kept
+                adjacent = now < self._window_end + DEMAND_WINDOW_S
+                self._prev_peak = self._peak if adjacent else 0
+                self._peak, self._window_end = 0, now + DEMAND_WINDOW_S
+            self._peak = max(self._peak, self.bytes)
+
+    def demand(self, now: float) -> int:
+        """The most bytes this principal had in flight over the last one to two windows
+        (its bytes now at least). Read without the lock: the fields are ints replaced whole,
+        and a read torn between two charges is as good as either."""
+        end, wanted = self._window_end, self.bytes
+        if now < end:
+            return max(wanted, self._peak, self._prev_peak)
+        if now < end + DEMAND_WINDOW_S:
+            return max(wanted, self._peak)
+        return wanted
 
     def gives_way(self) -> bool:
         return self._shares.gives_way(self)
@@ -72,24 +109,27 @@ class CopyShares:
         with self._lock:
             mine = self._principals.get(name)
             if mine is None:
-                mine = PrincipalCopies(self, name)
+                mine = PrincipalCopies(self, name, self._share.clock)
                 self._principals = {**self._principals, name: mine}
             return mine
 
     def gives_way(self, mine: PrincipalCopies) -> bool:
-        wanted = mine.bytes
-        if wanted <= 0:
+        if mine.bytes <= 0:
             return False
-        principals = self._principals
-        others = [
-            principals[name].bytes if name in principals else 0
-            for name in self._share.active(self._share.clock())
-            if name != mine.name
-        ]
+        now = self._share.clock()
+        principals, backlogged = self._principals, self._share.backlogged()
+
+        def demand(name: str) -> float:
+            if name in backlogged:  # held back by the lanes: it wants more than it copies now
+                return math.inf
+            return principals[name].demand(now) if name in principals else 0
+
+        wanted = demand(mine.name)
+        others = [demand(name) for name in self._share.active(now) if name != mine.name]
         if not others:
             return False
         copying = [b for b in others if b > 0]
         return wanted > (min(copying) if copying else 0)
 
 
-__all__ = ["CopyShares", "PrincipalCopies"]
+__all__ = ["DEMAND_WINDOW_S", "CopyShares", "PrincipalCopies"]

@@ -92,6 +92,7 @@ class FairShare:
         self._owners: dict[str, _Owner] = {}
         self._floor = 0.0  # the least virtual time of the active owners, never decreasing
         self._active_until: dict[str, float] = {}  # see ``active``; replaced, never changed
+        self._backlogged: frozenset[str] = frozenset()  # see ``backlogged``; replaced, never changed
 
     def active(self, now: float) -> list[str]:
         """The principals active at ``now``: with requests queued or in service, or within
@@ -99,6 +100,11 @@ class FairShare:
         each piece, ``server.copy_share``): a snapshot kept at every change of the accounts
         and compared with the clock here, so a linger that ended is never stale."""
         return [name for name, until in self._active_until.items() if until > now]
+
+    def backlogged(self) -> frozenset[str]:
+        """The principals with requests waiting on a lane (held back: by their share, or by
+        a lighter principal served first). Read without the lock, like ``active``."""
+        return self._backlogged
 
     def vtime(self, owner: str) -> float:
         """``owner``'s virtual time (seconds of service, shifted as above); for tests."""
@@ -120,6 +126,8 @@ class FairShare:
                 o = self._owners[owner] = _Owner(vtime=self._floor - self._bonus)
             o.vtime = max(o.vtime, self._floor - self._bonus)
         o.queued += 1
+        if o.queued == 1:
+            self._backlogged = self._backlogged | {owner}
         self._mark(owner, o)
 
     def started(self, owner: str, now: float) -> None:
@@ -127,10 +135,14 @@ class FairShare:
         o.queued -= 1
         o.running += 1
         o.starts.append(now)
+        if not o.queued:
+            self._backlogged = self._backlogged - {owner}
 
     def dropped(self, owner: str) -> None:
         o = self._owners[owner]
         o.queued -= 1
+        if not o.queued:
+            self._backlogged = self._backlogged - {owner}
         self._mark(owner, o)
 
     def ended(self, owner: str, start: float) -> None:

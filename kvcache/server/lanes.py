@@ -33,17 +33,6 @@ INLINE_SLICE_S = 0.002
 Measured before: 5,000 pipelined lookups of 51 k tokens each of one tenant, all inline, held
 another tenant's replies for up to 0.1 s each."""
 
-FORWARD_EVERY_S = 0.0005
-"""How often a read of the socket stops to forward the workers' replies, so a reply waits for
-at most this much of another client's reading, not for the whole read. It was 5 ms, as long
-as a victim's whole L1 hit (1.7 ms) several times over; a check costs one ``ZMQ_EVENTS`` read.
-Each stop also yields the processor (``os.sched_yield``, which lets go of the interpreter
-lock): a thread the read woke (a worker, a completion) runs now instead of waiting for the
-kernel to take the core from a read that never blocks, which on a busy core is a time slice
-and then the interpreter's switch interval, per hand-off. Under a flood of 20,000 refused
-awaits, read on the one core left to the daemon, another tenant's L1-hit p99 went from 5.0
-to 7.3 ms to 1.9 to 3.8 ms (docs/benchmarks.md, "Fifth pass"); a yield costs one system call."""
-
 
 class InlineShare:
     """The I/O-thread time each principal's inline requests took in one read (``INLINE_SLICE_S``)."""
@@ -82,4 +71,4 @@ def _small_lookup(body: m.RequestBody) -> bool:
     return len(body.token_ids.data) <= INLINE_LOOKUP_MAX_TOKENS * body.token_ids.width
 
 
-__all__ = ["FORWARD_EVERY_S", "INLINE_LOOKUP_MAX_TOKENS", "INLINE_SLICE_S", "InlineShare", "Lane", "lane_of"]
+__all__ = ["INLINE_LOOKUP_MAX_TOKENS", "INLINE_SLICE_S", "InlineShare", "Lane", "lane_of"]

@@ -45,7 +45,13 @@ def _kv(seed: int) -> list[torch.Tensor]:
 def _idle_cpu_ms(pid: int) -> float:
     """CPU time (ms, the scheduler's own nanosecond count) of the daemon's threads in
     SCHED_IDLE, each of which must be a lowered copier (named ``kvcache-lowered``)."""
-    ns = 0
+    return sum(_idle_threads(pid).values()) / 1e6
+
+
+def _idle_threads(pid: int) -> dict[int, int]:
+    """The daemon's threads in SCHED_IDLE (each a cache's lowered copier, made the first time
+    one of its copies gave way), with the CPU time each used (ns)."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
@@ -53,10 +59,10 @@ def _idle_cpu_ms(pid: int) -> float:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 assert f.read().strip() == "kvcache-lowered", "a daemon thread other than a copier is lowered"
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns += int(f.read().split()[0])
+                out[int(tid)] = int(f.read().split()[0])
         except (OSError, ValueError):  # the thread left meanwhile
             continue
-    return ns / 1e6
+    return out
 
 
 def _flood(endpoint: str, client: KVCacheClient, base: int) -> None:
@@ -112,6 +118,9 @@ def test_a_store_flood_copies_at_the_lowest_priority_only_while_another_principa
             stop.set()
             loop.join(30)
     assert rounds[0] > 0
+    # Only the flood's cache gave way: the victim, served first while the flood's requests wait
+    # on the lanes, never did (its cache would have a lowered copier of its own).
+    assert len(_idle_threads(d.pid)) == 1, "the victim's copies gave way to the flood"
     # Alone, no copy gave way: no lowered thread exists yet. Beside the victim, they copy.
     assert alone == 0, f"the flood alone gave way: {alone:.2f} ms of CPU in SCHED_IDLE"
     assert beside > 5, f"the flood beside an active victim did not give way: {beside:.2f} ms in SCHED_IDLE"

@@ -262,3 +262,21 @@ def test_active_is_a_lock_free_view_that_a_linger_leaves_on_time() -> None:
     assert sorted(share.active(clock.now)) == ["flood", "victim"]  # one queued, one lingering
     later = clock.now + 0.02  # past the linger, with no call on the share in between
     assert share.active(later) == ["flood" if got[0] == "v0" else "victim"]
+
+
+def test_backlogged_names_the_principals_with_requests_waiting_on_a_lane() -> None:
+    """``backlogged`` (read by copy threads without the lock): requests queued and not yet
+    started, whether held by a share or by a lighter principal; not those in service."""
+    clock = Clock()
+    q, share = _queue(clock)
+    assert share.backlogged() == frozenset()
+    q.put("flood", "f0")
+    q.put("flood", "f1")
+    assert share.backlogged() == {"flood"}
+    got = q.get()
+    assert got is not None and share.backlogged() == {"flood"}  # f1 still waits
+    got = q.get()
+    assert got is not None and share.backlogged() == frozenset()  # both in service
+    q.put("victim", "v0")
+    assert share.backlogged() == {"victim"}
+    assert len(q.take_all()) == 1 and share.backlogged() == frozenset()
