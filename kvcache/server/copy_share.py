@@ -7,10 +7,11 @@ a principal that gives way has it copied in the lowest CPU class (``transfer.low
 
 The measure is demand in bytes: the copies each principal has queued or running, across all
 its caches (the handlers ``charge`` them at submit and take them back as they leave), at
-their peak over the last ``DEMAND_WINDOW_S`` to twice that; and a principal with requests
-waiting on a lane (``FairShare.backlogged``) wants without bound, since the lanes hold it
-back while another is served. Not requests: one huge store in service against a client's
-small retrieve is a tie by count, and an awaiting retrieve leaves the lanes' count (its slot
+their peak over the last ``DEMAND_WINDOW_S`` to twice that; and a principal the lanes hold
+back (``FairShare.backlogged``: requests queued over its share, or while it is ahead of a
+lighter principal) wants without bound, since what it copies now is what the lanes let it.
+Not requests: one huge store in service against a client's small retrieve is a tie by count,
+and an awaiting retrieve leaves the lanes' count (its slot
 ends while it waits) although its copy runs later. Not a rate either: the bench's victim,
 storing and retrieving back to back, copies as many bytes a second as the flood it suffers
 from (with a decayed rate and a margin of 2 the flood was lowered too seldom: 1.6x to 3.5x),
@@ -30,7 +31,11 @@ priority.
 
 Known limits: a client sending small copies one at a time keeps its priority against
 another's single large one (the larger gives way meanwhile), and a principal that stops
-flooding is still counted at its peak for up to two windows. Lowered copies get only what the
+flooding is still counted at its peak for up to two windows. The bar is the least demand, and
+principals are the unit: a tenant holding several keys can keep one of them active with tiny
+copies and so lower every other principal that copies more (a victim included, back to the
+kernel's sharing between lowered copies), or split a flood into keys each copying no more
+than the victim; give one tenant one key. Lowered copies get only what the
 cores leave idle in the daemon's scheduling group, so a principal that gives way can see its
 copies slowed to their deadline on a daemon held to one core, and a lighter tenant waiting
 for L1 room that only those copies' pins could free waits for them too. A tenant that only
@@ -60,36 +65,37 @@ class PrincipalCopies:
     """One principal's side of the copy share: what its caches' handlers talk to
     (``transfer.base.CopyPriority``)."""
 
-    __slots__ = ("_clock", "_lock", "_peak", "_prev_peak", "_shares", "_window_end", "bytes", "name")
+    __slots__ = ("_clock", "_lock", "_shares", "_window", "bytes", "name")
 
     def __init__(self, shares: CopyShares, name: str, clock: Callable[[], float]) -> None:
         self._shares, self.name, self._clock = shares, name, clock
         self._lock = threading.Lock()
         self.bytes = 0
         """Bytes of copies queued or running, over every cache of this principal."""
-        self._peak = 0  # the most ``bytes`` was in the window ending at ``_window_end``
-        self._prev_peak = 0  # ... and in the window before it
-        self._window_end = -1e18
+        # (end of the current window, the most ``bytes`` was in it, ... in the one before):
+        # one tuple, replaced whole, so a reader without the lock never sees half a rotation
+        self._window: tuple[float, int, int] = (-1e18, 0, 0)
 
     def charge(self, nbytes: int) -> None:
         now = self._clock()
         with self._lock:
+            before = self.bytes
             self.bytes += nbytes
-            if now >= self._window_end:  # a new window: the last one's peak, if adjacent, is kept
-                adjacent = now < self._window_end + DEMAND_WINDOW_S
-                self._prev_peak = self._peak if adjacent else 0
-                self._peak, self._window_end = 0, now + DEMAND_WINDOW_S
-            self._peak = max(self._peak, self.bytes)
+            end, peak, prev = self._window
+            if now >= end:  # a new window; what was in flight until now was so in the last one too
+                prev = max(peak if now < end + DEMAND_WINDOW_S else 0, before)
+                end, peak = now + DEMAND_WINDOW_S, before
+            self._window = (end, max(peak, self.bytes), prev)
 
     def demand(self, now: float) -> int:
         """The most bytes this principal had in flight over the last one to two windows
-        (its bytes now at least). Read without the lock: the fields are ints replaced whole,
-        and a read torn between two charges is as good as either."""
-        end, wanted = self._window_end, self.bytes
+        (its bytes now at least). Read without the lock (``bytes`` and the window are each
+        replaced whole)."""
+        wanted, (end, peak, prev) = self.bytes, self._window
         if now < end:
-            return max(wanted, self._peak, self._prev_peak)
+            return max(wanted, peak, prev)
         if now < end + DEMAND_WINDOW_S:
-            return max(wanted, self._peak)
+            return max(wanted, peak)
         return wanted
 
     def gives_way(self) -> bool:
@@ -120,7 +126,7 @@ class CopyShares:
         principals, backlogged = self._principals, self._share.backlogged()
 
         def demand(name: str) -> float:
-            if name in backlogged:  # held back by the lanes: it wants more than it copies now
+            if name in backlogged:  # the lanes hold it back: it wants more than it copies now
                 return math.inf
             return principals[name].demand(now) if name in principals else 0
 

@@ -61,7 +61,7 @@ from kvcache.server.delivery import ReplySender
 from kvcache.server.fair_queue import FairQueue, FairShare
 from kvcache.server.fd_budget import descriptor_limit
 from kvcache.server.handlers import Handlers
-from kvcache.server.lanes import InlineShare, lane_of
+from kvcache.server.lanes import FORWARD_EVERY_S, InlineShare, lane_of
 from kvcache.server.unfinished import CHECK_EVERY_S
 from kvcache.transport.curve import load_secret_key
 from kvcache.transport.endpoints import fd_socket_path, ipc_endpoint
@@ -121,7 +121,7 @@ class Daemon:
         self._stop = threading.Event()
         self._in_flight = 0
         self._admission = Admission(config, handlers)
-        share = FairShare(in_flight=config.fair_in_flight)  # one account per principal, both lanes
+        share = self._share = FairShare(in_flight=config.fair_in_flight)  # one account, both lanes
         handlers.copies = CopyShares(share)  # a principal copying more than another gives way
         self._lanes: dict[str, FairQueue[_Job]] = {"fast": FairQueue(share), "bulk": FairQueue(share)}
         self._threads: list[threading.Thread] = []
@@ -292,26 +292,21 @@ class Daemon:
             self._sender.send(frames)
 
     def _accept(self, draining: bool) -> None:
-        """Read and dispatch what waits on the socket, for ``CHECK_EVERY_S`` at most.
-
-        Between two messages the read forwards the workers' replies and yields the processor
-        (``os.sched_yield``, which lets go of the interpreter lock), so a reply never waits
-        out another client's reading, and a thread the read woke (a worker, a completion)
-        runs now instead of waiting for the kernel to take the core from a read that never
-        blocks: on a busy core, a time slice and then the interpreter's switch interval per
-        hand-off. It costs a ``ZMQ_EVENTS`` read and a system call per message. Measured on
-        the noisy bench (docs/benchmarks.md, "Eighth pass"): with a stop every 0.5 ms, another
-        tenant's L1-hit p99 under a store flood was 2.1x to 2.7x its unflooded p99; with a
-        stop at every message (and backlogged principals never lowering another's copies,
-        ``copy_share``), 1.2x to 1.6x."""
+        """Read and dispatch what waits on the socket, for ``CHECK_EVERY_S`` at most, stopping
+        to forward the workers' replies and yield the processor (``lanes.FORWARD_EVERY_S``):
+        every ``FORWARD_EVERY_S`` of reading, and between every two messages while a principal
+        other than the last message's sender is active (``FairShare.others_active``)."""
         now = time.monotonic()
         until = now + CHECK_EVERY_S  # a flood must not hold off ``unfinished``'s checks
-        inline, first = InlineShare(), True
+        forward_at, inline = now + FORWARD_EVERY_S, InlineShare()
+        sender: str | None = None  # the principal of the last message read (None: not known)
+        first = True
         while readable(self._router) and (now := time.monotonic()) < until:
-            if not first:
+            if not first and (now >= forward_at or self._share.others_active(sender, now)):
                 self._forward_replies()
-                os.sched_yield()
-            first = False
+                os.sched_yield()  # see ``lanes.FORWARD_EVERY_S``
+                forward_at = time.monotonic() + FORWARD_EVERY_S
+            sender, first = None, False  # until this message names its principal
             # Frames, not bytes: the body frame carries the ZAP User-Id naming the sender.
             frames = self._router.recv_multipart(NOBLOCK, copy=False)
             if not self._guard.admits(frames[-1]):
@@ -334,6 +329,7 @@ class Daemon:
                 continue
             try:
                 principal = self.policy.principal(auth.user_id(frames[1]))
+                sender = principal.name
             except AccessDeniedError as exc:
                 error = m.Error(code=m.ErrorCode.ACCESS_DENIED, message=str(exc))
                 self._reply_now(identity, envelope.id, error)

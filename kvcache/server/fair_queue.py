@@ -101,9 +101,17 @@ class FairShare:
         and compared with the clock here, so a linger that ended is never stale."""
         return [name for name, until in self._active_until.items() if until > now]
 
+    def others_active(self, name: str | None, now: float) -> bool:
+        """Whether a principal other than ``name`` is active at ``now`` (``active``, without
+        the lock and without building the list: the I/O thread asks it between every two
+        messages). ``name`` need not be active itself: a flood refused at admission never
+        reaches the lanes."""
+        return any(until > now and other != name for other, until in self._active_until.items())
+
     def backlogged(self) -> frozenset[str]:
-        """The principals with requests waiting on a lane (held back: by their share, or by
-        a lighter principal served first). Read without the lock, like ``active``."""
+        """The principals the lanes hold back: with requests queued that ``may_start`` last
+        found over their share or ahead of a lighter principal (not those merely waiting for
+        a worker to wake). Read without the lock, like ``active``."""
         return self._backlogged
 
     def vtime(self, owner: str) -> float:
@@ -126,8 +134,6 @@ class FairShare:
                 o = self._owners[owner] = _Owner(vtime=self._floor - self._bonus)
             o.vtime = max(o.vtime, self._floor - self._bonus)
         o.queued += 1
-        if o.queued == 1:
-            self._backlogged = self._backlogged | {owner}
         self._mark(owner, o)
 
     def started(self, owner: str, now: float) -> None:
@@ -136,13 +142,13 @@ class FairShare:
         o.running += 1
         o.starts.append(now)
         if not o.queued:
-            self._backlogged = self._backlogged - {owner}
+            self._held(owner, False)
 
     def dropped(self, owner: str) -> None:
         o = self._owners[owner]
         o.queued -= 1
         if not o.queued:
-            self._backlogged = self._backlogged - {owner}
+            self._held(owner, False)
         self._mark(owner, o)
 
     def ended(self, owner: str, start: float) -> None:
@@ -171,10 +177,13 @@ class FairShare:
         for name in waiting:
             o = self._owners[name]
             if o.running >= share:
+                self._held(name, True)
                 continue
             ahead = served[id(o)] - least - self._slice
             if ahead <= _TIE_S:
+                self._held(name, False)
                 return name, None
+            self._held(name, True)
             gap = ahead if gap is None else min(gap, ahead)
         wake: float | None = None
         if gap is not None and least_owner.running:  # it catches up once held past the grace
@@ -185,6 +194,12 @@ class FairShare:
                 left = o.last_done + self._linger - now
                 wake = left if wake is None else min(wake, left)
         return None, wake
+
+    def _held(self, name: str, held: bool) -> None:
+        """Keep ``backlogged``'s view: ``name`` was found held back (over its share, or ahead
+        of a lighter principal), or free to start; replaced whole, only on a change."""
+        if (name in self._backlogged) != held:
+            self._backlogged = self._backlogged | {name} if held else self._backlogged - {name}
 
     def _mark(self, name: str, o: _Owner) -> None:
         """Keep ``active``'s view of ``name`` (until when it is active); the view is

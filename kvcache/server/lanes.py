@@ -34,6 +34,25 @@ Measured before: 5,000 pipelined lookups of 51 k tokens each of one tenant, all 
 another tenant's replies for up to 0.1 s each."""
 
 
+FORWARD_EVERY_S = 0.0005
+"""How often a read of the socket stops to forward the workers' replies while one principal
+is active, so a reply waits for at most this much of reading, not for the whole read (it was
+5 ms, as long as a victim's whole L1 hit several times over). Each stop also yields the
+processor (``os.sched_yield``, which lets go of the interpreter lock): a thread the read woke
+(a worker, a completion) runs now instead of waiting for the kernel to take the core from a
+read that never blocks, which on a busy core is a time slice and then the interpreter's
+switch interval, per hand-off; a stop costs a ``ZMQ_EVENTS`` read and a system call.
+
+While a principal other than the last message's sender is active (``FairShare.others_active``;
+the sender need not be: a flood refused at admission never reaches the lanes) the read stops
+between every two messages: one principal's reading then never holds another's reply or woken
+thread for longer than a message. Under a store flood, another tenant's L1-hit p99 went from
+2.1x to 2.7x its unflooded p99 (a stop every 0.5 ms) to 1.2x to 1.7x (with backlogged
+principals never lowering another's copies, ``copy_share``; docs/benchmarks.md, "Eighth
+pass"). Not always: alone, a tenant pipelining pings got half the throughput with a stop per
+message (20,000 in 1.0 s against 0.5 s)."""
+
+
 class InlineShare:
     """The I/O-thread time each principal's inline requests took in one read (``INLINE_SLICE_S``)."""
 
@@ -71,4 +90,4 @@ def _small_lookup(body: m.RequestBody) -> bool:
     return len(body.token_ids.data) <= INLINE_LOOKUP_MAX_TOKENS * body.token_ids.width
 
 
-__all__ = ["INLINE_LOOKUP_MAX_TOKENS", "INLINE_SLICE_S", "InlineShare", "Lane", "lane_of"]
+__all__ = ["FORWARD_EVERY_S", "INLINE_LOOKUP_MAX_TOKENS", "INLINE_SLICE_S", "InlineShare", "Lane", "lane_of"]

@@ -17,9 +17,9 @@ class Clock:
         return self.now
 
 
-def _shares() -> tuple[FairQueue[str], CopyShares, Clock]:
+def _shares(in_flight: int = 8) -> tuple[FairQueue[str], CopyShares, Clock]:
     clock = Clock()
-    share = FairShare(in_flight=8, clock=clock, linger_s=0.01)
+    share = FairShare(in_flight=in_flight, clock=clock, linger_s=0.01)
     return FairQueue(share), CopyShares(share), clock
 
 
@@ -95,25 +95,54 @@ def test_two_principals_taking_turns_with_equal_loads_do_not_lower_each_other() 
 
 
 def test_a_principal_held_back_by_the_lanes_never_lowers_the_one_served() -> None:
-    """A flood whose requests wait on a lane (the lanes serve the victim first) may have no
+    """A flood the lanes hold back (over its share while the victim is served) may have no
     copy running at that instant; it still wants more than the victim's one retrieve, so the
     victim keeps its priority and the flood gives way. Measured before: under a store flood
     the victim's own copies gave way 395 times of 476, its L1-hit p99 2.7x to 3.2x."""
-    q, shares, _ = _shares()
+    q, shares, _ = _shares(in_flight=2)  # two active principals: one request in service each
     flood, victim = shares.principal("flood"), shares.principal("victim")
-    _start(q, "victim")
-    q.put("flood", "f0")  # queued, nothing of it copying yet
+    _start(q, "flood", "victim")
+    q.put("flood", "f1")  # over its share: held back, nothing of it copying
     victim.charge(1 << 20)
     assert not victim.gives_way()
-    flood.charge(256 << 10)  # a piece of it copies (one started earlier): it gives way
+    flood.charge(256 << 10)  # a piece of the one in service copies: it gives way
     assert flood.gives_way()
 
 
-def test_two_backlogged_principals_are_a_tie() -> None:
+def test_a_second_request_waiting_for_a_worker_does_not_make_a_principal_backlogged() -> None:
+    """A client with two requests out (a store and a load, or two ranks), one of them only
+    waiting for a worker, is not held back: its copies keep their priority against a heavier
+    principal that stays within its share."""
     q, shares, _ = _shares()
+    flood, victim = shares.principal("flood"), shares.principal("victim")
+    _start(q, "flood", "victim")
+    q.put("victim", "v1")  # may start: queued for a worker only
+    flood.charge(64 << 20)
+    victim.charge(1 << 20)
+    assert not victim.gives_way() and flood.gives_way()
+
+
+def test_bytes_held_over_a_long_gap_count_in_the_window_after_it() -> None:
+    """A copy that ran for longer than two windows (lowered, say) was in flight all along:
+    when it ends, its principal's demand is still its size for a window, not zero."""
+    q, shares, clock = _shares()
+    flood, victim = shares.principal("flood"), shares.principal("victim")
+    slots = _start(q, "flood", "victim")
+    flood.charge(8 << 20)
+    clock.now += 5 * DEMAND_WINDOW_S
+    flood.charge(-(8 << 20))
+    slots["flood"].end()  # answered: lingering, copying nothing, nothing waiting
+    victim.charge(1 << 20)
+    assert flood.demand(clock.now) == 8 << 20 and not victim.gives_way()
+    clock.now += 2 * DEMAND_WINDOW_S
+    assert flood.demand(clock.now) == 0
+
+
+def test_two_backlogged_principals_are_a_tie() -> None:
+    q, shares, _ = _shares(in_flight=2)
     a, b = shares.principal("a"), shares.principal("b")
     _start(q, "a", "b")
-    for name in ("a", "b"):
+    for name in ("a", "b"):  # a third request each, over their share of one
         q.put(name, name + "1")
     a.charge(64 << 20)
     b.charge(1 << 20)

@@ -184,12 +184,18 @@ def _raw_store(endpoint: str, c: KVCacheClient) -> Any:
     return sock
 
 
+@pytest.mark.parametrize(("interval_s", "shared"), [(0.0, False), (3600.0, True), (3600.0, False)])
 def test_a_read_of_the_socket_yields_the_processor_as_it_forwards(
-    daemon: tuple[Daemon, GatedEngine, threading.Thread], monkeypatch: pytest.MonkeyPatch
+    daemon: tuple[Daemon, GatedEngine, threading.Thread],
+    monkeypatch: pytest.MonkeyPatch,
+    interval_s: float,
+    shared: bool,
 ) -> None:
     """A flood read on a busy core never blocks, so the threads it wakes (workers, completions)
-    would wait for the kernel to take the core from it; between two messages the read
-    forwards replies and yields the processor, on the I/O thread."""
+    would wait for the kernel to take the core from it; each stop to forward replies also
+    yields the processor, on the I/O thread: every ``FORWARD_EVERY_S`` of reading (0 here:
+    at every message), and between every two messages while principals share the daemon,
+    however long the interval (an hour here). Alone, with an hour's interval, none."""
     d, _, thread = daemon
     yielded_on: list[str] = []
     real_yield = os.sched_yield
@@ -198,6 +204,8 @@ def test_a_read_of_the_socket_yields_the_processor_as_it_forwards(
         yielded_on.append(threading.current_thread().name)
         real_yield()
 
+    monkeypatch.setattr("kvcache.server.daemon.FORWARD_EVERY_S", interval_s)
+    monkeypatch.setattr(d._share, "others_active", lambda name, now: shared)
     monkeypatch.setattr(os, "sched_yield", recorded_yield)
     with raw_dealer(d.endpoint) as sock:
         for i in range(50):
@@ -205,4 +213,33 @@ def test_a_read_of_the_socket_yields_the_processor_as_it_forwards(
         for _ in range(50):
             assert sock.poll(5000)
             assert isinstance(decode_reply(sock.recv()).body, m.Pong)
-    assert thread.name in yielded_on, yielded_on[:5]
+    if interval_s == 0.0 or shared:
+        assert thread.name in yielded_on, yielded_on[:5]
+    else:
+        assert thread.name not in yielded_on, "the read yielded with one principal, inside its interval"
+
+
+def test_a_principal_alone_on_the_lanes_reads_its_own_messages_without_a_stop_at_each(
+    daemon: tuple[Daemon, GatedEngine, threading.Thread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop between every two messages is for another principal: the sender of the
+    message just read, active on the lanes itself (its status requests), is not one. With the
+    interval an hour, the real ``others_active``, and one principal, the read never yields."""
+    d, _, thread = daemon
+    yielded_on: list[str] = []
+    real_yield = os.sched_yield
+
+    def recorded_yield() -> None:
+        yielded_on.append(threading.current_thread().name)
+        real_yield()
+
+    monkeypatch.setattr("kvcache.server.daemon.FORWARD_EVERY_S", 3600.0)
+    monkeypatch.setattr(os, "sched_yield", recorded_yield)
+    with raw_dealer(d.endpoint) as sock:
+        for round_ in range(20):  # its lanes' linger keeps it active from the first on
+            for i in range(10):
+                sock.send(encode_request(round_ * 10 + i, m.Status()))
+            for _ in range(10):
+                assert sock.poll(5000)
+                assert not isinstance(decode_reply(sock.recv()).body, m.Error)
+    assert thread.name not in yielded_on, "the read stopped at each message of the one principal"

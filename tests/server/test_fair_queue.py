@@ -264,19 +264,45 @@ def test_active_is_a_lock_free_view_that_a_linger_leaves_on_time() -> None:
     assert share.active(later) == ["flood" if got[0] == "v0" else "victim"]
 
 
-def test_backlogged_names_the_principals_with_requests_waiting_on_a_lane() -> None:
-    """``backlogged`` (read by copy threads without the lock): requests queued and not yet
-    started, whether held by a share or by a lighter principal; not those in service."""
+def test_backlogged_names_the_principals_the_lanes_hold_back() -> None:
+    """``backlogged`` (read by copy threads without the lock): principals with requests queued
+    that ``may_start`` found over their share or ahead of a lighter one; not those whose
+    requests only wait for a worker to take them."""
     clock = Clock()
-    q, share = _queue(clock)
-    assert share.backlogged() == frozenset()
+    q, share = _queue(clock, in_flight=2)
     q.put("flood", "f0")
     q.put("flood", "f1")
-    assert share.backlogged() == {"flood"}
-    got = q.get()
-    assert got is not None and share.backlogged() == {"flood"}  # f1 still waits
-    got = q.get()
-    assert got is not None and share.backlogged() == frozenset()  # both in service
+    q.put("flood", "f2")
+    assert share.backlogged() == frozenset()  # alone, within its share: waiting for a worker
+    first = [q.get(), q.get()]  # its share of 2 in service
+    q.put("flood", "f3")
+    assert share.backlogged() == {"flood"}  # over its share
     q.put("victim", "v0")
-    assert share.backlogged() == {"victim"}
+    assert share.backlogged() == {"flood"}  # the victim may start: not held back
+    got = q.get()
+    assert got is not None and got[0] == "v0" and share.backlogged() == {"flood"}
+    for item in (*first, got):
+        assert item is not None
+        clock.now += 0.001
+        item[1].end()
+    clock.now += 0.02  # the victim's linger over: the flood alone again
+    got = q.get()
+    assert got is not None and got[0] == "f2" and share.backlogged() == frozenset()
     assert len(q.take_all()) == 1 and share.backlogged() == frozenset()
+
+
+def test_others_active_says_whether_a_principal_besides_one_is_active() -> None:
+    clock = Clock()
+    q, share = _queue(clock)
+    assert not share.others_active(None, clock.now)
+    q.put("a", "a0")
+    assert share.others_active(None, clock.now) and share.others_active("flood", clock.now)
+    assert not share.others_active("a", clock.now)  # a alone
+    q.put("b", "b0")
+    assert share.others_active("a", clock.now) and share.others_active("b", clock.now)
+    for _ in range(2):
+        got = q.get()
+        assert got is not None
+        got[1].end()
+    assert share.others_active("a", clock.now)  # b lingers
+    assert not share.others_active("flood", clock.now + 0.02)  # both lingers over
