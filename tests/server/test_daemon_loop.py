@@ -184,6 +184,19 @@ def _raw_store(endpoint: str, c: KVCacheClient) -> Any:
     return sock
 
 
+def _record_yields(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that call ``os.sched_yield`` from now on, in order."""
+    yielded_on: list[str] = []
+    real_yield = os.sched_yield
+
+    def recorded_yield() -> None:
+        yielded_on.append(threading.current_thread().name)
+        real_yield()
+
+    monkeypatch.setattr(os, "sched_yield", recorded_yield)
+    return yielded_on
+
+
 @pytest.mark.parametrize(("interval_s", "shared"), [(0.0, False), (3600.0, True), (3600.0, False)])
 def test_a_read_of_the_socket_yields_the_processor_as_it_forwards(
     daemon: tuple[Daemon, GatedEngine, threading.Thread],
@@ -197,16 +210,9 @@ def test_a_read_of_the_socket_yields_the_processor_as_it_forwards(
     at every message), and between every two messages while principals share the daemon,
     however long the interval (an hour here). Alone, with an hour's interval, none."""
     d, _, thread = daemon
-    yielded_on: list[str] = []
-    real_yield = os.sched_yield
-
-    def recorded_yield() -> None:
-        yielded_on.append(threading.current_thread().name)
-        real_yield()
-
     monkeypatch.setattr("kvcache.server.daemon.FORWARD_EVERY_S", interval_s)
     monkeypatch.setattr(d._share, "others_active", lambda name, now: shared)
-    monkeypatch.setattr(os, "sched_yield", recorded_yield)
+    yielded_on = _record_yields(monkeypatch)
     with raw_dealer(d.endpoint) as sock:
         for i in range(50):
             sock.send(encode_request(i, m.Ping()))
@@ -226,15 +232,8 @@ def test_a_principal_alone_on_the_lanes_reads_its_own_messages_without_a_stop_at
     message just read, active on the lanes itself (its status requests), is not one. With the
     interval an hour, the real ``others_active``, and one principal, the read never yields."""
     d, _, thread = daemon
-    yielded_on: list[str] = []
-    real_yield = os.sched_yield
-
-    def recorded_yield() -> None:
-        yielded_on.append(threading.current_thread().name)
-        real_yield()
-
     monkeypatch.setattr("kvcache.server.daemon.FORWARD_EVERY_S", 3600.0)
-    monkeypatch.setattr(os, "sched_yield", recorded_yield)
+    yielded_on = _record_yields(monkeypatch)
     with raw_dealer(d.endpoint) as sock:
         for round_ in range(20):  # its lanes' linger keeps it active from the first on
             for i in range(10):
