@@ -29,6 +29,7 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import make_kv_caches
+from tests.security.principals import victim_and_attacker
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
 
@@ -88,8 +89,7 @@ def test_a_store_flood_copies_at_the_lowest_priority_only_while_another_principa
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     d = start_daemon("--chunk-size", str(CHUNK), tcp=True)
-    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
-    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    victim, attacker = victim_and_attacker(d)
     with victim, attacker:
         attacker.register_kv_caches(_kv(2))
         before = _idle_cpu_ms(d.pid)

@@ -28,6 +28,7 @@ from kvcache.protocol import messages as m
 from kvcache.protocol.codec import decode_reply, encode_request, pack_ids
 from kvcache.server.launch import DaemonProcess
 from kvcache.testing import caches_equal, clone_caches, make_kv_caches
+from tests.security.principals import victim_and_attacker
 from tests.server.helpers import scrape
 
 TOKENS, BLOCKS = list(range(128)), list(range(32))  # 8 chunks of 16 tokens
@@ -48,8 +49,7 @@ def test_an_await_flood_never_holds_another_principals_l1_hits_and_ends_at_its_b
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     d = start_daemon("--max-awaiting-retrieves", str(AWAITING), tcp=True)
-    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
-    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    victim, attacker = victim_and_attacker(d)
     with victim, attacker:
         kv_victim = _kv(1)
         victim.register_kv_caches(kv_victim)
@@ -110,8 +110,7 @@ def test_a_store_flood_never_evicts_another_principals_share_of_l1(
     attacker's own stores go on (each evicting its older ones)."""
     # L1 of about 48 chunks of 2 KiB (the extent bound lets it grow in quarters)
     d = start_daemon("--l1-size-gb", str(96 * 1024 / 2**30), tcp=True)
-    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
-    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    victim, attacker = victim_and_attacker(d)
     with victim, attacker:
         victim.register_kv_caches(_kv(1))
         attacker.register_kv_caches(_kv(2))
@@ -154,8 +153,7 @@ def test_a_store_flood_never_evicts_another_principals_share_of_the_disk_tier(
     # L1 of 24 chunks of 2 KiB; the disk tier of about 40 chunk files (each a little over 2 KiB)
     d = start_daemon("--l1-size-gb", str(48 * 1024 / 2**30), "--l2-disk-path", str(tmp_path / "tier"),
                      "--l2-disk-size-gb", str(96 * 1024 / 2**30), tcp=True)  # fmt: skip
-    victim = KVCacheClient(d.ipc_endpoint, 1, "m", timeout_s=30)  # principal: this uid
-    attacker = KVCacheClient(d.endpoint, 2, "m", timeout_s=30)  # principal: loopback TCP
+    victim, attacker = victim_and_attacker(d)
     me, older, newer = f"uid:{os.getuid()}", TOKENS, [t + 5_000 for t in TOKENS]
     with victim, attacker:
         kv_victim = _kv(1)
